@@ -1,0 +1,58 @@
+"""The CPU backend: NumPy implementations of every op that training needs.
+
+Every backend (``cpu``, ``cuda``, ``emu``) offers these functions with the same
+signatures. Arrays are NCHW; the CPU backend accepts float32 and float64 and
+computes in the dtype it is given. ``stride``, ``padding`` and ``kernel_size``
+are ints or (h, w) pairs. What a backward needs from its forward is returned by
+the forward and passed back explicitly.
+
+conv2d_forward(x, w, b, stride, padding) -> y
+    x (N, C, H, W), w (O, C, KH, KW), b (O,) or None -> y (N, O, OH, OW),
+    OH = (H + 2*ph - KH) // sh + 1.
+conv2d_backward(dy, x, w, stride, padding) -> (dx, dw, db)
+    db is dy summed over (N, OH, OW); callers without a bias ignore it.
+
+batch_norm_forward(x, gamma, beta, eps) -> (y, mean, invstd)
+    Training mode: per-channel batch mean and 1/sqrt(biased var + eps).
+batch_norm_backward(dy, x, gamma, mean, invstd) -> (dx, dgamma, dbeta)
+batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps) -> None
+    In place: running <- (1 - momentum) running + momentum batch, with the unbiased
+    batch variance (1/invstd^2 - eps) * count / (count - 1), count = N*H*W.
+batch_norm_inference(x, gamma, beta, running_mean, running_var, eps) -> y
+batch_norm_inference_backward(dy, x, gamma, running_mean, running_var, eps)
+    -> (dx, dgamma, dbeta)
+
+relu_forward(x) -> y
+relu_backward(dy, y) -> dx            (mask taken from the output)
+add_relu_forward(a, b) -> y           relu(a + b), the residual join
+    its backward is relu_backward(dy, y), the same gradient for a and b
+
+max_pool2d_forward(x, kernel_size, stride, padding) -> (y, argmax)
+    argmax: int64 (N, C, OH, OW), flat index h * W + w into the input plane.
+max_pool2d_backward(dy, argmax, x_shape) -> dx
+global_avg_pool_forward(x) -> y       (N, C, H, W) -> (N, C)
+global_avg_pool_backward(dy, x_shape) -> dx
+
+linear_forward(x, w, b) -> y          x (N, I), w (O, I), b (O,) or None
+linear_backward(dy, x, w) -> (dx, dw, db)
+
+softmax_cross_entropy_forward(logits, labels) -> (loss, probs)
+    logits (N, K), labels integer (N,); loss is the 0-d mean over the batch.
+softmax_cross_entropy_backward(dloss, probs, labels) -> dlogits
+
+sgd_update(param, grad, velocity, lr, momentum, weight_decay) -> None
+    In place on flat buffers, PyTorch's rule: g = grad + wd * param;
+    velocity = momentum * velocity + g; param -= lr * velocity
+    (velocity may be None when momentum is 0; then param -= lr * g).
+"""
+from .conv import conv2d_forward, conv2d_backward
+from .batchnorm import (batch_norm_forward, batch_norm_backward, batch_norm_update_running,
+                        batch_norm_inference, batch_norm_inference_backward)
+from .elementwise import relu_forward, relu_backward, add_relu_forward
+from .pool import (max_pool2d_forward, max_pool2d_backward, global_avg_pool_forward,
+                   global_avg_pool_backward)
+from .linear import linear_forward, linear_backward
+from .loss import softmax_cross_entropy_forward, softmax_cross_entropy_backward
+from .optim import sgd_update
+
+name = "cpu"
