@@ -1,0 +1,32 @@
+"""Puts the repository root on sys.path (for `kernels`, `nn`, `parallel` under plain `pytest`),
+prints the session's random seed in the header so any failure can be replayed, and offers the
+`poisoned_empty` fixture."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import helpers  # noqa: E402  (pytest puts tests/ on sys.path before importing this file)
+
+
+def pytest_report_header(config):
+    return f"random inputs: TEST_SEED={helpers.SESSION_SEED}"
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """np.empty and np.empty_like return NaN (integers: their minimum) instead of whatever the
+    memory held, so an output element that code forgets to write cannot pass by luck."""
+    def poison(array):
+        if np.issubdtype(array.dtype, np.floating):
+            array.fill(np.nan)
+        elif np.issubdtype(array.dtype, np.integer):
+            array.fill(np.iinfo(array.dtype).min)
+        return array
+
+    empty, empty_like = np.empty, np.empty_like
+    monkeypatch.setattr(np, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(np, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))

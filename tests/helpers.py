@@ -1,0 +1,163 @@
+"""The one shared test helper: random inputs, result validation, op checks, numeric gradients.
+
+- ``rng()`` gives fresh random numbers on every run. All of a session's draws derive from
+  one seed, ``SESSION_SEED`` (printed in pytest's header, quoted in every failure); run again
+  with ``TEST_SEED=<seed>`` to get the very same inputs back, for the whole suite or one test.
+- ``validate(ours, ref, name)`` is llm.c's validate_result: the tolerance scales with the
+  reference's magnitude, and the message names the worst element.
+- ``check_op(inputs, reference_fn, our_fn, backward=...)`` is tinygrad's helper_test_op: it
+  draws the inputs, runs forward (and backward on a random upstream gradient) in float32 and
+  float64, and validates every output against the reference.
+- ``numerical_grad(f, x)`` is central finite differences in float64, for gradient checks.
+"""
+import os
+import zlib
+
+import numpy as np
+
+SESSION_SEED = int(os.environ.get("TEST_SEED") or np.random.SeedSequence().entropy % 2**32)
+
+# (atol, rtol): an element passes when |ours - ref| <= atol + rtol * max|ref|. float64 kernels
+# differ from the references only in summation order; float32 ones also in rounding each op.
+TOLERANCES = {np.dtype(np.float32): (1e-6, 1e-4), np.dtype(np.float64): (1e-12, 1e-10)}
+
+_draws_per_test = {}
+
+
+def _current_test():
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+
+
+def rng(seed=None):
+    """A fresh numpy Generator; pass ``seed`` to pin it.
+
+    Unpinned, the k-th call within a test is seeded by (SESSION_SEED, test id, k), so one
+    test replays alone under ``TEST_SEED`` exactly as it ran within the whole suite.
+    """
+    if seed is not None:
+        return np.random.default_rng(seed)
+    test = _current_test()
+    k = _draws_per_test.get(test, 0)
+    _draws_per_test[test] = k + 1
+    return np.random.default_rng([SESSION_SEED, zlib.crc32(test.encode()), k])
+
+
+def reproduce_hint():
+    test = _current_test()
+    return f"reproduce with: TEST_SEED={SESSION_SEED}" + (f" python -m pytest '{test}'" if test else "")
+
+
+def validate(ours, ref, name, atol=None, rtol=None):
+    """Assert ``ours`` matches ``ref``: same shape, finite everywhere, and every element
+    within atol + rtol * max|ref| (defaults by ours' dtype, see TOLERANCES); integer
+    results must match exactly."""
+    ours, ref = np.asarray(ours), np.asarray(ref)
+    assert ours.shape == ref.shape, f"{name}: shape {ours.shape}, expected {ref.shape}"
+    if np.issubdtype(ref.dtype, np.integer):
+        wrong = np.argwhere(ours != ref)
+        assert wrong.size == 0, (
+            f"{name}: {len(wrong)} of {ref.size} elements differ, first at "
+            f"{tuple(wrong[0].tolist())}: {ours[tuple(wrong[0])]} vs {ref[tuple(wrong[0])]}\n"
+            f"{reproduce_hint()}")
+        return
+    bad = np.argwhere(~np.isfinite(ours))
+    assert bad.size == 0, (f"{name}: {len(bad)} of {ours.size} elements not finite, first at "
+                           f"{tuple(bad[0].tolist())}: {ours[tuple(bad[0])]}\n{reproduce_hint()}")
+    default_atol, default_rtol = TOLERANCES.get(ours.dtype, TOLERANCES[np.dtype(np.float32)])
+    atol = default_atol if atol is None else atol
+    rtol = default_rtol if rtol is None else rtol
+    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+    tol = atol + rtol * scale
+    err = np.abs(ours.astype(np.float64) - ref)
+    if err.size == 0 or err.max() <= tol:
+        return
+    worst = tuple(int(i) for i in np.unravel_index(np.argmax(err), err.shape))
+    raise AssertionError(
+        f"{name}: {np.count_nonzero(err > tol)} of {err.size} elements off by more than "
+        f"{tol:.3g} (atol {atol:g} + rtol {rtol:g} * max|ref| {scale:.3g}); worst at {worst}: "
+        f"ours {ours[worst]!r}, ref {ref[worst]!r}, diff {err[worst]:.3g}\n{reproduce_hint()}")
+
+
+def _as_tuple(outputs):
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def _cast(value, dtype):
+    if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating):
+        return value.astype(dtype)
+    return value
+
+
+def _run(fn, args, mutates_inputs, name):
+    """Call fn on private copies of args; unless it may, check it left them untouched."""
+    copies = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    outputs = _as_tuple(fn(*copies))
+    if not mutates_inputs:
+        for i, (before, after) in enumerate(zip(args, copies)):
+            if isinstance(before, np.ndarray):
+                assert np.array_equal(before, after, equal_nan=True), \
+                    f"{name} overwrote its input {i}\n{reproduce_hint()}"
+    return outputs
+
+
+def _compare(ours, refs, name, dtype, tolerances):
+    assert len(ours) == len(refs), f"{name}: {len(ours)} outputs, reference has {len(refs)}"
+    for i, (o, r) in enumerate(zip(ours, refs)):
+        label = f"{name} output {i} ({np.dtype(dtype).name})"
+        if np.issubdtype(np.asarray(r).dtype, np.floating):
+            got = np.asarray(o).dtype
+            assert got == dtype, f"{label}: dtype {got}, expected {np.dtype(dtype)}"
+            validate(o, r, label, *tolerances[np.dtype(dtype)])
+        else:
+            validate(o, r, label)
+
+
+def check_op(inputs, reference_fn, our_fn, backward=None, dtypes=(np.float32, np.float64),
+             tolerances=None, mutates_inputs=False, generator=None):
+    """Check ``our_fn`` against ``reference_fn`` forward and, given ``backward``, backward.
+
+    inputs: one entry per argument: a shape tuple (drawn standard normal, so non-zero), an
+        array (used as given; floating ones cast to each dtype), or anything else (passed as is,
+        e.g. None for a missing bias).
+    reference_fn, our_fn: f(*inputs) -> array or tuple of arrays.
+    backward: (reference_bwd, our_bwd), each called as bwd(dy, *inputs, *forward_outputs) with
+        its own side's forward outputs and a random dy shaped like the first forward output;
+        returns an array or a tuple, compared like the forward.
+    tolerances: {dtype: (atol, rtol)} overriding TOLERANCES for the dtypes it names.
+    mutates_inputs: allow our_fn to write its inputs (e.g. in-place updates); otherwise the
+        check fails if it does.
+    Each function gets its own copies of the inputs. Floating outputs must keep the dtype.
+    """
+    gen = generator if generator is not None else rng()
+    tolerances = {**TOLERANCES, **{np.dtype(k): v for k, v in (tolerances or {}).items()}}
+    drawn = [gen.standard_normal(a) if isinstance(a, tuple) else a for a in inputs]
+    dy = None
+    for dtype in dtypes:
+        args = [_cast(a, dtype) for a in drawn]
+        ours = _run(our_fn, args, mutates_inputs, "forward")
+        refs = _run(reference_fn, args, True, "reference")
+        _compare(ours, refs, "forward", dtype, tolerances)
+        if backward is None:
+            continue
+        if dy is None:
+            dy = gen.standard_normal(np.shape(refs[0]))
+        reference_bwd, our_bwd = backward
+        d = dy.astype(dtype)
+        ours_b = _run(our_bwd, [d, *args, *ours], False, "backward")
+        refs_b = _run(reference_bwd, [d, *args, *refs], True, "reference backward")
+        _compare(ours_b, refs_b, "backward", dtype, tolerances)
+
+
+def numerical_grad(f, x, eps=1e-6):
+    """d f / d x by central differences in float64; f maps an array shaped like x to a scalar."""
+    x = np.array(x, dtype=np.float64)
+    grad = np.empty_like(x)
+    for i in np.ndindex(x.shape):
+        saved = x[i]
+        x[i] = saved + eps
+        up = float(f(x))
+        x[i] = saved - eps
+        down = float(f(x))
+        x[i] = saved
+        grad[i] = (up - down) / (2 * eps)
+    return grad

@@ -1,0 +1,229 @@
+"""Every CPU kernel against the naive float64 references, forward and backward, on fresh random
+inputs in float32 and float64 (check_op also asserts that float outputs keep the input dtype).
+
+Each op is written once as ``op(module, ...)`` and run through both kernels.cpu and reference,
+which share names and signatures. Every test runs under conftest's poisoned_empty, so an
+output element a kernel forgets to write is NaN and fails rather than passing on leftover memory.
+"""
+import functools
+
+import numpy as np
+import pytest
+
+import kernels.cpu as K
+import reference as R
+from helpers import check_op, rng, validate
+
+EPS = 1e-5
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
+
+def through_both(op):
+    """(reference, ours) from op(module, *args), which calls the kernel by name on `module`."""
+    return functools.partial(op, R), functools.partial(op, K)
+
+
+# ---- convolution -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, bias", [
+    ((2, 3, 8, 8), (4, 3, 3, 3), 1, 1, True),          # the ResNet 3x3 conv
+    ((2, 3, 8, 8), (4, 3, 3, 3), 2, 1, True),          # downsampling 3x3
+    ((2, 4, 7, 7), (6, 4, 1, 1), 2, 0, True),          # 1x1 projection on an odd size
+    ((3, 1, 5, 6), (4, 1, 3, 3), 1, 0, False),         # no padding, one input channel
+    ((2, 3, 7, 8), (5, 3, 3, 3), 2, 0, True),          # stride 2 that drops the last column
+    ((1, 2, 9, 7), (3, 2, 5, 5), 1, 2, False),         # batch 1, 5x5, non-square
+    ((2, 3, 6, 9), (2, 3, 2, 3), (2, 1), (0, 1), True),   # asymmetric kernel, stride, padding
+    ((2, 2, 6, 5), (3, 2, 3, 2), (1, 2), (2, 0), True),
+])
+def test_conv2d(x_shape, w_shape, stride, padding, bias):
+    check_op([x_shape, w_shape, (w_shape[0],) if bias else None],
+             *through_both(lambda m, x, w, b: m.conv2d_forward(x, w, b, stride, padding)),
+             backward=through_both(lambda m, dy, x, w, b, y: m.conv2d_backward(dy, x, w, stride, padding)))
+
+
+def test_conv2d_channel_mismatch_is_a_value_error():
+    g = rng()
+    with pytest.raises(ValueError, match="(?i)channel"):
+        K.conv2d_forward(g.standard_normal((2, 3, 5, 5)), g.standard_normal((4, 2, 3, 3)), None, 1, 1)
+
+
+# ---- batch normalisation -----------------------------------------------------------------
+
+def shifted_batch(shape):
+    """Activations whose channels have their own non-zero mean and non-unit spread."""
+    g = rng()
+    c = shape[1]
+    return g.standard_normal(shape) * g.uniform(0.5, 3, c)[:, None, None] + g.uniform(-3, 3, c)[:, None, None]
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5, 5), (1, 2, 3, 4), (6, 4, 1, 1), (2, 5, 7, 3)])
+def test_batch_norm_training(shape):
+    check_op([shifted_batch(shape), (shape[1],), (shape[1],)],
+             *through_both(lambda m, x, gamma, beta: m.batch_norm_forward(x, gamma, beta, EPS)),
+             backward=through_both(lambda m, dy, x, gamma, beta, y, mean, invstd:
+                                   m.batch_norm_backward(dy, x, gamma, mean, invstd)))
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5, 5), (1, 2, 3, 4), (3, 4, 1, 1)])
+def test_batch_norm_inference(shape):
+    c = shape[1]
+    running_var = rng().uniform(0.3, 3.0, c)
+    check_op([shifted_batch(shape), (c,), (c,), (c,), running_var],
+             *through_both(lambda m, x, gamma, beta, mean, var:
+                           m.batch_norm_inference(x, gamma, beta, mean, var, EPS)),
+             backward=through_both(lambda m, dy, x, gamma, beta, mean, var, y:
+                                   m.batch_norm_inference_backward(dy, x, gamma, mean, var, EPS)))
+
+
+# ---- element-wise ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (4, 10), (1, 1, 1, 7)])
+def test_relu(shape):
+    check_op([shape], *through_both(lambda m, x: m.relu_forward(x)),
+             backward=through_both(lambda m, dy, x, y: m.relu_backward(dy, y)))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (4, 10)])
+def test_add_relu(shape):
+    check_op([shape, shape], *through_both(lambda m, a, b: m.add_relu_forward(a, b)),
+             backward=through_both(lambda m, dy, a, b, y: m.relu_backward(dy, y)))
+
+
+# ---- pooling -----------------------------------------------------------------------------
+
+MAX_POOLS = [
+    ((2, 3, 8, 8), 2, 2, 0),
+    ((2, 3, 7, 7), 3, 2, 1),            # overlapping windows: backward must accumulate
+    ((1, 2, 9, 6), 3, 2, 1),
+    ((2, 2, 5, 7), 2, 2, 0),            # odd sizes: the last row and column are dropped
+    ((2, 2, 6, 7), (2, 3), (1, 2), (1, 0)),
+]
+
+
+@pytest.mark.parametrize("x_shape, kernel, stride, padding", MAX_POOLS)
+def test_max_pool2d(x_shape, kernel, stride, padding):
+    check_op([x_shape], *through_both(lambda m, x: m.max_pool2d_forward(x, kernel, stride, padding)),
+             backward=through_both(lambda m, dy, x, y, argmax: m.max_pool2d_backward(dy, argmax, x.shape)))
+
+
+@pytest.mark.parametrize("x_shape, kernel, stride, padding", MAX_POOLS)
+def test_max_pool2d_pads_with_minus_infinity(x_shape, kernel, stride, padding):
+    negative = -0.1 - np.abs(rng().standard_normal(x_shape))
+    check_op([negative], *through_both(lambda m, x: m.max_pool2d_forward(x, kernel, stride, padding)))
+
+
+def test_max_pool2d_ties_go_to_the_first_element():
+    x = np.ones((1, 2, 5, 5))
+    x[0, 1, 1, 2] = x[0, 1, 2, 1] = 2.0   # a tie inside one window, in reading order
+    check_op([x], *through_both(lambda m, x: m.max_pool2d_forward(x, 3, 2, 1)))
+
+
+def test_max_pool2d_argmax_is_int64():
+    _, argmax = K.max_pool2d_forward(rng().standard_normal((1, 2, 4, 4)).astype(np.float32), 2, 2, 0)
+    assert argmax.dtype == np.int64
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 4), (1, 5, 7, 3), (3, 2, 1, 1)])
+def test_global_avg_pool(shape):
+    check_op([shape], *through_both(lambda m, x: m.global_avg_pool_forward(x)),
+             backward=through_both(lambda m, dy, x, y: m.global_avg_pool_backward(dy, x.shape)))
+
+
+# ---- linear ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, fan_in, fan_out, bias", [
+    (4, 5, 3, True), (1, 7, 2, False), (6, 16, 10, True), (3, 1, 4, False)])
+def test_linear(n, fan_in, fan_out, bias):
+    check_op([(n, fan_in), (fan_out, fan_in), (fan_out,) if bias else None],
+             *through_both(lambda m, x, w, b: m.linear_forward(x, w, b)),
+             backward=through_both(lambda m, dy, x, w, b, y: m.linear_backward(dy, x, w)))
+
+
+# ---- loss --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, classes, scale", [
+    (4, 10, 1.0), (1, 3, 1.0), (7, 5, 4.0),
+    (8, 10, 1e3),           # exp(1e3) overflows float64: only a max-shifted softmax survives
+])
+def test_softmax_cross_entropy(n, classes, scale):
+    g = rng()
+    check_op([g.standard_normal((n, classes)) * scale, g.integers(0, classes, n)],
+             *through_both(lambda m, logits, labels: m.softmax_cross_entropy_forward(logits, labels)),
+             backward=through_both(lambda m, dloss, logits, labels, loss, probs:
+                                   m.softmax_cross_entropy_backward(dloss, probs, labels)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softmax_cross_entropy_by_hand(dtype):
+    logits = np.array([[1000.0, 0.0], [0.0, 1000.0], [0.0, 0.0]], dtype=dtype)
+    loss, probs = K.softmax_cross_entropy_forward(logits, np.array([0, 0, 1]))
+    # Per row: 0 (sure and right), 1000 (sure and wrong), log 2 (undecided).
+    validate(loss, np.float64((1000.0 + np.log(2.0)) / 3), "loss")
+    validate(probs, np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]), "probs")
+
+
+# ---- optimiser ---------------------------------------------------------------------------
+
+LR = 0.1
+
+
+def sgd_steps(module, param, grads, velocity, momentum, weight_decay):
+    """Apply sgd_update once per gradient, in place; return the final (param, velocity)."""
+    for grad in grads:
+        assert module.sgd_update(param, grad, velocity, LR, momentum, weight_decay) is None
+    return param, velocity
+
+
+@pytest.mark.parametrize("momentum, weight_decay, with_velocity", [
+    (0.0, 0.0, False), (0.0, 5e-4, False), (0.0, 5e-4, True), (0.9, 0.0, True), (0.9, 5e-4, True)])
+def test_sgd_update(momentum, weight_decay, with_velocity):
+    size, steps = 37, 3
+    g = rng()
+    param0, grads = g.standard_normal(size), g.standard_normal((steps, size))
+    velocity0 = np.zeros(size) if with_velocity else None
+
+    def run(m, param, velocity, *grads):
+        # Only momentum makes the velocity part of the state; without it the buffer is unspecified.
+        return sgd_steps(m, param, grads, velocity, momentum, weight_decay)[:2 if momentum else 1]
+
+    check_op([param0, velocity0, *grads], *through_both(run), mutates_inputs=True)
+
+    # The same three steps by hand, PyTorch's rule written out.
+    param, velocity = param0.copy(), np.zeros(size)
+    for grad in grads:
+        velocity = momentum * velocity + grad + weight_decay * param
+        param = param - LR * velocity
+    ours, ours_velocity = sgd_steps(K, param0.copy(), grads, None if velocity0 is None else velocity0.copy(),
+                                    momentum, weight_decay)
+    validate(ours, param, "param")
+    if momentum:
+        validate(ours_velocity, velocity, "velocity")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sgd_update_by_hand(dtype):
+    # param 1, constant gradient 0.5, lr 0.1, momentum 0.9, no weight decay:
+    # velocity 0.5, 0.95, 1.355 -> param 0.95, 0.855, 0.7195.
+    param, velocity = np.ones(3, dtype=dtype), np.zeros(3, dtype=dtype)
+    sgd_steps(K, param, [np.full(3, 0.5, dtype=dtype)] * 3, velocity, 0.9, 0.0)
+    validate(param, np.full(3, 0.7195), "param")
+    validate(velocity, np.full(3, 1.355), "velocity")
+    assert param.dtype == dtype and velocity.dtype == dtype
+
+
+# ---- float32 accuracy at realistic sizes -------------------------------------------------
+
+def test_float32_stays_close_to_the_float64_reference():
+    """Long float32 sums (576 and 512 terms, as in ResNet-18) keep ~1e-5 of the exact answer."""
+    tight = {np.float32: (1e-7, 1e-5)}
+    check_op([(2, 64, 6, 6), (64, 64, 3, 3), (64,)],
+             *through_both(lambda m, x, w, b: m.conv2d_forward(x, w, b, 1, 1)),
+             dtypes=(np.float32,), tolerances=tight)
+    check_op([(8, 512), (10, 512), (10,)], *through_both(lambda m, x, w, b: m.linear_forward(x, w, b)),
+             backward=through_both(lambda m, dy, x, w, b, y: m.linear_backward(dy, x, w)),
+             dtypes=(np.float32,), tolerances=tight)
+    check_op([shifted_batch((8, 16, 6, 6)), (16,), (16,)],
+             *through_both(lambda m, x, gamma, beta: m.batch_norm_forward(x, gamma, beta, EPS)),
+             backward=through_both(lambda m, dy, x, gamma, beta, y, mean, invstd:
+                                   m.batch_norm_backward(dy, x, gamma, mean, invstd)),
+             dtypes=(np.float32,), tolerances=tight)
