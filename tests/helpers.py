@@ -161,3 +161,33 @@ def numerical_grad(f, x, eps=1e-6):
         x[i] = saved
         grad[i] = (up - down) / (2 * eps)
     return grad
+
+
+def gradcheck_leaves(loss_fn, leaves, name, atol=1e-6, rtol=1e-5):
+    """The autograd's gradient of ``loss_fn()`` (a scalar Tensor) with respect to each
+    float64 leaf Tensor against central differences, perturbing each leaf in place."""
+    for leaf in leaves:
+        leaf.zero_grad()
+    loss_fn().backward()
+    for i, leaf in enumerate(leaves):
+        assert leaf.grad is not None, f"{name}: leaf {i} got no gradient"
+        analytic = np.array(leaf.grad, copy=True)
+
+        def at(values, leaf=leaf):
+            saved = leaf.data.copy()
+            leaf.data[...] = values
+            try:
+                return loss_fn().data
+            finally:
+                leaf.data[...] = saved
+        validate(analytic, numerical_grad(at, leaf.data), f"{name}: gradient of leaf {i} {leaf.shape}",
+                 atol, rtol)
+
+
+def gradcheck(fn, arrays, name, atol=1e-6, rtol=1e-5):
+    """Gradients of ``fn`` (Tensors -> Tensor) at float64 ``arrays`` against central
+    differences, through a fixed random projection of its output to a scalar."""
+    from nn import Tensor
+    leaves = [Tensor(np.asarray(a, dtype=np.float64), requires_grad=True) for a in arrays]
+    projection = rng().standard_normal(fn(*leaves).shape)
+    gradcheck_leaves(lambda: (fn(*leaves) * projection).sum(), leaves, name, atol, rtol)

@@ -1,0 +1,91 @@
+"""Differentiable ops of the model: each is a forward and a backward that call the
+kernels of the arrays' backend, with the backward written next to its forward."""
+from kernels import backend_of
+from .tensor import Tensor
+
+
+def _data(t):
+    return None if t is None else t.data
+
+
+def conv2d(x, weight, bias=None, stride=1, padding=0):
+    K = backend_of(x.data)
+    y = K.conv2d_forward(x.data, weight.data, _data(bias), stride, padding)
+    # without a bias there are two parents, and the tape ignores the third gradient
+    return Tensor._make(y, (x, weight) if bias is None else (x, weight, bias),
+                        lambda dy: K.conv2d_backward(dy, x.data, weight.data, stride, padding))
+
+
+def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.1, eps=1e-5):
+    """PyTorch's F.batch_norm: in training, normalise with the batch statistics and
+    move the running ones (plain arrays, updated in place) towards them; in eval,
+    normalise with the running statistics."""
+    K = backend_of(x.data)
+    if not training:
+        y = K.batch_norm_inference(x.data, weight.data, bias.data, running_mean, running_var, eps)
+        return Tensor._make(y, (x, weight, bias), lambda dy: K.batch_norm_inference_backward(
+            dy, x.data, weight.data, running_mean, running_var, eps))
+    y, mean, invstd = K.batch_norm_forward(x.data, weight.data, bias.data, eps)
+    if running_mean is not None:
+        count = x.data.size // x.data.shape[1]
+        K.batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps)
+    return Tensor._make(y, (x, weight, bias), lambda dy: K.batch_norm_backward(
+        dy, x.data, weight.data, mean, invstd))
+
+
+def relu(x):
+    K = backend_of(x.data)
+    y = K.relu_forward(x.data)
+    return Tensor._make(y, (x,), lambda dy: (K.relu_backward(dy, y),))
+
+
+def add_relu(a, b):
+    """relu(a + b) in one op: the join of a residual block."""
+    K = backend_of(a.data)
+    y = K.add_relu_forward(a.data, b.data)
+
+    def backward(dy):
+        d = K.relu_backward(dy, y)
+        return d, d
+    return Tensor._make(y, (a, b), backward)
+
+
+def max_pool2d(x, kernel_size, stride=None, padding=0):
+    K = backend_of(x.data)
+    stride = kernel_size if stride is None else stride
+    y, argmax = K.max_pool2d_forward(x.data, kernel_size, stride, padding)
+    return Tensor._make(y, (x,), lambda dy: (K.max_pool2d_backward(dy, argmax, x.shape),))
+
+
+def adaptive_avg_pool2d(x, output_size):
+    """Only the global pool, output (1, 1), which is what ResNet uses."""
+    size = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size,) * 2
+    if size != (1, 1):
+        raise ValueError(f"adaptive_avg_pool2d supports output_size (1, 1) only, got {output_size}")
+    K = backend_of(x.data)
+    n, c = x.shape[:2]
+    y = K.global_avg_pool_forward(x.data).reshape(n, c, 1, 1)
+    return Tensor._make(y, (x,), lambda dy: (K.global_avg_pool_backward(dy.reshape(n, c), x.shape),))
+
+
+def flatten(x, start_dim=1):
+    return x.reshape(x.shape[:start_dim] + (-1,))
+
+
+def linear(x, weight, bias=None):
+    K = backend_of(x.data)
+    y = K.linear_forward(x.data, weight.data, _data(bias))
+    return Tensor._make(y, (x, weight) if bias is None else (x, weight, bias),
+                        lambda dy: K.linear_backward(dy, x.data, weight.data))
+
+
+def cross_entropy(logits, labels):
+    """Mean softmax cross-entropy over the batch; ``labels`` are class indices."""
+    labels = labels.data if isinstance(labels, Tensor) else labels
+    if logits.ndim != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"cross_entropy wants logits (N, K) and labels (N,), got "
+                         f"{logits.shape} and {labels.shape}")
+    K = backend_of(logits.data)
+    loss, probs = K.softmax_cross_entropy_forward(logits.data, labels)
+    return Tensor._make(loss, (logits,),
+                        lambda dloss: (K.softmax_cross_entropy_backward(dloss, probs, labels),))

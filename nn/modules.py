@@ -1,0 +1,339 @@
+"""Module, Parameter, the flat parameter buffers, and the layers of ResNet.
+
+The API follows PyTorch: parameters and submodules register themselves on
+assignment, ``state_dict()`` has dotted names, ``train()``/``eval()`` switch
+batch norm. A model's parameters and gradients live as views in two flat
+buffers (``FlatParameters``), so the optimizer, the gradient all-reduce and the
+checkpoint each touch one array.
+"""
+from collections import OrderedDict
+
+import numpy as np
+
+from kernels import get_array_module
+from . import functional as F
+from . import hooks
+from .init import init_layer
+from .tensor import Tensor
+
+
+def _pair(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+
+class Parameter(Tensor):
+    """A leaf that always has a gradient array, accumulated in place, so that the
+    gradient can be a view into the model's flat gradient buffer."""
+
+    def __init__(self, data):
+        super().__init__(data, requires_grad=True)
+        self.grad = get_array_module(self.data).zeros_like(self.data)
+        self._flat = None
+
+    def _accumulate(self, grad):
+        self.grad += grad
+
+    def zero_grad(self):
+        self.grad.fill(0)
+
+
+class FlatParameters:
+    """Two contiguous buffers, ``data`` and ``grad``, holding every parameter in
+    registration order; each Parameter's ``data`` and ``grad`` become views."""
+
+    def __init__(self, params):
+        if not params:
+            raise ValueError("no parameters to flatten")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameters of one flat buffer must share a dtype, got {dtypes}")
+        xp = get_array_module(params[0].data)
+        self.params = params
+        self.offsets = np.cumsum([0] + [p.size for p in params]).tolist()
+        self.data = xp.empty(self.offsets[-1], dtype=params[0].dtype)
+        self.grad = xp.zeros(self.offsets[-1], dtype=params[0].dtype)
+        for p, lo, hi in zip(params, self.offsets, self.offsets[1:]):
+            self.data[lo:hi] = p.data.ravel()
+            self.grad[lo:hi] = p.grad.ravel()
+            p.data = self.data[lo:hi].reshape(p.shape)
+            p.grad = self.grad[lo:hi].reshape(p.shape)
+            p._flat = self
+
+    @staticmethod
+    def existing(params):
+        """The flat buffers holding exactly ``params`` in this order, or None."""
+        flat = params[0]._flat if params else None
+        same = flat is not None and len(flat.params) == len(params) and \
+            all(a is b for a, b in zip(flat.params, params))
+        return flat if same else None
+
+    @classmethod
+    def of(cls, params):
+        """The flat buffers of ``params``, made on first use."""
+        params = list(params)
+        flat = cls.existing(params)
+        if flat is not None:
+            return flat
+        if any(p._flat is not None for p in params):
+            raise ValueError("these parameters already live in another flat buffer; "
+                             "build the optimizer from model.parameters()")
+        return cls(params)
+
+    def __len__(self):
+        return self.offsets[-1]
+
+
+class Module:
+    def __init__(self):
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name, value):
+        if name in self._buffers:  # `buffer += 1` assigns back the same array
+            self._buffers[name] = value
+            return
+        for registry in (self._parameters, self._buffers, self._modules):
+            registry.pop(name, None)
+        if isinstance(value, Parameter):
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name):
+        for registry in ("_parameters", "_buffers", "_modules"):
+            entries = self.__dict__.get(registry, {})
+            if name in entries:
+                return entries[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def register_buffer(self, name, array):
+        """State that is saved and loaded but not trained (batch-norm statistics)."""
+        self._buffers[name] = array
+
+    def add_module(self, name, module):
+        self._modules[name] = module
+
+    def __call__(self, *args):
+        with hooks.module_scope(self):
+            return self.forward(*args)
+
+    # ---- traversal ------------------------------------------------------------------
+
+    def named_modules(self, prefix=""):
+        yield prefix, self
+        for name, child in self._modules.items():
+            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def modules(self):
+        return [m for _, m in self.named_modules()]
+
+    def children(self):
+        return list(self._modules.values())
+
+    def named_parameters(self):
+        return [(f"{prefix}.{name}" if prefix else name, p)
+                for prefix, m in self.named_modules() for name, p in m._parameters.items()]
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def named_buffers(self):
+        return [(f"{prefix}.{name}" if prefix else name, b)
+                for prefix, m in self.named_modules() for name, b in m._buffers.items()]
+
+    def flat_parameters(self):
+        return FlatParameters.of(self.parameters())
+
+    # ---- state ----------------------------------------------------------------------
+
+    def state_dict(self):
+        """Parameters and buffers by dotted name, in PyTorch's order (each module's
+        own entries, then its children's)."""
+        state = OrderedDict()
+        for prefix, m in self.named_modules():
+            for name, value in list(m._parameters.items()) + list(m._buffers.items()):
+                state[f"{prefix}.{name}" if prefix else name] = value.data if isinstance(value, Tensor) else value
+        return state
+
+    def load_state_dict(self, state):
+        """Copy ``state`` into the existing arrays, so flat buffers stay intact."""
+        own = self.state_dict()
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
+        if missing or unexpected:
+            raise KeyError(f"state dict does not match the model: missing keys {missing}, "
+                           f"unexpected keys {unexpected}")
+        for key, target in own.items():
+            value = state[key]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"shape mismatch for {key}: the model has {tuple(target.shape)}, "
+                                 f"the state dict {tuple(value.shape)}")
+            xp = get_array_module(target)
+            target[...] = xp.asarray(getattr(value, "data", value))
+
+    def train(self, mode=True):
+        for m in self.modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def zero_grad(self):
+        params = self.parameters()
+        flat = FlatParameters.existing(params)
+        if flat is not None:
+            flat.grad.fill(0)
+        else:
+            for p in params:
+                p.zero_grad()
+
+    def to(self, dtype):
+        """Cast parameters and floating buffers; flat buffers are rebuilt, so build
+        the optimizer after this call."""
+        params = self.parameters()
+        was_flat = bool(params) and params[0]._flat is not None
+        for p in params:
+            p.data = p.data.astype(dtype)
+            p.grad = get_array_module(p.data).zeros_like(p.data)
+            p._flat = None
+        for m in self.modules():
+            for name, b in m._buffers.items():
+                if b.dtype.kind == "f":
+                    m._buffers[name] = b.astype(dtype)
+        if was_flat:
+            FlatParameters(params)
+        return self
+
+    # ---- printing ---------------------------------------------------------------------
+
+    def extra_repr(self):
+        return ""
+
+    def __repr__(self):
+        lines = [f"({name}): " + repr(child).replace("\n", "\n  ") for name, child in self._modules.items()]
+        if not lines:
+            return f"{type(self).__name__}({self.extra_repr()})"
+        return f"{type(self).__name__}(\n  " + "\n  ".join(lines) + "\n)"
+
+
+class Sequential(Module):
+    def __init__(self, *modules):
+        super().__init__()
+        for i, m in enumerate(modules):
+            self.add_module(str(i), m)
+
+    def forward(self, x):
+        for m in self._modules.values():
+            x = m(x)
+        return x
+
+    def __getitem__(self, i):
+        return list(self._modules.values())[i]
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+class Conv2d(Module):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True):
+        super().__init__()
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride, self.padding = _pair(kernel_size), _pair(stride), _pair(padding)
+        self.weight = Parameter(np.empty((out_channels, in_channels) + self.kernel_size, np.float32))
+        self.bias = Parameter(np.empty(out_channels, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self, scheme="pytorch"):
+        init_layer(self.weight, self.bias, scheme)
+
+    def forward(self, x):
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, bias={self.bias is not None}")
+
+
+class Linear(Module):
+    def __init__(self, in_features, out_features, bias=True):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = Parameter(np.empty((out_features, in_features), np.float32))
+        self.bias = Parameter(np.empty(out_features, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self, scheme="pytorch"):
+        init_layer(self.weight, self.bias, scheme)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class BatchNorm2d(Module):
+    """Running statistics: running <- (1 - momentum) running + momentum batch, the
+    variance unbiased; normalisation uses the biased batch variance."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.weight = Parameter(np.ones(num_features, np.float32))
+        self.bias = Parameter(np.zeros(num_features, np.float32))
+        self.register_buffer("running_mean", np.zeros(num_features, np.float32))
+        self.register_buffer("running_var", np.ones(num_features, np.float32))
+        # a host counter, as in PyTorch's state dict; not used in the arithmetic
+        self.register_buffer("num_batches_tracked", np.zeros((), np.int64))
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked += 1
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                            self.training, self.momentum, self.eps)
+
+    def extra_repr(self):
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+
+
+class ReLU(Module):
+    def forward(self, x):
+        return F.relu(x)
+
+
+class MaxPool2d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0):
+        super().__init__()
+        self.kernel_size, self.padding = kernel_size, padding
+        self.stride = kernel_size if stride is None else stride
+
+    def forward(self, x):
+        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+    def extra_repr(self):
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class AdaptiveAvgPool2d(Module):
+    def __init__(self, output_size):
+        super().__init__()
+        self.output_size = output_size
+
+    def forward(self, x):
+        return F.adaptive_avg_pool2d(x, self.output_size)
+
+    def extra_repr(self):
+        return f"output_size={self.output_size}"
+
+
+class Flatten(Module):
+    def forward(self, x):
+        return F.flatten(x)

@@ -1,0 +1,45 @@
+"""SGD on the flat parameter buffer, and learning-rate schedules."""
+import math
+
+from kernels import backend_of, get_array_module
+from .modules import FlatParameters
+
+
+class SGD:
+    """PyTorch's SGD (dampening 0, no Nesterov), one kernel over all parameters."""
+
+    def __init__(self, params, lr, momentum=0.0, weight_decay=0.0):
+        if not lr > 0:
+            raise ValueError(f"learning rate must be positive, got {lr}")
+        if momentum < 0 or weight_decay < 0:
+            raise ValueError(f"momentum and weight decay must be >= 0, got {momentum}, {weight_decay}")
+        self.flat = FlatParameters.of(params)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        xp = get_array_module(self.flat.data)
+        self.velocity = xp.zeros_like(self.flat.data) if momentum else None
+
+    def step(self):
+        backend_of(self.flat.data).sgd_update(self.flat.data, self.flat.grad, self.velocity,
+                                              self.lr, self.momentum, self.weight_decay)
+
+    def zero_grad(self):
+        self.flat.grad.fill(0)
+
+
+class CosineAnnealingLR:
+    """lr(t) = eta_min + (base - eta_min) (1 + cos(pi t / T_max)) / 2, stepped by the caller."""
+
+    def __init__(self, optimizer, T_max, eta_min=0.0):
+        if T_max < 1:
+            raise ValueError(f"T_max must be >= 1, got {T_max}")
+        self.optimizer, self.T_max, self.eta_min = optimizer, T_max, eta_min
+        self.base_lr = optimizer.lr
+        self.last_step = 0
+
+    def lr_at(self, t):
+        t = min(t, self.T_max)
+        return self.eta_min + (self.base_lr - self.eta_min) * (1 + math.cos(math.pi * t / self.T_max)) / 2
+
+    def step(self):
+        self.last_step += 1
+        self.optimizer.lr = self.lr_at(self.last_step)

@@ -1,0 +1,49 @@
+"""ResNet-18 with the module tree of d2l's PyTorch version (the 'multiple GPUs,
+concise' section), so that state-dict keys line up with it."""
+from . import functional as F
+from .init import init_model
+from .modules import AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Flatten, Linear, Module, ReLU, Sequential
+
+
+class Residual(Module):
+    """Two 3x3 convs with batch norm; a 1x1 projection ``conv3`` when the shape changes."""
+
+    def __init__(self, in_channels, channels, use_1x1conv=False, stride=1):
+        super().__init__()
+        self.conv1 = Conv2d(in_channels, channels, 3, stride=stride, padding=1)
+        self.conv2 = Conv2d(channels, channels, 3, padding=1)
+        self.conv3 = Conv2d(in_channels, channels, 1, stride=stride) if use_1x1conv else None
+        self.bn1 = BatchNorm2d(channels)
+        self.bn2 = BatchNorm2d(channels)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        shortcut = self.conv3(x) if self.conv3 is not None else x
+        return F.add_relu(y, shortcut)
+
+
+def _stage(in_channels, channels, first):
+    """Two residual blocks; all but the first stage halve the resolution."""
+    if first:
+        return Sequential(Residual(channels, channels), Residual(channels, channels))
+    return Sequential(Residual(in_channels, channels, use_1x1conv=True, stride=2),
+                      Residual(channels, channels))
+
+
+def resnet18(num_classes=10, in_channels=1, width=64, init="normal"):
+    """ResNet-18 for small images: a 3x3 stem without max-pool, four stages of
+    ``width``, 2x, 4x and 8x ``width`` channels, global average pool, linear.
+    ``init`` is 'normal' (N(0, 0.01) weights, zero biases) or 'pytorch'."""
+    if width < 1 or num_classes < 1 or in_channels < 1:
+        raise ValueError(f"resnet18 needs positive sizes, got num_classes={num_classes}, "
+                         f"in_channels={in_channels}, width={width}")
+    w = width
+    net = Sequential(Conv2d(in_channels, w, 3, stride=1, padding=1), BatchNorm2d(w), ReLU())
+    net.add_module("resnet_block1", _stage(w, w, first=True))
+    net.add_module("resnet_block2", _stage(w, 2 * w, first=False))
+    net.add_module("resnet_block3", _stage(2 * w, 4 * w, first=False))
+    net.add_module("resnet_block4", _stage(4 * w, 8 * w, first=False))
+    net.add_module("global_avg_pool", AdaptiveAvgPool2d((1, 1)))
+    net.add_module("fc", Sequential(Flatten(), Linear(8 * w, num_classes)))
+    return init_model(net, init)
