@@ -1,0 +1,132 @@
+"""The same ResNet-18 built in PyTorch (d2l's code, with a width knob), the weights
+copied over: outputs, gradients, SGD steps and batch-norm statistics must agree."""
+import numpy as np
+import pytest
+
+import nn
+import nn.functional as F
+from helpers import rng, validate
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: `pip install torch` (CPU build) "
+                                            "runs the comparison with PyTorch")
+tnn = torch.nn
+tF = torch.nn.functional
+
+
+class TorchResidual(tnn.Module):
+    """d2l's Residual, unchanged."""
+
+    def __init__(self, input_channels, num_channels, use_1x1conv=False, strides=1):
+        super().__init__()
+        self.conv1 = tnn.Conv2d(input_channels, num_channels, kernel_size=3, padding=1, stride=strides)
+        self.conv2 = tnn.Conv2d(num_channels, num_channels, kernel_size=3, padding=1)
+        self.conv3 = tnn.Conv2d(input_channels, num_channels, kernel_size=1, stride=strides) \
+            if use_1x1conv else None
+        self.bn1 = tnn.BatchNorm2d(num_channels)
+        self.bn2 = tnn.BatchNorm2d(num_channels)
+
+    def forward(self, X):
+        Y = tF.relu(self.bn1(self.conv1(X)))
+        Y = self.bn2(self.conv2(Y))
+        if self.conv3:
+            X = self.conv3(X)
+        Y += X
+        return tF.relu(Y)
+
+
+def torch_resnet18(num_classes, in_channels, width):
+    """d2l's resnet18 of the 'multiple GPUs, concise' section, 64 replaced by ``width``."""
+    def resnet_block(in_channels, out_channels, num_residuals, first_block=False):
+        blk = []
+        for i in range(num_residuals):
+            if i == 0 and not first_block:
+                blk.append(TorchResidual(in_channels, out_channels, use_1x1conv=True, strides=2))
+            else:
+                blk.append(TorchResidual(out_channels, out_channels))
+        return tnn.Sequential(*blk)
+    w = width
+    net = tnn.Sequential(tnn.Conv2d(in_channels, w, kernel_size=3, stride=1, padding=1),
+                         tnn.BatchNorm2d(w), tnn.ReLU())
+    net.add_module("resnet_block1", resnet_block(w, w, 2, first_block=True))
+    net.add_module("resnet_block2", resnet_block(w, 2 * w, 2))
+    net.add_module("resnet_block3", resnet_block(2 * w, 4 * w, 2))
+    net.add_module("resnet_block4", resnet_block(4 * w, 8 * w, 2))
+    net.add_module("global_avg_pool", tnn.AdaptiveAvgPool2d((1, 1)))
+    net.add_module("fc", tnn.Sequential(tnn.Flatten(), tnn.Linear(8 * w, num_classes)))
+    return net
+
+
+def copy_into_torch(ours, theirs):
+    state = {k: torch.from_numpy(np.array(v)) for k, v in ours.state_dict().items()}
+    theirs.load_state_dict(state)  # strict: the keys must line up exactly
+
+
+def test_state_dict_keys_match_d2l():
+    assert list(nn.resnet18(width=64).state_dict()) == list(torch_resnet18(10, 1, 64).state_dict())
+
+
+def close_as_pytorch(ours, truth, peer, name):
+    """float32 against PyTorch's float64 result: no further off than PyTorch's own float32
+    (a few times its error, for the different summation orders), or within 1e-5 relative."""
+    ours, peer = np.asarray(ours, np.float64), np.asarray(peer, np.float64)
+    scale = float(np.abs(truth).max())
+    ours_err, peer_err = float(np.abs(ours - truth).max()), float(np.abs(peer - truth).max())
+    assert ours_err <= 4 * peer_err + 1e-5 * scale, (
+        f"{name}: off by {ours_err:.3g} from float64, PyTorch float32 by {peer_err:.3g} (scale {scale:.3g})")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_training_steps_match_pytorch(dtype):
+    """Two SGD steps with momentum and weight decay from the same weights and data.
+    float64 must agree with PyTorch's float64 to 1e-9; float32 is held against PyTorch's
+    float64 with PyTorch's own float32 as the error budget."""
+    ours = nn.resnet18(width=4, init="pytorch").to(np.float64)
+    for p in ours.parameters():  # non-trivial batch-norm scales and shifts too
+        p.data[...] = p.data + 0.1 * rng().standard_normal(p.shape)
+    truth, peer = torch_resnet18(10, 1, 4).double(), torch_resnet18(10, 1, 4).float()
+    copy_into_torch(ours, truth)
+    copy_into_torch(ours, peer)
+    ours.to(dtype)
+    opt = nn.SGD(ours.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    torch_opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+                  for m in (truth, peer)]
+
+    def compare(value, truth_value, peer_value, name):
+        truth_value = truth_value.detach().numpy()
+        if dtype == np.float64:
+            validate(value, truth_value, name, rtol=1e-9)
+        else:
+            close_as_pytorch(value, truth_value, peer_value.detach().numpy(), name)
+
+    def run_torch(x, y):
+        outs = []
+        for model, opt in zip((truth, peer), torch_opts):
+            opt.zero_grad()
+            logits = model(torch.from_numpy(x).to(next(model.parameters()).dtype))
+            loss = tF.cross_entropy(logits, torch.from_numpy(y))
+            loss.backward()
+            outs.append((logits, loss, dict(model.named_parameters())))
+        return outs
+
+    for step in range(2):
+        x, y = rng().random((6, 1, 28, 28)), rng().integers(0, 10, size=6)
+        opt.zero_grad()
+        logits = ours(nn.Tensor(x.astype(dtype)))
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        (t_logits, t_loss, t_params), (p_logits, p_loss, p_params) = run_torch(x, y)
+        compare(logits.data, t_logits, p_logits, f"logits, step {step}")
+        compare(loss.data, t_loss, p_loss, f"loss, step {step}")
+        for name, p in ours.named_parameters():
+            compare(p.grad, t_params[name].grad, p_params[name].grad, f"grad of {name}, step {step}")
+        opt.step()
+        for o in torch_opts:
+            o.step()
+    for name, value in ours.state_dict().items():
+        compare(np.asarray(value), truth.state_dict()[name], peer.state_dict()[name], f"{name} after two steps")
+    for model in (ours, truth, peer):
+        model.eval()
+    x = rng().random((3, 1, 28, 28))
+    with torch.no_grad():
+        compare(ours(nn.Tensor(x.astype(dtype))).data, truth(torch.from_numpy(x)),
+                peer(torch.from_numpy(x).float()), "eval-mode logits")
