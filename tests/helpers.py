@@ -191,3 +191,28 @@ def gradcheck(fn, arrays, name, atol=1e-6, rtol=1e-5):
     leaves = [Tensor(np.asarray(a, dtype=np.float64), requires_grad=True) for a in arrays]
     projection = rng().standard_normal(fn(*leaves).shape)
     gradcheck_leaves(lambda: (fn(*leaves) * projection).sum(), leaves, name, atol, rtol)
+
+
+def write_idx(path, array):
+    """A gzip-compressed IDX file of a uint8 array, as Fashion-MNIST ships them."""
+    import gzip
+    import struct
+    array = np.ascontiguousarray(array, dtype=np.uint8)
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.tobytes())
+
+
+def write_fashion_mnist(folder, n_train, n_test, seed=0):
+    """Four IDX files of random images whose class shows in their brightness, so that
+    a network can learn something from a few dozen of them."""
+    from nn import data
+    gen = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        labels = gen.integers(0, 10, size=n).astype(np.uint8)
+        images = gen.integers(0, 60, size=(n, 28, 28)) + labels[:, None, None] * 20
+        images_file, labels_file = data.FILES[split]
+        write_idx(folder / images_file, images.astype(np.uint8))
+        write_idx(folder / labels_file, labels)
+    return folder

@@ -224,3 +224,19 @@ def sgd_update(param, grad, velocity, lr, momentum, weight_decay):
         step = momentum * v + g
         velocity[...] = step
     param[...] = p - lr * step
+
+
+# ---- batch-norm running statistics and input conversion ---------------------------------
+
+def batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps):
+    """In place: PyTorch's running update, the variance made unbiased (Bessel's correction)."""
+    biased = 1.0 / np.asarray(invstd, np.float64) ** 2 - eps
+    running_mean[...] = (1 - momentum) * running_mean + momentum * np.asarray(mean, np.float64)
+    running_var[...] = (1 - momentum) * running_var + momentum * biased * count / (count - 1)
+
+
+def images_to_float(images):
+    out = np.empty((images.shape[0], 1) + images.shape[1:])
+    for i in range(images.shape[0]):
+        out[i, 0] = images[i] / 255.0
+    return out

@@ -227,3 +227,30 @@ def test_float32_stays_close_to_the_float64_reference():
              backward=through_both(lambda m, dy, x, gamma, beta, y, mean, invstd:
                                    m.batch_norm_backward(dy, x, gamma, mean, invstd)),
              dtypes=(np.float32,), tolerances=tight)
+
+
+# ---- batch-norm running statistics and input conversion -----------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batch_norm_update_running(dtype):
+    g = rng()
+    x = shifted_batch((4, 3, 5, 2)).astype(dtype)
+    _, mean, invstd = K.batch_norm_forward(x, np.ones(3, dtype), np.zeros(3, dtype), EPS)
+    start = (g.standard_normal(3), np.abs(g.standard_normal(3)) + 0.5)
+    ours, ref = [tuple(a.astype(dtype) for a in start) for _ in range(2)]
+    K.batch_norm_update_running(*ours, mean, invstd, 40, 0.1, EPS)
+    R.batch_norm_update_running(*ref, mean, invstd, 40, 0.1, EPS)
+    for o, r, name in zip(ours, ref, ("running mean", "running var")):
+        validate(o, r, name)
+    validate(ours[1], 0.9 * start[1] + 0.1 * x.astype(np.float64).var(axis=(0, 2, 3), ddof=1),
+             "running var against numpy's unbiased variance", rtol=1e-4 if dtype == np.float32 else 1e-9)
+
+
+def test_images_to_float():
+    images = rng().integers(0, 256, size=(3, 5, 4)).astype(np.uint8)
+    images[0, 0, :2] = (0, 255)
+    out = K.images_to_float(images)
+    assert out.dtype == np.float32 and out.shape == (3, 1, 5, 4)
+    validate(out, R.images_to_float(images), "images_to_float")
+    with pytest.raises(ValueError, match="uint8"):
+        K.images_to_float(images.astype(np.float32))

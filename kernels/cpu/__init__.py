@@ -44,6 +44,9 @@ sgd_update(param, grad, velocity, lr, momentum, weight_decay) -> None
     In place on flat buffers, PyTorch's rule: g = grad + wd * param;
     velocity = momentum * velocity + g; param -= lr * velocity
     (velocity may be None when momentum is 0; then param -= lr * g).
+
+images_to_float(images) -> x
+    uint8 (N, H, W) -> float32 (N, 1, H, W) scaled to [0, 1].
 """
 from .conv import conv2d_forward, conv2d_backward
 from .batchnorm import (batch_norm_forward, batch_norm_backward, batch_norm_update_running,
@@ -54,5 +57,6 @@ from .pool import (max_pool2d_forward, max_pool2d_backward, global_avg_pool_forw
 from .linear import linear_forward, linear_backward
 from .loss import softmax_cross_entropy_forward, softmax_cross_entropy_backward
 from .optim import sgd_update
+from .convert import images_to_float
 
 name = "cpu"

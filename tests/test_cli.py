@@ -1,0 +1,133 @@
+"""train_resnet.py end to end on a few dozen generated images at width 2."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train_resnet
+from helpers import write_fashion_mnist
+from nn import checkpoint, train
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--width", "2", "--batch-size", "16", "--limit", "40", "--test-limit", "20"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return write_fashion_mnist(tmp_path_factory.mktemp("fashion"), 48, 24)
+
+
+def run(data_dir, out, *flags):
+    return train_resnet.main(["--data-dir", str(data_dir), "--out", str(out), *SMALL, *flags])
+
+
+def test_one_epoch_from_the_command_line(data_dir, tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "train_resnet.py", "--data-dir", str(data_dir), "--out", str(out),
+                             "--epochs", "1", *SMALL], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("epoch 1/1: loss ") and "test acc" in line and "images/s" in line
+               for line in lines), result.stdout
+    assert lines[-1].startswith("test acc: 0.") and lines[-1].endswith("sec/epoch on cpu"), lines[-1]
+    assert "epoch 1/1" in result.stderr, "progress goes to stderr"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics) == 1 and metrics[0]["epoch"] == 1
+    assert 0 <= metrics[0]["test_acc"] <= 1 and np.isfinite(metrics[0]["train_loss"])
+    csv_lines = (out / "metrics.csv").read_text().splitlines()
+    assert csv_lines[0].split(",")[:3] == ["epoch", "lr", "train_loss"] and len(csv_lines) == 2
+    assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    arrays, record = checkpoint.load(out)
+    assert record["epoch"] == 1 and record["config"]["width"] == 2
+    assert arrays["params"].dtype == np.float32 and "buffer/1.running_mean" in arrays
+    assert not list(out.glob(".*.tmp")), "no temporary files are left behind"
+
+
+def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(data_dir, tmp_path, monkeypatch):
+    flags = ["--epochs", "3", "--momentum", "0.9", "--weight-decay", "1e-4", "--schedule", "cosine",
+             "--seed", "5"]
+    assert run(data_dir, tmp_path / "straight", *flags) == 0
+
+    real_epoch = train.train_epoch
+
+    def interrupted_in_epoch_2(model, opt, schedule, images, labels, cfg, epoch, **kw):
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return real_epoch(model, opt, schedule, images, labels, cfg, epoch, **kw)
+    monkeypatch.setattr(train, "train_epoch", interrupted_in_epoch_2)
+    assert run(data_dir, tmp_path / "resumed", *flags) == 130
+    assert checkpoint.load(tmp_path / "resumed")[1]["epoch"] == 1, "the finished epoch's checkpoint is kept"
+    monkeypatch.setattr(train, "train_epoch", real_epoch)
+
+    assert train_resnet.main(["--resume", str(tmp_path / "resumed"), "--epochs", "3"]) == 0
+    a, record_a = checkpoint.load(tmp_path / "straight")
+    b, record_b = checkpoint.load(tmp_path / "resumed")
+    assert record_b["epoch"] == 3 and [m["epoch"] for m in record_b["metrics"]] == [1, 2, 3]
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=f"{key} differs after resuming")
+    assert [m["train_loss"] for m in record_a["metrics"]] == [m["train_loss"] for m in record_b["metrics"]]
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
+    real_loss, calls = train.cross_entropy, []
+
+    def poisoned_in_epoch_2(logits, labels):  # 3 training steps per epoch, then evaluation
+        loss = real_loss(logits, labels)
+        calls.append(1)
+        return loss * float("nan") if len(calls) == 3 + 2 + 2 else loss
+    monkeypatch.setattr(train, "cross_entropy", poisoned_in_epoch_2)
+    assert run(data_dir, tmp_path / "run", "--epochs", "3") == 1
+    err = capsys.readouterr().err
+    assert "loss is nan at epoch 2, step 2" in err and "last good checkpoint (epoch 1)" in err, err
+    assert checkpoint.load(tmp_path / "run")[1]["epoch"] == 1
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lr", "0"], "learning rate must be positive"),
+    (["--lr", "-0.1"], "learning rate must be positive"),
+    (["--batch-size", "0"], "batch size must be at least 1"),
+    (["--epochs", "0"], "epochs must be at least 1"),
+    (["--limit", "1000"], "--limit 1000 is larger than the split, which has 48"),
+    (["--test-limit", "25"], "--test-limit 25 is larger than the split, which has 24"),
+    (["--resume", "/no/such/checkpoint.npz"], "no checkpoint at /no/such/checkpoint.npz"),
+    (["--gpus", "1"], "--gpus 1"),
+    (["--schedule", "linear"], "invalid choice"),
+])
+def test_bad_flags_are_clear_errors(data_dir, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        run(data_dir, tmp_path / "run", *flags)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoint.npz").exists(), "nothing ran"
+
+
+def test_resuming_with_another_width_is_an_error(data_dir, tmp_path, capsys):
+    assert run(data_dir, tmp_path / "run", "--epochs", "1") == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train_resnet.main(["--resume", str(tmp_path / "run"), "--epochs", "2", "--width", "4"])
+    assert "--width 4 does not match the checkpoint's 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_resnet.main(["--resume", str(tmp_path / "run"), "--epochs", "1"])
+    assert "finished 1 epochs already" in capsys.readouterr().err
+
+
+def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "checkpoint.npz").write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(SystemExit):
+        train_resnet.main(["--resume", str(tmp_path)])
+    assert "is not a readable checkpoint" in capsys.readouterr().err
+
+
+def test_help_explains_the_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        train_resnet.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--gpus", "--epochs", "--batch-size", "--lr", "--momentum", "--weight-decay", "--schedule",
+                 "--data-dir", "--limit", "--test-limit", "--width", "--seed", "--out", "--resume"):
+        assert flag in text
