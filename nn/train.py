@@ -199,9 +199,9 @@ def plot(metrics):
     import matplotlib.pyplot as plt
     epochs = [m["epoch"] for m in metrics]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(epochs, [m["train_loss"] for m in metrics], label="train loss")
-    ax.plot(epochs, [m["train_acc"] for m in metrics], "--", label="train acc")
-    ax.plot(epochs, [m["test_acc"] for m in metrics], "-.", label="test acc")
+    ax.plot(epochs, [m["train_loss"] for m in metrics], "o-", ms=3, label="train loss")
+    ax.plot(epochs, [m["train_acc"] for m in metrics], "o--", ms=3, label="train acc")
+    ax.plot(epochs, [m["test_acc"] for m in metrics], "o-.", ms=3, label="test acc")
     ax.set_xlabel("epoch")
     ax.set_xlim(1, max(epochs[-1], 2))
     ax.grid(True, alpha=0.3)
