@@ -1,0 +1,270 @@
+"""Training throughput of ResNet-18 on the CPU: this project's NumPy backend against PyTorch.
+
+One training step is forward, softmax cross-entropy, backward and an SGD step (momentum 0.9,
+weight decay 5e-4), float32, on random 1x28x28 images and labels, for the full-width model
+(nn.resnet18(), 11.2 M parameters). PyTorch, when it is installed, trains d2l's ResNet-18
+(the builder in tests/test_torch_parity.py) in the same run with the same batch sizes and
+thread count. Each step is timed with time.perf_counter after the warm-up steps; the table
+gives the median (the machine may be shared, and a median ignores the odd disturbed step),
+images/s from that median, and the ratio ours/PyTorch.
+
+    PYTHONPATH=. python bench/cpu_throughput.py                       # batch 32 and 128
+    PYTHONPATH=. python bench/cpu_throughput.py --batch-sizes 32 --steps 20 --json out.json
+    PYTHONPATH=. python bench/cpu_throughput.py --profile             # where our step's time goes
+
+--profile times every kernel call of our step (kernels.cpu) and the steps of the convolution
+kernels, and reports milliseconds per step for each, the rest being Python and the tape.
+"""
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Each number is the median over --steps timed steps, after --warmup untimed ones.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="32,128",
+                        help="comma-separated batch sizes (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="timed training steps per batch size and framework (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps before timing (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for OpenBLAS (ours) and PyTorch (default: their own "
+                             "defaults, one per core)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    parser.add_argument("--profile", action="store_true",
+                        help="also break our step down by kernel, in ms per step")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = parser.parse_args()
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.steps < 1 or args.warmup < 0 or min(args.batch_sizes) < 1:
+        parser.error("--steps and the batch sizes must be positive, --warmup non-negative")
+    return args
+
+
+def set_threads(threads):
+    """OpenBLAS reads its thread count when NumPy is first imported, so this runs before."""
+    if threads is not None:
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(threads)
+
+
+def timed_steps(step, warmup, steps):
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def busy_cpu_seconds():
+    """CPU seconds that all processes have spent busy since boot (Linux), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _, _, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(step, warmup, steps):
+    """Step times, and how many cores other processes kept busy meanwhile: the machine
+    may be shared, and a number taken while someone else ran their tests is suspect."""
+    busy, own, start = busy_cpu_seconds(), os.times(), time.perf_counter()
+    times = timed_steps(step, warmup, steps)
+    wall, after = time.perf_counter() - start, os.times()
+    others = None
+    if busy is not None:
+        ours = (after.user + after.system) - (own.user + own.system)
+        others = max(0.0, busy_cpu_seconds() - busy - ours) / wall
+    return times, others
+
+
+def ours_step(batch_size):
+    """A training step of this project's ResNet-18 on fixed random data, as a closure."""
+    import numpy as np
+    import nn
+    nn.manual_seed(0)
+    model = nn.resnet18()
+    opt = nn.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    g = np.random.default_rng(0)
+    x = nn.Tensor(g.random((batch_size, 1, 28, 28), dtype=np.float32))
+    y = g.integers(0, 10, size=batch_size)
+
+    def step():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def torch_step(batch_size, threads):
+    """The same step in PyTorch, or None when it is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_torch_parity import torch_resnet18   # the one copy of d2l's model in the repo
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = torch_resnet18(10, 1, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    x = torch.rand(batch_size, 1, 28, 28)
+    y = torch.randint(0, 10, (batch_size,))
+
+    def step():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def summary(measured, batch_size):
+    times, others = measured
+    median = statistics.median(times)
+    return {"median_s": median, "min_s": min(times), "max_s": max(times),
+            "images_per_s": batch_size / median, "step_times_s": times,
+            "other_processes_cores": others}
+
+
+# ---- profile: wall time inside each kernel --------------------------------------------
+
+def instrument_kernels(totals):
+    """Wrap every kernel of kernels.cpu, and the helpers of the convolution kernels, so that
+    each call adds its wall time to totals[name]. A helper's time is also part of its
+    kernel's: helpers are named with a leading space and listed apart from the kernels."""
+    import kernels.cpu as K
+    from kernels.cpu import conv
+
+    def timer(name, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return timed
+
+    for name in [n for n in dir(K) if callable(getattr(K, n)) and not n.startswith("_")]:
+        setattr(K, name, timer(name, getattr(K, name)))
+    for name in [n for n in dir(conv) if n.startswith("_") and not n.startswith("__")
+                 and callable(getattr(conv, n)) and getattr(conv, n).__module__ == conv.__name__]:
+        setattr(conv, name, timer(f"  conv{name}", getattr(conv, name)))
+
+
+def profile(batch_sizes, warmup, steps):
+    totals = defaultdict(float)
+    instrument_kernels(totals)
+    return [profile_one(b, warmup, steps, totals) for b in batch_sizes]
+
+
+def profile_one(batch_size, warmup, steps, totals):
+    step = ours_step(batch_size)
+    for _ in range(warmup):
+        step()
+    totals.clear()
+    wall = sum(timed_steps(step, 0, steps))
+    kernels = sorted(((k, v) for k, v in totals.items() if not k.startswith(" ")),
+                     key=lambda kv: -kv[1])
+    helpers = sorted(((k, v) for k, v in totals.items() if k.startswith(" ")),
+                     key=lambda kv: -kv[1])
+    other = wall - sum(v for _, v in kernels)
+    print(f"\nProfile, batch {batch_size}: ms per step (mean of {steps}), share of the step")
+    for name, seconds in kernels + [("other (Python, tape, hooks)", other)] + helpers:
+        print(f"  {name:34s} {1e3 * seconds / steps:9.1f} {100 * seconds / wall:6.1f}%")
+    print(f"  {'step':34s} {1e3 * wall / steps:9.1f}")
+    return {"batch_size": batch_size, "steps": steps, "step_ms": 1e3 * wall / steps,
+            "kernel_ms": {k.strip(): 1e3 * v / steps for k, v in kernels + helpers},
+            "other_ms": 1e3 * other / steps}
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def environment():
+    import platform
+    import numpy as np
+    info = {"python": platform.python_version(), "numpy": np.__version__,
+            "cpus": os.cpu_count(), "threads": os.environ.get("OPENBLAS_NUM_THREADS", "default")}
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        info["numpy_blas"] = f"{blas.get('name')} {blas.get('version')}"
+    except Exception:   # show_config's dict form is NumPy >= 1.26; the BLAS name is a nicety
+        info["numpy_blas"] = "unknown"
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        info["torch"] = None
+    return info
+
+
+def main():
+    args = parse_args()
+    set_threads(args.threads)
+    sys.path.insert(0, ROOT)
+    env = environment()
+    print(f"ResNet-18 (width 64) training step, float32, 1x28x28; median of {args.steps} steps "
+          f"after {args.warmup} warm-up; " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    results = []
+    for batch_size in args.batch_sizes:
+        row = {"batch_size": batch_size,
+               "ours": summary(measure(ours_step(batch_size), args.warmup, args.steps), batch_size)}
+        step = None if args.no_torch else torch_step(batch_size, args.threads)
+        if step is not None:
+            row["pytorch"] = summary(measure(step, args.warmup, args.steps), batch_size)
+            row["ratio"] = row["ours"]["images_per_s"] / row["pytorch"]["images_per_s"]
+        results.append(row)
+        print_row(row, first=len(results) == 1)
+    report = {"environment": env, "steps": args.steps, "warmup": args.warmup, "results": results}
+    if args.profile:
+        report["profile"] = profile(args.batch_sizes, min(args.warmup, 1), min(args.steps, 3))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def print_row(row, first):
+    if first:
+        print(f"\n{'batch':>5} | {'ours ms/step':>18} {'img/s':>7} {'busy':>5} | "
+              f"{'PyTorch ms/step':>18} {'img/s':>7} {'busy':>5} | {'ours/PyTorch':>12}")
+        print("(ms/step: median [min-max]; busy: cores other processes kept busy meanwhile)")
+    cells = [f"{row['batch_size']:>5}"]
+    for name, width in (("ours", 18), ("pytorch", 18)):
+        r = row.get(name)
+        if r is None:
+            cells.append(f"{'-':>{width}} {'-':>7} {'-':>5}")
+            continue
+        busy = "?" if r["other_processes_cores"] is None else f"{r['other_processes_cores']:.2f}"
+        spread = f"{1e3 * r['median_s']:.0f} [{1e3 * r['min_s']:.0f}-{1e3 * r['max_s']:.0f}]"
+        cells.append(f"{spread:>{width}} {r['images_per_s']:>7.1f} {busy:>5}")
+    cells.append(f"{row['ratio']:>12.2f}" if "ratio" in row else f"{'-':>12}")
+    print(" | ".join(cells), flush=True)
+    disturbed = [n for n in ("ours", "pytorch")
+                 if ((row.get(n) or {}).get("other_processes_cores") or 0) > 0.1]
+    if disturbed:
+        print(f"      note: other processes were busy during {' and '.join(disturbed)}; "
+              f"consider a rerun")
+
+
+if __name__ == "__main__":
+    main()
