@@ -1,15 +1,20 @@
 """Ops on arrays with one signature on every backend.
 
 ``backend_of(x)`` is the one place that decides which backend runs an op on an
-array: NumPy arrays go to ``cpu``. Nothing else in the project asks what kind of
-array it holds; it asks ``get_array_module(x)`` for allocation and ``backend_of``
-for arithmetic.
+array: a CuPy array goes to ``cuda``; a NumPy array goes to ``cpu``, or to ``emu``
+(the CUDA kernels on the CPU emulator) inside ``with emulate():``, as tests ask.
+Nothing else in the project asks what kind of array it holds; it asks
+``get_array_module(x)`` for allocation and ``backend_of`` for arithmetic.
 """
+import contextlib
 import importlib
 
 import numpy as np
 
 from . import cpu
+
+_emulating = False
+_device_backends = {}
 
 
 def get_array_module(x):
@@ -19,8 +24,29 @@ def get_array_module(x):
     return importlib.import_module(type(x).__module__.split(".")[0])
 
 
+@contextlib.contextmanager
+def emulate():
+    """Run the ops on NumPy arrays through the CUDA kernels on the CPU emulator."""
+    global _emulating
+    previous, _emulating = _emulating, True
+    try:
+        yield
+    finally:
+        _emulating = previous
+
+
+def _device_backend(name):
+    """The CUDA launchers bound to CuPy (``cuda``) or to NumPy and the emulator (``emu``)."""
+    if name not in _device_backends:
+        from . import cuda
+        _device_backends[name] = cuda.make_backend(name)
+    return _device_backends[name]
+
+
 def backend_of(x):
     """The backend whose kernels run ops on arrays like ``x``."""
     if isinstance(x, np.ndarray):
-        return cpu
+        return _device_backend("emu") if _emulating else cpu
+    if type(x).__module__.startswith("cupy"):
+        return _device_backend("cuda")
     raise TypeError(f"no backend for arrays of type {type(x).__name__}")
