@@ -1,0 +1,317 @@
+"""Compile a CUDA C source into a shared library the emulator runs, and cache it.
+
+The source itself is compiled unchanged, by the system's g++ (C++20, -O2), with cuda_emu.h
+included first. Around it, a generated file adds, for each kernel (every non-template
+``__global__`` function found in the preprocessed source, and every name expression), an
+entry point that calls it from an array of argument pointers and describes its parameters;
+a generated assembly file defines the names of the ``extern __shared__`` arrays as one
+thread-local buffer, so that, as on a GPU, all of them alias the launch's dynamic shared memory.
+
+The runtime (runtime.cpp) is compiled once per machine and linked by every module. Both are
+cached by a hash of everything that goes into them: the emulator's own sources, the compiler's
+version, the flags, the source, the options and the name expressions. The headers a source
+includes are recorded with their contents' hashes and checked on every cache hit.
+
+Environment: ``CUDA_EMU_CACHE_DIR`` (default ``$XDG_CACHE_HOME/resnet-cuda-from-scratch/emu``),
+``CUDA_EMU_CXXFLAGS`` (extra g++ flags, e.g. ``-O0 -g`` to debug a kernel in gdb).
+"""
+import ast
+import functools
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .errors import CompileError
+
+HERE = Path(__file__).resolve().parent
+HEADER = HERE / "cuda_emu.h"
+ABI_HEADER = HERE / "emu_abi.h"
+RUNTIME_SOURCE = HERE / "runtime.cpp"
+
+CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared",
+             # CUDA code reinterprets float arrays as float4 and the like; nvcc allows it.
+             "-fno-strict-aliasing",
+             # No fused multiply-adds the source does not ask for; math without errno.
+             "-ffp-contract=off", "-fno-math-errno",
+             "-fmax-errors=10")
+DYNAMIC_SHARED_BYTES = 227 * 1024  # kEmuDynamicSharedBytes in emu_abi.h
+
+
+def cache_dir():
+    explicit = os.environ.get("CUDA_EMU_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "resnet-cuda-from-scratch" / "emu"
+
+
+def _extra_flags():
+    return tuple(shlex.split(os.environ.get("CUDA_EMU_CXXFLAGS", "")))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_identity():
+    cxx = shutil.which("g++")
+    if cxx is None:
+        raise CompileError("the CUDA emulator needs g++ (with C++20) on the PATH")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    return cxx, version.splitlines()[0]
+
+
+def _digest(*parts):
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else str(part).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def _write_atomically(path, data):
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+    os.replace(tmp, path)
+
+
+def _run_compiler(args, what):
+    result = subprocess.run(args, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise CompileError(f"{what}: g++ failed\n{result.stderr.strip()}")
+    return result
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_library():
+    """The path of the compiled runtime, compiling it on first use on this machine."""
+    cxx, version = _compiler_identity()
+    flags = CXX_FLAGS + _extra_flags()
+    key = _digest(RUNTIME_SOURCE.read_bytes(), ABI_HEADER.read_bytes(), version, flags)
+    path = cache_dir() / f"runtime-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        _run_compiler([cxx, *flags, str(RUNTIME_SOURCE), "-o", str(tmp), "-pthread", "-ldl"], "emulator runtime")
+        os.replace(tmp, path)
+    return path
+
+
+# ---- options ----------------------------------------------------------------------------------
+
+def preprocessor_flags(options):
+    """g++ flags for the NVRTC options that change what the source means (-I, -D, -U,
+    -include); every other option (architecture, -std, --use_fast_math, -lineinfo, ...)
+    concerns code generation for a GPU and is ignored."""
+    flags = []
+    takes_value = {"-I": "-I", "--include-path": "-I", "-D": "-D", "--define-macro": "-D",
+                   "-U": "-U", "--undefine-macro": "-U", "-include": "-include",
+                   "--pre-include": "-include"}
+    options = list(options)
+    i = 0
+    while i < len(options):
+        opt = options[i]
+        name, eq, value = opt.partition("=")
+        if opt in takes_value and i + 1 < len(options):
+            flag, value = takes_value[opt], options[i + 1]
+            i += 1
+        elif eq and name in takes_value and name.startswith("--"):
+            flag = takes_value[name]
+        elif opt[:2] in ("-I", "-D", "-U") and len(opt) > 2:
+            flag, value = opt[:2], opt[2:]
+        else:
+            flag = None
+        i += 1
+        if flag == "-I":
+            flags.append("-I" + str(Path(value).resolve()))
+        elif flag == "-include":
+            flags += ["-include", str(Path(value).resolve()) if Path(value).exists() else value]
+        elif flag:
+            flags.append(flag + value)
+    return flags
+
+
+# ---- finding the kernels -----------------------------------------------------------------------
+
+_GLOBAL = re.compile(r"\b__global__\b")
+_EXTERN_SHARED = re.compile(
+    r"(?:\bextern\b[^;{}]*?\b__shared__\b|\b__shared__\b[^;{}]*?\bextern\b)[^;{}]*?\b(\w+)\s*\[\s*\]\s*;")
+_TYPE_WORDS = {"void", "bool", "char", "short", "int", "long", "float", "double", "signed", "unsigned",
+               "const", "volatile", "__restrict__", "struct"}
+
+
+def _matching_paren(text, open_index):
+    depth = 0
+    for i in range(open_index, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def _split_top_level(text):
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "(<[":
+            depth += 1
+        elif ch in ")>]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parameter_name(declaration):
+    declaration = re.sub(r"\[[^\]]*\]\s*$", "", declaration.split("=")[0]).strip()
+    words = re.findall(r"[A-Za-z_]\w*", declaration)
+    if not words or declaration.endswith(("*", "&")) or words[-1] in _TYPE_WORDS or len(words) == 1:
+        return ""
+    return words[-1]
+
+
+def _integer_constant(text):
+    """The value of a constant integer expression such as ``256`` or ``(32 * 8)``, else None."""
+    try:
+        node = ast.parse(re.sub(r"(\d)[uUlL]+\b", r"\1", text.strip()), mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(n):
+        if isinstance(n, ast.Constant) and isinstance(n.value, int):
+            return n.value
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Div)):
+            left, right = value(n.left), value(n.right)
+            if isinstance(n.op, (ast.Div, ast.FloorDiv)):
+                return left // right
+            return {ast.Add: left + right, ast.Sub: left - right, ast.Mult: left * right}[type(n.op)]
+        raise ValueError
+
+    try:
+        return value(node)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def scan_kernels(text):
+    """The ``__global__`` functions of a preprocessed source: {name: {"template": bool,
+    "parameters": [declarations], "names": [parameter names], "launch_bounds": int or None}}."""
+    kernels = {}
+    for match in _GLOBAL.finditer(text):
+        start = max(text.rfind(c, 0, match.start()) for c in ";{}") + 1
+        head_end = match.end()
+        while True:
+            call = re.compile(r"\b([A-Za-z_]\w*)\s*\(").search(text, head_end)
+            if call is None:
+                break
+            close = _matching_paren(text, call.end() - 1)
+            if call.group(1) in ("__launch_bounds__", "__attribute__", "alignas", "__align__"):
+                head_end = close + 1
+                continue
+            name, parameters = call.group(1), text[call.end():close]
+            head = text[start:call.start()]
+            bounds = re.search(r"__launch_bounds__\s*\(", head)
+            max_threads = None
+            if bounds:
+                arguments = head[bounds.end():_matching_paren(head, bounds.end() - 1)]
+                max_threads = _integer_constant(_split_top_level(arguments)[0])
+            declarations = [] if parameters.strip() in ("", "void") else _split_top_level(parameters)
+            kernels.setdefault(name, {
+                "template": re.search(r"\btemplate\b", text[start:match.start()]) is not None,
+                "parameters": [" ".join(d.split()) for d in declarations],
+                "names": [_parameter_name(d) for d in declarations],
+                "launch_bounds": max_threads,
+            })
+            break
+    return kernels
+
+
+def scan_extern_shared(text):
+    return sorted(set(_EXTERN_SHARED.findall(text)))
+
+
+# ---- generated files ---------------------------------------------------------------------------
+
+def _entries_source(source_path, expressions):
+    lines = [f'#include "{HEADER}"', f'#include "{source_path}"', "",
+             "// Generated by kernels/emu/build.py: the kernels' entry points.",
+             'extern "C" thread_local unsigned char emu_dynamic_shared[];',
+             'extern "C" void* emu_dynamic_shared_base() { return emu_dynamic_shared; }']
+    lines += [f"EMU_KERNEL_ENTRY({i}, {expression})" for i, expression in enumerate(expressions)]
+    return "\n".join(lines) + "\n"
+
+
+def _shared_aliases_source(names):
+    """One thread-local buffer under every extern __shared__ name (they alias, as on a GPU)."""
+    symbols = ["emu_dynamic_shared", *names]
+    lines = ['\t.section .tbss,"awT",@nobits', "\t.p2align 7"]
+    for s in symbols:
+        lines += [f"\t.globl {s}", f"\t.type {s}, @object", f"\t.size {s}, {DYNAMIC_SHARED_BYTES}"]
+    lines += [f"{s}:" for s in symbols]
+    lines += [f"\t.zero {DYNAMIC_SHARED_BYTES}", '\t.section .note.GNU-stack,"",@progbits']
+    return "\n".join(lines) + "\n"
+
+
+def _dependencies(depfile, exclude):
+    """The headers g++ read for a source (from its -MMD file) with their contents' hashes."""
+    text = Path(depfile).read_text().replace("\\\n", " ")
+    files = shlex.split(text.partition(":")[2])
+    return {f: _digest(Path(f).read_bytes()) for f in map(os.path.abspath, files) if f not in exclude}
+
+
+def _dependencies_unchanged(deps):
+    try:
+        return all(_digest(Path(f).read_bytes()) == h for f, h in deps.items())
+    except OSError:
+        return False
+
+
+def build_module(code, options=(), name_expressions=()):
+    """Compile (or find in the cache) the module for a source. Returns its metadata:
+    {"library": path of the .so, "entries": [{"expression", "kernel", ...scan fields}]}."""
+    cxx, version = _compiler_identity()
+    runtime = runtime_library()
+    pre = preprocessor_flags(options)
+    flags = CXX_FLAGS + _extra_flags()
+    name_expressions = tuple(name_expressions or ())
+    key = _digest(HEADER.read_bytes(), ABI_HEADER.read_bytes(), version, flags, runtime.name,
+                  code, pre, name_expressions)
+    folder = cache_dir() / key[:2]
+    meta_path = folder / f"{key}.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if _dependencies_unchanged(meta["dependencies"]) and Path(meta["library"]).exists():
+            return meta
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / f"{key}.cu"
+    _write_atomically(source, code)
+
+    scan = _run_compiler([cxx, "-E", "-P", "-x", "c++", "-std=c++20", "-D__CUDACC__=1", "-D__CUDA_EMU__=1",
+                          *pre, "-MMD", "-MF", str(folder / f"{key}.d"), str(source)], "preprocessing")
+    kernels = scan_kernels(scan.stdout)
+    dependencies = _dependencies(folder / f"{key}.d", exclude={str(source)})
+    expressions = [k for k, v in kernels.items() if not v["template"]]
+    expressions += [e for e in name_expressions if e not in expressions]
+    entries = []
+    for expression in expressions:
+        kernel = re.match(r"\s*(?:::)?([\w:]+)", expression).group(1).split("::")[-1]
+        info = kernels.get(kernel, {"template": False, "parameters": [], "names": [], "launch_bounds": None})
+        entries.append({"expression": expression, "kernel": kernel, **info})
+
+    entries_file = folder / f"{key}.entries.cpp"
+    aliases_file = folder / f"{key}.shared.s"
+    _write_atomically(entries_file, _entries_source(source, expressions))
+    _write_atomically(aliases_file, _shared_aliases_source(scan_extern_shared(scan.stdout)))
+    library = folder / f"{key}-{_digest(json.dumps(dependencies, sort_keys=True))}.so"
+    tmp = library.with_name(f"{library.name}.{os.getpid()}.tmp")
+    _run_compiler([cxx, *flags, *pre, str(entries_file), str(aliases_file), str(runtime),
+                   "-Wl,-z,defs", "-o", str(tmp)], f"compiling {source}")
+    os.replace(tmp, library)
+    meta = {"library": str(library), "source": str(source), "entries": entries, "dependencies": dependencies}
+    _write_atomically(meta_path, json.dumps(meta, indent=1))
+    return meta

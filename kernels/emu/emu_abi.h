@@ -1,0 +1,49 @@
+// What the emulation header (cuda_emu.h, compiled into every kernel module) and the
+// runtime (runtime.cpp, compiled once) agree on: the thread descriptor a kernel reads
+// threadIdx & co. from, the size of a fiber's stack slot, and the runtime's C entry points.
+// Free of CUDA vocabulary, so that the runtime can include it without the kernel macros.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+struct uint3 {
+    unsigned int x, y, z;
+};
+
+struct dim3 {
+    unsigned int x, y, z;
+    constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1) : x(vx), y(vy), z(vz) {}
+    constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+    constexpr operator uint3() const { return uint3{x, y, z}; }
+};
+
+// Every CUDA thread runs on its own stack slot: kEmuSlotBytes, aligned to kEmuSlotBytes. The
+// slot starts with the thread's descriptor, then a guard page, then the stack; so a kernel
+// finds its own descriptor by masking its stack pointer: no thread-local storage, no call.
+constexpr std::size_t kEmuSlotBytes = std::size_t(1) << 18;   // 256 KiB
+constexpr std::size_t kEmuPageBytes = 4096;
+
+struct emu_thread {
+    uint3 thread_idx;
+    uint3 block_idx;
+    dim3 block_dim;
+    dim3 grid_dim;
+};
+
+// The warp-level operations that need a rendezvous of the lanes named in a mask.
+enum emu_warp_op : int {
+    EMU_SHFL_IDX, EMU_SHFL_UP, EMU_SHFL_DOWN, EMU_SHFL_XOR,
+    EMU_BALLOT, EMU_ANY, EMU_ALL, EMU_SYNCWARP,
+};
+
+// Dynamic shared memory: one buffer per module and OS thread, as large as the largest opt-in
+// a GPU of the project allows (sm_90: 227 KiB); a launch fills only what it asked for.
+constexpr std::size_t kEmuDynamicSharedBytes = 227 * 1024;
+
+extern "C" {
+void emu_syncthreads(void);
+int emu_syncthreads_reduce(int predicate, int how);   // how: 0 count, 1 and, 2 or
+std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, int arg, int width);
+[[noreturn]] void emu_trap(const char* what);
+[[noreturn]] void emu_assert_fail(const char* expr, const char* file, int line, const char* function);
+}

@@ -1,0 +1,111 @@
+"""ctypes bindings to the emulator's runtime and to the compiled kernel modules."""
+import ctypes
+import functools
+import struct
+from pathlib import Path
+
+from . import build
+from .errors import CompileError
+
+_ERROR_BYTES = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def runtime():
+    lib = ctypes.CDLL(str(build.runtime_library()), mode=ctypes.RTLD_GLOBAL)
+    lib.emu_module_load.restype = ctypes.c_void_p
+    lib.emu_module_load.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    lib.emu_module_symbol.restype = ctypes.c_void_p
+    lib.emu_module_symbol.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.emu_launch.restype = ctypes.c_int
+    lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                               ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint), ctypes.c_size_t,
+                               ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p, ctypes.c_size_t]
+    lib.emu_fenced_alloc.restype = ctypes.c_void_p
+    lib.emu_fenced_alloc.argtypes = [ctypes.c_size_t]
+    lib.emu_fenced_free.restype = None
+    lib.emu_fenced_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
+                ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+
+
+_dladdr = ctypes.CDLL(None).dladdr
+_dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+
+
+def elf_symbols(path):
+    """(functions, tls): {offset: [names]} of the functions and [(name, offset, size)] of the
+    thread-local objects in a shared library's full symbol table (.symtab)."""
+    data = Path(path).read_bytes()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    functions, tls = {}, []
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        strings_offset = sections[link][4]
+        for at in range(offset, offset + size, entsize):
+            name_at, info, _, _, value, sym_size = struct.unpack_from("<IBBHQQ", data, at)
+            end = data.index(b"\0", strings_offset + name_at)
+            name = data[strings_offset + name_at:end].decode()
+            if info & 0xF == 2:  # STT_FUNC
+                functions.setdefault(value, []).append(name)
+            elif info & 0xF == 6:  # STT_TLS
+                tls.append((name, value, sym_size))
+    return functions, tls
+
+
+class Module:
+    """A loaded kernel module: its entries' addresses, signatures and symbol names, and the
+    static shared memory each kernel declares."""
+
+    def __init__(self, meta):
+        rt = runtime()
+        err = ctypes.create_string_buffer(_ERROR_BYTES)
+        self.handle = rt.emu_module_load(meta["library"].encode(), err, _ERROR_BYTES)
+        if not self.handle:
+            raise CompileError(f"cannot load {meta['library']}: {err.value.decode()}")
+        functions, tls = elf_symbols(meta["library"])
+        dynamic = {offset for name, offset, _ in tls if name == "emu_dynamic_shared"}
+        self.entries = []
+        for i, entry in enumerate(meta["entries"]):
+            address = self._symbol(f"emu_entry_{i}")
+            kernel_address = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._symbol(f"emu_kernel_{i}"))()
+            info = _DlInfo()
+            _dladdr(kernel_address, ctypes.byref(info))
+            names = functions.get(kernel_address - info.fbase, [])
+            symbol = next((n for n in names if n.startswith("_Z")), names[0] if names else "")
+            buf = ctypes.create_string_buffer(_ERROR_BYTES)
+            ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_int)(self._symbol(f"emu_signature_{i}"))(buf, _ERROR_BYTES)
+            self.entries.append({**entry, "address": address, "symbol": symbol,
+                                 "signature": _parse_signature(buf.value.decode()),
+                                 "static_shared": _static_shared(symbol, tls, dynamic)})
+
+    def _symbol(self, name):
+        address = runtime().emu_module_symbol(self.handle, name.encode())
+        if not address:
+            raise CompileError(f"emulator module lacks {name}")
+        return address
+
+
+def _parse_signature(text):
+    parameters = []
+    for item in filter(None, text.split(";")):
+        pointer, const, kind, size, count, align = item.split(",")
+        parameters.append({"pointer": pointer == "1", "const": const == "1", "kind": kind,
+                           "size": int(size), "count": int(count), "align": int(align)})
+    return parameters
+
+
+def _static_shared(symbol, tls, dynamic):
+    """Bytes of the __shared__ arrays a kernel declares in its body (their symbols are
+    _ZZ<kernel>E<name>), plus any at namespace scope."""
+    encoding = symbol[2:] if symbol.startswith("_Z") else f"{len(symbol)}{symbol}"
+    own = f"_ZZ{encoding}E"
+    return sum(size for name, offset, size in tls
+               if offset not in dynamic and (name.startswith(own) or not name.startswith("_ZZ")))

@@ -1,0 +1,190 @@
+"""RawModule and RawKernel: cupy.RawModule / cupy.RawKernel for NumPy arrays, run on the CPU."""
+import contextlib
+import ctypes
+import os
+
+import numpy as np
+
+from . import build
+from .arguments import Parameter, StagedArguments, c_type_name, convert_array, convert_scalar
+from .errors import KernelError, LaunchError
+from .native import Module, runtime
+
+# What a GPU of the project (sm_80, sm_90) accepts.
+MAX_THREADS_PER_BLOCK = 1024
+MAX_BLOCK_DIM = (1024, 1024, 64)
+MAX_GRID_DIM = (2**31 - 1, 65535, 65535)
+SHARED_BYTES_WITHOUT_OPT_IN = 48 * 1024
+SHARED_BYTES_OPT_IN = build.DYNAMIC_SHARED_BYTES  # sm_90's 227 KiB
+
+ORDERS = ("ascending", "descending")
+_order = [os.environ.get("CUDA_EMU_ORDER", "ascending")]
+
+
+@contextlib.contextmanager
+def thread_order(order):
+    """Run the launches inside the block in this order of the threads (and of the blocks):
+    "ascending" (the default) or "descending". A kernel that misses a __syncthreads() reads
+    before the write in one order or the other, so its result is wrong in at least one."""
+    if order not in ORDERS:
+        raise ValueError(f"thread order must be one of {ORDERS}, not {order!r}")
+    _order.append(order)
+    try:
+        yield
+    finally:
+        _order.pop()
+
+
+class RawModule:
+    """cupy.RawModule(code=..., options=..., name_expressions=...) compiled for the emulator."""
+
+    def __init__(self, code=None, *, path=None, options=(), backend="nvrtc", translate_cucomplex=False,
+                 enable_cooperative_groups=False, name_expressions=None, jitify=False):
+        if code is None:
+            raise LaunchError("the emulator compiles sources: RawModule(code=...); it cannot load "
+                              f"a compiled module from {path!r}")
+        if enable_cooperative_groups or jitify:
+            raise LaunchError("the emulator supports neither cooperative groups nor jitify")
+        self.code, self.options = code, tuple(options)
+        self.name_expressions = tuple(name_expressions or ())
+        self._module = Module(build.build_module(code, self.options, self.name_expressions))
+
+    def get_function(self, name):
+        """The kernel named by a name expression given to the constructor, or by its symbol:
+        the plain name of an extern "C" kernel (as CuPy looks kernels up)."""
+        entries = self._module.entries
+        by_expression = [e for e in entries if e["expression"] == name and name in self.name_expressions]
+        found = by_expression or [e for e in entries if e["symbol"] == name]
+        if not found:
+            cxx = [e["kernel"] for e in entries if e["kernel"] == name and e["symbol"].startswith("_Z")]
+            hint = (f"; kernel '{name}' has C++ linkage: declare it extern \"C\" or pass it in name_expressions"
+                    if cxx else "")
+            known = sorted({e["symbol"] for e in entries if not e["symbol"].startswith("_Z")} | set(self.name_expressions))
+            raise LaunchError(f"no kernel named '{name}' in the module (named symbol not found){hint}; "
+                              f"kernels: {', '.join(known) or 'none'}")
+        return RawKernel._from_entry(self, found[0], name)
+
+
+class RawKernel:
+    """cupy.RawKernel(code, name, options=...), or a function of a RawModule."""
+
+    def __init__(self, code, name, options=(), backend="nvrtc", translate_cucomplex=False, *,
+                 enable_cooperative_groups=False, jitify=False):
+        module = RawModule(code=code, options=options, enable_cooperative_groups=enable_cooperative_groups,
+                           jitify=jitify)
+        entry = module.get_function(name)
+        self.__dict__.update(entry.__dict__)
+
+    @classmethod
+    def _from_entry(cls, module, entry, name):
+        kernel = cls.__new__(cls)
+        kernel.module, kernel.name, kernel._entry = module, name, entry
+        kernel._max_dynamic_shared = SHARED_BYTES_WITHOUT_OPT_IN - entry["static_shared"]
+        declarations = entry["parameters"] if len(entry["parameters"]) == len(entry["signature"]) else None
+        kernel._parameters = [Parameter(i, name, spec, declarations[i] if declarations else c_type_name(spec))
+                              for i, spec in enumerate(entry["signature"])]
+        return kernel
+
+    @property
+    def max_threads_per_block(self):
+        return self._entry["launch_bounds"] or MAX_THREADS_PER_BLOCK
+
+    @property
+    def shared_size_bytes(self):
+        """The static shared memory the kernel declares in its body."""
+        return self._entry["static_shared"]
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self._max_dynamic_shared
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        if value + self.shared_size_bytes > SHARED_BYTES_OPT_IN:
+            raise LaunchError(f"kernel '{self.name}': {value} bytes of dynamic shared memory plus its "
+                              f"{self.shared_size_bytes} static bytes exceed the {SHARED_BYTES_OPT_IN} a GPU allows")
+        self._max_dynamic_shared = int(value)
+
+    def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
+        if enable_cooperative_groups:
+            raise LaunchError(f"kernel '{self.name}': the emulator does not support cooperative launches")
+        grid, block = self._launch_shape(grid, block)
+        shared_mem = self._check_shared_memory(shared_mem)
+        arrays, values = self._convert(args)
+        staged = StagedArguments(arrays)
+        try:
+            pointers = (ctypes.c_void_p * max(1, len(values)))()
+            for i, value in enumerate(values):
+                if value is _ARRAY:
+                    value = ctypes.c_void_p(staged.pointers[i])
+                values[i] = value
+                pointers[i] = ctypes.cast(ctypes.pointer(value), ctypes.c_void_p)
+            err = ctypes.create_string_buffer(4096)
+            fault = ctypes.c_uint64(0)
+            failed = runtime().emu_launch(self.module._module.handle, self._entry["address"], pointers,
+                                          (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                                          int(_order[-1] == "descending"), ctypes.byref(fault), err, len(err))
+            problems = staged.finish()
+            if failed:
+                near = staged.region_near(fault.value) if fault.value else ""
+                problems.append(f"failed: {err.value.decode()}{near}")
+            if problems:
+                raise KernelError(f"kernel '{self.name}' " + "\n".join(problems))
+        finally:
+            staged.free()
+
+    def _launch_shape(self, grid, block):
+        """CuPy's rules: tuples of up to three ints, missing ones 1, zeros raised to 1."""
+        shapes = []
+        for what, value in (("grid", grid), ("block", block)):
+            if not isinstance(value, tuple):
+                raise LaunchError(f"kernel '{self.name}': {what} must be a tuple, not {type(value).__name__}")
+            shapes.append(tuple(max(1, int(v)) for v in (value + (1, 1))[:3]))
+        grid, block = shapes
+        threads = block[0] * block[1] * block[2]
+        if any(b > m for b, m in zip(block, MAX_BLOCK_DIM)) or threads > MAX_THREADS_PER_BLOCK:
+            raise LaunchError(f"kernel '{self.name}': block {block} has {threads} threads; a GPU allows "
+                              f"{MAX_THREADS_PER_BLOCK} per block and at most {MAX_BLOCK_DIM} per dimension")
+        if threads > self.max_threads_per_block:
+            raise LaunchError(f"kernel '{self.name}': block {block} has {threads} threads, more than its "
+                              f"__launch_bounds__({self.max_threads_per_block})")
+        if any(g > m for g, m in zip(grid, MAX_GRID_DIM)):
+            raise LaunchError(f"kernel '{self.name}': grid {grid} exceeds a GPU's limits {MAX_GRID_DIM}")
+        return grid, block
+
+    def _check_shared_memory(self, shared_mem):
+        shared_mem = int(shared_mem)
+        if shared_mem < 0:
+            raise LaunchError(f"kernel '{self.name}': shared_mem={shared_mem} is negative")
+        static = self.shared_size_bytes
+        if shared_mem > self._max_dynamic_shared:
+            limit = (f"a GPU allows {SHARED_BYTES_WITHOUT_OPT_IN} bytes of shared memory per block without "
+                     f"opt-in (max_dynamic_shared_size_bytes)"
+                     if self._max_dynamic_shared == SHARED_BYTES_WITHOUT_OPT_IN - static
+                     else f"max_dynamic_shared_size_bytes is {self._max_dynamic_shared}")
+            raise LaunchError(f"kernel '{self.name}': shared_mem={shared_mem} bytes of dynamic shared memory "
+                              f"(plus {static} static): {limit}")
+        return shared_mem
+
+    def _convert(self, args):
+        args = tuple(args)
+        if len(args) != len(self._parameters):
+            declared = ", ".join(p.declaration for p in self._parameters)
+            raise LaunchError(f"kernel '{self.name}' takes {len(self._parameters)} arguments ({declared}), "
+                              f"got {len(args)}")
+        arrays, values = [], []
+        for param, arg in zip(self._parameters, args):
+            if isinstance(arg, np.ndarray):
+                convert_array(param, arg)
+                arrays.append((param, arg))
+                values.append(_ARRAY)
+            elif arg is None:
+                if not param.spec["pointer"]:
+                    raise LaunchError(f"{param.label()}: got None for a parameter that is not a pointer")
+                values.append(ctypes.c_void_p(0))
+            else:
+                values.append(convert_scalar(param, arg))
+        return arrays, values
+
+
+_ARRAY = object()  # placeholder for an array argument until its guarded copy exists

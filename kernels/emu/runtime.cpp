@@ -1,0 +1,665 @@
+// The emulator's runtime: runs a kernel's grid on the calling OS thread with CUDA's
+// execution semantics. Compiled once per machine into a shared library (see build.py);
+// every kernel module links against it.
+//
+// Blocks run one after another. The threads of a block are fibers: each runs until it
+// reaches a barrier or a warp-level operation, or returns, and then hands control back to
+// the scheduler, which resumes the runnable fibers in a fixed order (ascending thread index,
+// or descending on request) in sweeps:
+//   - __syncthreads() releases when every thread that has not returned has arrived;
+//   - a warp operation completes when every lane its mask names has arrived at the same
+//     operation with the same mask, or has returned;
+//   - a sweep in which nothing can run is a deadlock, reported with what each thread waits for.
+// Shared memory is the module's thread-local storage (cuda_emu.h), filled with 0xff bytes (NaN
+// in every float width) before each block. Faults (segmentation, bus, arithmetic errors) in a
+// kernel end the launch with an error naming the thread instead of killing the process.
+#include "emu_abi.h"
+
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#if !defined(__x86_64__) || defined(EMU_UCONTEXT)
+#include <ucontext.h>
+#endif
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace {
+
+enum FiberState : int { RUNNABLE, AT_BARRIER, AT_WARP, RETURNED };
+
+// Lives at the base of the fiber's stack slot; `pub` must come first (cuda_emu.h finds it
+// by masking the stack pointer).
+struct Fiber {
+    emu_thread pub;
+    void* sp;  // saved stack pointer while switched out
+    int state;
+    int index, lane, warp;
+    // what the fiber asked for at its barrier or warp operation, and what it gets back
+    int op, arg, width;
+    unsigned mask;
+    std::uint64_t value, result;
+#if !defined(__x86_64__) || defined(EMU_UCONTEXT)
+    ucontext_t context;
+#endif
+};
+static_assert(sizeof(Fiber) <= kEmuPageBytes, "the descriptor must fit in the slot's first page");
+
+struct Module {
+    void* handle;
+    void* (*dynamic_shared)();  // this OS thread's dynamic shared memory buffer
+    std::size_t tls_bytes;       // the module's thread-local block: all of its shared memory
+};
+
+// A canary after the dynamic shared memory a launch asked for: a write past it shows.
+constexpr std::size_t kSharedTailBytes = 256;
+constexpr unsigned char kSharedTail = 0xa5;
+
+struct Launch {
+    void (*entry)(void**);
+    void** args;
+    dim3 grid, block;
+    int threads;
+    bool descending;
+    int live, at_barrier;
+    int barrier_sum, barrier_and, barrier_or;
+    std::vector<unsigned> returned_lanes;  // per warp: lanes that returned, or that do not exist
+    Fiber* current;
+    void* scheduler_sp;
+    bool failed;
+    std::string error;
+    // shared memory of this OS thread's copy of the module
+    unsigned char* tls;
+    std::size_t tls_bytes;
+    unsigned char* dynamic;
+    std::size_t dynamic_bytes;
+};
+
+Launch* g_launch = nullptr;
+std::mutex g_launch_mutex;
+
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string format(const char* fmt, ...) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    return buf;
+}
+
+std::string describe_thread(const Fiber* f) {
+    const emu_thread& t = f->pub;
+    return format("thread (%u,%u,%u) of block (%u,%u,%u)", t.thread_idx.x, t.thread_idx.y, t.thread_idx.z,
+                  t.block_idx.x, t.block_idx.y, t.block_idx.z);
+}
+
+// ---- stack slots -------------------------------------------------------------------------------
+// One slot per thread of the largest block seen, reserved once and reused by every launch.
+struct SlotPool {
+    unsigned char* base = nullptr;
+    int count = 0;
+
+    Fiber* fiber(int i) const { return reinterpret_cast<Fiber*>(base + std::size_t(i) * kEmuSlotBytes); }
+    unsigned char* stack_top(int i) const { return base + std::size_t(i + 1) * kEmuSlotBytes; }
+    unsigned char* guard(int i) const { return base + std::size_t(i) * kEmuSlotBytes + kEmuPageBytes; }
+
+    bool reserve(int n) {
+        if (n <= count) return true;
+        if (base) munmap(base - alignment_waste, std::size_t(count) * kEmuSlotBytes + kEmuSlotBytes);
+        // Over-allocate by one slot to align the first slot to kEmuSlotBytes.
+        const std::size_t bytes = std::size_t(n) * kEmuSlotBytes + kEmuSlotBytes;
+        void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) {
+            base = nullptr;
+            count = 0;
+            return false;
+        }
+        const std::uintptr_t raw = reinterpret_cast<std::uintptr_t>(p);
+        const std::uintptr_t aligned = (raw + kEmuSlotBytes - 1) & ~(kEmuSlotBytes - 1);
+        alignment_waste = aligned - raw;
+        base = reinterpret_cast<unsigned char*>(aligned);
+        count = n;
+        for (int i = 0; i < n; ++i) mprotect(guard(i), kEmuPageBytes, PROT_NONE);
+        return true;
+    }
+
+  private:
+    std::size_t alignment_waste = 0;
+};
+
+SlotPool g_slots;
+
+// ---- context switch ----------------------------------------------------------------------------
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
+// A switch saves the callee-saved registers on the old stack and restores them from the new
+// one: no system call (swapcontext makes one per switch to save the signal mask).
+extern "C" void emu_switch_stack(void** save_sp, void* next_sp);
+extern "C" void emu_fiber_trampoline();
+asm(R"(
+    .text
+    .p2align 4
+    .type emu_switch_stack, @function
+emu_switch_stack:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch_stack, .-emu_switch_stack
+
+    .p2align 4
+    .type emu_fiber_trampoline, @function
+emu_fiber_trampoline:
+    .cfi_startproc
+    .cfi_undefined rip
+    movq %rbx, %rdi
+    call emu_fiber_main
+    ud2
+    .cfi_endproc
+    .size emu_fiber_trampoline, .-emu_fiber_trampoline
+)");
+
+void prepare_fiber(Fiber* f, unsigned char* top) {
+    // Six callee-saved registers, then the return address of the first switch: the
+    // trampoline, which calls emu_fiber_main(rbx) with the stack 16-byte aligned.
+    // After the six pops and the ret, the stack pointer is `aligned`.
+    const std::uintptr_t aligned = (reinterpret_cast<std::uintptr_t>(top) & ~std::uintptr_t(15)) - 16;
+    auto* words = reinterpret_cast<std::uintptr_t*>(aligned - 7 * sizeof(std::uintptr_t));
+    for (int i = 0; i < 6; ++i) words[i] = 0;
+    words[4] = reinterpret_cast<std::uintptr_t>(f);  // rbx
+    words[6] = reinterpret_cast<std::uintptr_t>(&emu_fiber_trampoline);
+    f->sp = words;
+}
+
+inline void switch_to_fiber(Fiber* f) { emu_switch_stack(&g_launch->scheduler_sp, f->sp); }
+inline void switch_to_scheduler(Fiber* f) { emu_switch_stack(&f->sp, g_launch->scheduler_sp); }
+#else
+// Portable fallback: ucontext (one system call per switch).
+ucontext_t g_scheduler_context;
+
+extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(Fiber* f);
+void fiber_start(unsigned hi, unsigned lo) {
+    emu_fiber_main(reinterpret_cast<Fiber*>((std::uintptr_t(hi) << 32) | lo));
+}
+
+void prepare_fiber(Fiber* f, unsigned char* top) {
+    getcontext(&f->context);
+    unsigned char* bottom = reinterpret_cast<unsigned char*>(f) + 2 * kEmuPageBytes;
+    f->context.uc_stack.ss_sp = bottom;
+    f->context.uc_stack.ss_size = std::size_t(top - bottom);
+    f->context.uc_link = nullptr;
+    const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(f);
+    makecontext(&f->context, reinterpret_cast<void (*)()>(&fiber_start), 2, unsigned(p >> 32), unsigned(p));
+}
+
+inline void switch_to_fiber(Fiber* f) { swapcontext(&g_scheduler_context, &f->context); }
+inline void switch_to_scheduler(Fiber* f) { swapcontext(&f->context, &g_scheduler_context); }
+#endif
+
+// ---- failures ----------------------------------------------------------------------------------
+void fail(std::string message) {
+    if (!g_launch->failed) {
+        g_launch->failed = true;
+        g_launch->error = std::move(message);
+    }
+}
+
+// Ends the running fiber's part in the launch: the scheduler sees `failed` and stops.
+[[noreturn]] void fail_in_fiber(const std::string& message) {
+    Fiber* f = g_launch->current;
+    fail(describe_thread(f) + ": " + message);
+    switch_to_scheduler(f);
+    std::abort();  // a failed launch never resumes its fibers
+}
+
+// ---- warps -------------------------------------------------------------------------------------
+const char* warp_op_name(int op) {
+    static const char* const names[] = {"__shfl_sync",   "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
+                                        "__ballot_sync", "__any_sync",     "__all_sync",       "__syncwarp"};
+    return names[op];
+}
+
+// A lane's result under PTX's shfl.sync rules: CUDA's width w becomes the segment mask
+// 32 - w, the source lane or offset is taken modulo 32, and a source outside the lane's
+// segment yields the lane's own value. Reading a lane that does not take part is undefined
+// on a GPU; here it yields all one bits (NaN for floats) so that it shows.
+Fiber* warp_lane(int warp, int lane) { return g_slots.fiber(warp * 32 + lane); }
+
+std::uint64_t shuffle_result(int warp, unsigned group, const Fiber* f) {
+    const int lane = f->lane;
+    const int segmask = 32 - f->width;
+    const int b = f->arg & 31;
+    const int low = lane & segmask;
+    const int high = low | (31 & ~segmask);
+    int src = lane;
+    bool inside = true;
+    switch (f->op) {
+        case EMU_SHFL_IDX: src = low | (b & ~segmask); break;
+        case EMU_SHFL_UP: src = lane - b; inside = src >= low; break;
+        case EMU_SHFL_DOWN: src = lane + b; inside = src <= high; break;
+        case EMU_SHFL_XOR: src = lane ^ b; inside = src <= high; break;
+    }
+    if (!inside) src = lane;
+    if (!(group >> src & 1u)) return ~std::uint64_t(0);
+    return warp_lane(warp, src)->value;
+}
+
+// Completes the group of lanes waiting with `mask` in `warp` if every lane the mask names
+// is there (same operation, same mask) or has returned; makes them runnable again.
+void try_complete_warp(int warp, unsigned mask) {
+    Launch& g = *g_launch;
+    const unsigned returned = g.returned_lanes[warp];
+    unsigned group = 0;
+    int op = -1;
+    for (int lane = 0; lane < 32; ++lane) {
+        if (!(mask >> lane & 1u) || (returned >> lane & 1u)) continue;
+        const Fiber* f = warp_lane(warp, lane);
+        if (f->state != AT_WARP || f->mask != mask || (op >= 0 && f->op != op)) return;
+        op = f->op;
+        group |= 1u << lane;
+    }
+    if (group == 0) return;
+    unsigned votes = 0;
+    for (int lane = 0; lane < 32; ++lane)
+        if ((group >> lane & 1u) && warp_lane(warp, lane)->value) votes |= 1u << lane;
+    for (int lane = 0; lane < 32; ++lane) {
+        if (!(group >> lane & 1u)) continue;
+        Fiber* f = warp_lane(warp, lane);
+        switch (op) {
+            case EMU_BALLOT: f->result = votes; break;
+            case EMU_ANY: f->result = votes != 0; break;
+            case EMU_ALL: f->result = votes == group; break;
+            case EMU_SYNCWARP: f->result = 0; break;
+            default: f->result = shuffle_result(warp, group, f); break;
+        }
+    }
+    for (int lane = 0; lane < 32; ++lane)
+        if (group >> lane & 1u) warp_lane(warp, lane)->state = RUNNABLE;
+}
+
+// A returned lane no longer holds anyone up: retry every group waiting in its warp.
+void release_warp_after_return(int warp) {
+    unsigned tried = 0;
+    for (int lane = 0; lane < 32; ++lane) {
+        if (warp * 32 + lane >= g_launch->threads) break;
+        const Fiber* f = warp_lane(warp, lane);
+        if (f->state == AT_WARP && !(tried >> lane & 1u)) {
+            tried |= f->mask;
+            try_complete_warp(warp, f->mask);
+        }
+    }
+}
+
+std::string lane_list(unsigned lanes) {
+    std::string s;
+    for (int lane = 0; lane < 32;) {
+        if (!(lanes >> lane & 1u)) {
+            ++lane;
+            continue;
+        }
+        int end = lane;
+        while (end + 1 < 32 && (lanes >> (end + 1) & 1u)) ++end;
+        s += s.empty() ? "" : ",";
+        s += end == lane ? format("%d", lane) : format("%d-%d", lane, end);
+        lane = end + 1;
+    }
+    return s;
+}
+
+// ---- the scheduler -----------------------------------------------------------------------------
+std::string describe_deadlock() {
+    Launch& g = *g_launch;
+    std::string s = format("deadlock in block (%u,%u,%u): ", g_slots.fiber(0)->pub.block_idx.x,
+                           g_slots.fiber(0)->pub.block_idx.y, g_slots.fiber(0)->pub.block_idx.z);
+    s += format("%d of %d threads wait at __syncthreads()", g.at_barrier, g.live);
+    for (int w = 0; w * 32 < g.threads; ++w) {
+        unsigned waiting = 0;
+        const Fiber* first = nullptr;
+        for (int lane = 0; lane < 32 && w * 32 + lane < g.threads; ++lane) {
+            const Fiber* f = warp_lane(w, lane);
+            if (f->state == AT_WARP) {
+                waiting |= 1u << lane;
+                if (!first) first = f;
+            }
+        }
+        if (waiting)
+            s += format("; warp %d: lanes %s wait in %s(mask 0x%08x) for lanes %s", w, lane_list(waiting).c_str(),
+                        warp_op_name(first->op), first->mask,
+                        lane_list(first->mask & ~waiting & ~g.returned_lanes[w]).c_str());
+    }
+    return s;
+}
+
+void release_barrier() {
+    Launch& g = *g_launch;
+    for (int i = 0; i < g.threads; ++i) {
+        Fiber* f = g_slots.fiber(i);
+        if (f->state != AT_BARRIER) continue;
+        f->state = RUNNABLE;
+        switch (f->op) {
+            case 0: f->result = std::uint64_t(g.barrier_sum); break;
+            case 1: f->result = g.barrier_and; break;
+            default: f->result = g.barrier_or; break;
+        }
+    }
+    g.at_barrier = 0;
+    g.barrier_sum = 0;
+    g.barrier_and = 1;
+    g.barrier_or = 0;
+}
+
+void fill_shared_memory() {
+    Launch& g = *g_launch;
+    const std::size_t dyn_offset = std::size_t(g.dynamic - g.tls);
+    std::memset(g.tls, 0xff, dyn_offset);
+    std::memset(g.dynamic, 0xff, g.dynamic_bytes);
+    std::memset(g.dynamic + g.dynamic_bytes, kSharedTail, kSharedTailBytes);
+    const std::size_t after = dyn_offset + kEmuDynamicSharedBytes;
+    if (after < g.tls_bytes) std::memset(g.tls + after, 0xff, g.tls_bytes - after);
+}
+
+bool dynamic_shared_tail_intact() {
+    const unsigned char* tail = g_launch->dynamic + g_launch->dynamic_bytes;
+    for (std::size_t i = 0; i < kSharedTailBytes; ++i)
+        if (tail[i] != kSharedTail) return false;
+    return true;
+}
+
+void start_block(uint3 block_idx) {
+    Launch& g = *g_launch;
+    const dim3 b = g.block;
+    for (int i = 0; i < g.threads; ++i) {
+        Fiber* f = g_slots.fiber(i);
+        f->pub.thread_idx = uint3{unsigned(i) % b.x, unsigned(i) / b.x % b.y, unsigned(i) / (b.x * b.y)};
+        f->pub.block_idx = block_idx;
+        f->pub.block_dim = g.block;
+        f->pub.grid_dim = g.grid;
+        f->state = RUNNABLE;
+        f->index = i;
+        f->lane = i % 32;
+        f->warp = i / 32;
+        prepare_fiber(f, g_slots.stack_top(i));
+    }
+    const int warps = (g.threads + 31) / 32;
+    g.returned_lanes.assign(warps, 0);
+    const int last = g.threads - (warps - 1) * 32;
+    if (last < 32) g.returned_lanes[warps - 1] = ~0u << last;  // lanes that do not exist
+    g.live = g.threads;
+    g.at_barrier = 0;
+    g.barrier_sum = 0;
+    g.barrier_and = 1;
+    g.barrier_or = 0;
+}
+
+bool run_block(uint3 block_idx) {
+    Launch& g = *g_launch;
+    fill_shared_memory();
+    start_block(block_idx);
+    for (;;) {
+        bool ran = false;
+        for (int k = 0; k < g.threads; ++k) {
+            Fiber* f = g_slots.fiber(g.descending ? g.threads - 1 - k : k);
+            if (f->state != RUNNABLE) continue;
+            g.current = f;
+            switch_to_fiber(f);
+            g.current = nullptr;
+            if (g.failed) return false;
+            ran = true;
+        }
+        if (g.live == 0) break;
+        if (g.at_barrier == g.live) {
+            release_barrier();
+            continue;
+        }
+        if (!ran) {
+            fail(describe_deadlock());
+            return false;
+        }
+    }
+    if (!dynamic_shared_tail_intact()) {
+        fail(format("block (%u,%u,%u) wrote past the %zu bytes of dynamic shared memory the launch asked for",
+                    block_idx.x, block_idx.y, block_idx.z, g.dynamic_bytes));
+        return false;
+    }
+    return true;
+}
+
+// ---- faults --------------------------------------------------------------------------------------
+// SIGSEGV & co. raised by a kernel end the launch with an error, via the alternate signal stack
+// (the faulting fiber's stack may be the thing that overflowed).
+constexpr int kFaultSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+sigjmp_buf g_fault_jump;
+std::uintptr_t g_fault_address;
+pthread_t g_launch_thread;
+struct sigaction g_previous_actions[4];
+
+void on_fault(int sig, siginfo_t* info, void*) {
+    if (!g_launch || !pthread_equal(pthread_self(), g_launch_thread)) {
+        // Not ours: put back the previous handler and let the fault happen again under it.
+        for (int i = 0; i < 4; ++i)
+            if (kFaultSignals[i] == sig) sigaction(sig, &g_previous_actions[i], nullptr);
+        return;
+    }
+    const Fiber* f = g_launch->current;
+    const auto address = reinterpret_cast<std::uintptr_t>(info->si_addr);
+    g_fault_address = address;
+    std::string what = sig == SIGSEGV ? "segmentation fault"
+                       : sig == SIGBUS ? "bus error"
+                       : sig == SIGFPE ? "arithmetic exception (integer division by zero?)"
+                                       : "illegal instruction";
+    if (f) {
+        const auto guard = reinterpret_cast<std::uintptr_t>(g_slots.guard(f->index));
+        if (sig == SIGSEGV && address >= guard && address < guard + kEmuPageBytes)
+            what = format("stack overflow (each thread has a stack of %zu KiB)",
+                          (kEmuSlotBytes - 2 * kEmuPageBytes) / 1024);
+        fail(describe_thread(f) + ": " + what + format(" at address 0x%lx", static_cast<unsigned long>(address)));
+    } else {
+        fail("emulator: " + what + format(" at address 0x%lx outside any kernel thread", static_cast<unsigned long>(address)));
+    }
+    siglongjmp(g_fault_jump, 1);
+}
+
+class FaultHandlers {
+  public:
+    FaultHandlers() {
+        stack_t alt{};
+        alt.ss_sp = alt_stack_;
+        alt.ss_size = sizeof alt_stack_;
+        sigaltstack(&alt, &previous_stack_);
+        struct sigaction action {};
+        action.sa_sigaction = on_fault;
+        action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+        sigemptyset(&action.sa_mask);
+        for (int i = 0; i < 4; ++i) sigaction(kFaultSignals[i], &action, &g_previous_actions[i]);
+    }
+    ~FaultHandlers() {
+        for (int i = 0; i < 4; ++i) sigaction(kFaultSignals[i], &g_previous_actions[i], nullptr);
+        sigaltstack(&previous_stack_, nullptr);
+    }
+
+  private:
+    alignas(16) static inline unsigned char alt_stack_[64 * 1024];
+    stack_t previous_stack_{};
+};
+
+}  // namespace
+
+// ---- called by kernels -------------------------------------------------------------------------
+extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(Fiber* f) {
+    Launch& g = *g_launch;
+    g.entry(g.args);
+    f->state = RETURNED;
+    --g.live;
+    g.returned_lanes[f->warp] |= 1u << f->lane;
+    release_warp_after_return(f->warp);
+    switch_to_scheduler(f);
+    std::abort();  // a returned fiber is never resumed
+}
+
+extern "C" int emu_syncthreads_reduce(int predicate, int how) {
+    Launch& g = *g_launch;
+    Fiber* f = g.current;
+    f->state = AT_BARRIER;
+    f->op = how;
+    ++g.at_barrier;
+    g.barrier_sum += predicate != 0;
+    g.barrier_and &= predicate != 0;
+    g.barrier_or |= predicate != 0;
+    switch_to_scheduler(f);
+    return int(f->result);
+}
+
+extern "C" void emu_syncthreads(void) { emu_syncthreads_reduce(1, 0); }
+
+extern "C" std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, int arg, int width) {
+    Fiber* f = g_launch->current;
+    if (!(mask >> f->lane & 1u))
+        fail_in_fiber(format("%s with mask 0x%08x, which leaves out the calling lane %d", warp_op_name(op), mask,
+                             f->lane));
+    if (width < 1 || width > 32 || (width & (width - 1)))
+        fail_in_fiber(format("%s with width %d: it must be a power of 2 from 1 to 32", warp_op_name(op), width));
+    f->state = AT_WARP;
+    f->op = op;
+    f->mask = mask;
+    f->value = value;
+    f->arg = arg;
+    f->width = width;
+    try_complete_warp(f->warp, mask);
+    switch_to_scheduler(f);
+    return f->result;
+}
+
+extern "C" void emu_trap(const char* what) { fail_in_fiber(what); }
+
+extern "C" void emu_assert_fail(const char* expr, const char* file, int line, const char* function) {
+    fail_in_fiber(format("%s:%d: %s: device-side assertion `%s' failed", file, line, function, expr));
+}
+
+// ---- called from Python ------------------------------------------------------------------------
+namespace {
+int find_tls_size(dl_phdr_info* info, std::size_t, void* data) {
+    auto* want = static_cast<std::pair<std::size_t, std::size_t>*>(data);
+    if (info->dlpi_tls_modid != want->first) return 0;
+    for (int i = 0; i < info->dlpi_phnum; ++i)
+        if (info->dlpi_phdr[i].p_type == PT_TLS) want->second = info->dlpi_phdr[i].p_memsz;
+    return 1;
+}
+
+void set_error(char* err, std::size_t errlen, const std::string& message) {
+    std::snprintf(err, errlen, "%s", message.c_str());
+}
+}  // namespace
+
+extern "C" void* emu_module_load(const char* path, char* err, std::size_t errlen) {
+    void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!handle) {
+        set_error(err, errlen, dlerror());
+        return nullptr;
+    }
+    auto* m = new Module{handle, nullptr, 0};
+    m->dynamic_shared = reinterpret_cast<void* (*)()>(dlsym(handle, "emu_dynamic_shared_base"));
+    std::size_t modid = 0;
+    if (!m->dynamic_shared || dlinfo(handle, RTLD_DI_TLS_MODID, &modid) != 0 || modid == 0) {
+        set_error(err, errlen, "not an emulator module (no dynamic shared memory)");
+        dlclose(handle);
+        delete m;
+        return nullptr;
+    }
+    std::pair<std::size_t, std::size_t> tls{modid, 0};
+    dl_iterate_phdr(find_tls_size, &tls);
+    m->tls_bytes = tls.second;
+    return m;
+}
+
+extern "C" void* emu_module_symbol(Module* m, const char* name) { return dlsym(m->handle, name); }
+
+// Runs a grid. Returns 0, or 1 with a message in err (and, after a fault, its address).
+extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const unsigned* grid,
+                          const unsigned* block, std::size_t dynamic_bytes, int descending,
+                          std::uint64_t* fault_address, char* err, std::size_t errlen) {
+    std::lock_guard<std::mutex> lock(g_launch_mutex);
+    Launch g{};
+    g.entry = entry;
+    g.args = args;
+    g.grid = dim3(grid[0], grid[1], grid[2]);
+    g.block = dim3(block[0], block[1], block[2]);
+    g.threads = int(block[0] * block[1] * block[2]);
+    g.descending = descending != 0;
+    g.dynamic_bytes = dynamic_bytes;
+    g.dynamic = static_cast<unsigned char*>(m->dynamic_shared());  // allocates this thread's copy
+    void* tls = nullptr;
+    dlinfo(m->handle, RTLD_DI_TLS_DATA, &tls);
+    g.tls = static_cast<unsigned char*>(tls);
+    g.tls_bytes = m->tls_bytes;
+    if (!g.tls || g.dynamic < g.tls || g.dynamic + kEmuDynamicSharedBytes > g.tls + g.tls_bytes ||
+        dynamic_bytes + kSharedTailBytes > kEmuDynamicSharedBytes) {
+        set_error(err, errlen, "emulator: shared memory layout not as expected");
+        return 1;
+    }
+    if (!g_slots.reserve(g.threads)) {
+        set_error(err, errlen, "emulator: cannot reserve the threads' stacks");
+        return 1;
+    }
+    g_launch = &g;
+    g_launch_thread = pthread_self();
+    g_fault_address = 0;
+    {
+        FaultHandlers handlers;
+        if (sigsetjmp(g_fault_jump, 1) == 0) {
+            const long long blocks = (long long)grid[0] * grid[1] * grid[2];
+            for (long long k = 0; k < blocks && !g.failed; ++k) {
+                const long long b = g.descending ? blocks - 1 - k : k;
+                const uint3 idx{unsigned(b % grid[0]), unsigned(b / grid[0] % grid[1]),
+                                unsigned(b / ((long long)grid[0] * grid[1]))};
+                run_block(idx);
+            }
+        }
+    }
+    g_launch = nullptr;
+    *fault_address = g_fault_address;
+    std::fflush(stdout);
+    if (g.failed) set_error(err, errlen, g.error);
+    return g.failed ? 1 : 0;
+}
+
+// Memory for a launch's copy of an array argument: `bytes` (rounded up to pages) between
+// fences of inaccessible pages, so that a stray access beyond the canary zones faults.
+constexpr std::size_t kFenceBytes = std::size_t(1) << 20;
+
+extern "C" void* emu_fenced_alloc(std::size_t bytes) {
+    const std::size_t rounded = (bytes + kEmuPageBytes - 1) / kEmuPageBytes * kEmuPageBytes;
+    void* p = mmap(nullptr, rounded + 2 * kFenceBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    unsigned char* usable = static_cast<unsigned char*>(p) + kFenceBytes;
+    if (mprotect(usable, rounded, PROT_READ | PROT_WRITE) != 0) {
+        munmap(p, rounded + 2 * kFenceBytes);
+        return nullptr;
+    }
+    return usable;
+}
+
+extern "C" void emu_fenced_free(void* usable, std::size_t bytes) {
+    const std::size_t rounded = (bytes + kEmuPageBytes - 1) / kEmuPageBytes * kEmuPageBytes;
+    munmap(static_cast<unsigned char*>(usable) - kFenceBytes, rounded + 2 * kFenceBytes);
+}
