@@ -48,7 +48,7 @@ inline const emu_thread* self() {
 #else
     sp = reinterpret_cast<std::uintptr_t>(__builtin_frame_address(0));
 #endif
-    return reinterpret_cast<const emu_thread*>(sp & ~(kEmuSlotBytes - 1));
+    return reinterpret_cast<const emu_thread*>((sp & ~(kEmuSlotBytes - 1)) + kEmuThreadOffset);
 }
 
 template <class T>

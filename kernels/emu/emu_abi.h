@@ -17,11 +17,14 @@ struct dim3 {
     constexpr operator uint3() const { return uint3{x, y, z}; }
 };
 
-// Every CUDA thread runs on its own stack slot: kEmuSlotBytes, aligned to kEmuSlotBytes. The
-// slot starts with the thread's descriptor, then a guard page, then the stack; so a kernel
-// finds its own descriptor by masking its stack pointer: no thread-local storage, no call.
-constexpr std::size_t kEmuSlotBytes = std::size_t(1) << 18;   // 256 KiB
+// Every CUDA thread runs on its own stack slot: kEmuSlotBytes, aligned to kEmuSlotBytes: a
+// guard page, the stack, and at the top the thread's descriptor (kEmuThreadBytes at
+// kEmuThreadOffset). A kernel finds its descriptor from its stack pointer: no thread-local
+// storage, no call.
+constexpr std::size_t kEmuSlotBytes = std::size_t(1) << 18;  // 256 KiB
 constexpr std::size_t kEmuPageBytes = 4096;
+constexpr std::size_t kEmuThreadBytes = 64;
+constexpr std::size_t kEmuThreadOffset = kEmuSlotBytes - kEmuThreadBytes;
 
 struct emu_thread {
     uint3 thread_idx;

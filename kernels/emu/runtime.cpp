@@ -36,24 +36,24 @@
 
 namespace {
 
-enum FiberState : int { RUNNABLE, AT_BARRIER, AT_WARP, RETURNED };
+enum FiberState : unsigned char { RUNNABLE, AT_BARRIER, AT_WARP, RETURNED };
 
-// Lives at the base of the fiber's stack slot; `pub` must come first (cuda_emu.h finds it
-// by masking the stack pointer).
-struct Fiber {
+// What a thread's stack slot holds besides its stack (see emu_abi.h); `pub` must come first.
+struct Slot {
     emu_thread pub;
     void* sp;  // saved stack pointer while switched out
-    int state;
-    int index, lane, warp;
-    // what the fiber asked for at its barrier or warp operation, and what it gets back
-    int op, arg, width;
-    unsigned mask;
-    std::uint64_t value, result;
-#if !defined(__x86_64__) || defined(EMU_UCONTEXT)
-    ucontext_t context;
-#endif
 };
-static_assert(sizeof(Fiber) <= kEmuPageBytes, "the descriptor must fit in the slot's first page");
+static_assert(sizeof(Slot) <= kEmuThreadBytes, "the descriptor must fit its place in the slot");
+
+// The lanes of a warp and what each asked for in a warp operation. Kept together, apart
+// from the stacks, so that a rendezvous reads one small structure and not 32 stack slots.
+struct Warp {
+    unsigned returned;  // lanes that returned, or that do not exist (a partial last warp)
+    unsigned waiting;   // lanes waiting in a warp operation
+    unsigned mask[32];
+    int op[32], arg[32], width[32];
+    std::uint64_t value[32], result[32];
+};
 
 struct Module {
     void* handle;
@@ -69,12 +69,16 @@ struct Launch {
     void (*entry)(void**);
     void** args;
     dim3 grid, block;
+    uint3 block_idx;
     int threads;
     bool descending;
     int live, at_barrier;
     int barrier_sum, barrier_and, barrier_or;
-    std::vector<unsigned> returned_lanes;  // per warp: lanes that returned, or that do not exist
-    Fiber* current;
+    std::vector<unsigned char> state;   // FiberState of each thread
+    std::vector<unsigned char> how;     // what each thread at the barrier reduces (0 count, 1 and, 2 or)
+    std::vector<int> barrier_result;
+    std::vector<Warp> warps;
+    int current;  // the running thread, or -1 in the scheduler
     void* scheduler_sp;
     bool failed;
     std::string error;
@@ -98,21 +102,18 @@ std::string format(const char* fmt, ...) {
     return buf;
 }
 
-std::string describe_thread(const Fiber* f) {
-    const emu_thread& t = f->pub;
-    return format("thread (%u,%u,%u) of block (%u,%u,%u)", t.thread_idx.x, t.thread_idx.y, t.thread_idx.z,
-                  t.block_idx.x, t.block_idx.y, t.block_idx.z);
-}
-
 // ---- stack slots -------------------------------------------------------------------------------
-// One slot per thread of the largest block seen, reserved once and reused by every launch.
+// One slot per thread of the largest block seen, reserved once and reused by every launch:
+// [guard page | stack ... | descriptor], so that a thread's descriptor and the top of its
+// stack share a page.
 struct SlotPool {
     unsigned char* base = nullptr;
     int count = 0;
 
-    Fiber* fiber(int i) const { return reinterpret_cast<Fiber*>(base + std::size_t(i) * kEmuSlotBytes); }
-    unsigned char* stack_top(int i) const { return base + std::size_t(i + 1) * kEmuSlotBytes; }
-    unsigned char* guard(int i) const { return base + std::size_t(i) * kEmuSlotBytes + kEmuPageBytes; }
+    unsigned char* slot_base(int i) const { return base + std::size_t(i) * kEmuSlotBytes; }
+    Slot* slot(int i) const { return reinterpret_cast<Slot*>(slot_base(i) + kEmuThreadOffset); }
+    unsigned char* stack_top(int i) const { return slot_base(i) + kEmuThreadOffset; }
+    unsigned char* guard(int i) const { return slot_base(i); }
 
     bool reserve(int n) {
         if (n <= count) return true;
@@ -139,6 +140,12 @@ struct SlotPool {
 };
 
 SlotPool g_slots;
+
+std::string describe_thread(int i) {
+    const emu_thread& t = g_slots.slot(i)->pub;
+    return format("thread (%u,%u,%u) of block (%u,%u,%u)", t.thread_idx.x, t.thread_idx.y, t.thread_idx.z,
+                  t.block_idx.x, t.block_idx.y, t.block_idx.z);
+}
 
 // ---- context switch ----------------------------------------------------------------------------
 #if defined(__x86_64__) && !defined(EMU_UCONTEXT)
@@ -180,41 +187,41 @@ emu_fiber_trampoline:
     .size emu_fiber_trampoline, .-emu_fiber_trampoline
 )");
 
-void prepare_fiber(Fiber* f, unsigned char* top) {
+void prepare_fiber(int i) {
     // Six callee-saved registers, then the return address of the first switch: the
     // trampoline, which calls emu_fiber_main(rbx) with the stack 16-byte aligned.
     // After the six pops and the ret, the stack pointer is `aligned`.
-    const std::uintptr_t aligned = (reinterpret_cast<std::uintptr_t>(top) & ~std::uintptr_t(15)) - 16;
+    const std::uintptr_t aligned = (reinterpret_cast<std::uintptr_t>(g_slots.stack_top(i)) & ~std::uintptr_t(15)) - 16;
     auto* words = reinterpret_cast<std::uintptr_t*>(aligned - 7 * sizeof(std::uintptr_t));
-    for (int i = 0; i < 6; ++i) words[i] = 0;
-    words[4] = reinterpret_cast<std::uintptr_t>(f);  // rbx
+    for (int k = 0; k < 6; ++k) words[k] = 0;
+    words[4] = std::uintptr_t(i);  // rbx
     words[6] = reinterpret_cast<std::uintptr_t>(&emu_fiber_trampoline);
-    f->sp = words;
+    g_slots.slot(i)->sp = words;
 }
 
-inline void switch_to_fiber(Fiber* f) { emu_switch_stack(&g_launch->scheduler_sp, f->sp); }
-inline void switch_to_scheduler(Fiber* f) { emu_switch_stack(&f->sp, g_launch->scheduler_sp); }
+inline void switch_to_fiber(int i) { emu_switch_stack(&g_launch->scheduler_sp, g_slots.slot(i)->sp); }
+inline void switch_to_scheduler(int i) { emu_switch_stack(&g_slots.slot(i)->sp, g_launch->scheduler_sp); }
 #else
 // Portable fallback: ucontext (one system call per switch).
 ucontext_t g_scheduler_context;
+std::vector<ucontext_t> g_contexts;
 
-extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(Fiber* f);
-void fiber_start(unsigned hi, unsigned lo) {
-    emu_fiber_main(reinterpret_cast<Fiber*>((std::uintptr_t(hi) << 32) | lo));
+extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(std::uintptr_t i);
+void fiber_start(int i) { emu_fiber_main(std::uintptr_t(i)); }
+
+void prepare_fiber(int i) {
+    if (g_contexts.size() < std::size_t(g_slots.count)) g_contexts.resize(g_slots.count);
+    ucontext_t& c = g_contexts[i];
+    getcontext(&c);
+    unsigned char* bottom = g_slots.guard(i) + kEmuPageBytes;
+    c.uc_stack.ss_sp = bottom;
+    c.uc_stack.ss_size = std::size_t(g_slots.stack_top(i) - bottom);
+    c.uc_link = nullptr;
+    makecontext(&c, reinterpret_cast<void (*)()>(&fiber_start), 1, i);
 }
 
-void prepare_fiber(Fiber* f, unsigned char* top) {
-    getcontext(&f->context);
-    unsigned char* bottom = reinterpret_cast<unsigned char*>(f) + 2 * kEmuPageBytes;
-    f->context.uc_stack.ss_sp = bottom;
-    f->context.uc_stack.ss_size = std::size_t(top - bottom);
-    f->context.uc_link = nullptr;
-    const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(f);
-    makecontext(&f->context, reinterpret_cast<void (*)()>(&fiber_start), 2, unsigned(p >> 32), unsigned(p));
-}
-
-inline void switch_to_fiber(Fiber* f) { swapcontext(&g_scheduler_context, &f->context); }
-inline void switch_to_scheduler(Fiber* f) { swapcontext(&f->context, &g_scheduler_context); }
+inline void switch_to_fiber(int i) { swapcontext(&g_scheduler_context, &g_contexts[i]); }
+inline void switch_to_scheduler(int i) { swapcontext(&g_contexts[i], &g_scheduler_context); }
 #endif
 
 // ---- failures ----------------------------------------------------------------------------------
@@ -225,11 +232,11 @@ void fail(std::string message) {
     }
 }
 
-// Ends the running fiber's part in the launch: the scheduler sees `failed` and stops.
+// Ends the running thread's part in the launch: the scheduler sees `failed` and stops.
 [[noreturn]] void fail_in_fiber(const std::string& message) {
-    Fiber* f = g_launch->current;
-    fail(describe_thread(f) + ": " + message);
-    switch_to_scheduler(f);
+    const int i = g_launch->current;
+    fail(describe_thread(i) + ": " + message);
+    switch_to_scheduler(i);
     std::abort();  // a failed launch never resumes its fibers
 }
 
@@ -244,17 +251,14 @@ const char* warp_op_name(int op) {
 // 32 - w, the source lane or offset is taken modulo 32, and a source outside the lane's
 // segment yields the lane's own value. Reading a lane that does not take part is undefined
 // on a GPU; here it yields all one bits (NaN for floats) so that it shows.
-Fiber* warp_lane(int warp, int lane) { return g_slots.fiber(warp * 32 + lane); }
-
-std::uint64_t shuffle_result(int warp, unsigned group, const Fiber* f) {
-    const int lane = f->lane;
-    const int segmask = 32 - f->width;
-    const int b = f->arg & 31;
+std::uint64_t shuffle_result(const Warp& w, unsigned group, int lane) {
+    const int segmask = 32 - w.width[lane];
+    const int b = w.arg[lane] & 31;
     const int low = lane & segmask;
     const int high = low | (31 & ~segmask);
     int src = lane;
     bool inside = true;
-    switch (f->op) {
+    switch (w.op[lane]) {
         case EMU_SHFL_IDX: src = low | (b & ~segmask); break;
         case EMU_SHFL_UP: src = lane - b; inside = src >= low; break;
         case EMU_SHFL_DOWN: src = lane + b; inside = src <= high; break;
@@ -262,52 +266,47 @@ std::uint64_t shuffle_result(int warp, unsigned group, const Fiber* f) {
     }
     if (!inside) src = lane;
     if (!(group >> src & 1u)) return ~std::uint64_t(0);
-    return warp_lane(warp, src)->value;
+    return w.value[src];
 }
 
-// Completes the group of lanes waiting with `mask` in `warp` if every lane the mask names
+// Completes the group of lanes waiting with `mask` in warp `wi` if every lane the mask names
 // is there (same operation, same mask) or has returned; makes them runnable again.
-void try_complete_warp(int warp, unsigned mask) {
+void try_complete_warp(int wi, unsigned mask) {
     Launch& g = *g_launch;
-    const unsigned returned = g.returned_lanes[warp];
-    unsigned group = 0;
-    int op = -1;
-    for (int lane = 0; lane < 32; ++lane) {
-        if (!(mask >> lane & 1u) || (returned >> lane & 1u)) continue;
-        const Fiber* f = warp_lane(warp, lane);
-        if (f->state != AT_WARP || f->mask != mask || (op >= 0 && f->op != op)) return;
-        op = f->op;
-        group |= 1u << lane;
-    }
-    if (group == 0) return;
+    Warp& w = g.warps[wi];
+    const unsigned group = mask & ~w.returned;
+    if ((group & w.waiting) != group || group == 0) return;
+    const int first = __builtin_ctz(group);
+    const int op = w.op[first];
     unsigned votes = 0;
-    for (int lane = 0; lane < 32; ++lane)
-        if ((group >> lane & 1u) && warp_lane(warp, lane)->value) votes |= 1u << lane;
-    for (int lane = 0; lane < 32; ++lane) {
-        if (!(group >> lane & 1u)) continue;
-        Fiber* f = warp_lane(warp, lane);
-        switch (op) {
-            case EMU_BALLOT: f->result = votes; break;
-            case EMU_ANY: f->result = votes != 0; break;
-            case EMU_ALL: f->result = votes == group; break;
-            case EMU_SYNCWARP: f->result = 0; break;
-            default: f->result = shuffle_result(warp, group, f); break;
-        }
+    for (unsigned rest = group; rest; rest &= rest - 1) {
+        const int lane = __builtin_ctz(rest);
+        if (w.mask[lane] != mask || w.op[lane] != op) return;
+        if (w.value[lane]) votes |= 1u << lane;
     }
-    for (int lane = 0; lane < 32; ++lane)
-        if (group >> lane & 1u) warp_lane(warp, lane)->state = RUNNABLE;
+    for (unsigned rest = group; rest; rest &= rest - 1) {
+        const int lane = __builtin_ctz(rest);
+        switch (op) {
+            case EMU_BALLOT: w.result[lane] = votes; break;
+            case EMU_ANY: w.result[lane] = votes != 0; break;
+            case EMU_ALL: w.result[lane] = votes == group; break;
+            case EMU_SYNCWARP: w.result[lane] = 0; break;
+            default: w.result[lane] = shuffle_result(w, group, lane); break;
+        }
+        g.state[wi * 32 + lane] = RUNNABLE;
+    }
+    w.waiting &= ~group;
 }
 
 // A returned lane no longer holds anyone up: retry every group waiting in its warp.
-void release_warp_after_return(int warp) {
-    unsigned tried = 0;
-    for (int lane = 0; lane < 32; ++lane) {
-        if (warp * 32 + lane >= g_launch->threads) break;
-        const Fiber* f = warp_lane(warp, lane);
-        if (f->state == AT_WARP && !(tried >> lane & 1u)) {
-            tried |= f->mask;
-            try_complete_warp(warp, f->mask);
-        }
+void release_warp_after_return(int wi) {
+    const Warp& w = g_launch->warps[wi];
+    unsigned untried = w.waiting;
+    while (untried) {
+        const unsigned mask = w.mask[__builtin_ctz(untried)];
+        untried &= ~mask;  // every waiting lane's mask names the lane itself
+        try_complete_warp(wi, mask);
+        untried &= w.waiting;
     }
 }
 
@@ -330,38 +329,25 @@ std::string lane_list(unsigned lanes) {
 // ---- the scheduler -----------------------------------------------------------------------------
 std::string describe_deadlock() {
     Launch& g = *g_launch;
-    std::string s = format("deadlock in block (%u,%u,%u): ", g_slots.fiber(0)->pub.block_idx.x,
-                           g_slots.fiber(0)->pub.block_idx.y, g_slots.fiber(0)->pub.block_idx.z);
-    s += format("%d of %d threads wait at __syncthreads()", g.at_barrier, g.live);
-    for (int w = 0; w * 32 < g.threads; ++w) {
-        unsigned waiting = 0;
-        const Fiber* first = nullptr;
-        for (int lane = 0; lane < 32 && w * 32 + lane < g.threads; ++lane) {
-            const Fiber* f = warp_lane(w, lane);
-            if (f->state == AT_WARP) {
-                waiting |= 1u << lane;
-                if (!first) first = f;
-            }
-        }
-        if (waiting)
-            s += format("; warp %d: lanes %s wait in %s(mask 0x%08x) for lanes %s", w, lane_list(waiting).c_str(),
-                        warp_op_name(first->op), first->mask,
-                        lane_list(first->mask & ~waiting & ~g.returned_lanes[w]).c_str());
+    std::string s = format("deadlock in block (%u,%u,%u): %d of %d threads wait at __syncthreads()",
+                           g.block_idx.x, g.block_idx.y, g.block_idx.z, g.at_barrier, g.live);
+    for (std::size_t wi = 0; wi < g.warps.size(); ++wi) {
+        const Warp& w = g.warps[wi];
+        if (!w.waiting) continue;
+        const int first = __builtin_ctz(w.waiting);
+        s += format("; warp %zu: lanes %s wait in %s(mask 0x%08x) for lanes %s", wi, lane_list(w.waiting).c_str(),
+                    warp_op_name(w.op[first]), w.mask[first], lane_list(w.mask[first] & ~w.waiting & ~w.returned).c_str());
     }
     return s;
 }
 
 void release_barrier() {
     Launch& g = *g_launch;
+    const int results[] = {g.barrier_sum, g.barrier_and, g.barrier_or};
     for (int i = 0; i < g.threads; ++i) {
-        Fiber* f = g_slots.fiber(i);
-        if (f->state != AT_BARRIER) continue;
-        f->state = RUNNABLE;
-        switch (f->op) {
-            case 0: f->result = std::uint64_t(g.barrier_sum); break;
-            case 1: f->result = g.barrier_and; break;
-            default: f->result = g.barrier_or; break;
-        }
+        if (g.state[i] != AT_BARRIER) continue;
+        g.state[i] = RUNNABLE;
+        g.barrier_result[i] = results[g.how[i]];
     }
     g.at_barrier = 0;
     g.barrier_sum = 0;
@@ -389,22 +375,19 @@ bool dynamic_shared_tail_intact() {
 void start_block(uint3 block_idx) {
     Launch& g = *g_launch;
     const dim3 b = g.block;
+    g.block_idx = block_idx;
     for (int i = 0; i < g.threads; ++i) {
-        Fiber* f = g_slots.fiber(i);
-        f->pub.thread_idx = uint3{unsigned(i) % b.x, unsigned(i) / b.x % b.y, unsigned(i) / (b.x * b.y)};
-        f->pub.block_idx = block_idx;
-        f->pub.block_dim = g.block;
-        f->pub.grid_dim = g.grid;
-        f->state = RUNNABLE;
-        f->index = i;
-        f->lane = i % 32;
-        f->warp = i / 32;
-        prepare_fiber(f, g_slots.stack_top(i));
+        emu_thread& t = g_slots.slot(i)->pub;
+        t.thread_idx = uint3{unsigned(i) % b.x, unsigned(i) / b.x % b.y, unsigned(i) / (b.x * b.y)};
+        t.block_idx = block_idx;
+        t.block_dim = g.block;
+        t.grid_dim = g.grid;
+        prepare_fiber(i);
     }
-    const int warps = (g.threads + 31) / 32;
-    g.returned_lanes.assign(warps, 0);
-    const int last = g.threads - (warps - 1) * 32;
-    if (last < 32) g.returned_lanes[warps - 1] = ~0u << last;  // lanes that do not exist
+    g.state.assign(g.threads, RUNNABLE);
+    for (Warp& w : g.warps) w.returned = w.waiting = 0;
+    const int last = g.threads - (int(g.warps.size()) - 1) * 32;
+    if (last < 32) g.warps.back().returned = ~0u << last;  // lanes that do not exist
     g.live = g.threads;
     g.at_barrier = 0;
     g.barrier_sum = 0;
@@ -419,11 +402,11 @@ bool run_block(uint3 block_idx) {
     for (;;) {
         bool ran = false;
         for (int k = 0; k < g.threads; ++k) {
-            Fiber* f = g_slots.fiber(g.descending ? g.threads - 1 - k : k);
-            if (f->state != RUNNABLE) continue;
-            g.current = f;
-            switch_to_fiber(f);
-            g.current = nullptr;
+            const int i = g.descending ? g.threads - 1 - k : k;
+            if (g.state[i] != RUNNABLE) continue;
+            g.current = i;
+            switch_to_fiber(i);
+            g.current = -1;
             if (g.failed) return false;
             ran = true;
         }
@@ -461,19 +444,19 @@ void on_fault(int sig, siginfo_t* info, void*) {
             if (kFaultSignals[i] == sig) sigaction(sig, &g_previous_actions[i], nullptr);
         return;
     }
-    const Fiber* f = g_launch->current;
+    const int i = g_launch->current;
     const auto address = reinterpret_cast<std::uintptr_t>(info->si_addr);
     g_fault_address = address;
     std::string what = sig == SIGSEGV ? "segmentation fault"
                        : sig == SIGBUS ? "bus error"
                        : sig == SIGFPE ? "arithmetic exception (integer division by zero?)"
                                        : "illegal instruction";
-    if (f) {
-        const auto guard = reinterpret_cast<std::uintptr_t>(g_slots.guard(f->index));
+    if (i >= 0) {
+        const auto guard = reinterpret_cast<std::uintptr_t>(g_slots.guard(i));
         if (sig == SIGSEGV && address >= guard && address < guard + kEmuPageBytes)
             what = format("stack overflow (each thread has a stack of %zu KiB)",
-                          (kEmuSlotBytes - 2 * kEmuPageBytes) / 1024);
-        fail(describe_thread(f) + ": " + what + format(" at address 0x%lx", static_cast<unsigned long>(address)));
+                          (kEmuThreadOffset - kEmuPageBytes) / 1024);
+        fail(describe_thread(i) + ": " + what + format(" at address 0x%lx", static_cast<unsigned long>(address)));
     } else {
         fail("emulator: " + what + format(" at address 0x%lx outside any kernel thread", static_cast<unsigned long>(address)));
     }
@@ -506,48 +489,51 @@ class FaultHandlers {
 }  // namespace
 
 // ---- called by kernels -------------------------------------------------------------------------
-extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(Fiber* f) {
+extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(std::uintptr_t index) {
     Launch& g = *g_launch;
+    const int i = int(index);
     g.entry(g.args);
-    f->state = RETURNED;
+    g.state[i] = RETURNED;
     --g.live;
-    g.returned_lanes[f->warp] |= 1u << f->lane;
-    release_warp_after_return(f->warp);
-    switch_to_scheduler(f);
+    g.warps[i / 32].returned |= 1u << (i % 32);
+    release_warp_after_return(i / 32);
+    switch_to_scheduler(i);
     std::abort();  // a returned fiber is never resumed
 }
 
 extern "C" int emu_syncthreads_reduce(int predicate, int how) {
     Launch& g = *g_launch;
-    Fiber* f = g.current;
-    f->state = AT_BARRIER;
-    f->op = how;
+    const int i = g.current;
+    g.state[i] = AT_BARRIER;
+    g.how[i] = static_cast<unsigned char>(how);
     ++g.at_barrier;
     g.barrier_sum += predicate != 0;
     g.barrier_and &= predicate != 0;
     g.barrier_or |= predicate != 0;
-    switch_to_scheduler(f);
-    return int(f->result);
+    switch_to_scheduler(i);
+    return g.barrier_result[i];
 }
 
 extern "C" void emu_syncthreads(void) { emu_syncthreads_reduce(1, 0); }
 
 extern "C" std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, int arg, int width) {
-    Fiber* f = g_launch->current;
-    if (!(mask >> f->lane & 1u))
-        fail_in_fiber(format("%s with mask 0x%08x, which leaves out the calling lane %d", warp_op_name(op), mask,
-                             f->lane));
+    Launch& g = *g_launch;
+    const int i = g.current, lane = i % 32;
+    if (!(mask >> lane & 1u))
+        fail_in_fiber(format("%s with mask 0x%08x, which leaves out the calling lane %d", warp_op_name(op), mask, lane));
     if (width < 1 || width > 32 || (width & (width - 1)))
         fail_in_fiber(format("%s with width %d: it must be a power of 2 from 1 to 32", warp_op_name(op), width));
-    f->state = AT_WARP;
-    f->op = op;
-    f->mask = mask;
-    f->value = value;
-    f->arg = arg;
-    f->width = width;
-    try_complete_warp(f->warp, mask);
-    switch_to_scheduler(f);
-    return f->result;
+    Warp& w = g.warps[i / 32];
+    g.state[i] = AT_WARP;
+    w.waiting |= 1u << lane;
+    w.op[lane] = op;
+    w.mask[lane] = mask;
+    w.value[lane] = value;
+    w.arg[lane] = arg;
+    w.width[lane] = width;
+    try_complete_warp(i / 32, mask);
+    switch_to_scheduler(i);
+    return w.result[lane];
 }
 
 extern "C" void emu_trap(const char* what) { fail_in_fiber(what); }
@@ -605,6 +591,10 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
     g.grid = dim3(grid[0], grid[1], grid[2]);
     g.block = dim3(block[0], block[1], block[2]);
     g.threads = int(block[0] * block[1] * block[2]);
+    g.current = -1;
+    g.how.assign(g.threads, 0);
+    g.barrier_result.assign(g.threads, 0);
+    g.warps.resize((g.threads + 31) / 32);
     g.descending = descending != 0;
     g.dynamic_bytes = dynamic_bytes;
     g.dynamic = static_cast<unsigned char*>(m->dynamic_shared());  // allocates this thread's copy
