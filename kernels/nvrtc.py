@@ -1,0 +1,118 @@
+"""NVRTC without a GPU: compile a CUDA C source for an architecture, get PTX (and CUBIN) and
+the compiler's log, and read registers, shared memory and spills from ptxas' report.
+
+NVRTC needs only its library (the nvidia-cuda-nvrtc wheel): no driver, no device. CuPy's
+higher-level compile helpers query the device, so this module calls ``cupy.cuda.nvrtc``
+directly.
+
+    result = nvrtc.compile(source, arch="sm_90", options=("-DTILE=16",),
+                           name_expressions=("axpy<float>",), verbose=True)
+    result.ptx, result.cubin, result.log, result.lowered_names["axpy<float>"]
+    result.resources()["_Z4axpyIfEvT_PKS0_PS0_i"].registers
+"""
+import re
+from dataclasses import dataclass
+
+
+class NvrtcError(Exception):
+    """NVRTC refused the source; ``log`` holds its diagnostics."""
+
+    def __init__(self, message, log=""):
+        super().__init__(message)
+        self.log = log
+
+
+def _nvrtc():
+    from cupy.cuda import nvrtc  # noqa: PLC0415  (optional dependency: the cuda extras)
+    nvrtc.getVersion()  # loads the library: raises when the wheel is missing
+    return nvrtc
+
+
+def unavailable_reason():
+    """None when NVRTC can compile here, else why not (for a test's skip message)."""
+    try:
+        _nvrtc()
+    except Exception as e:  # ImportError, or CuPy's error when libnvrtc cannot be loaded
+        return f"NVRTC unavailable ({type(e).__name__}: {e}); install the cuda12 or cuda13 extra"
+    return None
+
+
+def version():
+    return _nvrtc().getVersion()
+
+
+@dataclass
+class Resources:
+    """What ptxas reports for one kernel (``-Xptxas -v``)."""
+    registers: int = 0
+    shared_bytes: int = 0
+    stack_bytes: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    barriers: int = 0
+
+
+@dataclass
+class Compiled:
+    ptx: str
+    cubin: bytes | None  # for a real architecture (sm_XX) only
+    log: str
+    lowered_names: dict  # name expression -> mangled name
+
+    def resources(self):
+        """{kernel's (mangled) name: Resources}, from a log compiled with verbose=True."""
+        return parse_ptxas_log(self.log)
+
+
+def compile(source, arch="sm_90", options=(), name_expressions=(), filename="kernel.cu", verbose=False):
+    """Compile ``source`` for ``arch`` ("sm_90" gives PTX and CUBIN, "compute_90" PTX only).
+
+    options: NVRTC options (``-I``, ``-D``, ``-std=c++17``, ...). verbose: ask ptxas for its
+    resource report (needs a real architecture). Raises NvrtcError with the log on failure.
+    """
+    nvrtc = _nvrtc()
+    flags = [f"--gpu-architecture={arch}", *options]
+    if verbose:
+        flags += ["-Xptxas", "-v"]
+    program = nvrtc.createProgram(source, filename, [], [])
+    try:
+        for expression in name_expressions:
+            nvrtc.addNameExpression(program, expression)
+        try:
+            nvrtc.compileProgram(program, flags)
+        except nvrtc.NVRTCError as e:
+            log = _log(nvrtc, program)
+            raise NvrtcError(f"NVRTC failed to compile {filename} for {arch}: {e}\n{log}", log) from None
+        return Compiled(
+            ptx=nvrtc.getPTX(program).rstrip(b"\0").decode(),
+            cubin=nvrtc.getCUBIN(program) if arch.startswith("sm_") else None,
+            log=_log(nvrtc, program),
+            lowered_names={e: nvrtc.getLoweredName(program, e) for e in name_expressions})
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def _log(nvrtc, program):
+    return nvrtc.getProgramLog(program).rstrip("\0").strip()
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPERTIES = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+
+
+def parse_ptxas_log(log):
+    """{kernel: Resources} from ptxas' verbose report."""
+    kernels, current = {}, None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            current = kernels.setdefault(m.group(1), Resources())
+        elif current is None:
+            continue
+        elif m := _PROPERTIES.search(line):
+            current.stack_bytes, current.spill_stores, current.spill_loads = map(int, m.groups())
+        elif m := _USED.search(line):
+            current.registers = int(m.group(1))
+            current.barriers = int(m.group(2) or 0)
+            current.shared_bytes = int(m.group(3) or 0)
+    return kernels
