@@ -109,7 +109,7 @@ def convert_scalar(param, value):
         if not isinstance(value, np.generic):
             raise LaunchError(f"{param.label()}: unsupported argument type {type(value).__name__}")
         scalar = value
-    passed = f"{type(value).__name__} {value!r}" + (
+    passed = f"{type(value).__name__} {value}" + (
         f", which CuPy passes as {scalar.dtype}" if not isinstance(value, np.generic) else "")
     declared = (p["kind"], p["size"])
     if declared not in _CTYPES or p["count"] != 1:
@@ -175,15 +175,18 @@ def _bytes_of(array):
     return array.reshape(-1).view(np.uint8)
 
 
-def _describe_place(region, offset):
-    """Where a byte offset relative to a region lies, in terms of its arrays."""
-    param, array, address = region.arrays[0] if offset < 0 else max(region.arrays, key=lambda a: a[2] + a[1].nbytes)
-    relative = offset - (address - region.start)
+def _describe_place(region, first, last=None):
+    """Where the bytes first..last (offsets relative to a region's start, outside it) lie, in
+    terms of the region's array nearest to them."""
+    param, array, address = region.arrays[0] if first < 0 else max(region.arrays, key=lambda a: a[2] + a[1].nbytes)
+    relative = first - (address - region.start)
     itemsize = array.dtype.itemsize
-    element = relative // itemsize
+    elements = f"element {relative // itemsize}"
+    if last is not None and (last - (address - region.start)) // itemsize != relative // itemsize:
+        elements = f"elements {relative // itemsize} to {(last - (address - region.start)) // itemsize}"
     side = (f"{-relative} bytes before its start" if relative < 0
             else f"{relative - array.nbytes} bytes past its end")
-    return f"{param.name()} of {array.size} elements: element {element}, {side}"
+    return f"{param.name()} of {array.size} elements: {elements}, {side}"
 
 
 class StagedArguments:
@@ -231,11 +234,7 @@ class StagedArguments:
         for region in self.regions:
             damage = region.guard_damage()
             if damage:
-                first, last = damage
-                where = _describe_place(region, first)
-                if last != first:
-                    where += f" (and on to byte {last} relative to the array's start)"
-                problems.append(f"wrote outside its arrays: {where}")
+                problems.append(f"wrote outside its arrays: {_describe_place(region, *damage)}")
             problems += self._copy_back(region)
         return problems
 

@@ -39,6 +39,9 @@ CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared",
              "-fno-strict-aliasing",
              # No fused multiply-adds the source does not ask for; math without errno.
              "-ffp-contract=off", "-fno-math-errno",
+             # A frame larger than a thread's stack would skip the guard page and land in the
+             # next thread's stack: probe every page, so that it faults as a stack overflow.
+             "-fstack-clash-protection",
              "-fmax-errors=10")
 DYNAMIC_SHARED_BYTES = 227 * 1024  # kEmuDynamicSharedBytes in emu_abi.h
 
@@ -92,11 +95,14 @@ def runtime_library():
     cxx, version = _compiler_identity()
     flags = CXX_FLAGS + _extra_flags()
     key = _digest(RUNTIME_SOURCE.read_bytes(), ABI_HEADER.read_bytes(), version, flags)
-    path = cache_dir() / f"runtime-{key}.so"
+    path = cache_dir() / f"libcudaemu-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        _run_compiler([cxx, *flags, str(RUNTIME_SOURCE), "-o", str(tmp), "-pthread", "-ldl"], "emulator runtime")
+        # Modules find the runtime by this name among the libraries already loaded (native.py
+        # loads it first), so that every module of a process talks to the same scheduler.
+        _run_compiler([cxx, *flags, str(RUNTIME_SOURCE), "-o", str(tmp), f"-Wl,-soname,{path.name}",
+                       "-pthread", "-ldl"], "emulator runtime")
         os.replace(tmp, path)
     return path
 

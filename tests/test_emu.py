@@ -1,0 +1,336 @@
+"""The CPU emulator of CUDA kernels (kernels/emu), on the kernels in tests/emu_kernels.
+
+Each kernel runs against NumPy, most of them once in each thread order (ascending, then
+descending), so that a result which depends on the order of the threads shows. Then the
+emulator's diagnostics: a missing __syncthreads(), unwritten shared memory, an out-of-bounds
+write, a float atomicMax, each kind of wrong argument or launch. Last, every test kernel
+through NVRTC for sm_80 and sm_90, as on a GPU.
+"""
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import rng, validate
+from kernels import emu, nvrtc
+
+KERNELS = Path(__file__).parent / "emu_kernels"
+OPTIONS = {"elementwise.cu": (f"-I{KERNELS}", "-DSCALE=2.0f")}
+NAME_EXPRESSIONS = {"templates.cu": ("scaled_block_sum<float, 128>", "scaled_block_sum<double, 256>")}
+
+
+@functools.cache
+def module(filename):
+    return emu.RawModule(code=(KERNELS / filename).read_text(), options=OPTIONS.get(filename, ()),
+                         name_expressions=NAME_EXPRESSIONS.get(filename))
+
+
+def kernel(filename, name):
+    return module(filename).get_function(name)
+
+
+def in_both_orders(launch):
+    """{order: launch()} for each thread order; launch makes fresh arrays each time."""
+    results = {}
+    for order in emu.ORDERS:
+        with emu.thread_order(order):
+            results[order] = launch()
+    return results
+
+
+# ---- kernels against NumPy ----------------------------------------------------------------------
+
+def test_grid_stride_elementwise():
+    gen = rng()
+    n, a = 1000, np.float32(1.5)
+    x = gen.standard_normal(n).astype(np.float32)
+    y0 = gen.standard_normal(n).astype(np.float32)
+
+    def launch():
+        y = y0.copy()
+        kernel("elementwise.cu", "axpy")((3,), (128,), (a, x, y, n))  # 384 threads stride over 1000
+        return y
+
+    for order, y in in_both_orders(launch).items():
+        validate(y, y0 + 2.0 * float(a) * x.astype(np.float64), f"axpy ({order})")
+
+
+def block_sums(x, block):
+    padded = np.zeros(-(-x.size // block) * block)
+    padded[:x.size] = x
+    return padded.reshape(-1, block).sum(axis=1)
+
+
+def test_block_reduction_through_shared_memory():
+    x = rng().standard_normal(5000).astype(np.float32)
+
+    def launch():
+        partial = np.empty(20, np.float32)
+        kernel("reduce.cu", "block_sum")((20,), (256,), (x, partial, np.int32(x.size)))
+        return partial
+
+    for order, partial in in_both_orders(launch).items():
+        validate(partial, block_sums(x, 256), f"block_sum partials ({order})")
+
+
+def test_missing_syncthreads_shows_in_some_thread_order():
+    x = rng().random(2048).astype(np.float32)
+
+    def launch(name):
+        partial = np.empty(8, np.float32)
+        kernel("reduce.cu", name)((8,), (256,), (x, partial, np.int32(x.size)))
+        return partial
+
+    reference = block_sums(x, 256)
+    wrong = {order: not np.allclose(partial, reference, rtol=1e-4)
+             for order, partial in in_both_orders(lambda: launch("block_sum_missing_sync")).items()}
+    assert any(wrong.values()), "the kernel without its barrier gave the right sums in both thread orders"
+    for order, partial in in_both_orders(lambda: launch("block_sum")).items():
+        validate(partial, reference, f"block_sum ({order})")
+
+
+def test_unwritten_shared_memory_reads_as_nan():
+    x = rng().standard_normal(3 * 64).astype(np.float32)
+
+    def launch():
+        out, dynamic_out = np.zeros_like(x), np.zeros_like(x)
+        kernel("reduce.cu", "unwritten_shared")((3,), (64,), (x, out, dynamic_out), shared_mem=64 * 4)
+        return out, dynamic_out
+
+    written = np.ones(3 * 64, bool)
+    written[64:] = np.arange(3 * 64)[64:] % 2 == 0
+    for order, outputs in in_both_orders(launch).items():
+        for name, out in zip(("static", "dynamic"), outputs):
+            assert np.isnan(out[~written]).all(), f"{name} shared memory: unwritten slots not NaN ({order})"
+            validate(out[written], x[written], f"{name} shared memory, written slots ({order})")
+
+
+def test_warp_shuffle_reduction():
+    x = rng().standard_normal(4 * 128).astype(np.float32)
+
+    def launch():
+        out = np.empty_like(x)
+        kernel("warp.cu", "warp_sum")((4,), (128,), (x, out))
+        return out
+
+    expected = np.repeat(x.astype(np.float64).reshape(-1, 32).sum(axis=1), 32)
+    for order, out in in_both_orders(launch).items():
+        validate(out, expected, f"warp_sum ({order})")
+
+
+POISON = -1  # what the emulator returns for a value read from a lane that does not take part
+
+
+def shuffle_model(v, taking_part, op, lane_arg, width):
+    """CUDA's documented result of each shuffle for one warp's lanes."""
+    out = np.full(32, -7)
+    for lane in np.flatnonzero(taking_part):
+        segment = lane // width * width
+        if op == "idx":
+            src = segment + lane_arg % width
+        elif op == "up":
+            src = lane - lane_arg if lane - segment >= lane_arg else lane
+        elif op == "down":
+            src = lane + lane_arg if lane - segment + lane_arg < width else lane
+        else:  # xor: earlier segments may be read, later ones give the lane's own value
+            src = lane ^ lane_arg
+            src = lane if src // width > lane // width else src
+        out[lane] = v[src] if taking_part[src] else POISON
+    return out
+
+
+@pytest.mark.parametrize("lane_arg, width", [(1, 32), (5, 32), (17, 32), (3, 16), (6, 8), (2, 4), (9, 16)])
+def test_warp_primitives_match_cuda_semantics(lane_arg, width):
+    gen = rng()
+    warps = 4
+    v = gen.integers(0, 1000, 32 * warps).astype(np.int32)
+    predicate = (gen.random(32 * warps) < 0.5).astype(np.int32)
+    predicate[32:64] = 1  # one warp votes unanimously
+    out = np.empty(8 * 32 * warps, np.int32)
+    kernel("warp.cu", "warp_primitives")((2,), (64,), (v, predicate, out, np.int32(lane_arg), np.int32(width)))
+    out = out.reshape(8, warps, 32)
+    for w in range(warps):
+        lanes = np.arange(32)
+        taking_part = lanes < 16 if w % 2 else np.ones(32, bool)
+        vw, pw = v[32 * w:32 * w + 32], predicate[32 * w:32 * w + 32]
+        for k, op in enumerate(("idx", "up", "down", "xor")):
+            validate(out[k, w], shuffle_model(vw, taking_part, op, lane_arg, width),
+                     f"__shfl_{op}_sync({lane_arg}, width {width}), warp {w}")
+        ballot = int(np.sum(pw.astype(np.int64) << lanes))
+        validate(out[4, w], np.full(32, np.int64(ballot).astype(np.int32)), f"__ballot_sync, warp {w}")
+        validate(out[5, w], np.full(32, int(pw.any())), f"__any_sync, warp {w}")
+        validate(out[6, w], np.full(32, int(pw.all())), f"__all_sync, warp {w}")
+        validate(out[7, w], 4 * vw[lanes ^ 1] + 1, f"__shfl_xor_sync on double, warp {w}")
+
+
+def test_integer_atomics_from_many_blocks():
+    gen = rng()
+    values = gen.integers(0, 50, 20000).astype(np.int32)
+    counts = np.zeros(50, np.int32)
+    kernel("atomics.cu", "histogram")((40,), (128,), (values, np.int32(values.size), counts))
+    validate(counts, np.bincount(values, minlength=50).astype(np.int32), "histogram")
+
+    counters = np.array([np.iinfo(np.int32).min, np.iinfo(np.int32).max, 0, 0, 0, -1], np.int32)
+    ucounters = np.zeros(2, np.uint32)
+    kernel("atomics.cu", "integer_atomics")((16,), (64,), (values, np.int32(values.size), counters, ucounters))
+    bits = np.bitwise_or.reduce(np.left_shift(1, values & 31).astype(np.int64))
+    expected = [values.max(), values.min(), 1, values.size, np.int64(bits).astype(np.int32),
+                np.int64(~bits).astype(np.int32)]
+    validate(counters, np.array(expected, np.int32), "atomicMax, Min, Exch, CAS, Or, And on int")
+    hashed = (values.astype(np.uint64) * 2654435761) % 2**32
+    validate(ucounters, np.array([hashed.max(), values.size % 1001], np.uint32), "atomicMax, Inc on unsigned")
+
+
+def test_float_atomic_add_from_many_blocks():
+    gen = rng()
+    x, y = gen.random(4096).astype(np.float32), gen.random(4096)
+    fsum, dsum = np.zeros(1, np.float32), np.zeros(1, np.float64)
+    kernel("atomics.cu", "float_sums")((16,), (64,), (x, y, np.int32(x.size), fsum, dsum))
+    validate(fsum, np.array([x.astype(np.float64).sum()]), "float atomicAdd", rtol=1e-5)
+    validate(dsum, np.array([y.sum()]), "double atomicAdd")
+
+
+def test_tiled_matmul_with_2d_blocks_and_dynamic_shared_memory():
+    gen = rng()
+    M, N, K, tile = 37, 45, 29, 16
+    A = gen.standard_normal((M, K)).astype(np.float32)
+    B = gen.standard_normal((K, N)).astype(np.float32)
+
+    def launch():
+        C = np.empty((M, N), np.float32)
+        kernel("matmul.cu", "matmul_tiled")((-(-N // tile), -(-M // tile)), (tile, tile),
+                                            (A, B, C, np.int32(M), np.int32(N), np.int32(K)),
+                                            shared_mem=2 * tile * tile * 4)
+        return C
+
+    for order, C in in_both_orders(launch).items():
+        validate(C, A.astype(np.float64) @ B, f"matmul_tiled ({order})")
+
+
+@pytest.mark.parametrize("dtype, block", [(np.float32, 128), (np.float64, 256)])
+def test_templated_kernel_through_name_expressions(dtype, block):
+    x = rng().standard_normal(1000).astype(dtype)
+    blocks = -(-x.size // block)
+    partial = np.empty(blocks, dtype)
+    name = f"scaled_block_sum<{'float' if dtype == np.float32 else 'double'}, {block}>"
+    scaled = kernel("templates.cu", name)
+    assert scaled.max_threads_per_block == 1024  # its __launch_bounds__ depends on a template argument
+    scaled((blocks,), (block,), (dtype(3), x, partial, np.int32(x.size)))
+    validate(partial, block_sums(3 * x.astype(np.float64), block), name)
+
+
+# ---- what the emulator catches ------------------------------------------------------------------
+
+def test_out_of_bounds_write_is_caught():
+    x = rng().standard_normal(100).astype(np.float32)
+    y = np.zeros(100, np.float32)
+    with pytest.raises(emu.KernelError, match=r"'write_one_past_end' wrote outside its arrays: argument 1 "
+                                              r"\(float\* y\) of 100 elements: element 100, 0 bytes past its end$"):
+        kernel("faults.cu", "write_one_past_end")((1,), (128,), (x, y, np.int32(100)))
+    validate(y, 2 * x.astype(np.float64), "the writes inside the array")
+
+
+def test_float_atomic_max_is_refused():
+    with pytest.raises(emu.CompileError, match=r"atomicMax\(float\*"):
+        emu.RawModule(code=(KERNELS / "atomic_max_float.cu").read_text())
+
+
+def test_deadlock_and_device_assert_are_reported():
+    with pytest.raises(emu.KernelError, match=r"deadlock in block \(0,0,0\).*warp 0: lanes 0-15 wait in "
+                                              r"__shfl_xor_sync\(mask 0xffffffff\) for lanes 16-31"):
+        kernel("faults.cu", "divergent_shuffle")((1,), (64,), (np.zeros(64, np.float32),))
+    x = np.arange(40, dtype=np.int32) - 30
+    with pytest.raises(emu.KernelError, match=r"thread \(0,0,0\) of block \(0,0,0\): .*assertion `x\[i\] >= 0'"):
+        kernel("faults.cu", "checks_its_input")((2,), (32,), (x, np.int32(x.size)))
+
+
+def parameters_args(**changes):
+    """Good arguments for faults.cu's `parameters`, with some replaced."""
+    args = dict(out=np.zeros(8, np.float32), index=np.arange(8, dtype=np.int32), n=8, a=np.float32(2),
+                b=1.5, big=2**63 + 1, vectors=np.ones((8, 4), np.float32))
+    args.update(changes)
+    return tuple(args.values())
+
+
+def test_arguments_converted_as_cupy_converts_them():
+    out = np.zeros(8, np.float32)
+    # Python int -> int64 (fits the int parameter), float -> double, int >= 2**63 -> uint64.
+    kernel("faults.cu", "parameters")((1,), (8,), parameters_args(out=out))
+    validate(out, 2.0 * np.arange(8) + 1.5 + 1 + 1, "parameters")
+
+
+def test_wrong_argument_count_is_refused():
+    with pytest.raises(emu.LaunchError, match=r"kernel 'parameters' takes 7 arguments \(float\* out, "
+                                              r"const int\* index, int n, .*\), got 6"):
+        kernel("faults.cu", "parameters")((1,), (8,), parameters_args()[:-1])
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(out=np.zeros(8)), r"argument 0 \(float\* out\): got an array of float64"),
+    (dict(a=2.0), r"argument 3 \(float a\): got float 2.0, which CuPy passes as float64; "
+                  r"the kernel would read the first bytes of a double as a float"),
+    (dict(n=2**31), r"argument 2 \(int n\): got int 2147483648.*does not fit"),
+    (dict(n=np.int16(8)), r"argument 2 \(int n\): got int16 8; the kernel would read 4 bytes"),
+    (dict(n=np.zeros(1, np.int32)), r"argument 2 \(int n\): got an array .* not a pointer"),
+    (dict(index=3), r"argument 1 \(const int\* index\): got int 3; the parameter is a pointer"),
+    (dict(out=np.zeros((8, 2), np.float32)[:, 0]), r"argument 0 .* is not C-contiguous"),
+    (dict(vectors=np.ones(33, np.float32)[1:]), r"argument 6 .* not a multiple of 16 bytes"),
+    (dict(b="1.5"), r"argument 4 \(double b\): unsupported argument type str"),
+], ids=["dtype", "python-float", "too-big", "narrow", "array-for-scalar", "scalar-for-pointer",
+        "non-contiguous", "misaligned", "unsupported"])
+def test_wrong_arguments_are_refused_naming_the_kernel(changes, message):
+    with pytest.raises(emu.LaunchError, match=r"kernel 'parameters' " + message):
+        kernel("faults.cu", "parameters")((1,), (8,), parameters_args(**changes))
+
+
+@pytest.mark.parametrize("grid, block, shared_mem, message", [
+    ((1,), (1025,), 0, r"block \(1025, 1, 1\) has 1025 threads; a GPU allows 1024"),
+    ((1,), (32, 32, 2), 0, r"has 2048 threads"),
+    ((1,), (512,), 0, r"more than its __launch_bounds__\(256\)"),
+    ((1,), (256,), 48 * 1024, r"shared_mem=49152 bytes of dynamic shared memory \(plus 1024 static\): a GPU allows "
+                              r"49152 bytes of shared memory per block without opt-in"),
+    (1, (256,), 0, r"grid must be a tuple, not int"),
+    ((1, 70000), (256,), 0, r"grid \(1, 70000, 1\) exceeds"),
+])
+def test_impossible_launches_are_refused(grid, block, shared_mem, message):
+    x = np.zeros(1024, np.float32)
+    with pytest.raises(emu.LaunchError, match=r"kernel 'block_sum'.*" + message):
+        kernel("reduce.cu", "block_sum")(grid, block, (x, x[:4].copy(), np.int32(0)), shared_mem=shared_mem)
+
+
+def test_kernels_are_found_as_cupy_finds_them():
+    with pytest.raises(emu.LaunchError, match=r"no kernel named 'scaled_block_sum'.* C\+\+ linkage"):
+        module("templates.cu").get_function("scaled_block_sum")
+    with pytest.raises(emu.LaunchError, match=r"no kernel named 'axpi'.*kernels: axpy"):
+        module("elementwise.cu").get_function("axpi")
+
+
+def test_compiled_modules_come_from_the_cache(monkeypatch):
+    module("warp.cu")  # compiled (or found) once
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again instead of using the cache")
+
+    monkeypatch.setattr(emu.build, "_run_compiler", no_compiler)
+    again = emu.RawModule(code=(KERNELS / "warp.cu").read_text())
+    assert again.get_function("warp_sum").name == "warp_sum"
+
+
+# ---- the same sources through NVRTC --------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("filename", sorted(p.name for p in KERNELS.glob("*.cu")))
+def test_kernel_compiles_with_nvrtc(filename, arch):
+    reason = nvrtc.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    source = (KERNELS / filename).read_text()
+    options, expressions = OPTIONS.get(filename, ()), NAME_EXPRESSIONS.get(filename, ())
+    if filename == "atomic_max_float.cu":
+        with pytest.raises(nvrtc.NvrtcError, match="atomicMax"):
+            nvrtc.compile(source, arch, options, expressions, filename)
+        return
+    compiled = nvrtc.compile(source, arch, options, expressions, filename)
+    assert compiled.ptx and compiled.cubin
+    assert set(compiled.lowered_names) == set(expressions)
