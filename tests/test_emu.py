@@ -54,6 +54,9 @@ def test_grid_stride_elementwise():
 
     for order, y in in_both_orders(launch).items():
         validate(y, y0 + 2.0 * float(a) * x.astype(np.float64), f"axpy ({order})")
+    y = y0.copy()
+    kernel("elementwise.cu", "negate")((2,), (64,), (y, n))
+    validate(y, -y0.astype(np.float64), "negate, a kernel in a namespace")
 
 
 def block_sums(x, block):

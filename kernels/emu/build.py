@@ -204,10 +204,25 @@ def _integer_constant(text):
         return None
 
 
+def _namespaces(text):
+    """[(start, end, name)]: the spans of the source's named namespaces."""
+    spans, open_braces = [], []
+    for m in re.finditer(r"\bnamespace\s+([\w:]+)\s*\{|\{|\}", text):
+        if m.group(1) or m.group(0) == "{":
+            open_braces.append((m.group(1), m.end()))
+        elif open_braces:
+            name, start = open_braces.pop()
+            if name:
+                spans.append((start, m.start(), name))
+    return sorted(spans)
+
+
 def scan_kernels(text):
-    """The ``__global__`` functions of a preprocessed source: {name: {"template": bool,
-    "parameters": [declarations], "names": [parameter names], "launch_bounds": int or None}}."""
+    """The ``__global__`` functions of a preprocessed source: {name: {"qualified": name with
+    its namespaces, "template": bool, "parameters": [declarations], "names": [parameter
+    names], "launch_bounds": int or None}}."""
     kernels = {}
+    namespaces = _namespaces(text)
     for match in _GLOBAL.finditer(text):
         start = max(text.rfind(c, 0, match.start()) for c in ";{}") + 1
         head_end = match.end()
@@ -227,7 +242,9 @@ def scan_kernels(text):
                 arguments = head[bounds.end():_matching_paren(head, bounds.end() - 1)]
                 max_threads = _integer_constant(_split_top_level(arguments)[0])
             declarations = [] if parameters.strip() in ("", "void") else _split_top_level(parameters)
+            qualifier = "".join(f"{ns}::" for start_ns, end_ns, ns in namespaces if start_ns <= match.start() < end_ns)
             kernels.setdefault(name, {
+                "qualified": qualifier + name,
                 "template": re.search(r"\btemplate\b", text[start:match.start()]) is not None,
                 "parameters": [" ".join(d.split()) for d in declarations],
                 "names": [_parameter_name(d) for d in declarations],
@@ -301,13 +318,13 @@ def build_module(code, options=(), name_expressions=()):
                           *pre, "-MMD", "-MF", str(folder / f"{key}.d"), str(source)], "preprocessing")
     kernels = scan_kernels(scan.stdout)
     dependencies = _dependencies(folder / f"{key}.d", exclude={str(source)})
-    expressions = [k for k, v in kernels.items() if not v["template"]]
+    expressions = [v["qualified"] for v in kernels.values() if not v["template"]]
     expressions += [e for e in name_expressions if e not in expressions]
     entries = []
     for expression in expressions:
         kernel = re.match(r"\s*(?:::)?([\w:]+)", expression).group(1).split("::")[-1]
         info = kernels.get(kernel, {"template": False, "parameters": [], "names": [], "launch_bounds": None})
-        entries.append({"expression": expression, "kernel": kernel, **info})
+        entries.append({**info, "expression": expression, "kernel": kernel})
 
     entries_file = folder / f"{key}.entries.cpp"
     aliases_file = folder / f"{key}.shared.s"

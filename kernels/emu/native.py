@@ -12,7 +12,7 @@ _ERROR_BYTES = 4096
 
 @functools.lru_cache(maxsize=None)
 def runtime():
-    lib = ctypes.CDLL(str(build.runtime_library()), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(str(build.runtime_library()))
     lib.emu_module_load.restype = ctypes.c_void_p
     lib.emu_module_load.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     lib.emu_module_symbol.restype = ctypes.c_void_p
@@ -78,8 +78,11 @@ class Module:
             kernel_address = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._symbol(f"emu_kernel_{i}"))()
             info = _DlInfo()
             _dladdr(kernel_address, ctypes.byref(info))
-            names = functions.get(kernel_address - info.fbase, [])
-            symbol = next((n for n in names if n.startswith("_Z")), names[0] if names else "")
+            if info.saddr == kernel_address:  # an exported kernel
+                symbol = info.sname.decode()
+            else:  # a static one: only the full symbol table knows it
+                names = functions.get(kernel_address - info.fbase, [])
+                symbol = next((n for n in names if n.startswith("_Z")), names[0] if names else "")
             buf = ctypes.create_string_buffer(_ERROR_BYTES)
             ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_int)(self._symbol(f"emu_signature_{i}"))(buf, _ERROR_BYTES)
             self.entries.append({**entry, "address": address, "symbol": symbol,
