@@ -1,0 +1,83 @@
+"""The CUDA backend: every op of the contract (kernels/cpu/__init__.py) as hand-written CUDA C.
+
+Each op family has its kernels in ``<family>.cu`` and its launchers in ``<family>.py``. A
+launcher takes the backend as its first argument, ``conv2d_forward(be, x, w, b, stride,
+padding)``, and gets its array module (``be.xp``) and its compiled kernels
+(``be.function(family, name)``) from it, so one launcher code serves two backends:
+
+- ``cuda``: CuPy arrays; kernels compiled by NVRTC through ``cupy.RawModule`` (CuPy caches
+  the binaries on disk across runs);
+- ``emu``: NumPy arrays; the same sources compiled by g++ and run by the CPU emulator's
+  ``kernels.emu.RawModule`` (cached by source hash as well).
+
+``make_backend(name)`` builds one; ``kernels.backend_of`` decides which one an array gets.
+Each family is compiled once per process, on its first launch.
+"""
+import importlib
+import types
+from pathlib import Path
+
+import numpy as np
+
+FAMILIES = ("conv", "batchnorm", "elementwise", "pool", "linear", "loss", "optim")
+OPTIONS = ("--std=c++17",)
+HERE = Path(__file__).resolve().parent
+_SHARED_HEADER = '#include "common.cuh"'
+
+
+def source(family):
+    """The CUDA C source of a family with common.cuh pasted in place of its #include, so that
+    the text handed to the compiler, and hence its cache key, covers the header too."""
+    text = (HERE / f"{family}.cu").read_text()
+    return text.replace(_SHARED_HEADER, (HERE / "common.cuh").read_text(), 1)
+
+
+def launcher(family):
+    """The Python module of a family: its launchers, OPS (the contract functions it
+    implements) and KERNELS (the name expressions of its kernels)."""
+    return importlib.import_module(f"{__name__}.{family}")
+
+
+class Backend:
+    """The contract's functions, bound to one array module and one kernel compiler."""
+
+    def __init__(self, name, xp, raw_module):
+        self.name, self.xp = name, xp
+        self._raw_module = raw_module
+        self._modules, self._functions = {}, {}
+        for family in FAMILIES:
+            module = launcher(family)
+            for op in module.OPS:
+                setattr(self, op, types.MethodType(getattr(module, op), self))
+
+    def module(self, family):
+        """The family's compiled module (RawModule), compiled on first use."""
+        if family not in self._modules:
+            self._modules[family] = self._raw_module(code=source(family), options=OPTIONS,
+                                                     name_expressions=launcher(family).KERNELS)
+        return self._modules[family]
+
+    def function(self, family, name):
+        """A kernel of the family by its name expression."""
+        key = (family, name)
+        if key not in self._functions:
+            self._functions[key] = self.module(family).get_function(name)
+        return self._functions[key]
+
+    def __repr__(self):
+        return f"<kernels backend {self.name!r}>"
+
+
+def make_backend(name):
+    """The CUDA launchers bound to CuPy ("cuda") or to NumPy and the CPU emulator ("emu")."""
+    if name == "emu":
+        from kernels.emu import RawModule
+        return Backend("emu", np, RawModule)
+    if name == "cuda":
+        try:
+            import cupy
+        except ImportError as e:
+            raise ImportError("the cuda backend needs CuPy: install this project with the cuda12 or "
+                              "cuda13 extra (pip install -e '.[cuda13]')") from e
+        return Backend("cuda", cupy, cupy.RawModule)
+    raise ValueError(f"unknown device backend {name!r}: 'cuda' or 'emu'")

@@ -1,0 +1,97 @@
+"""Launchers of batchnorm.cu: batch normalisation per channel of NCHW float32 arrays, in
+training and inference, with per-block partial sums added in a fixed order."""
+import numpy as np
+
+from .launch import THREADS, blocks, cdiv, float32, in_place, launch, split, sum_partials
+
+OPS = ("batch_norm_forward", "batch_norm_backward", "batch_norm_update_running", "batch_norm_inference",
+       "batch_norm_inference_backward")
+KERNELS = ("bn_stats_partials", "bn_stats_finish", "bn_apply<false>", "bn_apply<true>", "bn_invstd",
+           "bn_backward_partials", "bn_backward_dx", "bn_inference_dx", "bn_update_running", "sum_partials")
+
+
+def batch_norm_forward(be, x, gamma, beta, eps):
+    x, gamma, beta = float32(be, "batch_norm_forward", x, gamma, beta)
+    n, c, plane = _sizes(x, gamma)
+    splits, chunk = split(n * plane, c)
+    partial = be.xp.empty((splits, 2, c), np.float32)
+    launch(be, "batchnorm", "bn_stats_partials", (c, splits), (x, n, c, plane, chunk, partial))
+    mean, invstd = be.xp.empty((2, c), np.float32)
+    launch(be, "batchnorm", "bn_stats_finish", (cdiv(c, THREADS),),
+           (x, partial, splits, c, plane, n * plane, float(eps), mean, invstd))
+    return apply(be, x, gamma, beta, mean, invstd), mean, invstd
+
+
+def apply(be, x, gamma, beta, mean, invstd, relu=False):
+    """gamma * (x - mean) * invstd + beta, and its relu when asked, in one kernel."""
+    n, c, plane = _sizes(x, gamma)
+    y = be.xp.empty_like(x)
+    launch(be, "batchnorm", f"bn_apply<{'true' if relu else 'false'}>", blocks(x.size),
+           (x, mean, invstd, gamma, beta, x.size, c, plane, y))
+    return y
+
+
+def batch_norm_backward(be, dy, x, gamma, mean, invstd):
+    dy, x, gamma, mean, invstd = float32(be, "batch_norm_backward", dy, x, gamma, mean, invstd)
+    n, c, plane = _sizes(x, gamma, dy)
+    grads = _affine_grads(be, dy, x, mean, invstd)
+    dx = be.xp.empty_like(x)
+    launch(be, "batchnorm", "bn_backward_dx", blocks(x.size),
+           (dy, x, mean, invstd, gamma, grads, n * plane, x.size, c, plane, dx))
+    return dx, grads[0], grads[1]
+
+
+def batch_norm_update_running(be, running_mean, running_var, mean, invstd, count, momentum, eps):
+    in_place(be, "batch_norm_update_running", running_mean, running_var)
+    mean, invstd = float32(be, "batch_norm_update_running", mean, invstd)
+    c = running_mean.size
+    launch(be, "batchnorm", "bn_update_running", (cdiv(c, THREADS),),
+           (running_mean, running_var, mean, invstd, c, float(1 - momentum), float(momentum), float(eps),
+            float(count / max(count - 1, 1))))
+
+
+def batch_norm_inference(be, x, gamma, beta, running_mean, running_var, eps):
+    x, gamma, beta, running_mean, running_var = float32(be, "batch_norm_inference", x, gamma, beta,
+                                                        running_mean, running_var)
+    _sizes(x, gamma)
+    return apply(be, x, gamma, beta, running_mean, _invstd(be, running_var, eps))
+
+
+def batch_norm_inference_backward(be, dy, x, gamma, running_mean, running_var, eps):
+    dy, x, gamma, running_mean, running_var = float32(be, "batch_norm_inference_backward", dy, x, gamma,
+                                                      running_mean, running_var)
+    n, c, plane = _sizes(x, gamma, dy)
+    invstd = _invstd(be, running_var, eps)
+    grads = _affine_grads(be, dy, x, running_mean, invstd)
+    dx = be.xp.empty_like(x)
+    launch(be, "batchnorm", "bn_inference_dx", blocks(x.size), (dy, invstd, gamma, x.size, c, plane, dx))
+    return dx, grads[0], grads[1]
+
+
+def _affine_grads(be, dy, x, mean, invstd):
+    """[dgamma; dbeta] (2, C): sums of dy * xhat and of dy per channel."""
+    n, c, h, w = x.shape
+    splits, chunk = split(n * h * w, c)
+    grads = be.xp.empty((2, c), np.float32)
+    partial = grads if splits == 1 else be.xp.empty((splits, 2, c), np.float32)
+    launch(be, "batchnorm", "bn_backward_partials", (c, splits), (dy, x, mean, invstd, n, c, h * w, chunk, partial))
+    if splits > 1:
+        sum_partials(be, "batchnorm", partial, splits, grads)
+    return grads
+
+
+def _invstd(be, var, eps):
+    invstd = be.xp.empty_like(var)
+    launch(be, "batchnorm", "bn_invstd", (cdiv(var.size, THREADS),), (var, var.size, float(eps), invstd))
+    return invstd
+
+
+def _sizes(x, gamma, dy=None):
+    """(N, C, H*W) after checking the shapes."""
+    if x.ndim != 4 or gamma.shape != (x.shape[1],):
+        raise ValueError(f"batch norm expects x (N, C, H, W) and per-channel parameters (C,), "
+                         f"got x {x.shape} and gamma {gamma.shape}")
+    if dy is not None and dy.shape != x.shape:
+        raise ValueError(f"batch norm dy shape {dy.shape} differs from x {x.shape}")
+    n, c, h, w = x.shape
+    return n, c, h * w

@@ -1,0 +1,107 @@
+"""Launchers of conv.cu: convolution forward, backward-data, backward-weight and the bias
+gradient, as implicit GEMMs on NCHW float32 arrays (see the header of conv.cu)."""
+import numpy as np
+
+from kernels.cpu._util import output_size, pair
+
+from .launch import THREADS, cdiv, float32, launch, split, sum_partials
+
+OPS = ("conv2d_forward", "conv2d_backward")
+
+# BM = BN of each tile of common.cuh; the kernel sizes with their own instantiation, (0, 0)
+# being the one that takes any size at run time.
+TILES = {"Tile64": 64, "Tile128": 128}
+SIZES = ((3, 3), (1, 1), (0, 0))
+GEMMS = ("conv2d_forward", "conv2d_dgrad", "conv2d_wgrad")
+# The large tile does 4x the work per block: worth it only while the grid stays large.
+LARGE_TILE_MIN_BLOCKS = 256
+
+
+def _gemm(kernel, tile, kh, kw):
+    return f"{kernel}<{tile}, {kh}, {kw}>"
+
+
+KERNELS = tuple(_gemm(k, t, *s) for k in GEMMS for t in TILES for s in SIZES) + (
+    "bias_grad_partials", "sum_partials")
+
+
+def choose_tile(rows, columns):
+    """The tile for a (rows x columns) output: Tile128 when both sides fill it and the grid
+    keeps at least LARGE_TILE_MIN_BLOCKS blocks; else Tile64."""
+    large = cdiv(rows, 128) * cdiv(columns, 128)
+    return "Tile128" if min(rows, columns) >= 128 and large >= LARGE_TILE_MIN_BLOCKS else "Tile64"
+
+
+def conv2d_forward(be, x, w, b, stride, padding):
+    x, w, b = float32(be, "conv2d_forward", x, w, b)
+    geometry = _geometry(x, w, stride, padding, b)
+    n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    y = be.xp.empty((n, o, oh, ow), np.float32)
+    tile = choose_tile(o, n * oh * ow)
+    launch(be, "conv", _kernel("conv2d_forward", tile, kh, kw),
+           (cdiv(n * oh * ow, TILES[tile]), cdiv(o, TILES[tile])), (x, w, b, y, *geometry))
+    return y
+
+
+def conv2d_backward(be, dy, x, w, stride, padding):
+    dy, x, w = float32(be, "conv2d_backward", dy, x, w)
+    geometry = _geometry(x, w, stride, padding)
+    n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    if dy.shape != (n, o, oh, ow):
+        raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output {(n, o, oh, ow)}")
+    return _backward_data(be, dy, w, geometry), _backward_weight(be, dy, x, geometry), _bias_grad(be, dy)
+
+
+def _backward_data(be, dy, w, geometry):
+    n, c, h, wd, o, kh, kw = geometry[:7]
+    dx = be.xp.empty((n, c, h, wd), np.float32)
+    tile = choose_tile(c, n * h * wd)
+    launch(be, "conv", _kernel("conv2d_dgrad", tile, kh, kw),
+           (cdiv(n * h * wd, TILES[tile]), cdiv(c, TILES[tile])), (dy, w, dx, *geometry))
+    return dx
+
+
+def _backward_weight(be, dy, x, geometry):
+    """dw, split over the N*OH*OW sum into partials when the (O x C*KH*KW) grid is small."""
+    n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    columns = c * kh * kw
+    tile = choose_tile(o, columns)
+    grid = (cdiv(columns, TILES[tile]), cdiv(o, TILES[tile]))
+    splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=16)
+    dw = be.xp.empty((o, c, kh, kw), np.float32)
+    partial = dw if splits == 1 else be.xp.empty((splits, o, c, kh, kw), np.float32)
+    launch(be, "conv", _kernel("conv2d_wgrad", tile, kh, kw), grid + (splits,), (dy, x, partial, *geometry, chunk))
+    if splits > 1:
+        sum_partials(be, "conv", partial, splits, dw)
+    return dw
+
+
+def _bias_grad(be, dy):
+    n, o, oh, ow = dy.shape
+    splits, chunk = split(n * oh * ow, o)
+    db = be.xp.empty((o,), np.float32)
+    partial = db if splits == 1 else be.xp.empty((splits, o), np.float32)
+    launch(be, "conv", "bias_grad_partials", (o, splits), (dy, n, o, oh * ow, chunk, partial))
+    if splits > 1:
+        sum_partials(be, "conv", partial, splits, db)
+    return db
+
+
+def _kernel(name, tile, kh, kw):
+    """The instantiation for this kernel size, or the run-time-size one."""
+    return _gemm(name, tile, *((kh, kw) if (kh, kw) in SIZES else (0, 0)))
+
+
+def _geometry(x, w, stride, padding, b=None):
+    """(N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH, OW) after checking that the arrays fit."""
+    if x.ndim != 4 or w.ndim != 4:
+        raise ValueError(f"conv2d expects x (N, C, H, W) and w (O, C, KH, KW), got {x.shape} and {w.shape}")
+    n, c, h, wd = x.shape
+    o, wc, kh, kw = w.shape
+    if wc != c:
+        raise ValueError(f"conv2d input has {c} channels, weight expects {wc}")
+    if b is not None and b.shape != (o,):
+        raise ValueError(f"conv2d bias shape {b.shape} does not match {o} output channels")
+    (sh, sw), (ph, pw) = pair(stride), pair(padding)
+    oh, ow = output_size(h, kh, sh, ph), output_size(wd, kw, sw, pw)
+    return n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow

@@ -1,0 +1,36 @@
+// elementwise.cu: relu, its backward, the residual join relu(a + b), and uint8 images to
+// float32, on flat contiguous arrays. Launched by kernels/cuda/elementwise.py; checked by
+// tests/test_kernels_cuda.py against tests/reference.py and kernels/cpu/elementwise.py.
+// Every kernel is memory-bound: one thread per element, grid-stride, coalesced. relu keeps a
+// NaN as NaN (as NumPy's maximum and PyTorch do), so that a NaN upstream is not hidden.
+
+// y = max(x, 0): threads over elements, grid-stride.
+extern "C" __global__ void __launch_bounds__(256)
+relu_forward(const float* __restrict__ x, int total, float* __restrict__ y) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x)
+        y[i] = x[i] < 0.0f ? 0.0f : x[i];
+}
+
+// dx = dy where y > 0, else 0 (the mask from the output, which serves relu and add_relu
+// alike): threads over elements, grid-stride.
+extern "C" __global__ void __launch_bounds__(256)
+relu_backward(const float* __restrict__ dy, const float* __restrict__ y, int total, float* __restrict__ dx) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x)
+        dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+// y = max(a + b, 0): threads over elements, grid-stride.
+extern "C" __global__ void __launch_bounds__(256)
+add_relu_forward(const float* __restrict__ a, const float* __restrict__ b, int total, float* __restrict__ y) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const float v = a[i] + b[i];
+        y[i] = v < 0.0f ? 0.0f : v;
+    }
+}
+
+// x = images / 255 as float32: threads over pixels, grid-stride.
+extern "C" __global__ void __launch_bounds__(256)
+images_to_float(const unsigned char* __restrict__ images, int total, float* __restrict__ x) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x)
+        x[i] = float(images[i]) * (1.0f / 255.0f);
+}

@@ -1,0 +1,112 @@
+"""What every launcher of the CUDA backend shares: argument checks, grid sizes, the typed
+launch, and the fixed-order final pass over per-block partial sums.
+
+The backend object ``be`` (kernels/cuda/__init__.py) gives the array module ``be.xp``
+(CuPy, or NumPy under the emulator) and the compiled kernels ``be.function(family, name)``.
+Nothing here synchronises with the device: sizes come from shapes, never from values.
+"""
+import numpy as np
+
+THREADS = 256            # threads per block of every 1-D kernel
+ELEMENTWISE_BLOCKS = 4096  # grid-stride kernels: at most this many blocks, each loops
+# Reductions over long axes are split into per-block partials. How many depends on the shapes
+# alone, never on the device, so that the order of the additions, and hence the bits of the
+# result, is the same on every run: enough blocks to fill a large GPU (132 SMs) a few times,
+# but no split shorter than MIN_SPLIT_LENGTH elements.
+TARGET_BLOCKS = 512
+MIN_SPLIT_LENGTH = 4096
+_INDEX_LIMIT = 2**31  # kernels index with int
+
+C_TYPES = {np.dtype(np.uint8): "unsigned char", np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def blocks(count, limit=ELEMENTWISE_BLOCKS):
+    """1-D grid for `count` threads' worth of work at THREADS per block, capped at `limit`
+    blocks (the kernel loops over the rest)."""
+    return (max(1, min(cdiv(count, THREADS), limit)),)
+
+
+def split(length, parallel, multiple=1):
+    """(splits, chunk) for reducing `length` elements in each of `parallel` independent
+    reductions: chunk is a multiple of `multiple`, splits * chunk >= length."""
+    splits = max(1, min(cdiv(TARGET_BLOCKS, max(parallel, 1)), length // MIN_SPLIT_LENGTH))
+    chunk = cdiv(cdiv(max(length, 1), splits), multiple) * multiple
+    return cdiv(max(length, 1), chunk), chunk
+
+
+def float32(be, op, *arrays):
+    """The arrays (None passes through) as C-contiguous float32 arrays of the backend's array
+    module; TypeError for another dtype or array type, since the CUDA kernels are float32."""
+    return tuple(None if a is None else typed(be, op, a, np.float32) for a in arrays)
+
+
+def integers(be, op, a):
+    """An integer array (labels) as a C-contiguous array of a dtype the kernels are built for."""
+    if not isinstance(a, be.xp.ndarray) or a.dtype not in C_TYPES:
+        raise TypeError(f"{op}: expects an integer array of {', '.join(map(str, C_TYPES))} on the "
+                        f"{be.name} backend, got {_describe(a)}")
+    return _contiguous(be, op, a)
+
+
+def in_place(be, op, *arrays):
+    """Arrays that a kernel updates in place: float32 and C-contiguous already (a copy would
+    leave the caller's array unchanged), or an error that says so."""
+    for a in arrays:
+        if a is None:
+            continue
+        typed(be, op, a, np.float32)
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{op}: updates its arguments in place and needs C-contiguous arrays, "
+                             f"got strides {a.strides} for shape {a.shape}")
+    return arrays
+
+
+def typed(be, op, a, dtype):
+    """`a` as a C-contiguous array of the backend's array module, or TypeError unless it has
+    that `dtype`: the kernels take one dtype each and convert nothing."""
+    if not isinstance(a, be.xp.ndarray) or a.dtype != dtype:
+        raise TypeError(f"{op}: the {be.name} backend takes {np.dtype(dtype)} {be.xp.__name__} arrays "
+                        f"here, got {_describe(a)}")
+    return _contiguous(be, op, a)
+
+
+def _contiguous(be, op, a):
+    if a.size >= _INDEX_LIMIT:
+        raise ValueError(f"{op}: arrays of {_INDEX_LIMIT} elements or more are not supported, "
+                         f"got shape {a.shape}")
+    return a if a.flags.c_contiguous else be.xp.ascontiguousarray(a)
+
+
+def _describe(a):
+    dtype = getattr(a, "dtype", None)
+    return f"{type(a).__module__}.{type(a).__name__}" + (f" of {dtype}" if dtype is not None else "")
+
+
+def launch(be, family, kernel, grid, args, block=(THREADS,)):
+    """Launch `kernel` of `family` with Python ints passed as int32 and Python floats as
+    float32, which is what every kernel of the project declares; CuPy and the emulator would
+    otherwise pass them as 64-bit values."""
+    be.function(family, kernel)(grid, block, tuple(_typed(a) for a in args))
+
+
+def _typed(arg):
+    if isinstance(arg, (bool, np.bool_)):
+        raise TypeError("kernels take int flags, not bool")
+    if isinstance(arg, int):
+        if not -_INDEX_LIMIT <= arg < _INDEX_LIMIT:
+            raise ValueError(f"kernel argument {arg} does not fit in an int")
+        return np.int32(arg)
+    if isinstance(arg, float):
+        return np.float32(arg)
+    return arg
+
+
+def sum_partials(be, family, partial, splits, out, scale=1.0):
+    """out (flat, `rows` elements) = scale * the sum over the leading axis of `partial`
+    (splits, rows), added in split order by common.cuh's sum_partials compiled in `family`."""
+    rows = out.size
+    launch(be, family, "sum_partials", (cdiv(rows, THREADS),), (partial, splits, rows, float(scale), out))

@@ -1,0 +1,20 @@
+// optim.cu: SGD with momentum and weight decay over the flat float32 parameter buffer, in
+// place, PyTorch's rule (dampening 0, no Nesterov), each operation rounded as the CPU backend
+// rounds it (kernels/cpu/optim.py): no fused multiply-adds, so that both give the same bits.
+// Launched by kernels/cuda/optim.py; checked by tests/test_kernels_cuda.py.
+
+// g = grad + weight_decay * param; velocity = momentum * velocity + g (when velocity is not
+// null); param -= lr * (velocity or g): one thread per parameter, grid-stride.
+extern "C" __global__ void __launch_bounds__(256)
+sgd_update(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ velocity, int total,
+           float lr, float momentum, float weight_decay) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const float p = param[i];
+        float step = weight_decay != 0.0f ? __fadd_rn(__fmul_rn(p, weight_decay), grad[i]) : grad[i];
+        if (velocity) {
+            step = __fadd_rn(__fmul_rn(velocity[i], momentum), step);
+            velocity[i] = step;
+        }
+        param[i] = __fsub_rn(p, __fmul_rn(step, lr));
+    }
+}

@@ -1,0 +1,19 @@
+"""Launcher of optim.cu: one SGD step over the flat parameter buffer, in place."""
+from .launch import blocks, float32, in_place, launch
+
+OPS = ("sgd_update",)
+KERNELS = ("sgd_update",)
+
+
+def sgd_update(be, param, grad, velocity, lr, momentum, weight_decay):
+    if momentum != 0 and velocity is None:
+        raise ValueError("sgd with momentum needs a velocity buffer shaped like the param")
+    # Without momentum the velocity plays no part (PyTorch keeps no buffer then).
+    velocity = velocity if momentum != 0 else None
+    in_place(be, "sgd_update", param, velocity)
+    (grad,) = float32(be, "sgd_update", grad)
+    for name, a in (("grad", grad), ("velocity", velocity)):
+        if a is not None and a.shape != param.shape:
+            raise ValueError(f"sgd param {param.shape} and {name} {a.shape} differ in shape")
+    launch(be, "optim", "sgd_update", blocks(param.size),
+           (param, grad, velocity, param.size, float(lr), float(momentum), float(weight_decay)))

@@ -1,0 +1,59 @@
+"""Launchers of pool.cu: max pooling with int64 argmax, and global average pooling."""
+import numpy as np
+
+from kernels.cpu._util import output_size, pair
+
+from .launch import blocks, cdiv, float32, launch, typed
+
+OPS = ("max_pool2d_forward", "max_pool2d_backward", "global_avg_pool_forward", "global_avg_pool_backward")
+KERNELS = ("max_pool2d_forward", "max_pool2d_backward", "global_avg_pool_forward", "global_avg_pool_backward")
+WARPS_PER_BLOCK = 8
+
+
+def max_pool2d_forward(be, x, kernel_size, stride, padding):
+    (x,) = float32(be, "max_pool2d_forward", x)
+    (kh, kw), (sh, sw), (ph, pw) = pair(kernel_size), pair(stride), pair(padding)
+    if x.ndim != 4:
+        raise ValueError(f"max_pool2d expects x (N, C, H, W), got {x.shape}")
+    if 2 * ph > kh or 2 * pw > kw:
+        # Wider padding would leave windows made only of padding, with no input to pick.
+        raise ValueError(f"max_pool2d padding {(ph, pw)} exceeds half the kernel {(kh, kw)}")
+    n, c, h, w = x.shape
+    oh, ow = output_size(h, kh, sh, ph), output_size(w, kw, sw, pw)
+    y = be.xp.empty((n, c, oh, ow), np.float32)
+    argmax = be.xp.empty((n, c, oh, ow), np.int64)
+    launch(be, "pool", "max_pool2d_forward", blocks(y.size),
+           (x, n * c, h, w, kh, kw, sh, sw, ph, pw, oh, ow, y, argmax))
+    return y, argmax
+
+
+def max_pool2d_backward(be, dy, argmax, x_shape):
+    (dy,) = float32(be, "max_pool2d_backward", dy)
+    argmax = typed(be, "max_pool2d_backward", argmax, np.int64)
+    n, c, h, w = x_shape
+    if argmax.shape != dy.shape or dy.shape[:2] != (n, c):
+        raise ValueError(f"max_pool2d_backward: dy {dy.shape} and argmax {argmax.shape} do not fit x {x_shape}")
+    dx = be.xp.empty((n, c, h, w), np.float32)
+    launch(be, "pool", "max_pool2d_backward", blocks(n * c),
+           (dy, argmax, n * c, h * w, dy.shape[2] * dy.shape[3], dx))
+    return dx
+
+
+def global_avg_pool_forward(be, x):
+    (x,) = float32(be, "global_avg_pool_forward", x)
+    if x.ndim != 4:
+        raise ValueError(f"global_avg_pool expects x (N, C, H, W), got {x.shape}")
+    n, c, h, w = x.shape
+    y = be.xp.empty((n, c), np.float32)
+    launch(be, "pool", "global_avg_pool_forward", (cdiv(n * c, WARPS_PER_BLOCK),), (x, n * c, h * w, y))
+    return y
+
+
+def global_avg_pool_backward(be, dy, x_shape):
+    (dy,) = float32(be, "global_avg_pool_backward", dy)
+    n, c, h, w = x_shape
+    if dy.shape != (n, c):
+        raise ValueError(f"global_avg_pool_backward: dy {dy.shape} does not fit x {tuple(x_shape)}")
+    dx = be.xp.empty((n, c, h, w), np.float32)
+    launch(be, "pool", "global_avg_pool_backward", blocks(dx.size), (dy, dx.size, h * w, dx))
+    return dx
