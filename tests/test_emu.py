@@ -239,13 +239,15 @@ def test_float_atomic_max_is_refused():
         emu.RawModule(code=(KERNELS / "atomic_max_float.cu").read_text())
 
 
-def test_deadlock_and_device_assert_are_reported():
+def test_deadlock_device_assert_and_shared_overflow_are_reported():
     with pytest.raises(emu.KernelError, match=r"deadlock in block \(0,0,0\).*warp 0: lanes 0-15 wait in "
                                               r"__shfl_xor_sync\(mask 0xffffffff\) for lanes 16-31"):
         kernel("faults.cu", "divergent_shuffle")((1,), (64,), (np.zeros(64, np.float32),))
     x = np.arange(40, dtype=np.int32) - 30
     with pytest.raises(emu.KernelError, match=r"thread \(0,0,0\) of block \(0,0,0\): .*assertion `x\[i\] >= 0'"):
         kernel("faults.cu", "checks_its_input")((2,), (32,), (x, np.int32(x.size)))
+    with pytest.raises(emu.KernelError, match=r"block \(0,0,0\) wrote past the 128 bytes of dynamic shared memory"):
+        kernel("faults.cu", "write_past_dynamic_shared")((1,), (32,), (np.zeros(32, np.float32),), shared_mem=128)
 
 
 def parameters_args(**changes):
@@ -300,6 +302,20 @@ def test_impossible_launches_are_refused(grid, block, shared_mem, message):
     x = np.zeros(1024, np.float32)
     with pytest.raises(emu.LaunchError, match=r"kernel 'block_sum'.*" + message):
         kernel("reduce.cu", "block_sum")(grid, block, (x, x[:4].copy(), np.int32(0)), shared_mem=shared_mem)
+
+
+def test_more_shared_memory_after_opt_in():
+    A, B, C = np.ones((16, 16), np.float32), np.ones((16, 16), np.float32), np.empty((16, 16), np.float32)
+    args = (A, B, C, np.int32(16), np.int32(16), np.int32(16))
+    matmul = kernel("matmul.cu", "matmul_tiled")
+    with pytest.raises(emu.LaunchError, match="without opt-in"):
+        matmul((1, 1), (16, 16), args, shared_mem=100 * 1024)
+    matmul.max_dynamic_shared_size_bytes = 227 * 1024
+    kernel("matmul.cu", "matmul_tiled")((1, 1), (16, 16), args, shared_mem=227 * 1024)  # the function's attribute
+    validate(C, np.full((16, 16), 16.0), "matmul_tiled with 227 KiB of dynamic shared memory")
+    with pytest.raises(emu.LaunchError, match="exceed the 232448 a GPU allows"):
+        matmul.max_dynamic_shared_size_bytes = 228 * 1024
+    matmul.max_dynamic_shared_size_bytes = 48 * 1024
 
 
 def test_kernels_are_found_as_cupy_finds_them():

@@ -40,8 +40,10 @@ enum emu_warp_op : int {
 };
 
 // Dynamic shared memory: one buffer per module and OS thread, as large as the largest opt-in
-// a GPU of the project allows (sm_90: 227 KiB); a launch fills only what it asked for.
+// a GPU of the project allows (sm_90: 227 KiB), plus room for a canary after what a launch
+// asked for (a write past it shows). A launch fills only what it asked for.
 constexpr std::size_t kEmuDynamicSharedBytes = 227 * 1024;
+constexpr std::size_t kEmuSharedTailBytes = 256;
 
 extern "C" {
 void emu_syncthreads(void);

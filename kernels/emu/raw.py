@@ -15,7 +15,7 @@ MAX_THREADS_PER_BLOCK = 1024
 MAX_BLOCK_DIM = (1024, 1024, 64)
 MAX_GRID_DIM = (2**31 - 1, 65535, 65535)
 SHARED_BYTES_WITHOUT_OPT_IN = 48 * 1024
-SHARED_BYTES_OPT_IN = build.DYNAMIC_SHARED_BYTES  # sm_90's 227 KiB
+SHARED_BYTES_OPT_IN = 227 * 1024  # sm_90; kEmuDynamicSharedBytes in emu_abi.h holds as much
 
 ORDERS = ("ascending", "descending")
 _order = [os.environ.get("CUDA_EMU_ORDER", "ascending")]
@@ -79,7 +79,8 @@ class RawKernel:
     def _from_entry(cls, module, entry, name):
         kernel = cls.__new__(cls)
         kernel.module, kernel.name, kernel._entry = module, name, entry
-        kernel._max_dynamic_shared = SHARED_BYTES_WITHOUT_OPT_IN - entry["static_shared"]
+        # An attribute of the function, as in CUDA: every RawKernel of it sees a change.
+        entry.setdefault("max_dynamic_shared", SHARED_BYTES_WITHOUT_OPT_IN - entry["static_shared"])
         declarations = entry["parameters"] if len(entry["parameters"]) == len(entry["signature"]) else None
         kernel._parameters = [Parameter(i, name, spec, declarations[i] if declarations else c_type_name(spec))
                               for i, spec in enumerate(entry["signature"])]
@@ -96,14 +97,14 @@ class RawKernel:
 
     @property
     def max_dynamic_shared_size_bytes(self):
-        return self._max_dynamic_shared
+        return self._entry["max_dynamic_shared"]
 
     @max_dynamic_shared_size_bytes.setter
     def max_dynamic_shared_size_bytes(self, value):
         if value + self.shared_size_bytes > SHARED_BYTES_OPT_IN:
             raise LaunchError(f"kernel '{self.name}': {value} bytes of dynamic shared memory plus its "
                               f"{self.shared_size_bytes} static bytes exceed the {SHARED_BYTES_OPT_IN} a GPU allows")
-        self._max_dynamic_shared = int(value)
+        self._entry["max_dynamic_shared"] = int(value)
 
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
         if enable_cooperative_groups:
@@ -156,12 +157,12 @@ class RawKernel:
         shared_mem = int(shared_mem)
         if shared_mem < 0:
             raise LaunchError(f"kernel '{self.name}': shared_mem={shared_mem} is negative")
-        static = self.shared_size_bytes
-        if shared_mem > self._max_dynamic_shared:
+        static, allowed = self.shared_size_bytes, self.max_dynamic_shared_size_bytes
+        if shared_mem > allowed:
             limit = (f"a GPU allows {SHARED_BYTES_WITHOUT_OPT_IN} bytes of shared memory per block without "
                      f"opt-in (max_dynamic_shared_size_bytes)"
-                     if self._max_dynamic_shared == SHARED_BYTES_WITHOUT_OPT_IN - static
-                     else f"max_dynamic_shared_size_bytes is {self._max_dynamic_shared}")
+                     if allowed == SHARED_BYTES_WITHOUT_OPT_IN - static
+                     else f"max_dynamic_shared_size_bytes is {allowed}")
             raise LaunchError(f"kernel '{self.name}': shared_mem={shared_mem} bytes of dynamic shared memory "
                               f"(plus {static} static): {limit}")
         return shared_mem

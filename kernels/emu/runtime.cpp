@@ -61,8 +61,7 @@ struct Module {
     std::size_t tls_bytes;       // the module's thread-local block: all of its shared memory
 };
 
-// A canary after the dynamic shared memory a launch asked for: a write past it shows.
-constexpr std::size_t kSharedTailBytes = 256;
+// The canary after the dynamic shared memory a launch asked for.
 constexpr unsigned char kSharedTail = 0xa5;
 
 struct Launch {
@@ -360,14 +359,14 @@ void fill_shared_memory() {
     const std::size_t dyn_offset = std::size_t(g.dynamic - g.tls);
     std::memset(g.tls, 0xff, dyn_offset);
     std::memset(g.dynamic, 0xff, g.dynamic_bytes);
-    std::memset(g.dynamic + g.dynamic_bytes, kSharedTail, kSharedTailBytes);
-    const std::size_t after = dyn_offset + kEmuDynamicSharedBytes;
+    std::memset(g.dynamic + g.dynamic_bytes, kSharedTail, kEmuSharedTailBytes);
+    const std::size_t after = dyn_offset + kEmuDynamicSharedBytes + kEmuSharedTailBytes;
     if (after < g.tls_bytes) std::memset(g.tls + after, 0xff, g.tls_bytes - after);
 }
 
 bool dynamic_shared_tail_intact() {
     const unsigned char* tail = g_launch->dynamic + g_launch->dynamic_bytes;
-    for (std::size_t i = 0; i < kSharedTailBytes; ++i)
+    for (std::size_t i = 0; i < kEmuSharedTailBytes; ++i)
         if (tail[i] != kSharedTail) return false;
     return true;
 }
@@ -602,8 +601,8 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
     dlinfo(m->handle, RTLD_DI_TLS_DATA, &tls);
     g.tls = static_cast<unsigned char*>(tls);
     g.tls_bytes = m->tls_bytes;
-    if (!g.tls || g.dynamic < g.tls || g.dynamic + kEmuDynamicSharedBytes > g.tls + g.tls_bytes ||
-        dynamic_bytes + kSharedTailBytes > kEmuDynamicSharedBytes) {
+    if (!g.tls || g.dynamic < g.tls || g.dynamic + kEmuDynamicSharedBytes + kEmuSharedTailBytes > g.tls + g.tls_bytes ||
+        dynamic_bytes > kEmuDynamicSharedBytes) {
         set_error(err, errlen, "emulator: shared memory layout not as expected");
         return 1;
     }

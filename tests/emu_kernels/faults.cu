@@ -25,3 +25,11 @@ extern "C" __global__ void checks_its_input(const int* x, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) assert(x[i] >= 0);
 }
+
+// Writes one float past the dynamic shared memory the launch asks for (blockDim.x floats).
+extern "C" __global__ void write_past_dynamic_shared(float* out) {
+    extern __shared__ float d[];
+    d[threadIdx.x + 1] = 1.0f;
+    __syncthreads();
+    out[threadIdx.x] = d[threadIdx.x];
+}
