@@ -232,6 +232,10 @@ def test_out_of_bounds_write_is_caught():
                                               r"\(float\* y\) of 100 elements: element 100, 0 bytes past its end$"):
         kernel("faults.cu", "write_one_past_end")((1,), (128,), (x, y, np.int32(100)))
     validate(y, 2 * x.astype(np.float64), "the writes inside the array")
+    with pytest.raises(emu.KernelError, match=r"'write_far_past_end' failed: thread \(1,0,0\) of block \(0,0,0\): "
+                                              r"segmentation fault at address 0x[0-9a-f]+ \(argument 0 \(float\* y\) "
+                                              r"of 100 elements: element 100000, 399600 bytes past its end\)"):
+        kernel("faults.cu", "write_far_past_end")((1,), (4,), (y,))
 
 
 def test_float_atomic_max_is_refused():

@@ -144,7 +144,7 @@ inline T atomic_update(T* address, F update) {
 template <class T, class Bits>
 inline T atomic_float_add(T* address, T val) {
     Bits* word = reinterpret_cast<Bits*>(address);
-    Bits old = atomic_update(word, [val](Bits b) { return to_bits(from_bits<T>(b) + val) & ~Bits(0); });
+    Bits old = atomic_update(word, [val](Bits b) { return Bits(to_bits(from_bits<T>(b) + val)); });
     return from_bits<T>(old);
 }
 }  // namespace emu

@@ -428,11 +428,17 @@ bool run_block(uint3 block_idx) {
 }
 
 // ---- faults --------------------------------------------------------------------------------------
-// SIGSEGV & co. raised by a kernel end the launch with an error, via the alternate signal stack
-// (the faulting fiber's stack may be the thing that overflowed).
+// SIGSEGV & co. raised by a kernel end the launch with an error: the handler (on an alternate
+// stack, as the faulting fiber's stack may be what overflowed) notes what happened and jumps
+// back into emu_launch, which writes the message outside the handler.
 constexpr int kFaultSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+struct Fault {
+    int signal;
+    std::uintptr_t address;
+    int thread;
+};
 sigjmp_buf g_fault_jump;
-std::uintptr_t g_fault_address;
+Fault g_fault;
 pthread_t g_launch_thread;
 struct sigaction g_previous_actions[4];
 
@@ -443,23 +449,21 @@ void on_fault(int sig, siginfo_t* info, void*) {
             if (kFaultSignals[i] == sig) sigaction(sig, &g_previous_actions[i], nullptr);
         return;
     }
-    const int i = g_launch->current;
-    const auto address = reinterpret_cast<std::uintptr_t>(info->si_addr);
-    g_fault_address = address;
-    std::string what = sig == SIGSEGV ? "segmentation fault"
-                       : sig == SIGBUS ? "bus error"
-                       : sig == SIGFPE ? "arithmetic exception (integer division by zero?)"
-                                       : "illegal instruction";
-    if (i >= 0) {
-        const auto guard = reinterpret_cast<std::uintptr_t>(g_slots.guard(i));
-        if (sig == SIGSEGV && address >= guard && address < guard + kEmuPageBytes)
-            what = format("stack overflow (each thread has a stack of %zu KiB)",
-                          (kEmuThreadOffset - kEmuPageBytes) / 1024);
-        fail(describe_thread(i) + ": " + what + format(" at address 0x%lx", static_cast<unsigned long>(address)));
-    } else {
-        fail("emulator: " + what + format(" at address 0x%lx outside any kernel thread", static_cast<unsigned long>(address)));
-    }
+    g_fault = Fault{sig, reinterpret_cast<std::uintptr_t>(info->si_addr), g_launch->current};
     siglongjmp(g_fault_jump, 1);
+}
+
+std::string describe_fault(const Fault& f) {
+    std::string what = f.signal == SIGSEGV ? "segmentation fault"
+                       : f.signal == SIGBUS ? "bus error"
+                       : f.signal == SIGFPE ? "arithmetic exception (integer division by zero?)"
+                                            : "illegal instruction";
+    const auto address = format(" at address 0x%lx", static_cast<unsigned long>(f.address));
+    if (f.thread < 0) return "emulator: " + what + address + " outside any kernel thread";
+    const auto guard = reinterpret_cast<std::uintptr_t>(g_slots.guard(f.thread));
+    if (f.signal == SIGSEGV && f.address >= guard && f.address < guard + kEmuPageBytes)
+        what = format("stack overflow (each thread has a stack of %zu KiB)", (kEmuThreadOffset - kEmuPageBytes) / 1024);
+    return describe_thread(f.thread) + ": " + what + address;
 }
 
 class FaultHandlers {
@@ -590,6 +594,10 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
     g.grid = dim3(grid[0], grid[1], grid[2]);
     g.block = dim3(block[0], block[1], block[2]);
     g.threads = int(block[0] * block[1] * block[2]);
+    if (g.threads < 1 || g.threads > 1024) {
+        set_error(err, errlen, format("emulator: %d threads per block", g.threads));
+        return 1;
+    }
     g.current = -1;
     g.how.assign(g.threads, 0);
     g.barrier_result.assign(g.threads, 0);
@@ -612,7 +620,7 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
     }
     g_launch = &g;
     g_launch_thread = pthread_self();
-    g_fault_address = 0;
+    g_fault = Fault{0, 0, -1};
     {
         FaultHandlers handlers;
         if (sigsetjmp(g_fault_jump, 1) == 0) {
@@ -623,10 +631,12 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
                                 unsigned(b / ((long long)grid[0] * grid[1]))};
                 run_block(idx);
             }
+        } else {
+            fail(describe_fault(g_fault));
         }
     }
     g_launch = nullptr;
-    *fault_address = g_fault_address;
+    *fault_address = g_fault.address;
     std::fflush(stdout);
     if (g.failed) set_error(err, errlen, g.error);
     return g.failed ? 1 : 0;

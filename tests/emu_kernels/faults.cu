@@ -7,6 +7,11 @@ extern "C" __global__ void write_one_past_end(const float* x, float* y, int n) {
     if (i <= n) y[i] = i < n ? 2.0f * x[i] : 0.0f;
 }
 
+// Writes far beyond the end of y, past the canary zone: a fault.
+extern "C" __global__ void write_far_past_end(float* y) {
+    y[(int)threadIdx.x * 100000] = 1.0f;
+}
+
 extern "C" __global__ void parameters(float* out, const int* index, int n, float a, double b,
                                       unsigned long long big, const float4* vectors) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
