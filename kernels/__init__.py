@@ -35,6 +35,36 @@ def emulate():
         _emulating = previous
 
 
+class DeviceError(RuntimeError):
+    """The requested device cannot be used: no CuPy, no GPU, or too few GPUs."""
+
+
+def gpu_count():
+    """GPUs that CuPy sees; 0 when CuPy or a driver is missing."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no CuPy, no driver, no device: all mean no GPU here
+        return 0
+
+
+def array_module_for(device):
+    """numpy for 'cpu', cupy for 'cuda' (or 'cuda:N', which also selects GPU N)."""
+    if device == "cpu":
+        return np
+    if not device.startswith("cuda"):
+        raise DeviceError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'")
+    try:
+        import cupy
+    except ImportError:
+        raise DeviceError("CuPy is not installed: pip install -e '.[cuda13]' (or '.[cuda12]')") from None
+    index = int(device.partition(":")[2] or 0)
+    if index >= gpu_count():
+        raise DeviceError(f"{device} asked for, but this machine has {gpu_count()} GPU(s) visible to CuPy")
+    cupy.cuda.Device(index).use()
+    return cupy
+
+
 def _device_backend(name):
     """The CUDA launchers bound to CuPy (``cuda``) or to NumPy and the emulator (``emu``)."""
     if name not in _device_backends:

@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kernels import get_array_module
+from kernels import array_module_for, get_array_module
 from . import functional as F
 from . import hooks
 from .init import init_layer
@@ -192,19 +192,24 @@ class Module:
             for p in params:
                 p.zero_grad()
 
-    def to(self, dtype):
-        """Cast parameters and floating buffers; flat buffers are rebuilt, so build
-        the optimizer after this call."""
+    def to(self, target):
+        """A dtype casts parameters and floating buffers; a device ('cpu', 'cuda',
+        'cuda:N') moves them. Flat buffers are rebuilt: build the optimizer after this."""
+        if isinstance(target, str):
+            xp = array_module_for(target)
+            convert = xp.asarray if xp is not np else lambda a: a.get() if hasattr(a, "get") else a
+        else:
+            convert = lambda a: a.astype(target)  # noqa: E731
         params = self.parameters()
         was_flat = bool(params) and params[0]._flat is not None
         for p in params:
-            p.data = p.data.astype(dtype)
+            p.data = convert(p.data)
             p.grad = get_array_module(p.data).zeros_like(p.data)
             p._flat = None
         for m in self.modules():
             for name, b in m._buffers.items():
-                if b.dtype.kind == "f":
-                    m._buffers[name] = b.astype(dtype)
+                if b.dtype.kind == "f":  # counters stay on the host
+                    m._buffers[name] = convert(b)
         if was_flat:
             FlatParameters(params)
         return self

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels import backend_of
+from kernels import DeviceError, array_module_for, backend_of, get_array_module
 from . import checkpoint, data, init
 from .functional import cross_entropy
 from .optim import SGD, CosineAnnealingLR
@@ -53,6 +53,11 @@ class Config:
     data_dir: str = None
     out: str = None
     resume: str = None
+    gpus: int = 0
+
+    @property
+    def device(self):
+        return "cuda" if self.gpus else "cpu"
 
     def check(self):
         positive = {"epochs": self.epochs, "batch size": self.batch_size, "width": self.width}
@@ -68,6 +73,11 @@ class Config:
             raise ConfigError(f"unknown schedule {self.schedule!r}: choose one of {SCHEDULES}")
         if self.init not in init.SCHEMES:
             raise ConfigError(f"unknown init {self.init!r}: choose one of {init.SCHEMES}")
+        if self.gpus < 0:
+            raise ConfigError(f"--gpus must be 0 or more, got {self.gpus}")
+        if self.gpus > 1:
+            raise ConfigError(f"--gpus {self.gpus}: training on several GPUs is not built yet; "
+                              f"use --gpus 1, or 0 for the CPU")
         for name in ("limit", "test_limit"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -144,22 +154,23 @@ class _Window:
 
 def evaluate(model, images, labels, batch_size):
     """(mean loss, accuracy) of ``model`` in eval mode."""
-    K = backend_of(images)
+    K, xp = backend_of(images), get_array_module(images)
     model.eval()
     loss_sum = correct = 0.0
     with no_grad():
-        for idx in data.batch_indices(np.arange(len(images)), batch_size):
+        for idx in data.batch_indices(xp.arange(len(images)), batch_size):
             logits = model(Tensor(K.images_to_float(images[idx])))
             loss_sum += float(cross_entropy(logits, labels[idx]).data) * len(idx)
-            correct += float((logits.data.argmax(axis=1) == labels[idx]).sum())
+            correct += float(K.count_correct(logits.data, labels[idx]))
     model.train()
     return loss_sum / len(images), correct / len(images)
 
 
 def train_epoch(model, opt, schedule, images, labels, cfg, epoch, log_seconds=1.0):
     """One pass over the shuffled training split; (mean loss, accuracy)."""
-    K = backend_of(images)
-    batches = data.batch_indices(data.epoch_order(len(images), cfg.seed, epoch), cfg.batch_size)
+    K, xp = backend_of(images), get_array_module(images)
+    order = xp.asarray(data.epoch_order(len(images), cfg.seed, epoch))
+    batches = data.batch_indices(order, cfg.batch_size)
     progress = Progress(len(batches), f"epoch {epoch + 1}/{cfg.epochs}")
     window, last_read = _Window(), time.perf_counter()
     for step, idx in enumerate(batches):
@@ -171,7 +182,7 @@ def train_epoch(model, opt, schedule, images, labels, cfg, epoch, log_seconds=1.
         loss = cross_entropy(logits, y)
         loss.backward()
         opt.step()
-        window.add(loss.data, (logits.data.argmax(axis=1) == y).sum())
+        window.add(loss.data, K.count_correct(logits.data, y))
         if time.perf_counter() - last_read >= log_seconds or step == len(batches) - 1:
             window.flush(epoch + 1, step + 1 - len(window.losses))
             progress.update(step + 1, window.loss_sum / window.steps)
@@ -229,14 +240,21 @@ def prepare(given, log=print):
     else:
         cfg = Config(**given)
     cfg.check()
+    try:
+        xp = array_module_for(cfg.device)
+    except DeviceError as e:
+        raise ConfigError(f"--gpus {cfg.gpus}: {e}") from None
     if record is not None and record["epoch"] >= cfg.epochs:
         raise ConfigError(f"the checkpoint has finished {record['epoch']} epochs already; "
                           f"ask for more with --epochs")
     splits = data.load_fashion_mnist(cfg.data_dir, log=log)
-    train = _limited(splits["train"], cfg.limit, "limit")
-    test = _limited(splits["test"], cfg.test_limit, "test-limit")
+    # the whole split goes to the device once, as uint8; batches are gathered there
+    train, test = (tuple(xp.asarray(a) for a in (images, labels.astype(np.int32)))
+                   for images, labels in (_limited(splits["train"], cfg.limit, "limit"),
+                                          _limited(splits["test"], cfg.test_limit, "test-limit")))
     init.manual_seed(cfg.seed)
     model = resnet18(num_classes=data.NUM_CLASSES, in_channels=1, width=cfg.width, init=cfg.init)
+    model.to(cfg.device)
     opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if saved_arrays is not None:
         checkpoint.restore(saved_arrays, model, opt)

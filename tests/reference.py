@@ -226,7 +226,18 @@ def sgd_update(param, grad, velocity, lr, momentum, weight_decay):
     param[...] = p - lr * step
 
 
-# ---- batch-norm running statistics and input conversion ---------------------------------
+# ---- batch-norm running statistics, accuracy and input conversion --------------------------
+
+def count_correct(logits, labels):
+    hits = 0
+    for row, label in zip(logits, labels):
+        best = 0
+        for k in range(1, len(row)):
+            if row[k] > row[best]:
+                best = k
+        hits += best == label
+    return np.int64(hits)
+
 
 def batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps):
     """In place: PyTorch's running update, the variance made unbiased (Bessel's correction)."""

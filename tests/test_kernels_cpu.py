@@ -254,3 +254,15 @@ def test_images_to_float():
     validate(out, R.images_to_float(images), "images_to_float")
     with pytest.raises(ValueError, match="uint8"):
         K.images_to_float(images.astype(np.float32))
+
+
+def test_count_correct():
+    logits = rng().standard_normal((40, 10))
+    labels = rng().integers(0, 10, size=40)
+    labels[:5] = logits[:5].argmax(axis=1)  # some hits for certain
+    logits[5, :2] = 7.0  # a tie: the first largest counts, as argmax picks it
+    labels[5] = 1
+    for dtype in (np.float32, np.float64):
+        ours = K.count_correct(logits.astype(dtype), labels.astype(np.int32))
+        assert ours.dtype == np.int64 and ours.shape == ()
+        assert int(ours) == R.count_correct(logits, labels) >= 5

@@ -39,6 +39,8 @@ linear_backward(dy, x, w) -> (dx, dw, db)
 softmax_cross_entropy_forward(logits, labels) -> (loss, probs)
     logits (N, K), labels integer (N,); loss is the 0-d mean over the batch.
 softmax_cross_entropy_backward(dloss, probs, labels) -> dlogits
+count_correct(logits, labels) -> n
+    0-d int64: rows whose first largest logit is at the label (accuracy, on the device).
 
 sgd_update(param, grad, velocity, lr, momentum, weight_decay) -> None
     In place on flat buffers, PyTorch's rule: g = grad + wd * param;
@@ -55,7 +57,7 @@ from .elementwise import relu_forward, relu_backward, add_relu_forward
 from .pool import (max_pool2d_forward, max_pool2d_backward, global_avg_pool_forward,
                    global_avg_pool_backward)
 from .linear import linear_forward, linear_backward
-from .loss import softmax_cross_entropy_forward, softmax_cross_entropy_backward
+from .loss import softmax_cross_entropy_forward, softmax_cross_entropy_backward, count_correct
 from .optim import sgd_update
 from .convert import images_to_float
 

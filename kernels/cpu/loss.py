@@ -34,3 +34,10 @@ def _check(logits, labels):
     if labels.size and (labels.min() < 0 or labels.max() >= logits.shape[1]):
         raise ValueError(f"labels must lie in [0, {logits.shape[1]}), "
                          f"got [{labels.min()}, {labels.max()}]")
+
+
+def count_correct(logits, labels):
+    """How many rows of ``logits`` have their largest value at the label: a 0-d int64
+    array, left on the device so that training reads it only when it logs."""
+    _check(logits, labels)
+    return np.asarray(np.count_nonzero(logits.argmax(axis=1) == labels), dtype=np.int64)
