@@ -57,6 +57,9 @@ def test_grid_stride_elementwise():
     y = y0.copy()
     kernel("elementwise.cu", "negate")((2,), (64,), (y, n))
     validate(y, -y0.astype(np.float64), "negate, a kernel in a namespace")
+    y = y0.copy()
+    kernel("elementwise.cu", "scale")((2,), (64,), (y, y, a, n))  # the same array in and out
+    validate(y, float(a) * y0.astype(np.float64), "scale in place")
 
 
 def block_sums(x, block):
@@ -336,8 +339,11 @@ def test_compiled_modules_come_from_the_cache(monkeypatch):
         raise AssertionError("compiled again instead of using the cache")
 
     monkeypatch.setattr(emu.build, "_run_compiler", no_compiler)
-    again = emu.RawModule(code=(KERNELS / "warp.cu").read_text())
-    assert again.get_function("warp_sum").name == "warp_sum"
+    again = emu.RawKernel((KERNELS / "warp.cu").read_text(), "warp_sum")
+    x = np.arange(64, dtype=np.float32)
+    out = np.empty_like(x)
+    again((1,), (64,), (x, out))
+    validate(out, np.repeat(x.reshape(2, 32).sum(axis=1), 32).astype(np.float64), "warp_sum through RawKernel")
 
 
 # ---- the same sources through NVRTC --------------------------------------------------------------

@@ -18,9 +18,16 @@ from .native import runtime
 
 # Bytes of canary on each side of an array; beyond them the memory is not accessible.
 GUARD_BYTES = 4096
-# The canary: 0x7ff4 repeated, a NaN as float16, float32 and float64, so that a read just
-# outside an array also tends to show in the result.
-_CANARY = np.frombuffer(b"\xf4\x7f" * (GUARD_BYTES // 2), dtype=np.uint8)
+_PAGE = 4096
+_CANARY_PAIR = np.array([0xF4, 0x7F], np.uint8)
+
+
+def _canary(position, length):
+    """The canary bytes for buffer positions position..position+length: 0x7ff4 at every even
+    position, a NaN as float16, float32 and float64 (the buffer is page-aligned), so that a
+    read just outside an array also tends to show in the result."""
+    return np.resize(np.roll(_CANARY_PAIR, -(position % 2)), length)
+
 
 _CTYPES = {("i", 1): ctypes.c_int8, ("i", 2): ctypes.c_int16, ("i", 4): ctypes.c_int32, ("i", 8): ctypes.c_int64,
            ("u", 1): ctypes.c_uint8, ("u", 2): ctypes.c_uint16, ("u", 4): ctypes.c_uint32, ("u", 8): ctypes.c_uint64,
@@ -125,28 +132,29 @@ def convert_scalar(param, value):
         if ctype(int(scalar)).value == int(scalar):
             return ctype(int(scalar))
         raise LaunchError(f"{param.label()}: got {passed}; {int(scalar)} does not fit")
-    hint = ""
-    if p["kind"] == "f" and kind == "f" and scalar.dtype.itemsize > p["size"]:
-        hint = "; the kernel would read the first bytes of a double as a float: pass numpy.float32(...)"
-    elif integers:
-        hint = f"; the kernel would read {p['size']} bytes from a {scalar.dtype.itemsize}-byte value"
-    raise LaunchError(f"{param.label()}: got {passed}{hint}")
+    if scalar.dtype.itemsize < p["size"]:
+        hint = f"the kernel would read {p['size']} bytes from a {scalar.dtype.itemsize}-byte value"
+    elif kind == "f" and p["kind"] == "f":
+        hint = "the kernel would read the first bytes of a double as a float: pass numpy.float32(...)"
+    else:
+        hint = f"the kernel would read the bytes of a {scalar.dtype} as a {c_type_name(p)}"
+    raise LaunchError(f"{param.label()}: got {passed}; {hint}")
 
 
 class Region:
-    """One guarded copy of the memory of one or more overlapping array arguments."""
+    """One guarded copy of the memory of one or more overlapping array arguments: canary
+    zones before and after the data, inaccessible pages beyond."""
 
     def __init__(self, start, end, arrays):
-        self.start, self.end, self.arrays = start, end, arrays  # arrays: [(param, array, address)]
+        self.start, self.size, self.arrays = start, end - start, arrays  # arrays: [(param, array, address)]
         self.offset = GUARD_BYTES + start % 256  # keeps the address's alignment modulo 256
-        self.bytes = self.offset + (end - start) + GUARD_BYTES
-        self.usable = (self.bytes + 4095) // 4096 * 4096
+        self.usable = (self.offset + self.size + GUARD_BYTES + _PAGE - 1) // _PAGE * _PAGE
         self.address = runtime().emu_fenced_alloc(self.usable)
         if not self.address:
             raise MemoryError(f"cannot allocate {self.usable} bytes for a kernel argument")
         self.buffer = np.ctypeslib.as_array((ctypes.c_uint8 * self.usable).from_address(self.address))
-        self.expected = np.resize(_CANARY, self.usable)
-        self.buffer[:] = self.expected
+        self.buffer[:self.offset] = _canary(0, self.offset)
+        self.buffer[self.offset + self.size:] = _canary(self.offset + self.size, self.usable - self.offset - self.size)
         for _, array, address in arrays:
             at = self.offset + address - start
             self.buffer[at:at + array.nbytes] = _bytes_of(array)
@@ -155,16 +163,17 @@ class Region:
         return self.address + self.offset + address - self.start
 
     def data(self):
-        return self.buffer[self.offset:self.offset + self.end - self.start]
+        return self.buffer[self.offset:self.offset + self.size]
 
     def guard_damage(self):
-        """(first, last) corrupted byte offsets relative to the region's start, else None."""
-        outside = np.ones(self.usable, dtype=bool)
-        outside[self.offset:self.offset + self.end - self.start] = False
-        damaged = np.flatnonzero(outside & (self.buffer != self.expected))
+        """(first, last) damaged byte offsets relative to the data's start, else None."""
+        after = self.offset + self.size
+        before = np.flatnonzero(self.buffer[:self.offset] != _canary(0, self.offset))
+        past = np.flatnonzero(self.buffer[after:] != _canary(after, self.usable - after))
+        damaged = np.concatenate([before - self.offset, past + self.size])
         if damaged.size == 0:
             return None
-        return int(damaged[0]) - self.offset, int(damaged[-1]) - self.offset
+        return int(damaged[0]), int(damaged[-1])
 
     def free(self):
         runtime().emu_fenced_free(self.address, self.usable)
@@ -194,10 +203,11 @@ class StagedArguments:
     ``finish`` checks the guards and copies what the kernel wrote back into the arrays."""
 
     def __init__(self, arrays):
-        spans = sorted((address, address + array.nbytes, param, array)
-                       for param, array, address in ((p, a, a.__array_interface__["data"][0]) for p, a in arrays))
+        spans = sorted(((a.__array_interface__["data"][0], p, a) for p, a in arrays),
+                       key=lambda span: (span[0], span[1].index))
         groups = []
-        for start, end, param, array in spans:
+        for start, param, array in spans:
+            end = start + array.nbytes
             if groups and start < groups[-1][1]:
                 groups[-1][1] = max(groups[-1][1], end)
                 groups[-1][2].append((param, array, start))
@@ -220,7 +230,7 @@ class StagedArguments:
         best = None
         for region in self.regions:
             relative = address - (region.address + region.offset)
-            distance = 0 if 0 <= relative < region.end - region.start else min(abs(relative), abs(relative - (region.end - region.start)))
+            distance = 0 if 0 <= relative < region.size else min(abs(relative), abs(relative - region.size))
             if best is None or distance < best[0]:
                 best = (distance, region, relative)
         if best is None or best[0] > (1 << 20):
@@ -240,19 +250,20 @@ class StagedArguments:
 
     @staticmethod
     def _copy_back(region):
-        written = region.data()
-        changed = [(param, array) for param, array, address in region.arrays
-                   if not np.array_equal(_bytes_of(array), written[address - region.start:address - region.start + array.nbytes])]
+        def written(array, address):
+            return region.data()[address - region.start:address - region.start + array.nbytes]
+
+        changed = [(param, array, address) for param, array, address in region.arrays
+                   if not np.array_equal(_bytes_of(array), written(array, address))]
         if not changed:
             return []
         if all(param.spec["const"] for param, _, _ in region.arrays):
             return [f"wrote through a pointer to const: {changed[0][0].name()}"]
-        problems = []
-        for param, array, address in region.arrays:
-            if not array.flags.writeable:
-                problems.append(f"wrote to a read-only array: {param.name()}")
-                continue
-            _bytes_of(array)[:] = written[address - region.start:address - region.start + array.nbytes]
+        problems = [f"wrote to a read-only array: {param.name()}"
+                    for param, array, _ in changed if not array.flags.writeable]
+        for _, array, address in changed:
+            if array.flags.writeable:
+                _bytes_of(array)[:] = written(array, address)
         return problems
 
     def free(self):

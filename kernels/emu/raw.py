@@ -19,6 +19,8 @@ SHARED_BYTES_OPT_IN = 227 * 1024  # sm_90; kEmuDynamicSharedBytes in emu_abi.h h
 
 ORDERS = ("ascending", "descending")
 _order = [os.environ.get("CUDA_EMU_ORDER", "ascending")]
+if _order[0] not in ORDERS:
+    raise ValueError(f"CUDA_EMU_ORDER must be one of {ORDERS}, not {_order[0]!r}")
 
 
 @contextlib.contextmanager
@@ -62,7 +64,9 @@ class RawModule:
             known = sorted({e["symbol"] for e in entries if not e["symbol"].startswith("_Z")} | set(self.name_expressions))
             raise LaunchError(f"no kernel named '{name}' in the module (named symbol not found){hint}; "
                               f"kernels: {', '.join(known) or 'none'}")
-        return RawKernel._from_entry(self, found[0], name)
+        kernel = RawKernel.__new__(RawKernel)
+        kernel._bind(self, found[0], name)
+        return kernel
 
 
 class RawKernel:
@@ -72,19 +76,15 @@ class RawKernel:
                  enable_cooperative_groups=False, jitify=False):
         module = RawModule(code=code, options=options, enable_cooperative_groups=enable_cooperative_groups,
                            jitify=jitify)
-        entry = module.get_function(name)
-        self.__dict__.update(entry.__dict__)
+        self._bind(module, module.get_function(name)._entry, name)
 
-    @classmethod
-    def _from_entry(cls, module, entry, name):
-        kernel = cls.__new__(cls)
-        kernel.module, kernel.name, kernel._entry = module, name, entry
+    def _bind(self, module, entry, name):
+        self.module, self.name, self._entry = module, name, entry
         # An attribute of the function, as in CUDA: every RawKernel of it sees a change.
         entry.setdefault("max_dynamic_shared", SHARED_BYTES_WITHOUT_OPT_IN - entry["static_shared"])
         declarations = entry["parameters"] if len(entry["parameters"]) == len(entry["signature"]) else None
-        kernel._parameters = [Parameter(i, name, spec, declarations[i] if declarations else c_type_name(spec))
-                              for i, spec in enumerate(entry["signature"])]
-        return kernel
+        self._parameters = [Parameter(i, name, spec, declarations[i] if declarations else c_type_name(spec))
+                            for i, spec in enumerate(entry["signature"])]
 
     @property
     def max_threads_per_block(self):
