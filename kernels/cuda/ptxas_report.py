@@ -1,0 +1,54 @@
+"""Print each CUDA kernel's registers, shared memory, stack and spills, as ptxas reports them.
+
+    python -m kernels.cuda.ptxas_report [--arch sm_80 sm_90] [family ...]
+
+Compiles every family's source (the text the backends compile, with the same options and name
+expressions) with NVRTC and ``-Xptxas -v``; needs NVRTC (the cuda12 or cuda13 extra), no GPU.
+Exits non-zero when a kernel spills, so that a regression shows in a script too.
+"""
+import argparse
+import sys
+
+from kernels import nvrtc
+from kernels.cuda import FAMILIES, OPTIONS, launcher, source
+
+ARCHS = ("sm_80", "sm_90")
+
+
+def compile_family(family, arch, verbose=False):
+    """kernels.nvrtc.Compiled for one family and architecture; raises NvrtcError."""
+    return nvrtc.compile(source(family), arch=arch, options=OPTIONS, name_expressions=launcher(family).KERNELS,
+                         filename=f"{family}.cu", verbose=verbose)
+
+
+def report(families, archs):
+    """Rows (arch, family, kernel, Resources), kernels named by their name expressions."""
+    rows = []
+    for arch in archs:
+        for family in families:
+            compiled = compile_family(family, arch, verbose=True)
+            names = {mangled: expression for expression, mangled in compiled.lowered_names.items()}
+            for symbol, resources in compiled.resources().items():
+                rows.append((arch, family, names.get(symbol, symbol), resources))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("families", nargs="*", default=FAMILIES, help=f"default: all ({', '.join(FAMILIES)})")
+    parser.add_argument("--arch", nargs="+", default=ARCHS, help="default: %(default)s")
+    args = parser.parse_args(argv)
+    rows = report(args.families, args.arch)
+    width = max(len(r[2]) for r in rows)
+    print(f"{'arch':6} {'family':12} {'kernel':{width}} {'regs':>5} {'smem B':>7} {'stack B':>7} {'spill st/ld B':>14}")
+    for arch, family, kernel, r in rows:
+        print(f"{arch:6} {family:12} {kernel:{width}} {r.registers:5d} {r.shared_bytes:7d} {r.stack_bytes:7d} "
+              f"{f'{r.spill_stores}/{r.spill_loads}':>14}")
+    spilling = [f"{arch} {kernel}" for arch, _, kernel, r in rows if r.spill_stores or r.spill_loads]
+    if spilling:
+        print(f"spills in: {', '.join(spilling)}", file=sys.stderr)
+    return 1 if spilling else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,439 @@
+"""The CUDA backend's kernels, with and without a GPU.
+
+- Every family's source compiles with NVRTC for sm_80 and sm_90, cleanly (needs only the
+  NVRTC library; skipped with the reason when it is missing).
+- Every op runs on the ``emu`` backend, the CUDA launchers and kernels on the CPU emulator,
+  in float32, against the float64 references (check_op) and against kernels.cpu (each call
+  is repeated there on copies of its arguments: outputs and in-place updates must agree);
+  with the emulator's threads in ascending and in descending order, so that a missing
+  __syncthreads() shows; on shapes that leave partial tiles on every side, stride 2 on odd
+  sizes, channel counts that are not multiples of a tile, batch 1; with the large GEMM tile
+  and with split reductions forced on those small shapes too. New output arrays start as NaN
+  (conftest's poisoned_empty), so an element a kernel forgets to write fails.
+- The same op tests, marked ``gpu``, on CuPy arrays through the ``cuda`` backend (skipped
+  with the reason where there is no GPU), plus PyTorch float64 on the same GPU and a
+  bit-for-bit determinism check.
+"""
+import functools
+import inspect
+
+import numpy as np
+import pytest
+
+import kernels
+import kernels.cpu as K
+import reference as R
+from helpers import check_op, rng, validate
+from kernels import cuda, nvrtc
+from kernels.cuda import conv as cuda_conv
+from kernels.cuda import launch as cuda_launch
+
+EPS = 1e-5
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
+
+# ---- backends ----------------------------------------------------------------------------
+
+def _outputs(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+class CrossChecked:
+    """The ops of a device backend, each call repeated on kernels.cpu with copies of its
+    arguments: the outputs and whatever the op updates in place must agree."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __getattr__(self, name):
+        ours, cpu = getattr(self.backend, name), getattr(K, name)
+
+        def run(*args):
+            copies = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+            expected = cpu(*copies)
+            got = ours(*args)
+            for i, (g, e) in enumerate(zip(_outputs(got), _outputs(expected))):
+                if e is not None:
+                    validate(g, e, f"{name} output {i} against kernels.cpu")
+            for i, (a, c) in enumerate(zip(args, copies)):
+                if isinstance(a, np.ndarray):
+                    validate(a, c, f"{name} argument {i} (after the call) against kernels.cpu")
+            return got
+        return run
+
+
+class OnDevice:
+    """The ops of the cuda backend called with NumPy arrays: copied to the GPU, results (and
+    arguments the op updates in place) copied back."""
+
+    def __init__(self, backend):
+        import cupy
+        self.backend, self.cupy = backend, cupy
+
+    def __getattr__(self, name):
+        op, cp = getattr(self.backend, name), self.cupy
+
+        def run(*args):
+            device = [cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+            result = op(*device)
+            for a, d in zip(args, device):
+                if isinstance(a, np.ndarray):
+                    a[...] = cp.asnumpy(d)
+            outputs = tuple(None if r is None else cp.asnumpy(r) for r in _outputs(result))
+            return outputs if isinstance(result, tuple) else outputs[0]
+        return run
+
+
+def gpu_unavailable_reason():
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return None
+        return "no CUDA device"
+    except Exception as e:  # ImportError, or CuPy's error without a driver
+        return f"no usable GPU ({type(e).__name__}: {e})"
+
+
+@pytest.fixture
+def poisoned_device_empty(monkeypatch):
+    """cupy.empty / empty_like filled with NaN (integers: their minimum), like poisoned_empty."""
+    import cupy
+
+    def poison(array):
+        if array.dtype.kind == "f":
+            array.fill(np.nan)
+        elif array.dtype.kind in "iu":
+            array.fill(np.iinfo(array.dtype).min)
+        return array
+
+    empty, empty_like = cupy.empty, cupy.empty_like
+    monkeypatch.setattr(cupy, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(cupy, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+@pytest.fixture(params=["emu-ascending", "emu-descending", pytest.param("cuda", marks=pytest.mark.gpu)])
+def ours(request):
+    """The op namespace under test: the emu backend in one thread order, or the GPU."""
+    if request.param == "cuda":
+        reason = gpu_unavailable_reason()
+        if reason:
+            pytest.skip(reason)
+        request.getfixturevalue("poisoned_device_empty")
+        yield OnDevice(kernels._device_backend("cuda"))
+        return
+    from kernels.emu import thread_order
+    with thread_order(request.param.split("-")[1]):
+        yield CrossChecked(kernels._device_backend("emu"))
+
+
+VARIANTS = ("default", "large tile", "split")
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, monkeypatch):
+    """The launchers' default choices, or the large GEMM tile or many-way split reductions
+    forced, so that small shapes exercise those code paths too."""
+    if request.param == "large tile":
+        monkeypatch.setattr(cuda_conv, "choose_tile", lambda rows, columns: "Tile128")
+    elif request.param == "split":
+        monkeypatch.setattr(cuda_launch, "MIN_SPLIT_LENGTH", 4)
+    return request.param
+
+
+def through(ours, op):
+    """(reference, ours) from op(module, *args), which calls the kernel by name on `module`."""
+    return functools.partial(op, R), functools.partial(op, ours)
+
+
+def check(ours, inputs, op, backward=None, **kwargs):
+    """check_op in float32, the only precision of the CUDA kernels."""
+    check_op(inputs, *through(ours, op), backward=None if backward is None else through(ours, backward),
+             dtypes=(np.float32,), **kwargs)
+
+
+# ---- NVRTC -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("family", cuda.FAMILIES)
+def test_compiles_with_nvrtc(family, arch):
+    reason = nvrtc.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from kernels.cuda.ptxas_report import compile_family
+    compiled = compile_family(family, arch)
+    assert "warning" not in compiled.log.lower(), f"{family}.cu for {arch}:\n{compiled.log}"
+    assert set(compiled.lowered_names) == set(cuda.launcher(family).KERNELS)
+
+
+def test_the_device_backends_offer_the_whole_contract():
+    contract = {name: fn for name, fn in vars(K).items() if inspect.isfunction(fn) and not name.startswith("_")}
+    backend = kernels._device_backend("emu")
+    for name, fn in contract.items():
+        assert hasattr(backend, name), f"the cuda/emu backend lacks {name}"
+        assert inspect.signature(getattr(backend, name)) == inspect.signature(fn), name
+    assert {op for family in cuda.FAMILIES for op in cuda.launcher(family).OPS} == set(contract)
+
+
+# ---- convolution -------------------------------------------------------------------------
+
+CONVS = [
+    ((2, 3, 8, 8), (4, 3, 3, 3), 1, 1, True),          # the ResNet 3x3 conv
+    ((2, 3, 9, 9), (5, 3, 3, 3), 2, 1, True),          # downsampling 3x3 on an odd size
+    ((2, 4, 7, 7), (6, 4, 1, 1), 2, 0, True),          # 1x1 projection on an odd size
+    ((3, 1, 5, 6), (4, 1, 3, 3), 1, 0, False),         # one input channel, no padding
+    ((1, 2, 9, 7), (3, 2, 5, 5), 1, 2, False),         # batch 1, 5x5 (the run-time kernel size)
+    ((2, 3, 6, 9), (2, 3, 2, 3), (2, 1), (0, 1), True),   # asymmetric kernel, stride, padding
+    ((1, 17, 9, 9), (70, 17, 3, 3), 2, 1, True),       # two tiles of output channels, K over 9 tiles
+    ((2, 5, 1, 1), (3, 5, 1, 1), 1, 0, True),          # 1x1 spatial
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, bias", CONVS)
+def test_conv2d(ours, variant, x_shape, w_shape, stride, padding, bias):
+    check(ours, [x_shape, w_shape, (w_shape[0],) if bias else None],
+          lambda m, x, w, b: m.conv2d_forward(x, w, b, stride, padding),
+          backward=lambda m, dy, x, w, b, y: m.conv2d_backward(dy, x, w, stride, padding))
+
+
+def test_conv2d_long_sums_stay_close_to_float64(ours):
+    """576-term dot products, as in ResNet-18's 3x3 convolutions with 64 channels."""
+    check(ours, [(2, 64, 6, 6), (64, 64, 3, 3), (64,)], lambda m, x, w, b: m.conv2d_forward(x, w, b, 1, 1),
+          backward=lambda m, dy, x, w, b, y: m.conv2d_backward(dy, x, w, 1, 1),
+          tolerances={np.float32: (1e-7, 1e-5)})
+
+
+# ---- batch normalisation -----------------------------------------------------------------
+
+def shifted_batch(shape):
+    """Activations whose channels have their own non-zero mean and non-unit spread."""
+    g = rng()
+    c = shape[1]
+    return g.standard_normal(shape) * g.uniform(0.5, 3, c)[:, None, None] + g.uniform(-3, 3, c)[:, None, None]
+
+
+BATCH_NORMS = [(4, 3, 5, 5), (1, 2, 3, 4), (6, 4, 1, 1), (2, 5, 7, 3), (3, 17, 2, 2)]
+
+
+@pytest.mark.parametrize("shape", BATCH_NORMS)
+def test_batch_norm_training(ours, variant, shape):
+    check(ours, [shifted_batch(shape), (shape[1],), (shape[1],)],
+          lambda m, x, gamma, beta: m.batch_norm_forward(x, gamma, beta, EPS),
+          backward=lambda m, dy, x, gamma, beta, y, mean, invstd: m.batch_norm_backward(dy, x, gamma, mean, invstd))
+
+
+@pytest.mark.parametrize("shape", BATCH_NORMS[:3])
+def test_batch_norm_inference(ours, variant, shape):
+    c = shape[1]
+    running_var = rng().uniform(0.3, 3.0, c)
+    check(ours, [shifted_batch(shape), (c,), (c,), (c,), running_var],
+          lambda m, x, gamma, beta, mean, var: m.batch_norm_inference(x, gamma, beta, mean, var, EPS),
+          backward=lambda m, dy, x, gamma, beta, mean, var, y:
+          m.batch_norm_inference_backward(dy, x, gamma, mean, var, EPS))
+
+
+def test_batch_norm_update_running(ours):
+    g = rng()
+    x = shifted_batch((4, 3, 5, 2)).astype(np.float32)
+    _, mean, invstd = K.batch_norm_forward(x, np.ones(3, np.float32), np.zeros(3, np.float32), EPS)
+    start = [g.standard_normal(3), np.abs(g.standard_normal(3)) + 0.5]
+    check(ours, [*start, mean, invstd],
+          lambda m, rm, rv, mean, invstd: (m.batch_norm_update_running(rm, rv, mean, invstd, 40, 0.1, EPS), rm, rv)[1:],
+          mutates_inputs=True)
+
+
+def test_batch_norm_with_relu_fused():
+    """The apply kernel's relu variant, which the contract does not use yet."""
+    be = kernels._device_backend("emu")
+    x = shifted_batch((2, 3, 4, 5)).astype(np.float32)
+    gamma, beta = rng().standard_normal((2, 3)).astype(np.float32)
+    y, mean, invstd = be.batch_norm_forward(x, gamma, beta, EPS)
+    fused = cuda.batchnorm.apply(be, x, gamma, beta, mean, invstd, relu=True)
+    validate(fused, R.relu_forward(R.batch_norm_forward(x, gamma, beta, EPS)[0]), "batch norm + relu")
+
+
+# ---- element-wise ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (4, 10), (1, 1, 1, 7), (3, 700)])
+def test_relu(ours, shape):
+    check(ours, [shape], lambda m, x: m.relu_forward(x), backward=lambda m, dy, x, y: m.relu_backward(dy, y))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (4, 10)])
+def test_add_relu(ours, shape):
+    check(ours, [shape, shape], lambda m, a, b: m.add_relu_forward(a, b),
+          backward=lambda m, dy, a, b, y: m.relu_backward(dy, y))
+
+
+def test_images_to_float(ours):
+    images = rng().integers(0, 256, size=(3, 5, 4)).astype(np.uint8)
+    images[0, 0, :2] = (0, 255)
+    out = ours.images_to_float(images)
+    assert out.dtype == np.float32 and out.shape == (3, 1, 5, 4)
+    validate(out, R.images_to_float(images), "images_to_float")
+
+
+# ---- pooling -----------------------------------------------------------------------------
+
+MAX_POOLS = [
+    ((2, 3, 8, 8), 2, 2, 0),
+    ((2, 3, 7, 7), 3, 2, 1),            # overlapping windows: backward must accumulate
+    ((1, 2, 9, 6), 3, 2, 1),
+    ((2, 2, 5, 7), 2, 2, 0),            # odd sizes: the last row and column are dropped
+    ((2, 2, 6, 7), (2, 3), (1, 2), (1, 0)),
+]
+
+
+@pytest.mark.parametrize("x_shape, kernel, stride, padding", MAX_POOLS)
+def test_max_pool2d(ours, x_shape, kernel, stride, padding):
+    check(ours, [x_shape], lambda m, x: m.max_pool2d_forward(x, kernel, stride, padding),
+          backward=lambda m, dy, x, y, argmax: m.max_pool2d_backward(dy, argmax, x.shape))
+
+
+@pytest.mark.parametrize("x_shape, kernel, stride, padding", MAX_POOLS[1:3])
+def test_max_pool2d_never_picks_padding(ours, x_shape, kernel, stride, padding):
+    negative = -0.1 - np.abs(rng().standard_normal(x_shape))
+    check(ours, [negative], lambda m, x: m.max_pool2d_forward(x, kernel, stride, padding))
+
+
+def test_max_pool2d_ties_go_to_the_first_element(ours):
+    x = np.ones((1, 2, 5, 5))
+    x[0, 1, 1, 2] = x[0, 1, 2, 1] = 2.0   # a tie inside one window, in reading order
+    check(ours, [x], lambda m, x: m.max_pool2d_forward(x, 3, 2, 1))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 4), (1, 5, 7, 3), (3, 2, 1, 1), (2, 9, 7, 7)])
+def test_global_avg_pool(ours, shape):
+    check(ours, [shape], lambda m, x: m.global_avg_pool_forward(x),
+          backward=lambda m, dy, x, y: m.global_avg_pool_backward(dy, x.shape))
+
+
+# ---- linear ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, fan_in, fan_out, bias", [
+    (4, 5, 3, True), (1, 7, 2, False), (6, 16, 10, True), (3, 1, 4, False),
+    (70, 33, 65, True),     # two tiles each way, K over three tiles
+])
+def test_linear(ours, n, fan_in, fan_out, bias):
+    check(ours, [(n, fan_in), (fan_out, fan_in), (fan_out,) if bias else None],
+          lambda m, x, w, b: m.linear_forward(x, w, b),
+          backward=lambda m, dy, x, w, b, y: m.linear_backward(dy, x, w))
+
+
+# ---- loss --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, classes, scale, dtype", [
+    (4, 10, 1.0, np.int64), (1, 3, 1.0, np.uint8), (7, 5, 4.0, np.int32),
+    (8, 10, 1e3, np.int64),      # exp(1e3) overflows: only a max-shifted softmax survives
+    (19, 40, 1.0, np.uint8),     # three blocks of rows, more classes than a warp has lanes
+])
+def test_softmax_cross_entropy(ours, n, classes, scale, dtype):
+    g = rng()
+    check(ours, [g.standard_normal((n, classes)) * scale, g.integers(0, classes, n).astype(dtype)],
+          lambda m, logits, labels: m.softmax_cross_entropy_forward(logits, labels),
+          backward=lambda m, dloss, logits, labels, loss, probs: m.softmax_cross_entropy_backward(dloss, probs, labels))
+
+
+def test_softmax_cross_entropy_takes_a_host_dloss(ours):
+    g = rng()
+    logits = g.standard_normal((5, 4)).astype(np.float32)
+    labels = g.integers(0, 4, 5)
+    loss, probs = ours.softmax_cross_entropy_forward(logits, labels)
+    assert loss.shape == () and loss.dtype == np.float32
+    validate(ours.softmax_cross_entropy_backward(2.0, probs, labels),
+             R.softmax_cross_entropy_backward(2.0, probs, labels), "dlogits")
+
+
+# ---- optimiser ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("momentum, weight_decay, with_velocity", [
+    (0.0, 0.0, False), (0.0, 5e-4, True), (0.9, 0.0, True), (0.9, 5e-4, True)])
+def test_sgd_update(ours, momentum, weight_decay, with_velocity):
+    size, steps = 1037, 3
+    g = rng()
+
+    def run(m, param, velocity, *grads):
+        for grad in grads:
+            assert m.sgd_update(param, grad, velocity, 0.1, momentum, weight_decay) is None
+        return (param, velocity) if momentum else param
+
+    check(ours, [g.standard_normal(size), np.zeros(size) if with_velocity else None,
+                 *g.standard_normal((steps, size))], run, mutates_inputs=True)
+
+
+# ---- what the launchers refuse -----------------------------------------------------------
+
+def test_float64_arrays_are_a_type_error():
+    be = kernels._device_backend("emu")
+    x = np.zeros((1, 1, 4, 4))
+    with pytest.raises(TypeError, match="float32"):
+        be.conv2d_forward(x, np.zeros((1, 1, 3, 3), np.float32), None, 1, 1)
+    with pytest.raises(TypeError, match="float32"):
+        be.relu_forward(x)
+    with pytest.raises(TypeError, match="uint8"):
+        be.images_to_float(np.zeros((1, 4, 4), np.float32))
+    with pytest.raises(TypeError, match="integer"):
+        be.softmax_cross_entropy_forward(np.zeros((2, 3), np.float32), np.zeros(2, np.float32))
+
+
+def test_in_place_updates_need_contiguous_buffers():
+    be = kernels._device_backend("emu")
+    param = np.zeros(20, np.float32)[::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        be.sgd_update(param, np.zeros(10, np.float32), None, 0.1, 0.0, 0.0)
+
+
+def test_non_contiguous_inputs_are_copied():
+    be = kernels._device_backend("emu")
+    x = rng().standard_normal((2, 5, 4, 3)).astype(np.float32).transpose(0, 3, 1, 2)   # channels-last
+    validate(be.relu_forward(x), R.relu_forward(x), "relu of a channels-last array")
+
+
+# ---- GPU only ----------------------------------------------------------------------------
+
+@pytest.fixture
+def gpu():
+    reason = gpu_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA: no float64 peer on the GPU")
+    import cupy
+    return kernels._device_backend("cuda"), cupy, torch
+
+
+def relative_error(ours, ref):
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+@pytest.mark.gpu
+def test_gpu_against_torch_float64(gpu):
+    be, cp, torch = gpu
+    g = rng()
+    x, w, b = (g.standard_normal(s).astype(np.float32) for s in ((8, 64, 14, 14), (128, 64, 3, 3), (128,)))
+    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, device="cuda", requires_grad=True) for a in (x, w, b))
+    ty = torch.nn.functional.conv2d(tx, tw, tb, stride=2, padding=1)
+    dy = g.standard_normal(tuple(ty.shape)).astype(np.float32)
+    ty.backward(torch.tensor(dy, dtype=torch.float64, device="cuda"))
+    y = be.conv2d_forward(cp.asarray(x), cp.asarray(w), cp.asarray(b), 2, 1)
+    grads = be.conv2d_backward(cp.asarray(dy), cp.asarray(x), cp.asarray(w), 2, 1)
+    for name, o, t in zip(("y", "dx", "dw", "db"), (y, *grads), (ty, tx.grad, tw.grad, tb.grad)):
+        assert relative_error(cp.asnumpy(o), t.detach().cpu().numpy()) < 1e-4, f"conv2d {name}"
+
+
+@pytest.mark.gpu
+def test_gpu_results_are_bit_identical_run_to_run(gpu):
+    """Split reductions add their partials in a fixed order: the same inputs, the same bits."""
+    be, cp, _ = gpu
+    g = rng()
+    x, w, dy, gamma, beta = (cp.asarray(g.standard_normal(s).astype(np.float32))
+                             for s in ((16, 32, 14, 14), (64, 32, 3, 3), (16, 64, 14, 14), (64,), (64,)))
+
+    def step():
+        _, mean, invstd = be.batch_norm_forward(dy, gamma, beta, EPS)
+        return (*be.conv2d_backward(dy, x, w, 1, 1), mean, invstd,
+                *be.batch_norm_backward(dy, dy, gamma, mean, invstd))
+
+    for i, (a, b) in enumerate(zip(step(), step())):
+        assert cp.array_equal(a, b), f"output {i} differs between two runs"
