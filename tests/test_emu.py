@@ -231,13 +231,14 @@ def test_templated_kernel_through_name_expressions(dtype, block):
 def test_out_of_bounds_write_is_caught():
     x = rng().standard_normal(100).astype(np.float32)
     y = np.zeros(100, np.float32)
-    with pytest.raises(emu.KernelError, match=r"'write_one_past_end' wrote outside its arrays: argument 1 "
-                                              r"\(float\* y\) of 100 elements: element 100, 0 bytes past its end$"):
+    with pytest.raises(emu.KernelError, match=r"'write_one_past_end' wrote outside its arrays: argument 1 \(float"
+                                              r"\* y\) of 100 elements: element 100, 0 bytes past its end$"):
         kernel("faults.cu", "write_one_past_end")((1,), (128,), (x, y, np.int32(100)))
     validate(y, 2 * x.astype(np.float64), "the writes inside the array")
-    with pytest.raises(emu.KernelError, match=r"'write_far_past_end' failed: thread \(1,0,0\) of block \(0,0,0\): "
-                                              r"segmentation fault at address 0x[0-9a-f]+ \(argument 0 \(float\* y\) "
-                                              r"of 100 elements: element 100000, 399600 bytes past its end\)"):
+    with pytest.raises(emu.KernelError, match=r"'write_far_past_end' failed: thread \(1,0,0\) of block "
+                                              r"\(0,0,0\): segmentation fault at address 0x[0-9a-f]+ \(argument "
+                                              r"0 \(float\* y\) of 100 elements: element 100000, 399600 bytes "
+                                              r"past its end\)"):
         kernel("faults.cu", "write_far_past_end")((1,), (4,), (y,))
 
 
@@ -251,10 +252,12 @@ def test_deadlock_device_assert_and_shared_overflow_are_reported():
                                               r"__shfl_xor_sync\(mask 0xffffffff\) for lanes 16-31"):
         kernel("faults.cu", "divergent_shuffle")((1,), (64,), (np.zeros(64, np.float32),))
     x = np.arange(40, dtype=np.int32) - 30
-    with pytest.raises(emu.KernelError, match=r"thread \(0,0,0\) of block \(0,0,0\): .*assertion `x\[i\] >= 0'"):
+    with pytest.raises(emu.KernelError, match=r"thread \(0,0,0\) of block \(0,0,0\): .*assertion "
+                                              r"`x\[i\] >= 0'"):
         kernel("faults.cu", "checks_its_input")((2,), (32,), (x, np.int32(x.size)))
-    with pytest.raises(emu.KernelError, match=r"block \(0,0,0\) wrote past the 128 bytes of dynamic shared memory"):
-        kernel("faults.cu", "write_past_dynamic_shared")((1,), (32,), (np.zeros(32, np.float32),), shared_mem=128)
+    with pytest.raises(emu.KernelError, match=r"block \(0,0,0\) wrote past the 128 bytes of dynamic shared"):
+        kernel("faults.cu", "write_past_dynamic_shared")((1,), (32,), (np.zeros(32, np.float32),),
+                                                         shared_mem=128)
 
 
 def parameters_args(**changes):
@@ -300,8 +303,8 @@ def test_wrong_arguments_are_refused_naming_the_kernel(changes, message):
     ((1,), (1025,), 0, r"block \(1025, 1, 1\) has 1025 threads; a GPU allows 1024"),
     ((1,), (32, 32, 2), 0, r"has 2048 threads"),
     ((1,), (512,), 0, r"more than its __launch_bounds__\(256\)"),
-    ((1,), (256,), 48 * 1024, r"shared_mem=49152 bytes of dynamic shared memory \(plus 1024 static\): a GPU allows "
-                              r"49152 bytes of shared memory per block without opt-in"),
+    ((1,), (256,), 48 * 1024, r"shared_mem=49152 bytes of dynamic shared memory \(plus 1024 static\): a GPU "
+                              r"allows 49152 bytes of shared memory per block without opt-in"),
     (1, (256,), 0, r"grid must be a tuple, not int"),
     ((1, 70000), (256,), 0, r"grid \(1, 70000, 1\) exceeds"),
 ])

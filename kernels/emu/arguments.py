@@ -29,15 +29,17 @@ def _canary(position, length):
     return np.resize(np.roll(_CANARY_PAIR, -(position % 2)), length)
 
 
-_CTYPES = {("i", 1): ctypes.c_int8, ("i", 2): ctypes.c_int16, ("i", 4): ctypes.c_int32, ("i", 8): ctypes.c_int64,
-           ("u", 1): ctypes.c_uint8, ("u", 2): ctypes.c_uint16, ("u", 4): ctypes.c_uint32, ("u", 8): ctypes.c_uint64,
-           ("c", 1): ctypes.c_int8, ("f", 4): ctypes.c_float, ("f", 8): ctypes.c_double, ("b", 1): ctypes.c_bool}
+_CTYPES = {("i", 1): ctypes.c_int8, ("i", 2): ctypes.c_int16, ("i", 4): ctypes.c_int32,
+           ("i", 8): ctypes.c_int64, ("u", 1): ctypes.c_uint8, ("u", 2): ctypes.c_uint16,
+           ("u", 4): ctypes.c_uint32, ("u", 8): ctypes.c_uint64, ("c", 1): ctypes.c_int8,
+           ("f", 4): ctypes.c_float, ("f", 8): ctypes.c_double, ("b", 1): ctypes.c_bool}
 _C_NAMES = {("i", 1): "signed char", ("i", 2): "short", ("i", 4): "int", ("i", 8): "long long",
             ("u", 1): "unsigned char", ("u", 2): "unsigned short", ("u", 4): "unsigned int",
             ("u", 8): "unsigned long long", ("c", 1): "char", ("f", 4): "float", ("f", 8): "double",
             ("b", 1): "bool", ("v", 0): "void"}
-_VECTOR_PREFIX = {("i", 1): "char", ("u", 1): "uchar", ("i", 2): "short", ("u", 2): "ushort", ("i", 4): "int",
-                  ("u", 4): "uint", ("i", 8): "longlong", ("u", 8): "ulonglong", ("f", 4): "float", ("f", 8): "double"}
+_VECTOR_PREFIX = {("i", 1): "char", ("u", 1): "uchar", ("i", 2): "short", ("u", 2): "ushort",
+                  ("i", 4): "int", ("u", 4): "uint", ("i", 8): "longlong", ("u", 8): "ulonglong",
+                  ("f", 4): "float", ("f", 8): "double"}
 
 
 def c_type_name(p):
@@ -122,18 +124,17 @@ def convert_scalar(param, value):
     if declared not in _CTYPES or p["count"] != 1:
         raise LaunchError(f"{param.label()}: a parameter of this type cannot be passed from Python")
     kind = scalar.dtype.kind
-    same = (kind, scalar.dtype.itemsize) == declared or (p["kind"] == "c" and kind in "iu" and scalar.dtype.itemsize == 1)
-    if same:
+    size = scalar.dtype.itemsize
+    if (kind, size) == declared or (p["kind"] == "c" and kind in "iu" and size == 1):
         return _CTYPES[declared](scalar.item())
-    integers = kind in "iu" and p["kind"] in "iuc"
-    if integers and scalar.dtype.itemsize >= p["size"]:
+    if kind in "iu" and p["kind"] in "iuc" and size >= p["size"]:
         # The GPU reads the low bytes of what it was given: right when the value fits.
         ctype = _CTYPES[declared]
         if ctype(int(scalar)).value == int(scalar):
             return ctype(int(scalar))
         raise LaunchError(f"{param.label()}: got {passed}; {int(scalar)} does not fit")
-    if scalar.dtype.itemsize < p["size"]:
-        hint = f"the kernel would read {p['size']} bytes from a {scalar.dtype.itemsize}-byte value"
+    if size < p["size"]:
+        hint = f"the kernel would read {p['size']} bytes from a {size}-byte value"
     elif kind == "f" and p["kind"] == "f":
         hint = "the kernel would read the first bytes of a double as a float: pass numpy.float32(...)"
     else:
@@ -154,7 +155,8 @@ class Region:
             raise MemoryError(f"cannot allocate {self.usable} bytes for a kernel argument")
         self.buffer = np.ctypeslib.as_array((ctypes.c_uint8 * self.usable).from_address(self.address))
         self.buffer[:self.offset] = _canary(0, self.offset)
-        self.buffer[self.offset + self.size:] = _canary(self.offset + self.size, self.usable - self.offset - self.size)
+        after = self.offset + self.size
+        self.buffer[after:] = _canary(after, self.usable - after)
         for _, array, address in arrays:
             at = self.offset + address - start
             self.buffer[at:at + array.nbytes] = _bytes_of(array)
@@ -187,7 +189,8 @@ def _bytes_of(array):
 def _describe_place(region, first, last=None):
     """Where the bytes first..last (offsets relative to a region's start, outside it) lie, in
     terms of the region's array nearest to them."""
-    param, array, address = region.arrays[0] if first < 0 else max(region.arrays, key=lambda a: a[2] + a[1].nbytes)
+    nearest = region.arrays[0] if first < 0 else max(region.arrays, key=lambda a: a[2] + a[1].nbytes)
+    param, array, address = nearest
     relative = first - (address - region.start)
     itemsize = array.dtype.itemsize
     elements = f"element {relative // itemsize}"

@@ -145,8 +145,6 @@ def preprocessor_flags(options):
 _GLOBAL = re.compile(r"\b__global__\b")
 _EXTERN_SHARED = re.compile(
     r"(?:\bextern\b[^;{}]*?\b__shared__\b|\b__shared__\b[^;{}]*?\bextern\b)[^;{}]*?\b(\w+)\s*\[\s*\]\s*;")
-_TYPE_WORDS = {"void", "bool", "char", "short", "int", "long", "float", "double", "signed", "unsigned",
-               "const", "volatile", "__restrict__", "struct"}
 
 
 def _matching_paren(text, open_index):
@@ -170,14 +168,6 @@ def _split_top_level(text):
             start = i + 1
     parts.append(text[start:])
     return [p.strip() for p in parts if p.strip()]
-
-
-def _parameter_name(declaration):
-    declaration = re.sub(r"\[[^\]]*\]\s*$", "", declaration.split("=")[0]).strip()
-    words = re.findall(r"[A-Za-z_]\w*", declaration)
-    if not words or declaration.endswith(("*", "&")) or words[-1] in _TYPE_WORDS or len(words) == 1:
-        return ""
-    return words[-1]
 
 
 def _integer_constant(text):
@@ -218,8 +208,7 @@ def _namespaces(text):
 
 def scan_kernels(text):
     """The ``__global__`` functions of a preprocessed source: {name: {"qualified": name with
-    its namespaces, "template": bool, "parameters": [declarations], "names": [parameter
-    names], "launch_bounds": int or None}}."""
+    its namespaces, "template": bool, "parameters": [declarations], "launch_bounds": int or None}}."""
     kernels = {}
     namespaces = _namespaces(text)
     for match in _GLOBAL.finditer(text):
@@ -241,12 +230,11 @@ def scan_kernels(text):
                 arguments = head[bounds.end():_matching_paren(head, bounds.end() - 1)]
                 max_threads = _integer_constant(_split_top_level(arguments)[0])
             declarations = [] if parameters.strip() in ("", "void") else _split_top_level(parameters)
-            qualifier = "".join(f"{ns}::" for start_ns, end_ns, ns in namespaces if start_ns <= match.start() < end_ns)
+            qualifier = "".join(f"{ns}::" for first, last, ns in namespaces if first <= match.start() < last)
             kernels.setdefault(name, {
                 "qualified": qualifier + name,
                 "template": re.search(r"\btemplate\b", text[start:match.start()]) is not None,
                 "parameters": [" ".join(d.split()) for d in declarations],
-                "names": [_parameter_name(d) for d in declarations],
                 "launch_bounds": max_threads,
             })
             break
@@ -265,7 +253,8 @@ def _entries_source(source_path, expressions, extern_shared):
              "// extern __shared__ name (a name in assembly can alias it whatever its C++ type),",
              "// and the kernels' entry points.",
              'extern "C" {',
-             "alignas(128) thread_local unsigned char emu_dynamic_shared[kEmuDynamicSharedBytes + kEmuSharedTailBytes];",
+             "alignas(128) thread_local unsigned char",
+             "    emu_dynamic_shared[kEmuDynamicSharedBytes + kEmuSharedTailBytes];",
              "void* emu_dynamic_shared_base() { return emu_dynamic_shared; }",
              "}"]
     lines += [f'asm(".globl {name}\\n.type {name}, @tls_object\\n.set {name}, emu_dynamic_shared");'
@@ -308,16 +297,18 @@ def build_module(code, options=(), name_expressions=()):
     source = folder / f"{key}.cu"
     _write_atomically(source, code)
 
+    depfile = folder / f"{key}.{os.getpid()}.d"
     scan = _run_compiler([cxx, "-E", "-P", "-x", "c++", "-std=c++20", "-D__CUDACC__=1", "-D__CUDA_EMU__=1",
-                          *pre, "-MMD", "-MF", str(folder / f"{key}.d"), str(source)], "preprocessing")
+                          *pre, "-MMD", "-MF", str(depfile), str(source)], "preprocessing")
     kernels = scan_kernels(scan.stdout)
-    dependencies = _dependencies(folder / f"{key}.d", exclude={str(source)})
+    dependencies = _dependencies(depfile, exclude={str(source)})
+    depfile.unlink()
     expressions = [v["qualified"] for v in kernels.values() if not v["template"]]
     expressions += [e for e in name_expressions if e not in expressions]
     entries = []
     for expression in expressions:
         kernel = re.match(r"\s*(?:::)?([\w:]+)", expression).group(1).split("::")[-1]
-        info = kernels.get(kernel, {"template": False, "parameters": [], "names": [], "launch_bounds": None})
+        info = kernels.get(kernel, {"template": False, "parameters": [], "launch_bounds": None})
         entries.append({**info, "expression": expression, "kernel": kernel})
 
     entries_file = folder / f"{key}.entries.cpp"

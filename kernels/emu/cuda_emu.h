@@ -87,8 +87,12 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) { emu_warp(EMU_SYNCWARP, mas
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
     return unsigned(emu_warp(EMU_BALLOT, mask, predicate != 0, 0, 32));
 }
-inline int __any_sync(unsigned mask, int predicate) { return int(emu_warp(EMU_ANY, mask, predicate != 0, 0, 32)); }
-inline int __all_sync(unsigned mask, int predicate) { return int(emu_warp(EMU_ALL, mask, predicate != 0, 0, 32)); }
+inline int __any_sync(unsigned mask, int predicate) {
+    return int(emu_warp(EMU_ANY, mask, predicate != 0, 0, 32));
+}
+inline int __all_sync(unsigned mask, int predicate) {
+    return int(emu_warp(EMU_ALL, mask, predicate != 0, 0, 32));
+}
 
 // CUDA's overload set of the shuffles, no more.
 #define EMU_SHUFFLES(T)                                                                        \
@@ -149,8 +153,12 @@ inline T atomic_float_add(T* address, T val) {
 }
 }  // namespace emu
 
-inline float atomicAdd(float* address, float val) { return emu::atomic_float_add<float, std::uint32_t>(address, val); }
-inline double atomicAdd(double* address, double val) { return emu::atomic_float_add<double, std::uint64_t>(address, val); }
+inline float atomicAdd(float* address, float val) {
+    return emu::atomic_float_add<float, std::uint32_t>(address, val);
+}
+inline double atomicAdd(double* address, double val) {
+    return emu::atomic_float_add<double, std::uint64_t>(address, val);
+}
 inline float atomicExch(float* address, float val) {
     return emu::from_bits<float>(__atomic_exchange_n(reinterpret_cast<std::uint32_t*>(address),
                                                      std::uint32_t(emu::to_bits(val)), __ATOMIC_RELAXED));
@@ -184,7 +192,8 @@ inline unsigned int atomicInc(unsigned int* address, unsigned int val) {
     return emu::atomic_update(address, [val](unsigned int old) { return old >= val ? 0u : old + 1; });
 }
 inline unsigned int atomicDec(unsigned int* address, unsigned int val) {
-    return emu::atomic_update(address, [val](unsigned int old) { return (old == 0 || old > val) ? val : old - 1; });
+    return emu::atomic_update(address,
+                              [val](unsigned int old) { return (old == 0 || old > val) ? val : old - 1; });
 }
 
 // ---- vector types ----------------------------------------------------------------------------
@@ -344,7 +353,9 @@ inline unsigned long long __brevll(unsigned long long x) {
 inline int __mul24(int x, int y) { return int((long long)((x << 8) >> 8) * ((y << 8) >> 8)); }
 inline unsigned int __umul24(unsigned int x, unsigned int y) { return (x & 0xffffffu) * (y & 0xffffffu); }
 inline int __mulhi(int x, int y) { return int(((long long)x * y) >> 32); }
-inline unsigned int __umulhi(unsigned int x, unsigned int y) { return unsigned(((unsigned long long)x * y) >> 32); }
+inline unsigned int __umulhi(unsigned int x, unsigned int y) {
+    return unsigned(((unsigned long long)x * y) >> 32);
+}
 inline long long __mul64hi(long long x, long long y) { return (long long)(((__int128)x * y) >> 64); }
 inline unsigned long long __umul64hi(unsigned long long x, unsigned long long y) {
     return (unsigned long long)(((unsigned __int128)x * y) >> 64);
@@ -363,9 +374,15 @@ inline unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned i
 }
 
 // CUDA's min and max overloads (the host has none in the global namespace).
-#define EMU_MIN_MAX(R, A, B)                                         \
-    inline R min(A a, B b) { return static_cast<R>(a) < static_cast<R>(b) ? static_cast<R>(a) : static_cast<R>(b); } \
-    inline R max(A a, B b) { return static_cast<R>(a) > static_cast<R>(b) ? static_cast<R>(a) : static_cast<R>(b); }
+#define EMU_MIN_MAX(R, A, B)                                                 \
+    inline R min(A a, B b) {                                                 \
+        const R x = static_cast<R>(a), y = static_cast<R>(b);                \
+        return x < y ? x : y;                                                \
+    }                                                                        \
+    inline R max(A a, B b) {                                                 \
+        const R x = static_cast<R>(a), y = static_cast<R>(b);                \
+        return x > y ? x : y;                                                \
+    }
 EMU_MIN_MAX(int, int, int)
 EMU_MIN_MAX(unsigned int, unsigned int, unsigned int)
 EMU_MIN_MAX(unsigned int, int, unsigned int)
@@ -427,7 +444,8 @@ inline int describe_value(char* out, int n, int pointer, int is_const) {
         size = int(sizeof(C));
         align = int(alignof(T));
     }
-    return std::snprintf(out, n, "%d,%d,%c,%d,%d,%d;", pointer, is_const, kind, size, vector_info<T>::count, align);
+    return std::snprintf(out, n, "%d,%d,%c,%d,%d,%d;", pointer, is_const, kind, size, vector_info<T>::count,
+                         align);
 }
 
 template <class P>

@@ -84,7 +84,8 @@ class Module:
                 names = functions.get(kernel_address - info.fbase, [])
                 symbol = next((n for n in names if n.startswith("_Z")), names[0] if names else "")
             buf = ctypes.create_string_buffer(_ERROR_BYTES)
-            ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_int)(self._symbol(f"emu_signature_{i}"))(buf, _ERROR_BYTES)
+            describe = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_int)(self._symbol(f"emu_signature_{i}"))
+            describe(buf, _ERROR_BYTES)
             self.entries.append({**entry, "address": address, "symbol": symbol,
                                  "signature": _parse_signature(buf.value.decode()),
                                  "static_shared": _static_shared(symbol, tls, dynamic)})

@@ -61,7 +61,8 @@ class RawModule:
             cxx = [e["kernel"] for e in entries if e["kernel"] == name and e["symbol"].startswith("_Z")]
             hint = (f"; kernel '{name}' has C++ linkage: declare it extern \"C\" or pass it in name_expressions"
                     if cxx else "")
-            known = sorted({e["symbol"] for e in entries if not e["symbol"].startswith("_Z")} | set(self.name_expressions))
+            known = sorted({e["symbol"] for e in entries if not e["symbol"].startswith("_Z")}
+                           | set(self.name_expressions))
             raise LaunchError(f"no kernel named '{name}' in the module (named symbol not found){hint}; "
                               f"kernels: {', '.join(known) or 'none'}")
         kernel = RawKernel.__new__(RawKernel)
@@ -103,7 +104,8 @@ class RawKernel:
     def max_dynamic_shared_size_bytes(self, value):
         if value + self.shared_size_bytes > SHARED_BYTES_OPT_IN:
             raise LaunchError(f"kernel '{self.name}': {value} bytes of dynamic shared memory plus its "
-                              f"{self.shared_size_bytes} static bytes exceed the {SHARED_BYTES_OPT_IN} a GPU allows")
+                              f"{self.shared_size_bytes} static bytes exceed the {SHARED_BYTES_OPT_IN} "
+                              "a GPU allows")
         self._entry["max_dynamic_shared"] = int(value)
 
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):

@@ -119,7 +119,8 @@ struct SlotPool {
         if (base) munmap(base - alignment_waste, std::size_t(count) * kEmuSlotBytes + kEmuSlotBytes);
         // Over-allocate by one slot to align the first slot to kEmuSlotBytes.
         const std::size_t bytes = std::size_t(n) * kEmuSlotBytes + kEmuSlotBytes;
-        void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
         if (p == MAP_FAILED) {
             base = nullptr;
             count = 0;
@@ -190,7 +191,8 @@ void prepare_fiber(int i) {
     // Six callee-saved registers, then the return address of the first switch: the
     // trampoline, which calls emu_fiber_main(rbx) with the stack 16-byte aligned.
     // After the six pops and the ret, the stack pointer is `aligned`.
-    const std::uintptr_t aligned = (reinterpret_cast<std::uintptr_t>(g_slots.stack_top(i)) & ~std::uintptr_t(15)) - 16;
+    const auto top = reinterpret_cast<std::uintptr_t>(g_slots.stack_top(i));
+    const std::uintptr_t aligned = (top & ~std::uintptr_t(15)) - 16;
     auto* words = reinterpret_cast<std::uintptr_t*>(aligned - 7 * sizeof(std::uintptr_t));
     for (int k = 0; k < 6; ++k) words[k] = 0;
     words[4] = std::uintptr_t(i);  // rbx
@@ -335,7 +337,8 @@ std::string describe_deadlock() {
         if (!w.waiting) continue;
         const int first = __builtin_ctz(w.waiting);
         s += format("; warp %zu: lanes %s wait in %s(mask 0x%08x) for lanes %s", wi, lane_list(w.waiting).c_str(),
-                    warp_op_name(w.op[first]), w.mask[first], lane_list(w.mask[first] & ~w.waiting & ~w.returned).c_str());
+                    warp_op_name(w.op[first]), w.mask[first],
+                    lane_list(w.mask[first] & ~w.waiting & ~w.returned).c_str());
     }
     return s;
 }
@@ -462,7 +465,8 @@ std::string describe_fault(const Fault& f) {
     if (f.thread < 0) return "emulator: " + what + address + " outside any kernel thread";
     const auto guard = reinterpret_cast<std::uintptr_t>(g_slots.guard(f.thread));
     if (f.signal == SIGSEGV && f.address >= guard && f.address < guard + kEmuPageBytes)
-        what = format("stack overflow (each thread has a stack of %zu KiB)", (kEmuThreadOffset - kEmuPageBytes) / 1024);
+        what = format("stack overflow (each thread has a stack of %zu KiB)",
+                      (kEmuThreadOffset - kEmuPageBytes) / 1024);
     return describe_thread(f.thread) + ": " + what + address;
 }
 
@@ -523,7 +527,8 @@ extern "C" std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, in
     Launch& g = *g_launch;
     const int i = g.current, lane = i % 32;
     if (!(mask >> lane & 1u))
-        fail_in_fiber(format("%s with mask 0x%08x, which leaves out the calling lane %d", warp_op_name(op), mask, lane));
+        fail_in_fiber(format("%s with mask 0x%08x, which leaves out the calling lane %d", warp_op_name(op), mask,
+                             lane));
     if (width < 1 || width > 32 || (width & (width - 1)))
         fail_in_fiber(format("%s with width %d: it must be a power of 2 from 1 to 32", warp_op_name(op), width));
     Warp& w = g.warps[i / 32];
@@ -609,8 +614,9 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
     dlinfo(m->handle, RTLD_DI_TLS_DATA, &tls);
     g.tls = static_cast<unsigned char*>(tls);
     g.tls_bytes = m->tls_bytes;
-    if (!g.tls || g.dynamic < g.tls || g.dynamic + kEmuDynamicSharedBytes + kEmuSharedTailBytes > g.tls + g.tls_bytes ||
-        dynamic_bytes > kEmuDynamicSharedBytes) {
+    const bool dynamic_inside = g.tls && g.dynamic >= g.tls &&
+                                g.dynamic + kEmuDynamicSharedBytes + kEmuSharedTailBytes <= g.tls + g.tls_bytes;
+    if (!dynamic_inside || dynamic_bytes > kEmuDynamicSharedBytes) {
         set_error(err, errlen, "emulator: shared memory layout not as expected");
         return 1;
     }
@@ -648,7 +654,8 @@ constexpr std::size_t kFenceBytes = std::size_t(1) << 20;
 
 extern "C" void* emu_fenced_alloc(std::size_t bytes) {
     const std::size_t rounded = (bytes + kEmuPageBytes - 1) / kEmuPageBytes * kEmuPageBytes;
-    void* p = mmap(nullptr, rounded + 2 * kFenceBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* p = mmap(nullptr, rounded + 2 * kFenceBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
     if (p == MAP_FAILED) return nullptr;
     unsigned char* usable = static_cast<unsigned char*>(p) + kFenceBytes;
     if (mprotect(usable, rounded, PROT_READ | PROT_WRITE) != 0) {

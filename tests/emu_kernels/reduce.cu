@@ -16,7 +16,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK) block_sum(const float* x, fl
     if (t == 0) partial[blockIdx.x] = s[0];
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK) block_sum_missing_sync(const float* x, float* partial, int n) {
+extern "C" __global__ void __launch_bounds__(BLOCK)
+block_sum_missing_sync(const float* x, float* partial, int n) {
     __shared__ float s[BLOCK];
     const int t = threadIdx.x, i = blockIdx.x * BLOCK + t;
     s[t] = i < n ? x[i] : 0.0f;

@@ -11,7 +11,8 @@ extern "C" __global__ void warp_sum(const float* x, float* out) {
 
 // out[op * n + i] for each primitive op, with the given lane/offset and width; lanes of an
 // odd warp take part only in the shuffles of the low half (mask 0x0000ffff), the others skip them.
-extern "C" __global__ void warp_primitives(const int* v, const int* predicate, int* out, int lane_arg, int width) {
+extern "C" __global__ void warp_primitives(const int* v, const int* predicate, int* out, int lane_arg,
+                                           int width) {
     const int n = blockDim.x * gridDim.x;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     const int lane = threadIdx.x % 32;
