@@ -55,14 +55,15 @@ __device__ __forceinline__ int channel_element(int e, int c, int channels, int h
 // thread (ty, tx) = (t / THREADS_N, t % THREADS_N) owns the TM x TN elements
 // (ty + i * THREADS_M, tx + j * THREADS_N): strided, so that a warp reads 16 consecutive
 // words of a shared-memory row (no bank conflicts) and writes C in 16-wide coalesced runs.
-// K advances BK at a time through shared memory, As[k][m] and Bs[k][n], each row padded by 4
-// words so that loaders filling them k-fastest do not conflict either.
+// K advances BK at a time through shared memory, As[k][m] and Bs[k][n], each row padded by
+// 32 / BK words: then the BK x (32 / BK) elements a warp stores k-fastest fall in 32 different
+// banks.
 template <int BM_, int BN_, int BK_, int TM_, int TN_>
 struct GemmTile {
     static constexpr int BM = BM_, BN = BN_, BK = BK_, TM = TM_, TN = TN_;
     static constexpr int THREADS_M = BM / TM, THREADS_N = BN / TN, THREADS = THREADS_M * THREADS_N;
-    static constexpr int PAD = 4;
-    static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % BK == 0, "fill mappings");
+    static constexpr int PAD = 32 / BK;
+    static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % BK == 0 && 32 % BK == 0, "tile maps");
     // Row (m or n) of C that accumulator i (or j) of this thread holds, relative to the tile.
     __device__ static int row(int i) { return int(threadIdx.x) / THREADS_N + i * THREADS_M; }
     __device__ static int col(int j) { return int(threadIdx.x) % THREADS_N + j * THREADS_N; }
@@ -70,83 +71,96 @@ struct GemmTile {
 
 // 256 threads each; the launchers pick the large tile when it still gives enough blocks.
 struct Tile64 : GemmTile<64, 64, 16, 4, 4> {};
-struct Tile128 : GemmTile<128, 128, 16, 8, 8> {};
+struct Tile128 : GemmTile<128, 128, 8, 8, 8> {};
 
-// How a loader's THREADS threads cover a BK x W tile of shared memory, W = BM or BN.
-// W-fastest: thread t fills column t % W at k = t / W + i * STEP (coalesced when consecutive
-// columns are consecutive in memory). K-fastest: thread t fills k = t % BK at column
-// t / BK + i * STEP (coalesced when consecutive k are).
-template <class T, int W>
-struct FillWFast {
-    static constexpr int STEP = T::THREADS / W, COUNT = T::BK / STEP;
-    __device__ static int w() { return int(threadIdx.x) % W; }
-    __device__ static int k(int i) { return int(threadIdx.x) / W + i * STEP; }
-};
-template <class T, int W>
-struct FillKFast {
-    static constexpr int STEP = T::THREADS / T::BK, COUNT = W / STEP;
-    __device__ static int w(int i) { return int(threadIdx.x) / T::BK + i * STEP; }
-    __device__ static int k() { return int(threadIdx.x) % T::BK; }
+// Which COUNT elements (k(i), w(i)) of a BK x W shared-memory tile (W = BM or BN) thread t
+// loads. K_FAST: consecutive threads take consecutive k, k(i) = t % BK for every i (coalesced
+// when k is the contiguous index in memory); else consecutive w, w(i) = t % W.
+template <class T, int W, bool K_FAST>
+struct TileMap {
+    static constexpr int COUNT = T::BK * W / T::THREADS;
+    __device__ static int k(int i) { return K_FAST ? int(threadIdx.x) % T::BK : int(threadIdx.x) / W + i * (T::THREADS / W); }
+    __device__ static int w(int i) { return K_FAST ? int(threadIdx.x) / T::BK + i * (T::THREADS / T::BK) : int(threadIdx.x) % W; }
 };
 
-// Accumulates A(m0.., k) B(k, n0..) over k in [k_begin, k_end) into acc (see GemmTile).
-// The loaders fill whole tiles, zeros outside the matrices:
-//   a.fill(As, k0, k_end) writes As[k][m] = A(m0 + m, k0 + k),
-//   b.fill(Bs, k0, k_end) writes Bs[k][n] = B(k0 + k, n0 + n).
+// What every tile loader has: the values this thread fetched from global memory for the next
+// tile, held in registers until store() puts them in shared memory. A loader adds
+//   fetch(k0, k_end): staged[i] = its matrix at (k0 + Map::k(i), w0 + Map::w(i)), 0 outside.
+template <class T, int W, bool K_FAST>
+struct Staged {
+    using Map = TileMap<T, W, K_FAST>;
+    float staged[Map::COUNT];
+
+    __device__ void store(float (*tile)[W + T::PAD]) const {
+#pragma unroll
+        for (int i = 0; i < Map::COUNT; ++i) tile[Map::k(i)][Map::w(i)] = staged[i];
+    }
+};
+
+// Accumulates A(m0.., k) B(k, n0..) over k in [k_begin, k_end) into acc (see GemmTile), with
+// loaders a (W = BM) and b (W = BN). Two shared-memory buffers: the global loads of tile k+1
+// are in flight while tile k is multiplied, and one barrier per tile suffices (a buffer is
+// refilled only after every thread has passed the barrier that ends its last use).
 template <class T, class LoaderA, class LoaderB>
 __device__ __forceinline__ void gemm_mainloop(LoaderA& a, LoaderB& b, int k_begin, int k_end,
                                               float (&acc)[T::TM][T::TN]) {
-    __shared__ float As[T::BK][T::BM + T::PAD];
-    __shared__ float Bs[T::BK][T::BN + T::PAD];
+    __shared__ float As[2][T::BK][T::BM + T::PAD];
+    __shared__ float Bs[2][T::BK][T::BN + T::PAD];
 #pragma unroll
     for (int i = 0; i < T::TM; ++i)
 #pragma unroll
         for (int j = 0; j < T::TN; ++j) acc[i][j] = 0.0f;
+    if (k_begin >= k_end) return;  // the same for the whole block
+    a.fetch(k_begin, k_end);
+    b.fetch(k_begin, k_end);
+    a.store(As[0]);
+    b.store(Bs[0]);
+    __syncthreads();
+    int buffer = 0;
     for (int k0 = k_begin; k0 < k_end; k0 += T::BK) {
-        a.fill(As, k0, k_end);
-        b.fill(Bs, k0, k_end);
-        __syncthreads();
+        const bool more = k0 + T::BK < k_end;
+        if (more) {
+            a.fetch(k0 + T::BK, k_end);
+            b.fetch(k0 + T::BK, k_end);
+        }
 #pragma unroll
         for (int k = 0; k < T::BK; ++k) {
             float av[T::TM], bv[T::TN];
 #pragma unroll
-            for (int i = 0; i < T::TM; ++i) av[i] = As[k][T::row(i)];
+            for (int i = 0; i < T::TM; ++i) av[i] = As[buffer][k][T::row(i)];
 #pragma unroll
-            for (int j = 0; j < T::TN; ++j) bv[j] = Bs[k][T::col(j)];
+            for (int j = 0; j < T::TN; ++j) bv[j] = Bs[buffer][k][T::col(j)];
 #pragma unroll
             for (int i = 0; i < T::TM; ++i)
 #pragma unroll
                 for (int j = 0; j < T::TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
         }
+        if (more) {
+            a.store(As[buffer ^ 1]);
+            b.store(Bs[buffer ^ 1]);
+        }
         __syncthreads();
+        buffer ^= 1;
     }
 }
 
-// A BK x W tile of a plain matrix whose element (w, k) lies at p[w * w_stride + k * k_stride],
-// with zeros outside w < w_size, k < k_end. K_FAST fills k-fastest (for k_stride 1), else
-// w-fastest (for w_stride 1), so that the global loads are coalesced either way.
+// The loader of a plain matrix whose element (w, k) lies at p[w * w_stride + k * k_stride],
+// zeros outside w < w_size, k < k_end; K_FAST for k_stride 1, else w-fastest for w_stride 1,
+// so that the global loads are coalesced either way.
 template <class T, int W, bool K_FAST>
-struct MatrixTile {
+struct MatrixTile : Staged<T, W, K_FAST> {
+    using Map = TileMap<T, W, K_FAST>;
     const float* p;
     int w0, w_size, w_stride, k_stride;
 
-    __device__ void fill(float (*tile)[W + T::PAD], int k0, int k_end) const {
-        if constexpr (K_FAST) {
-            using F = FillKFast<T, W>;
-            const int k = k0 + F::k();
+    __device__ MatrixTile(const float* p_, int w0_, int w_size_, int w_stride_, int k_stride_)
+        : p(p_), w0(w0_), w_size(w_size_), w_stride(w_stride_), k_stride(k_stride_) {}
+
+    __device__ void fetch(int k0, int k_end) {
 #pragma unroll
-            for (int i = 0; i < F::COUNT; ++i) {
-                const int w = w0 + F::w(i);
-                tile[F::k()][F::w(i)] = (k < k_end && w < w_size) ? p[w * w_stride + k * k_stride] : 0.0f;
-            }
-        } else {
-            using F = FillWFast<T, W>;
-            const int w = w0 + F::w();
-#pragma unroll
-            for (int i = 0; i < F::COUNT; ++i) {
-                const int k = k0 + F::k(i);
-                tile[F::k(i)][F::w()] = (k < k_end && w < w_size) ? p[w * w_stride + k * k_stride] : 0.0f;
-            }
+        for (int i = 0; i < Map::COUNT; ++i) {
+            const int k = k0 + Map::k(i), w = w0 + Map::w(i);
+            this->staged[i] = (k < k_end && w < w_size) ? p[w * w_stride + k * k_stride] : 0.0f;
         }
     }
 };

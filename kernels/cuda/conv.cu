@@ -35,15 +35,15 @@ struct Geometry {
 // Forward B(k, n) = x[img, ci, p*sh - ph + r, q*sw - pw + s] for k = (ci, r, s), n = (img, p, q):
 // each thread keeps one column n across the K loop, so its window origin is computed once.
 template <class T, int KH, int KW>
-struct ForwardColumns {
-    using F = FillWFast<T, T::BN>;
+struct ForwardColumns : Staged<T, T::BN, false> {
+    using Map = TileMap<T, T::BN, false>;
     Geometry<KH, KW> g;
     const float* x_img;
     int h0, w0;
     bool valid;
 
     __device__ ForwardColumns(const Geometry<KH, KW>& geometry, const float* x, int n0) : g(geometry) {
-        const int col = n0 + F::w();
+        const int col = n0 + Map::w(0);
         valid = col < g.n * g.out_plane();
         const int img = valid ? col / g.out_plane() : 0;
         const int pq = col - img * g.out_plane(), p = pq / g.ow, q = pq - p * g.ow;
@@ -52,17 +52,17 @@ struct ForwardColumns {
         w0 = q * g.sw - g.pw;
     }
 
-    __device__ void fill(float (*tile)[T::BN + T::PAD], int k0, int k_end) const {
+    __device__ void fetch(int k0, int k_end) {
 #pragma unroll
-        for (int i = 0; i < F::COUNT; ++i) {
-            const int k = k0 + F::k(i);
+        for (int i = 0; i < Map::COUNT; ++i) {
+            const int k = k0 + Map::k(i);
             float v = 0.0f;
             if (valid && k < k_end) {
                 const int ci = k / g.taps(), rs = k - ci * g.taps(), r = rs / g.kw(), s = rs - r * g.kw();
                 const int hh = h0 + r, ww = w0 + s;
                 if (unsigned(hh) < unsigned(g.h) && unsigned(ww) < unsigned(g.w)) v = x_img[(ci * g.h + hh) * g.w + ww];
             }
-            tile[F::k(i)][F::w()] = v;
+            this->staged[i] = v;
         }
     }
 };
@@ -75,7 +75,7 @@ conv2d_forward(const float* __restrict__ x, const float* __restrict__ weight, co
                float* __restrict__ y, CONV_PARAMS) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN, depth = g.c * g.taps();
-    MatrixTile<T, T::BM, true> a{weight, m0, g.o, depth, 1};
+    MatrixTile<T, T::BM, true> a(weight, m0, g.o, depth, 1);
     ForwardColumns<T, KH, KW> b(g, x, n0);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a, b, 0, depth, acc);
@@ -95,19 +95,22 @@ conv2d_forward(const float* __restrict__ x, const float* __restrict__ weight, co
 
 // Backward-data A(m, k) = w[co, m, r, s] for input channel m and k = (co, r, s).
 template <class T, int KH, int KW>
-struct DataWeights {
-    using F = FillKFast<T, T::BM>;
+struct DataWeights : Staged<T, T::BM, true> {
+    using Map = TileMap<T, T::BM, true>;
     Geometry<KH, KW> g;
     const float* w;
     int m0;
 
-    __device__ void fill(float (*tile)[T::BM + T::PAD], int k0, int k_end) const {
-        const int k = k0 + F::k();
+    __device__ DataWeights(const Geometry<KH, KW>& geometry, const float* weight, int m0_)
+        : g(geometry), w(weight), m0(m0_) {}
+
+    __device__ void fetch(int k0, int k_end) {
+        const int k = k0 + Map::k(0);
         const int co = k / g.taps(), base = co * g.c * g.taps() + (k - co * g.taps());
 #pragma unroll
-        for (int i = 0; i < F::COUNT; ++i) {
-            const int m = m0 + F::w(i);
-            tile[F::k()][F::w(i)] = (k < k_end && m < g.c) ? w[base + m * g.taps()] : 0.0f;
+        for (int i = 0; i < Map::COUNT; ++i) {
+            const int m = m0 + Map::w(i);
+            this->staged[i] = (k < k_end && m < g.c) ? w[base + m * g.taps()] : 0.0f;
         }
     }
 };
@@ -115,15 +118,15 @@ struct DataWeights {
 // Backward-data B(k, n) = dy[img, co, p, q] for k = (co, r, s) and input cell n = (img, hh, ww)
 // when hh + ph - r = p*sh and ww + pw - s = q*sw inside the output, else 0.
 template <class T, int KH, int KW>
-struct DataColumns {
-    using F = FillWFast<T, T::BN>;
+struct DataColumns : Staged<T, T::BN, false> {
+    using Map = TileMap<T, T::BN, false>;
     Geometry<KH, KW> g;
     const float* dy_img;
     int hp, wp;
     bool valid;
 
     __device__ DataColumns(const Geometry<KH, KW>& geometry, const float* dy, int n0) : g(geometry) {
-        const int col = n0 + F::w(), plane = g.h * g.w;
+        const int col = n0 + Map::w(0), plane = g.h * g.w;
         valid = col < g.n * plane;
         const int img = valid ? col / plane : 0;
         const int hw = col - img * plane, hh = hw / g.w;
@@ -132,10 +135,10 @@ struct DataColumns {
         wp = hw - hh * g.w + g.pw;
     }
 
-    __device__ void fill(float (*tile)[T::BN + T::PAD], int k0, int k_end) const {
+    __device__ void fetch(int k0, int k_end) {
 #pragma unroll
-        for (int i = 0; i < F::COUNT; ++i) {
-            const int k = k0 + F::k(i);
+        for (int i = 0; i < Map::COUNT; ++i) {
+            const int k = k0 + Map::k(i);
             float v = 0.0f;
             if (valid && k < k_end) {
                 const int co = k / g.taps(), rs = k - co * g.taps(), r = rs / g.kw(), s = rs - r * g.kw();
@@ -145,7 +148,7 @@ struct DataColumns {
                     if (p * g.sh == pn && q * g.sw == qn && p < g.oh && q < g.ow) v = dy_img[(co * g.oh + p) * g.ow + q];
                 }
             }
-            tile[F::k(i)][F::w()] = v;
+            this->staged[i] = v;
         }
     }
 };
@@ -157,7 +160,7 @@ __global__ void __launch_bounds__(T::THREADS)
 conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ weight, float* __restrict__ dx, CONV_PARAMS) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN, depth = g.o * g.taps();
-    DataWeights<T, KH, KW> a{g, weight, m0};
+    DataWeights<T, KH, KW> a(g, weight, m0);
     DataColumns<T, KH, KW> b(g, dy, n0);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a, b, 0, depth, acc);
@@ -177,19 +180,22 @@ conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ weight, flo
 
 // Backward-weight A(m, k) = dy[img, m, p, q] for output channel m and k = (img, p, q).
 template <class T, int KH, int KW>
-struct WeightGradRows {
-    using F = FillKFast<T, T::BM>;
+struct WeightGradRows : Staged<T, T::BM, true> {
+    using Map = TileMap<T, T::BM, true>;
     Geometry<KH, KW> g;
     const float* dy;
     int m0;
 
-    __device__ void fill(float (*tile)[T::BM + T::PAD], int k0, int k_end) const {
-        const int k = k0 + F::k(), plane = g.out_plane();
+    __device__ WeightGradRows(const Geometry<KH, KW>& geometry, const float* dy_, int m0_)
+        : g(geometry), dy(dy_), m0(m0_) {}
+
+    __device__ void fetch(int k0, int k_end) {
+        const int k = k0 + Map::k(0), plane = g.out_plane();
         const int img = k / plane, base = img * g.o * plane + (k - img * plane);
 #pragma unroll
-        for (int i = 0; i < F::COUNT; ++i) {
-            const int m = m0 + F::w(i);
-            tile[F::k()][F::w(i)] = (k < k_end && m < g.o) ? dy[base + m * plane] : 0.0f;
+        for (int i = 0; i < Map::COUNT; ++i) {
+            const int m = m0 + Map::w(i);
+            this->staged[i] = (k < k_end && m < g.o) ? dy[base + m * plane] : 0.0f;
         }
     }
 };
@@ -197,27 +203,30 @@ struct WeightGradRows {
 // Backward-weight B(k, n) = x[img, ci, p*sh - ph + r, q*sw - pw + s] for k = (img, p, q) and
 // n = (ci, r, s): im2col transposed, read k-fastest so that a warp's loads run along q.
 template <class T, int KH, int KW>
-struct WeightGradColumns {
-    using F = FillKFast<T, T::BN>;
+struct WeightGradColumns : Staged<T, T::BN, true> {
+    using Map = TileMap<T, T::BN, true>;
     Geometry<KH, KW> g;
     const float* x;
     int n0;
 
-    __device__ void fill(float (*tile)[T::BN + T::PAD], int k0, int k_end) const {
-        const int k = k0 + F::k(), plane = g.out_plane();
+    __device__ WeightGradColumns(const Geometry<KH, KW>& geometry, const float* x_, int n0_)
+        : g(geometry), x(x_), n0(n0_) {}
+
+    __device__ void fetch(int k0, int k_end) {
+        const int k = k0 + Map::k(0), plane = g.out_plane();
         const int img = k / plane, pq = k - img * plane, p = pq / g.ow, q = pq - p * g.ow;
         const int h0 = p * g.sh - g.ph, w0 = q * g.sw - g.pw, columns = g.c * g.taps();
         const float* x_img = x + (k < k_end ? img : 0) * g.c * g.h * g.w;
 #pragma unroll
-        for (int i = 0; i < F::COUNT; ++i) {
-            const int col = n0 + F::w(i);
+        for (int i = 0; i < Map::COUNT; ++i) {
+            const int col = n0 + Map::w(i);
             float v = 0.0f;
             if (k < k_end && col < columns) {
                 const int ci = col / g.taps(), rs = col - ci * g.taps(), r = rs / g.kw(), s = rs - r * g.kw();
                 const int hh = h0 + r, ww = w0 + s;
                 if (unsigned(hh) < unsigned(g.h) && unsigned(ww) < unsigned(g.w)) v = x_img[(ci * g.h + hh) * g.w + ww];
             }
-            tile[F::k()][F::w(i)] = v;
+            this->staged[i] = v;
         }
     }
 };
@@ -232,8 +241,8 @@ conv2d_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* _
     const Geometry<KH, KW> g CONV_GEOMETRY;
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN, columns = g.c * g.taps();
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
-    WeightGradRows<T, KH, KW> a{g, dy, m0};
-    WeightGradColumns<T, KH, KW> b{g, x, n0};
+    WeightGradRows<T, KH, KW> a(g, dy, m0);
+    WeightGradColumns<T, KH, KW> b(g, x, n0);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a, b, k_begin, k_end, acc);
     float* out = partial + blockIdx.z * g.o * columns;

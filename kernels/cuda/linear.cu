@@ -17,8 +17,8 @@ __global__ void __launch_bounds__(T::THREADS)
 matmul(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias, float* __restrict__ c,
        int m_size, int n_size, int k_size, int a_m, int a_k, int b_n, int b_k) {
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
-    MatrixTile<T, T::BM, A_K_FAST> a_tile{a, m0, m_size, a_m, a_k};
-    MatrixTile<T, T::BN, B_K_FAST> b_tile{b, n0, n_size, b_n, b_k};
+    MatrixTile<T, T::BM, A_K_FAST> a_tile(a, m0, m_size, a_m, a_k);
+    MatrixTile<T, T::BN, B_K_FAST> b_tile(b, n0, n_size, b_n, b_k);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a_tile, b_tile, 0, k_size, acc);
 #pragma unroll

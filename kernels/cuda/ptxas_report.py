@@ -1,6 +1,6 @@
 """Print each CUDA kernel's registers, shared memory, stack and spills, as ptxas reports them.
 
-    python -m kernels.cuda.ptxas_report [--arch sm_80 sm_90] [family ...]
+    python -m kernels.cuda.ptxas_report [--arch sm_90 ...] [family ...]
 
 Compiles every family's source (the text the backends compile, with the same options and name
 expressions) with NVRTC and ``-Xptxas -v``; needs NVRTC (the cuda12 or cuda13 extra), no GPU.
@@ -36,9 +36,9 @@ def report(families, archs):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", default=FAMILIES, help=f"default: all ({', '.join(FAMILIES)})")
-    parser.add_argument("--arch", nargs="+", default=ARCHS, help="default: %(default)s")
+    parser.add_argument("--arch", action="append", help=f"repeatable; default: {' '.join(ARCHS)}")
     args = parser.parse_args(argv)
-    rows = report(args.families, args.arch)
+    rows = report(args.families, args.arch or ARCHS)
     width = max(len(r[2]) for r in rows)
     print(f"{'arch':6} {'family':12} {'kernel':{width}} {'regs':>5} {'smem B':>7} {'stack B':>7} {'spill st/ld B':>14}")
     for arch, family, kernel, r in rows:
