@@ -343,6 +343,19 @@ def test_softmax_cross_entropy_takes_a_host_dloss(ours):
              R.softmax_cross_entropy_backward(2.0, probs, labels), "dlogits")
 
 
+def test_count_correct(ours):
+    g = rng()
+    logits = g.standard_normal((300, 10))       # two rounds of the block's 256 threads
+    labels = g.integers(0, 10, size=300)
+    labels[:5] = logits[:5].argmax(axis=1)      # some hits for certain
+    logits[5, :2] = 7.0                         # a tie: the first largest counts
+    labels[5] = 1
+    for dtype in (np.uint8, np.int64):
+        count = ours.count_correct(logits.astype(np.float32), labels.astype(dtype))
+        assert count.dtype == np.int64 and count.shape == ()
+        assert int(count) == R.count_correct(logits, labels) >= 5
+
+
 # ---- optimiser ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("momentum, weight_decay, with_velocity", [

@@ -1,6 +1,6 @@
 // loss.cu: softmax cross-entropy, the batch mean of -log softmax(logits)[label], forward and
-// backward, on (N, K) float32 logits and integer labels (uint8, int32 or int64: the template
-// parameter L). Launched by kernels/cuda/loss.py; checked by tests/test_kernels_cuda.py against
+// backward, and the count of correct predictions, on (N, K) float32 logits and integer labels
+// (uint8, int32 or int64: the template parameter L). Launched by kernels/cuda/loss.py; checked by tests/test_kernels_cuda.py against
 // tests/reference.py and kernels/cpu/loss.py.
 //
 // The forward subtracts each row's maximum before exponentiating, writes the probabilities
@@ -62,4 +62,26 @@ softmax_xent_backward(const float* __restrict__ dloss, const float* __restrict__
         const float hot = (long long)labels[row] == i - row * k ? 1.0f : 0.0f;
         dlogits[i] = (probs[i] - hot) * scale;
     }
+}
+
+// count[0] = how many rows of logits (N, K) have their first largest value (a NaN counting as
+// largest, as in NumPy's argmax) at the label: one block, each thread a row per round of 256
+// rows, the round's hits totalled by __syncthreads_count.
+template <class L>
+__global__ void __launch_bounds__(256)
+count_correct(const float* __restrict__ logits, const L* __restrict__ labels, int n, int k, long long* __restrict__ count) {
+    long long total = 0;
+    for (int first = 0; first < n; first += blockDim.x) {
+        const int row = first + threadIdx.x;
+        int hit = 0;
+        if (row < n) {
+            const float* z = logits + row * k;
+            int best = 0;
+            for (int j = 1; j < k; ++j)
+                if (z[j] > z[best] || (isnan(z[j]) && !isnan(z[best]))) best = j;
+            hit = (long long)labels[row] == best;
+        }
+        total += __syncthreads_count(hit);
+    }
+    if (threadIdx.x == 0) count[0] = total;
 }

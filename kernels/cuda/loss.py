@@ -1,13 +1,13 @@
 """Launchers of loss.cu: softmax cross-entropy forward (probabilities and the 0-d mean loss)
-and backward, without a host synchronisation."""
+and backward, and the count of correct predictions, all without a host synchronisation."""
 import numpy as np
 
 from .launch import C_TYPES, blocks, cdiv, float32, integers, launch, sum_partials
 
-OPS = ("softmax_cross_entropy_forward", "softmax_cross_entropy_backward")
+OPS = ("softmax_cross_entropy_forward", "softmax_cross_entropy_backward", "count_correct")
 ROWS_PER_BLOCK = 8
-KERNELS = tuple(f"softmax_xent_{d}<{t}>" for d in ("forward", "backward") for t in C_TYPES.values()) + (
-    "sum_partials",)
+KERNELS = tuple(f"{kernel}<{t}>" for kernel in ("softmax_xent_forward", "softmax_xent_backward", "count_correct")
+                for t in C_TYPES.values()) + ("sum_partials",)
 
 
 def softmax_cross_entropy_forward(be, logits, labels):
@@ -37,6 +37,15 @@ def softmax_cross_entropy_backward(be, dloss, probs, labels):
     launch(be, "loss", f"softmax_xent_backward<{C_TYPES[labels.dtype]}>", blocks(probs.size),
            (dloss, probs, labels, n, k, dlogits))
     return dlogits
+
+
+def count_correct(be, logits, labels):
+    (logits,) = float32(be, "count_correct", logits)
+    labels = integers(be, "count_correct", labels)
+    n, k = _sizes(logits, labels)
+    count = be.xp.empty((), np.int64)
+    launch(be, "loss", f"count_correct<{C_TYPES[labels.dtype]}>", (1,), (logits, labels, n, k, count))
+    return count
 
 
 def _sizes(logits, labels):
