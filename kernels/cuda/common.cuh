@@ -79,8 +79,12 @@ struct Tile128 : GemmTile<128, 128, 8, 8, 8> {};
 template <class T, int W, bool K_FAST>
 struct TileMap {
     static constexpr int COUNT = T::BK * W / T::THREADS;
-    __device__ static int k(int i) { return K_FAST ? int(threadIdx.x) % T::BK : int(threadIdx.x) / W + i * (T::THREADS / W); }
-    __device__ static int w(int i) { return K_FAST ? int(threadIdx.x) / T::BK + i * (T::THREADS / T::BK) : int(threadIdx.x) % W; }
+    __device__ static int k(int i) {
+        return K_FAST ? int(threadIdx.x) % T::BK : int(threadIdx.x) / W + i * (T::THREADS / W);
+    }
+    __device__ static int w(int i) {
+        return K_FAST ? int(threadIdx.x) / T::BK + i * (T::THREADS / T::BK) : int(threadIdx.x) % W;
+    }
 };
 
 // What every tile loader has: the values this thread fetched from global memory for the next

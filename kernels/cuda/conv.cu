@@ -145,7 +145,8 @@ struct DataColumns : Staged<T, T::BN, false> {
                 const int pn = hp - r, qn = wp - s;
                 if (pn >= 0 && qn >= 0) {
                     const int p = pn / g.sh, q = qn / g.sw;
-                    if (p * g.sh == pn && q * g.sw == qn && p < g.oh && q < g.ow) v = dy_img[(co * g.oh + p) * g.ow + q];
+                    if (p * g.sh == pn && q * g.sw == qn && p < g.oh && q < g.ow)
+                        v = dy_img[(co * g.oh + p) * g.ow + q];
                 }
             }
             this->staged[i] = v;
@@ -261,7 +262,8 @@ conv2d_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* _
 // grid adds channel c's values e in [s * chunk, (s + 1) * chunk) of its N*OH*OW, each thread
 // a strided subset in order, then block_sum; partial[s * O + c] holds the result.
 extern "C" __global__ void __launch_bounds__(256)
-bias_grad_partials(const float* __restrict__ dy, int n, int channels, int plane, int chunk, float* __restrict__ partial) {
+bias_grad_partials(const float* __restrict__ dy, int n, int channels, int plane, int chunk,
+                   float* __restrict__ partial) {
     __shared__ float scratch[32];
     const int c = blockIdx.x, begin = blockIdx.y * chunk, end = min(begin + chunk, n * plane);
     float total = 0.0f;

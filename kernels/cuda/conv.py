@@ -4,7 +4,7 @@ import numpy as np
 
 from kernels.cpu._util import output_size, pair
 
-from .launch import THREADS, cdiv, float32, launch, split, sum_partials
+from .launch import cdiv, float32, launch, split, sum_partials
 
 OPS = ("conv2d_forward", "conv2d_backward")
 

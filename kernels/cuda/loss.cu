@@ -1,7 +1,7 @@
 // loss.cu: softmax cross-entropy, the batch mean of -log softmax(logits)[label], forward and
 // backward, and the count of correct predictions, on (N, K) float32 logits and integer labels
-// (uint8, int32 or int64: the template parameter L). Launched by kernels/cuda/loss.py; checked by tests/test_kernels_cuda.py against
-// tests/reference.py and kernels/cpu/loss.py.
+// (uint8, int32 or int64: the template parameter L). Launched by kernels/cuda/loss.py; checked
+// by tests/test_kernels_cuda.py against tests/reference.py and kernels/cpu/loss.py.
 //
 // The forward subtracts each row's maximum before exponentiating, writes the probabilities
 // (the backward's input) and each block's sum of row losses; sum_partials adds the blocks in
@@ -69,7 +69,8 @@ softmax_xent_backward(const float* __restrict__ dloss, const float* __restrict__
 // rows, the round's hits totalled by __syncthreads_count.
 template <class L>
 __global__ void __launch_bounds__(256)
-count_correct(const float* __restrict__ logits, const L* __restrict__ labels, int n, int k, long long* __restrict__ count) {
+count_correct(const float* __restrict__ logits, const L* __restrict__ labels, int n, int k,
+              long long* __restrict__ count) {
     long long total = 0;
     for (int first = 0; first < n; first += blockDim.x) {
         const int row = first + threadIdx.x;
