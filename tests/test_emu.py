@@ -226,6 +226,17 @@ def test_templated_kernel_through_name_expressions(dtype, block):
     validate(partial, block_sums(3 * x.astype(np.float64), block), name)
 
 
+def test_cuda_vocabulary():
+    types = (np.int32, np.uint32, np.int64, np.uint64, np.uint16, np.float32, np.float64)
+    counters = [np.zeros(1, t) for t in types]
+    v = np.array([[0.5, 0, 0, 0.75]], np.float32)
+    out = np.empty(9, np.float32)
+    kernel("vocabulary.cu", "vocabulary")((1,), (1,), (*counters, v, out))
+    expected = [0.5 + 7, 2, 2.75, 45, 1.25 + 2**30, 1 + 0x4400, 9.5, 44.75, 2]
+    validate(out, np.array(expected), "vocabulary")
+    validate(np.array([c[0] for c in counters[5:]]), np.array([2.5, 0.25]), "float atomics")
+
+
 # ---- what the emulator catches ------------------------------------------------------------------
 
 def test_out_of_bounds_write_is_caught():

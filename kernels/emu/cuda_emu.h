@@ -132,6 +132,9 @@ EMU_INTEGER_ATOMICS(unsigned int)
 EMU_INTEGER_ATOMICS(unsigned long long)
 EMU_INTEGER_ATOMIC(atomicSub, int, __atomic_fetch_sub)
 EMU_INTEGER_ATOMIC(atomicSub, unsigned int, __atomic_fetch_sub)
+EMU_INTEGER_ATOMIC(atomicAnd, long long, __atomic_fetch_and)
+EMU_INTEGER_ATOMIC(atomicOr, long long, __atomic_fetch_or)
+EMU_INTEGER_ATOMIC(atomicXor, long long, __atomic_fetch_xor)
 #undef EMU_INTEGER_ATOMICS
 #undef EMU_INTEGER_ATOMIC
 
@@ -389,6 +392,8 @@ EMU_MIN_MAX(unsigned int, int, unsigned int)
 EMU_MIN_MAX(unsigned int, unsigned int, int)
 EMU_MIN_MAX(long, long, long)
 EMU_MIN_MAX(unsigned long, unsigned long, unsigned long)
+EMU_MIN_MAX(unsigned long, long, unsigned long)
+EMU_MIN_MAX(unsigned long, unsigned long, long)
 EMU_MIN_MAX(long long, long long, long long)
 EMU_MIN_MAX(unsigned long long, unsigned long long, unsigned long long)
 EMU_MIN_MAX(unsigned long long, long long, unsigned long long)
