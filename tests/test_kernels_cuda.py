@@ -23,7 +23,7 @@ import pytest
 import kernels
 import kernels.cpu as K
 import reference as R
-from helpers import check_op, rng, validate
+from helpers import check_op, reproduce_hint, rng, validate
 from kernels import cuda, nvrtc
 from kernels.cuda import conv as cuda_conv
 from kernels.cuda import launch as cuda_launch
@@ -405,6 +405,7 @@ def test_non_contiguous_inputs_are_copied():
 
 @pytest.fixture
 def gpu():
+    """(the cuda backend, cupy, torch) where a GPU and PyTorch with CUDA are at hand."""
     reason = gpu_unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -415,24 +416,62 @@ def gpu():
     return kernels._device_backend("cuda"), cupy, torch
 
 
+# name, inputs (shapes, drawn standard normal, or integer arrays), PyTorch's op of float64 tensors,
+# our forward (outputs: the first is PyTorch's), our backward (dy, *inputs, *forward outputs) ->
+# gradients of the floating inputs, and the bound on ||ours - torch|| / ||torch||.
+TORCH_PEERS = [
+    ("conv2d 3x3 stride 2", [(8, 64, 15, 15), (128, 64, 3, 3), (128,)],
+     lambda F, x, w, b: F.conv2d(x, w, b, stride=2, padding=1),
+     lambda m, x, w, b: m.conv2d_forward(x, w, b, 2, 1),
+     lambda m, dy, x, w, b, y: m.conv2d_backward(dy, x, w, 2, 1), 1e-4),
+    ("linear", [(256, 512), (10, 512), (10,)], lambda F, x, w, b: F.linear(x, w, b),
+     lambda m, x, w, b: m.linear_forward(x, w, b), lambda m, dy, x, w, b, y: m.linear_backward(dy, x, w), 1e-4),
+    ("batch norm", [(16, 64, 14, 14), (64,), (64,)],
+     lambda F, x, gamma, beta: F.batch_norm(x, None, None, gamma, beta, training=True, eps=EPS),
+     lambda m, x, gamma, beta: m.batch_norm_forward(x, gamma, beta, EPS),
+     lambda m, dy, x, gamma, beta, y, mean, invstd: m.batch_norm_backward(dy, x, gamma, mean, invstd), 1e-4),
+    ("relu", [(16, 64, 14, 14)], lambda F, x: F.relu(x), lambda m, x: m.relu_forward(x),
+     lambda m, dy, x, y: m.relu_backward(dy, y), 1e-5),
+    ("max pool", [(8, 16, 15, 15)], lambda F, x: F.max_pool2d(x, 3, 2, 1),
+     lambda m, x: m.max_pool2d_forward(x, 3, 2, 1), lambda m, dy, x, y, argmax: m.max_pool2d_backward(dy, argmax, x.shape),
+     1e-5),
+    ("global avg pool", [(16, 512, 4, 4)], lambda F, x: x.mean(dim=(2, 3)), lambda m, x: m.global_avg_pool_forward(x),
+     lambda m, dy, x, y: m.global_avg_pool_backward(dy, x.shape), 1e-5),
+    ("softmax cross-entropy", [(256, 10), np.arange(256) % 10], lambda F, z, labels: F.cross_entropy(z, labels),
+     lambda m, z, labels: m.softmax_cross_entropy_forward(z, labels),
+     lambda m, dloss, z, labels, loss, probs: m.softmax_cross_entropy_backward(dloss, probs, labels), 1e-4),
+]
+
+
+def compare_with_torch(ours, torch, device, case):
+    """One TORCH_PEERS case: our float32 op against PyTorch's float64 on the same inputs."""
+    name, inputs, torch_op, forward, backward, bound = case
+    g = rng()
+    arrays = [g.standard_normal(a).astype(np.float32) if isinstance(a, tuple) else a for a in inputs]
+    tensors = [torch.tensor(a, device=device, dtype=torch.float64 if a.dtype.kind == "f" else torch.int64,
+                            requires_grad=a.dtype.kind == "f") for a in arrays]
+    peer = torch_op(torch.nn.functional, *tensors)
+    dy = g.standard_normal(tuple(peer.shape)).astype(np.float32)
+    peer.backward(torch.tensor(dy, dtype=torch.float64, device=device))
+    outputs = _outputs(forward(ours, *arrays))
+    grads = _outputs(backward(ours, dy, *arrays, *outputs))
+    expected = [peer] + [t.grad for t in tensors if t.requires_grad]
+    assert len(grads) == len(expected) - 1, f"{name}: {len(grads)} gradients"
+    for label, o, t in zip(("output", *(f"gradient {i}" for i in range(len(grads)))), (outputs[0], *grads), expected):
+        error = relative_error(o, t.detach().cpu().numpy())
+        assert error < bound, f"{name} {label}: relative error {error:.3g} >= {bound}\n{reproduce_hint()}"
+
+
 def relative_error(ours, ref):
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     return np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
 @pytest.mark.gpu
-def test_gpu_against_torch_float64(gpu):
-    be, cp, torch = gpu
-    g = rng()
-    x, w, b = (g.standard_normal(s).astype(np.float32) for s in ((8, 64, 14, 14), (128, 64, 3, 3), (128,)))
-    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, device="cuda", requires_grad=True) for a in (x, w, b))
-    ty = torch.nn.functional.conv2d(tx, tw, tb, stride=2, padding=1)
-    dy = g.standard_normal(tuple(ty.shape)).astype(np.float32)
-    ty.backward(torch.tensor(dy, dtype=torch.float64, device="cuda"))
-    y = be.conv2d_forward(cp.asarray(x), cp.asarray(w), cp.asarray(b), 2, 1)
-    grads = be.conv2d_backward(cp.asarray(dy), cp.asarray(x), cp.asarray(w), 2, 1)
-    for name, o, t in zip(("y", "dx", "dw", "db"), (y, *grads), (ty, tx.grad, tw.grad, tb.grad)):
-        assert relative_error(cp.asnumpy(o), t.detach().cpu().numpy()) < 1e-4, f"conv2d {name}"
+@pytest.mark.parametrize("case", TORCH_PEERS, ids=[c[0] for c in TORCH_PEERS])
+def test_gpu_against_torch_float64(gpu, case):
+    be, _, torch = gpu
+    compare_with_torch(OnDevice(be), torch, "cuda", case)
 
 
 @pytest.mark.gpu

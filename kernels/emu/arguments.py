@@ -19,14 +19,15 @@ from .native import runtime
 # Bytes of canary on each side of an array; beyond them the memory is not accessible.
 GUARD_BYTES = 4096
 _PAGE = 4096
-_CANARY_PAIR = np.array([0xF4, 0x7F], np.uint8)
+# 0x7ff4 at every even position: a NaN as float16, float32 and float64 (the buffer is
+# page-aligned), so that a read just outside an array also tends to show in the result.
+# Long enough for the longest zone (GUARD_BYTES + 255 before, GUARD_BYTES + a page after).
+_CANARY = np.tile(np.array([0xF4, 0x7F], np.uint8), GUARD_BYTES + _PAGE + 1)
 
 
 def _canary(position, length):
-    """The canary bytes for buffer positions position..position+length: 0x7ff4 at every even
-    position, a NaN as float16, float32 and float64 (the buffer is page-aligned), so that a
-    read just outside an array also tends to show in the result."""
-    return np.resize(np.roll(_CANARY_PAIR, -(position % 2)), length)
+    """The canary bytes for buffer positions position..position+length."""
+    return _CANARY[position % 2:position % 2 + length]
 
 
 _CTYPES = {("i", 1): ctypes.c_int8, ("i", 2): ctypes.c_int16, ("i", 4): ctypes.c_int32,
