@@ -360,6 +360,16 @@ def test_compiled_modules_come_from_the_cache(monkeypatch):
     validate(out, np.repeat(x.reshape(2, 32).sum(axis=1), 32).astype(np.float64), "warp_sum through RawKernel")
 
 
+def test_an_edited_header_rebuilds_the_module(tmp_path):
+    header = tmp_path / "value.cuh"
+    source = '#include "value.cuh"\nextern "C" __global__ void value(float* out) { out[0] = VALUE; }\n'
+    out = np.zeros(1, np.float32)
+    for value in (1.0, 2.0):
+        header.write_text(f"#define VALUE {value}f\n")
+        emu.RawModule(code=source, options=(f"-I{tmp_path}",)).get_function("value")((1,), (1,), (out,))
+        validate(out, np.array([value]), "a value from an included header")
+
+
 # ---- the same sources through NVRTC --------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
