@@ -360,7 +360,8 @@ def test_compiled_modules_come_from_the_cache(monkeypatch):
     validate(out, np.repeat(x.reshape(2, 32).sum(axis=1), 32).astype(np.float64), "warp_sum through RawKernel")
 
 
-def test_an_edited_header_rebuilds_the_module(tmp_path):
+def test_an_edited_header_rebuilds_the_module(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_EMU_CACHE_DIR", str(tmp_path / "cache"))  # its -I path is new every run
     header = tmp_path / "value.cuh"
     source = '#include "value.cuh"\nextern "C" __global__ void value(float* out) { out[0] = VALUE; }\n'
     out = np.zeros(1, np.float32)
