@@ -185,6 +185,8 @@ CONVS = [
     ((2, 3, 6, 9), (2, 3, 2, 3), (2, 1), (0, 1), True),   # asymmetric kernel, stride, padding
     ((1, 17, 9, 9), (70, 17, 3, 3), 2, 1, True),       # two tiles of output channels, K over 9 tiles
     ((2, 5, 1, 1), (3, 5, 1, 1), 1, 0, True),          # 1x1 spatial
+    ((2, 3, 5, 4), (4, 3, 2, 2), 3, 1, True),          # stride 3 over a 2x2 kernel: taps skip cells
+    ((1, 2, 2, 7), (3, 2, 1, 3), (3, 2), (0, 1), False),   # fewer rows than the stride: empty phases
 ]
 
 

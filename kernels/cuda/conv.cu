@@ -5,16 +5,18 @@
 // on the CPU emulator in CI and on a GPU under `pytest -m gpu`.
 //
 //   conv2d_forward   y (O x N*OH*OW)   = w (O x C*KH*KW)  . im2col(x) (C*KH*KW x N*OH*OW) + b
-//   conv2d_dgrad     dx (C x N*H*W)    = w^T gathered (C x O*KH*KW) . dy scattered to input
-//                                        positions (O*KH*KW x N*H*W): every input cell gathers
-//                                        from the outputs whose window covers it, so each dx
-//                                        element is written once, by one thread
+//   conv2d_dgrad     dx (C x N*H*W)    = w^T gathered (C x O*KH*KW) . dy gathered at the outputs
+//                                        whose window covers each input cell (O*KH*KW x N*H*W),
+//                                        so each dx element is written once, by one thread; at
+//                                        stride > 1 (conv2d_dgrad_strided) one GEMM per stride
+//                                        phase of the input cells, over the taps that reach it
 //   conv2d_wgrad     dw (O x C*KH*KW)  = dy (O x N*OH*OW) . im2col(x)^T, split over K = N*OH*OW
 //                                        into per-split partials that sum_partials adds in order
 //   bias_grad_partials  per-channel sums of dy, finished by sum_partials
 //
-// Each GEMM is templated on the tile (Tile64, Tile128 in common.cuh) and on the kernel size
-// (KH, KW), 0 meaning "given at run time": the 3x3 and 1x1 instantiations divide by constants.
+// Each GEMM is templated on the tile (Tile64, Tile128 in common.cuh) and, but for the strided
+// backward-data, on the kernel size (KH, KW), 0 meaning "given at run time": the 3x3 and 1x1
+// instantiations divide by constants.
 #include "common.cuh"
 
 // Sizes of one convolution; the kernel size is a template constant when KH, KW are not 0.
@@ -93,90 +95,149 @@ conv2d_forward(const float* __restrict__ x, const float* __restrict__ weight, co
     }
 }
 
-// Backward-data A(m, k) = w[co, m, r, s] for input channel m and k = (co, r, s).
+// Backward-data works on one stride phase at a time: the input cells (h, w) with
+// (h + ph) % sh = a and (w + pw) % sw = b, which only the kernel taps r = a + sh*i,
+// s = b + sw*j reach, from the outputs p = t_h + u - i, q = t_w + v - j for the phase's cell
+// (u, v) = ((h - h_first) / sh, (w - w_first) / sw). Each phase is a dense GEMM, with no
+// multiply by a tap that misses; at stride 1 there is one phase, and all taps.
+struct Phase {
+    int a, b;              // the phase
+    int h_first, w_first;  // its first input cell
+    int rows, cols;        // its number of cells along each axis
+    int t_h, t_w;          // output offsets: p = t_h + u - i, q = t_w + v - j
+    int taps_h, taps_w;    // kernel rows and columns that reach it
+
+    __device__ int cells() const { return rows * cols; }
+    __device__ int taps() const { return taps_h * taps_w; }
+};
+
+// The phase of grid.z = a * sw + b.
+template <int KH, int KW>
+__device__ Phase stride_phase(const Geometry<KH, KW>& g, int z) {
+    Phase f;
+    f.a = z / g.sw;
+    f.b = z - f.a * g.sw;
+    f.h_first = ((f.a - g.ph) % g.sh + g.sh) % g.sh;
+    f.w_first = ((f.b - g.pw) % g.sw + g.sw) % g.sw;
+    f.rows = g.h > f.h_first ? (g.h - f.h_first + g.sh - 1) / g.sh : 0;
+    f.cols = g.w > f.w_first ? (g.w - f.w_first + g.sw - 1) / g.sw : 0;
+    f.t_h = (f.h_first + g.ph - f.a) / g.sh;  // exact, and >= 0
+    f.t_w = (f.w_first + g.pw - f.b) / g.sw;
+    f.taps_h = g.kh() > f.a ? (g.kh() - f.a + g.sh - 1) / g.sh : 0;
+    f.taps_w = g.kw() > f.b ? (g.kw() - f.b + g.sw - 1) / g.sw : 0;
+    return f;
+}
+
+// The single phase of a stride-1 convolution, its kernel size a template constant if given.
+template <int KH, int KW>
+__device__ Phase unit_stride_phase(const Geometry<KH, KW>& g) {
+    return Phase{0, 0, 0, 0, g.h, g.w, g.ph, g.pw, g.kh(), g.kw()};
+}
+
+// Backward-data A(m, k) = w[co, m, a + sh*i, b + sw*j] for input channel m, k = (co, i, j).
 template <class T, int KH, int KW>
 struct DataWeights : Staged<T, T::BM, true> {
     using Map = TileMap<T, T::BM, true>;
     Geometry<KH, KW> g;
+    Phase f;
     const float* w;
     int m0;
 
-    __device__ DataWeights(const Geometry<KH, KW>& geometry, const float* weight, int m0_)
-        : g(geometry), w(weight), m0(m0_) {}
+    __device__ DataWeights(const Geometry<KH, KW>& geometry, const Phase& phase, const float* weight, int m0_)
+        : g(geometry), f(phase), w(weight), m0(m0_) {}
 
     __device__ void fetch(int k0, int k_end) {
         const int k = k0 + Map::k(0);
-        const int co = k / g.taps(), base = co * g.c * g.taps() + (k - co * g.taps());
+        const int co = k / f.taps(), t = k - co * f.taps(), i = t / f.taps_w, j = t - i * f.taps_w;
+        const int base = (co * g.c * g.kh() + f.a + g.sh * i) * g.kw() + f.b + g.sw * j;
 #pragma unroll
-        for (int i = 0; i < Map::COUNT; ++i) {
-            const int m = m0 + Map::w(i);
-            this->staged[i] = (k < k_end && m < g.c) ? w[base + m * g.taps()] : 0.0f;
+        for (int n = 0; n < Map::COUNT; ++n) {
+            const int m = m0 + Map::w(n);
+            this->staged[n] = (k < k_end && m < g.c) ? w[base + m * g.taps()] : 0.0f;
         }
     }
 };
 
-// Backward-data B(k, n) = dy[img, co, p, q] for k = (co, r, s) and input cell n = (img, hh, ww)
-// when hh + ph - r = p*sh and ww + pw - s = q*sw inside the output, else 0.
+// Backward-data B(k, n) = dy[img, co, t_h + u - i, t_w + v - j] for k = (co, i, j) and the
+// phase's cell n = (img, u, v), 0 where that falls outside the output.
 template <class T, int KH, int KW>
 struct DataColumns : Staged<T, T::BN, false> {
     using Map = TileMap<T, T::BN, false>;
     Geometry<KH, KW> g;
+    Phase f;
     const float* dy_img;
-    int hp, wp;
+    int p0, q0;  // t_h + u, t_w + v
     bool valid;
 
-    __device__ DataColumns(const Geometry<KH, KW>& geometry, const float* dy, int n0) : g(geometry) {
-        const int col = n0 + Map::w(0), plane = g.h * g.w;
-        valid = col < g.n * plane;
-        const int img = valid ? col / plane : 0;
-        const int hw = col - img * plane, hh = hw / g.w;
+    __device__ DataColumns(const Geometry<KH, KW>& geometry, const Phase& phase, const float* dy, int n0)
+        : g(geometry), f(phase) {
+        const int col = n0 + Map::w(0);
+        valid = col < g.n * f.cells();
+        const int img = valid ? col / f.cells() : 0;
+        const int uv = col - img * f.cells(), u = uv / f.cols;
         dy_img = dy + img * g.o * g.out_plane();
-        hp = hh + g.ph;
-        wp = hw - hh * g.w + g.pw;
+        p0 = f.t_h + u;
+        q0 = f.t_w + uv - u * f.cols;
     }
 
     __device__ void fetch(int k0, int k_end) {
 #pragma unroll
-        for (int i = 0; i < Map::COUNT; ++i) {
-            const int k = k0 + Map::k(i);
+        for (int n = 0; n < Map::COUNT; ++n) {
+            const int k = k0 + Map::k(n);
             float v = 0.0f;
             if (valid && k < k_end) {
-                const int co = k / g.taps(), rs = k - co * g.taps(), r = rs / g.kw(), s = rs - r * g.kw();
-                const int pn = hp - r, qn = wp - s;
-                if (pn >= 0 && qn >= 0) {
-                    const int p = pn / g.sh, q = qn / g.sw;
-                    if (p * g.sh == pn && q * g.sw == qn && p < g.oh && q < g.ow)
-                        v = dy_img[(co * g.oh + p) * g.ow + q];
-                }
+                const int co = k / f.taps(), t = k - co * f.taps(), i = t / f.taps_w;
+                const int p = p0 - i, q = q0 - (t - i * f.taps_w);
+                if (unsigned(p) < unsigned(g.oh) && unsigned(q) < unsigned(g.ow)) v = dy_img[(co * g.oh + p) * g.ow + q];
             }
-            this->staged[i] = v;
+            this->staged[n] = v;
         }
     }
 };
 
-// dx = the gradient of conv(x, w) with respect to x: one block per Tile::BM input channels x
-// Tile::BN input cells (grid.x over N*H*W, grid.y over C), each thread TM x TN of them.
+// dx of one phase: Tile::BM input channels x Tile::BN of the phase's cells per block (grid.x
+// over N * cells, grid.y over C), each thread TM x TN of them; blocks past the phase's cells
+// (the phases differ in size by a row or column) leave at once.
+template <class T, int KH, int KW>
+__device__ __forceinline__ void data_gradient(const Geometry<KH, KW>& g, const Phase& f, const float* dy,
+                                              const float* weight, float* dx) {
+    const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
+    if (n0 >= g.n * f.cells()) return;  // the same for the whole block
+    DataWeights<T, KH, KW> a(g, f, weight, m0);
+    DataColumns<T, KH, KW> b(g, f, dy, n0);
+    float acc[T::TM][T::TN];
+    gemm_mainloop<T>(a, b, 0, g.o * f.taps(), acc);
+#pragma unroll
+    for (int j = 0; j < T::TN; ++j) {
+        const int col = n0 + T::col(j);
+        if (col >= g.n * f.cells()) continue;
+        const int img = col / f.cells(), uv = col - img * f.cells(), u = uv / f.cols, v = uv - u * f.cols;
+        const int hw = (f.h_first + g.sh * u) * g.w + f.w_first + g.sw * v;
+#pragma unroll
+        for (int i = 0; i < T::TM; ++i) {
+            const int m = m0 + T::row(i);
+            if (m < g.c) dx[(img * g.c + m) * g.h * g.w + hw] = acc[i][j];
+        }
+    }
+}
+
+// dx = the gradient of conv(x, w) with respect to x at stride 1: one phase, all taps, the
+// kernel size a template constant for 3x3 and 1x1 (see data_gradient for the split of work).
 template <class T, int KH, int KW>
 __global__ void __launch_bounds__(T::THREADS)
 conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ weight, float* __restrict__ dx, CONV_PARAMS) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
-    const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN, depth = g.o * g.taps();
-    DataWeights<T, KH, KW> a(g, weight, m0);
-    DataColumns<T, KH, KW> b(g, dy, n0);
-    float acc[T::TM][T::TN];
-    gemm_mainloop<T>(a, b, 0, depth, acc);
-    const int plane = g.h * g.w;
-#pragma unroll
-    for (int j = 0; j < T::TN; ++j) {
-        const int col = n0 + T::col(j);
-        if (col >= g.n * plane) continue;
-        const int img = col / plane, hw = col - img * plane;
-#pragma unroll
-        for (int i = 0; i < T::TM; ++i) {
-            const int m = m0 + T::row(i);
-            if (m < g.c) dx[(img * g.c + m) * plane + hw] = acc[i][j];
-        }
-    }
+    data_gradient<T>(g, unit_stride_phase(g), dy, weight, dx);
+}
+
+// dx = the gradient of conv(x, w) with respect to x at any stride: grid.z over the sh*sw
+// stride phases, each a dense GEMM (see data_gradient for the split of work).
+template <class T>
+__global__ void __launch_bounds__(T::THREADS)
+conv2d_dgrad_strided(const float* __restrict__ dy, const float* __restrict__ weight, float* __restrict__ dx,
+                     CONV_PARAMS) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    data_gradient<T>(g, stride_phase(g, blockIdx.z), dy, weight, dx);
 }
 
 // Backward-weight A(m, k) = dy[img, m, p, q] for output channel m and k = (img, p, q).

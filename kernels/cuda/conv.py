@@ -21,8 +21,8 @@ def _gemm(kernel, tile, kh, kw):
     return f"{kernel}<{tile}, {kh}, {kw}>"
 
 
-KERNELS = tuple(_gemm(k, t, *s) for k in GEMMS for t in TILES for s in SIZES) + (
-    "bias_grad_partials", "sum_partials")
+KERNELS = tuple(_gemm(k, t, *s) for k in GEMMS for t in TILES for s in SIZES) + tuple(
+    f"conv2d_dgrad_strided<{t}>" for t in TILES) + ("bias_grad_partials", "sum_partials")
 
 
 def choose_tile(rows, columns):
@@ -53,11 +53,16 @@ def conv2d_backward(be, dy, x, w, stride, padding):
 
 
 def _backward_data(be, dy, w, geometry):
-    n, c, h, wd, o, kh, kw = geometry[:7]
+    """dx; at a stride above 1, one GEMM per stride phase of the input cells (conv.cu)."""
+    n, c, h, wd, o, kh, kw, sh, sw = geometry[:9]
     dx = be.xp.empty((n, c, h, wd), np.float32)
-    tile = choose_tile(c, n * h * wd)
-    launch(be, "conv", _kernel("conv2d_dgrad", tile, kh, kw),
-           (cdiv(n * h * wd, TILES[tile]), cdiv(c, TILES[tile])), (dy, w, dx, *geometry))
+    columns = n * cdiv(h, sh) * cdiv(wd, sw)   # of the largest phase
+    tile = choose_tile(c, columns)
+    grid = (cdiv(columns, TILES[tile]), cdiv(c, TILES[tile]))
+    if (sh, sw) == (1, 1):
+        launch(be, "conv", _kernel("conv2d_dgrad", tile, kh, kw), grid, (dy, w, dx, *geometry))
+    else:
+        launch(be, "conv", f"conv2d_dgrad_strided<{tile}>", grid + (sh * sw,), (dy, w, dx, *geometry))
     return dx
 
 
