@@ -72,7 +72,7 @@ def _backward_weight(be, dy, x, geometry):
     columns = c * kh * kw
     tile = choose_tile(o, columns)
     grid = (cdiv(columns, TILES[tile]), cdiv(o, TILES[tile]))
-    splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=16)
+    splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=16)   # whole K tiles of either tile
     dw = be.xp.empty((o, c, kh, kw), np.float32)
     partial = dw if splits == 1 else be.xp.empty((splits, o, c, kh, kw), np.float32)
     launch(be, "conv", _kernel("conv2d_wgrad", tile, kh, kw), grid + (splits,), (dy, x, partial, *geometry, chunk))
