@@ -98,7 +98,9 @@ def _log(nvrtc, program):
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _PROPERTIES = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+# a kernel that spills also gets "N bytes cumulative stack size" before the smem figure
+_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?"
+                   r"(?:, (\d+) bytes cumulative stack size)?(?:, (\d+) bytes smem)?")
 
 
 def parse_ptxas_log(log):
@@ -114,5 +116,5 @@ def parse_ptxas_log(log):
         elif m := _USED.search(line):
             current.registers = int(m.group(1))
             current.barriers = int(m.group(2) or 0)
-            current.shared_bytes = int(m.group(3) or 0)
+            current.shared_bytes = int(m.group(4) or 0)
     return kernels

@@ -491,3 +491,50 @@ def test_gpu_results_are_bit_identical_run_to_run(gpu):
 
     for i, (a, b) in enumerate(zip(step(), step())):
         assert cp.array_equal(a, b), f"output {i} differs between two runs"
+
+
+# ---- a whole ResNet-18 training step on the device backends against the NumPy backend ------------
+
+def resnet_step(device="cpu", emulated=False):
+    """Loss, flat gradient and parameters after one SGD step, and the batch-norm statistics,
+    of ResNet-18 at width 8 on a batch of 2, from fixed weights and data."""
+    import contextlib
+    import nn
+    import nn.functional as F
+    nn.manual_seed(11)
+    model = nn.resnet18(width=8).to(device)
+    opt = nn.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    g = np.random.default_rng(12)
+    xp = kernels.array_module_for(device)
+    x = xp.asarray(g.random((2, 1, 28, 28)).astype(np.float32))
+    y = xp.asarray(np.array([3, 7], np.int32))
+    with kernels.emulate() if emulated else contextlib.nullcontext():
+        loss = F.cross_entropy(model(nn.Tensor(x)), y)
+        loss.backward()
+        grad = opt.flat.grad.copy()
+        opt.step()
+    host = lambda a: a.get() if hasattr(a, "get") else np.asarray(a)  # noqa: E731
+    stats = np.concatenate([host(b).ravel() for n, b in model.named_buffers() if "running" in n])
+    return float(loss.data), host(grad), host(opt.flat.data), stats
+
+
+def check_step_against_numpy(step, numpy_step):
+    (loss, grad, params, stats), (ref_loss, ref_grad, ref_params, ref_stats) = step, numpy_step
+    assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss), (loss, ref_loss)
+    # a conv bias before batch norm has a true gradient of zero, so errors are measured
+    # against the norm of all gradients, not per tensor
+    assert np.linalg.norm(grad - ref_grad) <= 1e-4 * np.linalg.norm(ref_grad)
+    validate(params, ref_params, "parameters after one SGD step", rtol=1e-5)
+    validate(stats, ref_stats, "batch-norm running statistics", rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_resnet18_training_step_on_the_emulator_matches_numpy():
+    check_step_against_numpy(resnet_step(emulated=True), resnet_step())
+
+
+@pytest.mark.gpu
+def test_resnet18_training_step_on_the_gpu_matches_numpy(gpu):
+    check_step_against_numpy(resnet_step("cuda"), resnet_step())
+    a, b = resnet_step("cuda"), resnet_step("cuda")
+    assert np.array_equal(a[2], b[2]), "two runs with the same seed give bit-identical weights"
