@@ -51,7 +51,7 @@ def main(argv=None):
         train.run(given)
     except (train.ConfigError, checkpoint.CheckpointError, data.DataError) as e:
         parser.error(str(e))
-    except train.NonFiniteLoss as e:
+    except (train.NonFiniteLoss, train.OutOfMemory) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

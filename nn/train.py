@@ -37,6 +37,10 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+class OutOfMemory(RuntimeError):
+    pass
+
+
 @dataclasses.dataclass
 class Config:
     epochs: int = 10
@@ -150,6 +154,12 @@ class _Window:
         self.correct_sum += sum(float(c) for c in self.correct)
         self.steps += len(values)
         self.losses, self.correct = [], []
+
+
+def _kept(out, epoch):
+    if not epoch:
+        return "no checkpoint was written"
+    return f"the last good checkpoint (epoch {epoch}) is {out / checkpoint.FILENAME}"
 
 
 def evaluate(model, images, labels, batch_size):
@@ -280,9 +290,10 @@ def run(given, log=lambda *a: print(*a, flush=True)):
         try:
             train_loss, train_acc = train_epoch(model, opt, schedule, x_train, y_train, cfg, epoch)
         except NonFiniteLoss as e:
-            kept = f"the last good checkpoint (epoch {epoch}) is {out / checkpoint.FILENAME}" if epoch \
-                else "no checkpoint was written"
-            raise NonFiniteLoss(f"{e}; stopping: {kept}") from None
+            raise NonFiniteLoss(f"{e}; stopping: {_kept(out, epoch)}") from None
+        except MemoryError:  # CuPy's OutOfMemoryError is one too
+            raise OutOfMemory(f"out of {cfg.device} memory at batch size {cfg.batch_size}: try a "
+                              f"smaller --batch-size; {_kept(out, epoch)}") from None
         train_seconds = time.perf_counter() - began
         test_loss, test_acc = evaluate(model, x_test, y_test, cfg.batch_size)
         seconds = time.perf_counter() - began

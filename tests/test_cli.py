@@ -133,3 +133,27 @@ def test_help_explains_the_flags(capsys):
     for flag in ("--gpus", "--epochs", "--batch-size", "--lr", "--momentum", "--weight-decay", "--schedule",
                  "--data-dir", "--limit", "--test-limit", "--width", "--seed", "--out", "--resume"):
         assert flag in text
+
+
+def test_running_out_of_memory_names_the_batch_size(data_dir, tmp_path, monkeypatch, capsys):
+    def exhausted(*args, **kwargs):
+        raise MemoryError("out of memory allocating 1,073,741,824 bytes")
+    monkeypatch.setattr(train, "train_epoch", exhausted)
+    assert run(data_dir, tmp_path / "run", "--epochs", "1") == 1
+    err = capsys.readouterr().err
+    assert "out of cpu memory at batch size 16: try a smaller --batch-size" in err, err
+
+
+@pytest.mark.slow
+def test_training_through_the_cuda_kernels_on_the_emulator(data_dir, tmp_path):
+    """The trainer's device path (uint8 upload, gathers, accuracy on the device, no per-step
+    reads) driven through the CUDA launchers, against the NumPy backend."""
+    import kernels
+    flags = ["--width", "2", "--batch-size", "8", "--limit", "16", "--test-limit", "8", "--epochs", "1"]
+    with kernels.emulate():
+        emulated = train_resnet.main(["--data-dir", str(data_dir), "--out", str(tmp_path / "emu"), *flags])
+    assert emulated == 0
+    assert train_resnet.main(["--data-dir", str(data_dir), "--out", str(tmp_path / "cpu"), *flags]) == 0
+    (emu,), (cpu,) = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("emu", "cpu"))
+    assert abs(emu["train_loss"] - cpu["train_loss"]) <= 1e-4 * cpu["train_loss"]
+    assert emu["train_acc"] == cpu["train_acc"] and emu["test_acc"] == cpu["test_acc"]
