@@ -1,0 +1,191 @@
+"""What each op of the kernel contract costs: floating-point operations and the fewest bytes it
+must move between the GPU's memory and its cores, from the shapes of its arguments.
+
+One function per op of kernels/cpu/__init__.py, with the same parameters, every array replaced
+by its shape (a tuple; None stays None): ``conv2d_forward((256, 64, 28, 28), (64, 64, 3, 3),
+(64,), 1, 1)``. ``cost_of(op, *args)`` makes that replacement, so a caller holding an op's real
+arguments (a benchmark, a profiler) gets its cost in one line.
+
+Conventions. A multiply-add counts 2 FLOPs; an add, a multiply, a comparison, an exp, a division
+1 each; the per-element counts below follow the formulas in the kernels' comments. Bytes are
+each input read once and each output written once, with float32 at 4 bytes, argmax (int64) at 8,
+images (uint8) at 1 and labels at 4 (int32, what the trainer passes): the least any
+implementation moves, so bytes / time is a lower bound on the bandwidth it reached.
+"""
+import dataclasses
+import math
+
+FLOAT, INDEX, LABEL, PIXEL = 4, 8, 4, 1
+# FLOPs per element of the batch-norm passes: statistics (x and x*x into two sums) + normalise
+# (one multiply-add by the per-channel scale and shift); backward: x-hat (2), dy * x-hat and
+# the two sums (3), dx = k * (dy - mean dy - x-hat * mean(dy x-hat)) (4).
+BN_FORWARD, BN_BACKWARD = 3 + 2, 2 + 3 + 4
+BN_INFERENCE, BN_INFERENCE_BACKWARD = 2, 1 + 2 + 3
+# softmax cross-entropy per logit: max, subtract, exp, sum, divide; backward: subtract, scale
+XENT_FORWARD, XENT_BACKWARD = 5, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    flops: int
+    bytes: int
+
+    def __add__(self, other):
+        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+    def tflops(self, ms):
+        """TFLOP/s at `ms` milliseconds per call."""
+        return self.flops / (ms * 1e-3) / 1e12
+
+    def gbs(self, ms):
+        """GB/s (1e9 bytes) at `ms` milliseconds per call."""
+        return self.bytes / (ms * 1e-3) / 1e9
+
+
+ZERO = Cost(0, 0)
+
+
+def cost_of(op, *args):
+    """The cost of the contract's `op` called with `args` (arrays, or already shapes)."""
+    return globals()[op](*(tuple(a.shape) if hasattr(a, "shape") else a for a in args))
+
+
+def size(shape):
+    return math.prod(shape) if shape is not None else 0
+
+
+def _pair(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+
+def _conv_out(x, w, stride, padding):
+    (sh, sw), (ph, pw) = _pair(stride), _pair(padding)
+    n, _, h, wd = x
+    o, _, kh, kw = w
+    return n, o, (h + 2 * ph - kh) // sh + 1, (wd + 2 * pw - kw) // sw + 1
+
+
+def _conv_macs(x, w, stride, padding):
+    """Multiply-adds of one of the three GEMMs of a convolution (they are equal)."""
+    _, c, kh, kw = w
+    return size(_conv_out(x, w, stride, padding)) * c * kh * kw
+
+
+# ---- convolution ---------------------------------------------------------------------------
+
+def conv2d_forward(x, w, b, stride, padding):
+    y = size(_conv_out(x, w, stride, padding))
+    return Cost(2 * _conv_macs(x, w, stride, padding) + (y if b is not None else 0),
+                FLOAT * (size(x) + size(w) + size(b) + y))
+
+
+def conv2d_backward(dy, x, w, stride, padding):
+    """Backward-data and backward-weight GEMMs and the bias gradient (a sum over dy)."""
+    return Cost(4 * _conv_macs(x, w, stride, padding) + size(dy),
+                FLOAT * (size(dy) + 2 * size(x) + 2 * size(w) + w[0]))
+
+
+# ---- batch normalisation ---------------------------------------------------------------------
+
+def batch_norm_forward(x, gamma, beta, eps):
+    c = x[1]
+    return Cost(BN_FORWARD * size(x), FLOAT * (2 * size(x) + 4 * c))
+
+
+def batch_norm_backward(dy, x, gamma, mean, invstd):
+    c = x[1]
+    return Cost(BN_BACKWARD * size(x), FLOAT * (3 * size(x) + 5 * c))
+
+
+def batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps):
+    c = size(running_mean)
+    return Cost(8 * c, FLOAT * 6 * c)
+
+
+def batch_norm_inference(x, gamma, beta, running_mean, running_var, eps):
+    c = x[1]
+    return Cost(BN_INFERENCE * size(x), FLOAT * (2 * size(x) + 4 * c))
+
+
+def batch_norm_inference_backward(dy, x, gamma, running_mean, running_var, eps):
+    c = x[1]
+    return Cost(BN_INFERENCE_BACKWARD * size(x), FLOAT * (3 * size(x) + 5 * c))
+
+
+# ---- element-wise --------------------------------------------------------------------------
+
+def relu_forward(x):
+    return Cost(size(x), FLOAT * 2 * size(x))
+
+
+def relu_backward(dy, y):
+    return Cost(size(dy), FLOAT * 3 * size(dy))
+
+
+def add_relu_forward(a, b):
+    return Cost(2 * size(a), FLOAT * 3 * size(a))
+
+
+def images_to_float(images):
+    return Cost(size(images), (PIXEL + FLOAT) * size(images))
+
+
+# ---- pooling -------------------------------------------------------------------------------
+
+def max_pool2d_forward(x, kernel_size, stride, padding):
+    (kh, kw), (sh, sw), (ph, pw) = _pair(kernel_size), _pair(stride), _pair(padding)
+    n, c, h, w = x
+    y = n * c * ((h + 2 * ph - kh) // sh + 1) * ((w + 2 * pw - kw) // sw + 1)
+    return Cost(kh * kw * y, FLOAT * (size(x) + y) + INDEX * y)
+
+
+def max_pool2d_backward(dy, argmax, x_shape):
+    return Cost(size(dy), (FLOAT + INDEX) * size(dy) + FLOAT * size(x_shape))
+
+
+def global_avg_pool_forward(x):
+    return Cost(size(x), FLOAT * (size(x) + size(x[:2])))
+
+
+def global_avg_pool_backward(dy, x_shape):
+    return Cost(size(x_shape), FLOAT * (size(dy) + size(x_shape)))
+
+
+# ---- linear --------------------------------------------------------------------------------
+
+def linear_forward(x, w, b):
+    n, o = x[0], w[0]
+    return Cost(2 * n * size(w) + (n * o if b is not None else 0),
+                FLOAT * (size(x) + size(w) + size(b) + n * o))
+
+
+def linear_backward(dy, x, w):
+    return Cost(4 * x[0] * size(w) + size(dy), FLOAT * (size(dy) + 2 * size(x) + 2 * size(w) + w[0]))
+
+
+# ---- loss ----------------------------------------------------------------------------------
+
+def softmax_cross_entropy_forward(logits, labels):
+    n = logits[0]
+    return Cost(XENT_FORWARD * size(logits) + 2 * n, FLOAT * (2 * size(logits) + 1) + LABEL * n)
+
+
+def softmax_cross_entropy_backward(dloss, probs, labels):
+    n = probs[0]
+    return Cost(XENT_BACKWARD * size(probs), FLOAT * (2 * size(probs) + 1) + LABEL * n)
+
+
+def count_correct(logits, labels):
+    n = logits[0]
+    return Cost(size(logits), FLOAT * size(logits) + LABEL * n + INDEX)
+
+
+# ---- optimiser -----------------------------------------------------------------------------
+
+def sgd_update(param, grad, velocity, lr, momentum, weight_decay):
+    """param -= lr * (momentum * velocity + grad + weight_decay * param): a multiply-add for
+    each term that is present; velocity read and written only with momentum."""
+    n = size(param)
+    with_velocity = momentum != 0
+    flops = 2 * n * (1 + (weight_decay != 0) + with_velocity)
+    return Cost(flops, FLOAT * n * (3 + 2 * with_velocity))
