@@ -1,0 +1,303 @@
+"""Tier (c) of bench/gpu_check: each op of ResNet-18's layers, forward and backward, at the layer's
+exact shape (batch 256), beside PyTorch doing the same work with TF32 off and with its defaults.
+
+  PYTHONPATH=. python -m bench.op_times --out ops.json             # on the GPU
+  PYTHONPATH=. python -m bench.op_times --dry-run --out ops.json   # tiny shapes, NumPy backend, CPU
+
+Our side calls the contract's ops on the backend of its arrays (kernels.backend_of: the cuda
+launchers for CuPy arrays) and nothing else. PyTorch's side runs torch.nn.functional on tensors
+holding the same values; its backward is torch.autograd.grad over a graph kept for the
+repetitions. A batch-norm forward includes the update of the running statistics, as PyTorch's
+does in the same call; SGD is one step over every parameter (PyTorch: one tensor per parameter,
+as in its training). Times are medians (bench/timing.py), with TFLOP/s and GB/s from
+bench/costs.py. Each layer's row is written to the JSON file as soon as it is timed.
+"""
+import argparse
+import contextlib
+import sys
+
+import numpy as np
+
+import kernels
+from bench import costs, layers, report, timing
+
+EPS, MOMENTUM = 1e-5, 0.1            # batch norm
+LR, SGD_MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4
+# PyTorch's precision settings: TF32 off for convolutions and matrix products, or as PyTorch
+# leaves them (cuDNN convolutions in TF32, matmul in full float32, in recent releases).
+SETTINGS = (("torch_fp32", False), ("torch_default", None))
+FULL = {"device": "cuda", "batch": layers.BATCH, "width": 64, "warmup": 3, "repeats": 10, "min_repeat_ms": 2.0}
+DRY = {"device": "cpu", "batch": 2, "width": 4, "warmup": 1, "repeats": 2, "min_repeat_ms": 0.0}
+
+
+class Bench:
+    """Where the ops run: the array module, our backend, PyTorch (None without it), the clocks."""
+
+    def __init__(self, config, torch, model_layers):
+        self.device, self.torch, self.model_layers = config["device"], torch, model_layers
+        self.xp = kernels.array_module_for(self.device)
+        self.ops = kernels.backend_of(self.xp.zeros(1, np.float32))
+        self.rng = np.random.default_rng(0)
+        self.timing = {k: config[k] for k in ("warmup", "repeats", "min_repeat_ms")}
+        self.clocks = {"ours": timing.clock("ours", self.device)}
+        if torch is not None:
+            self.clocks["torch"] = timing.clock("torch", self.device, torch)
+
+    def randn(self, shape):
+        return self.xp.asarray(self.rng.standard_normal(shape, dtype=np.float32))
+
+    def integers(self, high, shape, dtype):
+        return self.xp.asarray(self.rng.integers(0, high, shape).astype(dtype))
+
+    def time(self, fn, side):
+        return timing.median_ms(fn, self.clocks[side], **self.timing)
+
+    def tensor(self, array, grad=False, dtype=None):
+        """A PyTorch copy of one of our arrays, on the same device."""
+        t = self.torch.from_dlpack(array).clone()
+        t = t if dtype is None else t.to(dtype)
+        return t.requires_grad_(grad)
+
+    def leaves(self, *arrays):
+        return [self.tensor(a, grad=True) for a in arrays]
+
+
+class Peer:
+    """PyTorch doing one layer's work: `forward()`; backward: the gradients of its output with
+    respect to `wrt` for the upstream gradient `dy`, on one graph kept for every repetition."""
+
+    def __init__(self, torch, forward, wrt=(), dy=None):
+        self.torch, self.forward, self.wrt, self.dy = torch, forward, tuple(wrt), dy
+
+    def phases(self):
+        """{'forward': fn, 'backward': fn}, built under the precision setting in force."""
+        if not self.wrt:
+            return {"forward": self.forward}
+        y = self.forward()
+        return {"forward": self.forward,
+                "backward": lambda: self.torch.autograd.grad(y, self.wrt, self.dy, retain_graph=True)}
+
+
+@contextlib.contextmanager
+def precision(torch, tf32):
+    """TF32 for cuDNN convolutions and cuBLAS products set to `tf32`, or left as they are (None)."""
+    flags = (torch.backends.cudnn, torch.backends.cuda.matmul)
+    saved = [f.allow_tf32 for f in flags]
+    try:
+        if tf32 is not None:
+            for f in flags:
+                f.allow_tf32 = tf32
+        yield {"cudnn.allow_tf32": flags[0].allow_tf32, "cuda.matmul.allow_tf32": flags[1].allow_tf32}
+    finally:
+        for f, value in zip(flags, saved):
+            f.allow_tf32 = value
+
+
+# ---- one builder per op of the layer list: our calls by phase, and PyTorch's peer -----------
+# Each returns ({'forward': [(op, args)], 'backward': [(op, args)]}, peer(bench) -> Peer).
+
+def conv2d(b, layer):
+    x, w, bias, dy = b.randn(layer.x), b.randn(layer.w), b.randn(layer.w[:1]), b.randn(layer.y)
+    s, p = layer.stride, layer.padding
+
+    def peer(b):
+        tx, tw, tb = b.leaves(x, w, bias)
+        F = b.torch.nn.functional
+        return Peer(b.torch, lambda: F.conv2d(tx, tw, tb, s, p), (tx, tw, tb), b.tensor(dy))
+    return {"forward": [("conv2d_forward", (x, w, bias, s, p))],
+            "backward": [("conv2d_backward", (dy, x, w, s, p))]}, peer
+
+
+def batch_norm(b, layer):
+    c = layer.x[1]
+    x, gamma, beta, dy = b.randn(layer.x), b.randn((c,)), b.randn((c,)), b.randn(layer.x)
+    running_mean, running_var = b.xp.zeros(c, np.float32), b.xp.ones(c, np.float32)
+    _, mean, invstd = b.ops.batch_norm_forward(x, gamma, beta, EPS)
+    count = x.size // c
+
+    def peer(b):
+        tx, tg, tb = b.leaves(x, gamma, beta)
+        tm, tv = b.tensor(running_mean), b.tensor(running_var)
+        F = b.torch.nn.functional
+        return Peer(b.torch, lambda: F.batch_norm(tx, tm, tv, tg, tb, True, MOMENTUM, EPS), (tx, tg, tb),
+                    b.tensor(dy))
+    return {"forward": [("batch_norm_forward", (x, gamma, beta, EPS)),
+                        ("batch_norm_update_running", (running_mean, running_var, mean, invstd, count,
+                                                       MOMENTUM, EPS))],
+            "backward": [("batch_norm_backward", (dy, x, gamma, mean, invstd))]}, peer
+
+
+def relu(b, layer):
+    x, dy = b.randn(layer.x), b.randn(layer.x)
+    y = b.ops.relu_forward(x)
+
+    def peer(b):
+        (tx,) = b.leaves(x)
+        return Peer(b.torch, lambda: b.torch.nn.functional.relu(tx), (tx,), b.tensor(dy))
+    return {"forward": [("relu_forward", (x,))], "backward": [("relu_backward", (dy, y))]}, peer
+
+
+def add_relu(b, layer):
+    x, shortcut, dy = b.randn(layer.x), b.randn(layer.x), b.randn(layer.x)
+    y = b.ops.add_relu_forward(x, shortcut)
+
+    def peer(b):
+        tx, ts = b.leaves(x, shortcut)
+        return Peer(b.torch, lambda: b.torch.nn.functional.relu(tx + ts), (tx, ts), b.tensor(dy))
+    return {"forward": [("add_relu_forward", (x, shortcut))], "backward": [("relu_backward", (dy, y))]}, peer
+
+
+def global_avg_pool(b, layer):
+    x, dy = b.randn(layer.x), b.randn(layer.y)
+
+    def peer(b):
+        (tx,) = b.leaves(x)
+        return Peer(b.torch, lambda: b.torch.nn.functional.adaptive_avg_pool2d(tx, 1), (tx,),
+                    b.tensor(dy).reshape(*layer.y, 1, 1))
+    return {"forward": [("global_avg_pool_forward", (x,))],
+            "backward": [("global_avg_pool_backward", (dy, layer.x))]}, peer
+
+
+def linear(b, layer):
+    x, w, bias, dy = b.randn(layer.x), b.randn(layer.w), b.randn(layer.w[:1]), b.randn(layer.y)
+
+    def peer(b):
+        tx, tw, tb = b.leaves(x, w, bias)
+        return Peer(b.torch, lambda: b.torch.nn.functional.linear(tx, tw, tb), (tx, tw, tb), b.tensor(dy))
+    return {"forward": [("linear_forward", (x, w, bias))], "backward": [("linear_backward", (dy, x, w))]}, peer
+
+
+def softmax_cross_entropy(b, layer):
+    n, classes = layer.x
+    logits, labels = b.randn(layer.x), b.integers(classes, (n,), np.int32)   # the trainer's labels
+    dloss = b.xp.ones((), np.float32)
+    _, probs = b.ops.softmax_cross_entropy_forward(logits, labels)
+
+    def peer(b):
+        (tz,) = b.leaves(logits)
+        tl = b.tensor(labels, dtype=b.torch.int64)
+        return Peer(b.torch, lambda: b.torch.nn.functional.cross_entropy(tz, tl), (tz,), b.tensor(dloss))
+    return {"forward": [("softmax_cross_entropy_forward", (logits, labels))],
+            "backward": [("softmax_cross_entropy_backward", (dloss, probs, labels))]}, peer
+
+
+def sgd_update(b, layer):
+    param, grad = b.randn(layer.x), b.randn(layer.x)
+    velocity = b.xp.zeros(layer.x, np.float32)
+
+    def peer(b):
+        torch = b.torch
+        params = [torch.randn(shape, device=b.device) for shape in layers.parameter_shapes(b.model_layers)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.SGD(params, lr=LR, momentum=SGD_MOMENTUM, weight_decay=WEIGHT_DECAY)
+        return Peer(torch, opt.step)
+    return {"forward": [("sgd_update", (param, grad, velocity, LR, SGD_MOMENTUM, WEIGHT_DECAY))]}, peer
+
+
+def images_to_float(b, layer):
+    images = b.integers(256, layer.x, np.uint8)
+
+    def peer(b):
+        ti = b.tensor(images)
+        return Peer(b.torch, lambda: ti.unsqueeze(1).to(b.torch.float32).div_(255))
+    return {"forward": [("images_to_float", (images,))]}, peer
+
+
+BUILDERS = {fn.__name__: fn for fn in (conv2d, batch_norm, relu, add_relu, global_avg_pool, linear,
+                                       softmax_cross_entropy, sgd_update, images_to_float)}
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+def time_layer(b, layer, count):
+    """The row of one layer: per phase, its cost and the median times of each side."""
+    ours, make_peer = BUILDERS[layer.op](b, layer)
+    row = {"layer": layer.label, "name": layer.name, "op": layer.op, "count": count, "x": layer.x,
+           "w": layer.w, "stride": layer.stride, "padding": layer.padding}
+    for phase, calls in ours.items():
+        cost = sum((costs.cost_of(op, *args) for op, args in calls), costs.ZERO)
+        run = lambda calls=calls: [getattr(b.ops, op)(*args) for op, args in calls]  # noqa: E731
+        row[phase] = {"flops": cost.flops, "bytes": cost.bytes, "ours": rates(b.time(run, "ours"), cost)}
+    if b.torch is not None:
+        peer = make_peer(b)
+        for setting, tf32 in SETTINGS:
+            with precision(b.torch, tf32):
+                for phase, fn in peer.phases().items():
+                    cost = costs.Cost(row[phase]["flops"], row[phase]["bytes"])
+                    row[phase][setting] = rates(b.time(fn, "torch"), cost)
+    return row
+
+
+def rates(measured, cost):
+    ms = measured["ms"]
+    return {**measured, "tflops": cost.tflops(ms) if ms > 0 else None, "gbs": cost.gbs(ms) if ms > 0 else None}
+
+
+SIDES = ("ours",) + tuple(setting for setting, _ in SETTINGS)
+
+
+def per_step(rows):
+    """Milliseconds of one training step's ops, each layer's forward and backward times its count,
+    per side; None for a side that is missing from any row."""
+    totals = {}
+    for side in SIDES:
+        times = [row["count"] * row[phase][side]["ms"] for row in rows for phase in ("forward", "backward")
+                 if phase in row and side in row[phase]]
+        complete = all(side in row["forward"] for row in rows)
+        totals[side] = sum(times) if complete and rows else None
+    return totals
+
+
+def line(row):
+    """One line of the log: ms forward / backward, per side."""
+    cells = []
+    for side in SIDES:
+        if side in row["forward"]:
+            times = [f"{row[p][side]['ms']:.3f}" for p in ("forward", "backward") if p in row]
+            cells.append(f"{side} {'/'.join(times)}")
+    return f"{row['layer']:32s} x{row['count']:<2d} ms fwd/bwd: " + ", ".join(cells)
+
+
+def load_torch(device):
+    """PyTorch, or None (and why) where it is missing or, for the GPU, built without CUDA."""
+    try:
+        import torch
+    except ImportError as e:
+        return None, f"PyTorch is not installed ({e})"
+    if device == "cuda" and not torch.cuda.is_available():
+        return None, "PyTorch cannot use the GPU (a CPU-only build, or no driver)"
+    if device == "cpu":
+        torch.set_num_threads(1)   # the dry run checks the code, not the speed: quick and steady
+    return torch, None
+
+
+def run(out, dry_run=False):
+    config = DRY if dry_run else FULL
+    torch, why_not = load_torch(config["device"])
+    b = Bench(config, torch, layers.resnet18_layers(config["batch"], config["width"]))
+    result = {"environment": report.environment(), "config": config, "torch": why_not or "compared", "rows": []}
+    if torch is not None:
+        with precision(torch, None) as defaults:
+            result["torch_defaults"] = defaults
+    for layer, count in layers.distinct(b.model_layers):
+        result["rows"].append(time_layer(b, layer, count))
+        print(line(result["rows"][-1]), flush=True)
+        report.write_json(out, result)
+    result["per_step_ms"] = per_step(result["rows"])
+    report.write_json(out, result)
+    print("one step's ops, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in result["per_step_ms"].items() if v))
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the JSON file to write")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the NumPy backend, timed by the wall clock")
+    args = p.parse_args(argv)
+    run(args.out, args.dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

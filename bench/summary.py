@@ -1,0 +1,125 @@
+"""The short report bench/gpu_check prints last, from summary.json alone: each tier's status; the ops at
+batch 256, ours beside PyTorch; training sec/epoch; the epoch's test accuracy."""
+from bench.op_times import SIDES
+
+PHASES = ("forward", "backward")
+
+
+def summary_lines(summary):
+    tiers = summary["tiers"]
+    lines = header(summary) + [""] + tier_lines(tiers)
+    ops, training, epoch = (tiers.get(k, {}).get(name) for k, name in (("c", "ops"), ("d", "training"), ("e", "epoch")))
+    if ops and ops.get("rows"):
+        lines += [""] + ops_lines(ops)
+    if training and training.get("runs"):
+        lines += [""] + training_lines(training)
+    if epoch:
+        lines += ["", epoch_line(epoch)]
+    return lines
+
+
+def header(summary):
+    env = summary.get("environment", {})
+    gpus = ", ".join(env.get("gpus") or []) or "no GPU"
+    parts = [f"{gpus} (driver {env.get('driver')})", f"CUDA runtime {env.get('cuda_runtime')}",
+             f"CuPy {env.get('cupy')}", f"PyTorch {env.get('torch')}", f"cuDNN {env.get('cudnn')}"]
+    kind = " (dry run, CPU)" if summary.get("dry_run") else ""
+    lines = [f"bench/gpu_check{kind}: " + ", ".join(parts),
+             f"{summary.get('seconds', 0):.0f} s of the {summary['budget_s']:.0f} s budget; "
+             f"results in {summary['out']}"]
+    if summary.get("nothing_ran"):
+        lines.append(f"NOTHING RAN: {summary['nothing_ran']}")
+    return lines
+
+
+def tier_lines(tiers):
+    lines = [f"{'tier':4s}  {'status':8s} {'seconds':>7s}  result"]
+    for key, t in tiers.items():
+        seconds = f"{t['seconds']:.0f}" if "seconds" in t else "-"
+        lines.append(f"{key:4s}  {t['status']:8s} {seconds:>7s}  {outcome(t)}")
+    return lines
+
+
+def outcome(t):
+    """One line of what a tier found."""
+    if "reason" in t:
+        return t["reason"]
+    parts = []
+    if "pytest" in t:
+        counts = t["pytest"].get("tests")
+        parts.append("pytest: " + (", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped"))
+                                   if counts else f"no junit XML, see {t['pytest'].get('log')}"))
+    if "sanitizer" in t:
+        parts.append(t["sanitizer"])
+    for tool in ("memcheck", "racecheck"):
+        if tool in t:
+            parts.append(f"{tool}: {t[tool].get('summary') or command_state(t[tool])}")
+    if "ops" in t:
+        parts.append(f"{len((t['ops'] or {}).get('rows', []))} layer shapes timed")
+    if "training" in t:
+        runs = (t["training"] or {}).get("runs", {})
+        parts.append(", ".join(f"{name} {r['steps']} steps" for name, r in runs.items()) or "no run finished")
+    if "epoch" in t:
+        parts.append(f"test acc {t['epoch']['test_acc']:.4f}" if t["epoch"] else "no epoch finished")
+    failed = [c for c in t.get("commands", []) if c.get("rc") not in (0, None) or c.get("timed_out")]
+    parts += [f"{c['name']}: {command_state(c)}, see {c['log']}" for c in failed]
+    return "; ".join(parts)
+
+
+def command_state(c):
+    if c.get("status") == "skipped":
+        return f"not run ({c['reason']})"
+    return f"killed after {c['seconds']:.0f} s" if c.get("timed_out") else f"exit status {c['rc']}"
+
+
+def ms(row, side):
+    """'forward/backward' milliseconds of one side, or '-'."""
+    times = [row[p][side]["ms"] for p in PHASES if p in row and side in row[p]]
+    return "/".join(f"{t:.3f}" for t in times) if times else "-"
+
+
+def ratio(row, side):
+    """ours / side over forward + backward, as '2.41x', or '-'."""
+    phases = [p for p in PHASES if p in row]
+    if not all(side in row[p] for p in phases):
+        return "-"
+    total = sum(row[p][side]["ms"] for p in phases)
+    return f"{sum(row[p]['ours']['ms'] for p in phases) / total:.2f}x" if total > 0 else "-"
+
+
+def ops_lines(ops):
+    names = {"ours": "ours", "torch_fp32": "torch TF32 off", "torch_default": "torch default"}
+    lines = [f"ops at batch {ops['config']['batch']}: ms per call forward/backward (median); "
+             f"ratio = ours / PyTorch, forward + backward",
+             f"{'layer':30s} {'n':>2s}  " + "  ".join(f"{names[s]:>15s}" + ("" if s == "ours" else f" {'ratio':>6s}")
+                                                      for s in SIDES)]
+    for row in ops["rows"]:
+        cells = [f"{ms(row, s):>15s}" + ("" if s == "ours" else f" {ratio(row, s):>6s}") for s in SIDES]
+        lines.append(f"{row['layer'][:30]:30s} {row['count']:>2d}  " + "  ".join(cells))
+    step = ops.get("per_step_ms") or {}
+    if step.get("ours"):
+        cells = [f"{step[s]:>15.2f}" + ("" if s == "ours" else f" {step['ours'] / step[s]:>5.2f}x")
+                 if step.get(s) else f"{'-':>15s}" for s in SIDES]
+        lines.append(f"{'one step: sum of n x (fwd+bwd)':30s} {'':>2s}  " + "  ".join(cells))
+    if ops.get("torch") != "compared":
+        lines.append(f"PyTorch not compared: {ops.get('torch')}")
+    return lines
+
+
+def training_lines(training):
+    config, hyper = training["config"], training["hyperparameters"]
+    lines = [f"training ResNet-18 at batch {config['batch']} (lr {hyper['lr']}, momentum {hyper['momentum']}, "
+             f"weight decay {hyper['weight_decay']}): sec/epoch of 60000 images"]
+    over = training.get("ours_over", {})
+    for name, r in training["runs"].items():
+        versus = f", ours / this {over[name]:.2f}x" if name in over else ""
+        lines.append(f"  {name:14s} {r['sec_per_epoch']:8.2f} s  ({r['step_ms']:.1f} ms/step, median of "
+                     f"{r['steps']} steps{versus})")
+    if training.get("torch") != "compared":
+        lines.append(f"  PyTorch not compared: {training.get('torch')}")
+    return lines
+
+
+def epoch_line(e):
+    return (f"one epoch, train_resnet.py: test acc {e['test_acc']:.4f}, train loss {e['train_loss']:.4f}, "
+            f"{e['seconds']:.1f} s, {e['images_per_sec']:.0f} images/s")

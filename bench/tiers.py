@@ -1,0 +1,333 @@
+"""The GPU check of this project in one command: within 5 minutes on one H200, in tiers, each tier's
+results written to --out as soon as it ends, so that a run cut off early still leaves results.
+
+  a  the GPU tests on small shapes (pytest -m gpu tests/test_kernels_cuda.py), then compute-sanitizer
+     memcheck and racecheck over one small training step (bench/sanitizer_step.py), where
+     compute-sanitizer is on PATH or in $CUDA_HOME/bin
+  b  the full-shape GPU tests: every op at every ResNet-18 layer shape at batch 256, and odd shapes,
+     against PyTorch float64 (tests/test_gpu_full.py)
+  c  each op forward and backward at every ResNet-18 layer shape at batch 256, beside PyTorch with
+     TF32 off and with its defaults: ms, TFLOP/s, GB/s (bench/op_times.py)
+  d  100 training steps at batch 256, ours beside PyTorch eager in both settings: sec/epoch
+     (bench/train_times.py)
+  e  one epoch on the full data: train_resnet.py --gpus 1 --epochs 1, and its test accuracy
+
+Budget: before each tier the time left is checked; a tier starts only when its usual time on one
+H200 fits in what is left, and it runs as subprocesses in their own sessions, killed at the tier's
+own limit or at the end of the budget, whichever comes first, so one hang cannot eat the budget.
+Tiers that do not fit are recorded as skipped, with the reason.
+
+Output in --out: summary.json and summary.txt (rewritten after every tier; the text is printed
+last), tier_<t>.json per tier, and each command's log (tier_<t>_<step>.log), pytest's junit XML,
+ops.json, training.json and the epoch's output folder.
+Exit status: 0 when every selected tier passed (a dry run: every tier it covers); 1 when one
+failed, timed out or was skipped; 2 when there is no GPU (nothing ran; the summary says so).
+"""
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+from bench import report
+from bench.summary import summary_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+MIN_COMMAND_S = 5        # a command that would get less time than this is not started
+STARTUP_S = 15           # what a tier's process spends importing and building before it times runs
+TEN_EPOCHS = ("PYTHONPATH=. python3 train_resnet.py --gpus 1 --epochs 10 --batch-size 256 --lr 0.1 \\\n"
+              "      --data-dir DIR --out runs/resnet18-1gpu-10-epochs")
+EPILOG = f"""The 10-epoch run on one GPU is a separate command (not part of this check):
+  {TEN_EPOCHS}
+
+--dry-run runs tiers c, d and e on the CPU with tiny shapes and the NumPy backend through the same
+code (wall-clock timing), to check the check without a GPU."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    key: str
+    title: str
+    estimate_s: float    # about what it takes on one H200: it starts only if this much is left
+    limit_s: float       # its own timeout
+    run: object          # run(Run) -> a dict of results
+    dry_run: bool        # whether --dry-run runs it (on the CPU)
+
+
+class Run:
+    """One tier under way: its deadline, where its files go, and the commands it has run."""
+
+    def __init__(self, args, tier, timeout):
+        self.args, self.tier = args, tier
+        self.deadline = time.monotonic() + timeout
+        self.commands = []
+
+    def left(self):
+        return self.deadline - time.monotonic()
+
+    def path(self, name):
+        return self.args.out / f"tier_{self.tier.key}_{name}"
+
+    def command(self, name, argv, limit=None):
+        """Run argv from the repository root, its output in tier_<t>_<name>.log, within `limit`
+        seconds and the tier's deadline."""
+        timeout = min(limit or float("inf"), self.left())
+        if timeout < MIN_COMMAND_S:
+            result = {"name": name, "argv": argv, "status": "skipped", "reason": "no time left in the tier"}
+        else:
+            result = {"name": name, **run_command(argv, self.path(f"{name}.log"), timeout)}
+        self.commands.append(result)
+        return result
+
+
+def run_command(argv, log, timeout):
+    """{argv, log, rc, seconds, timed_out}: argv run in its own session (so that its children go
+    with it), killed when `timeout` seconds have passed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}
+    began = time.monotonic()
+    with open(log, "w") as out:
+        out.write("$ " + " ".join(map(str, argv)) + "\n")
+        out.flush()
+        process = subprocess.Popen([str(a) for a in argv], cwd=ROOT, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc, timed_out = process.wait(timeout), False
+        except subprocess.TimeoutExpired:
+            rc, timed_out = _stop(process), True
+            out.write(f"\n[bench/gpu_check: killed after {timeout:.0f} s]\n")
+    return {"argv": [str(a) for a in argv], "log": log.name, "rc": rc, "seconds": round(time.monotonic() - began, 1),
+            "timed_out": timed_out}
+
+
+def _stop(process):
+    """End the process's whole session: SIGTERM, then SIGKILL after 10 s."""
+    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return process.wait(grace)
+        except subprocess.TimeoutExpired:
+            continue
+    return process.wait()
+
+
+# ---- the tiers ---------------------------------------------------------------------------------
+
+def pytest_gpu(run, name, path, limit=None):
+    """pytest -m gpu on one file, with its junit XML; the counts read back from it."""
+    xml = run.path(f"{name}.xml")
+    result = run.command(name, [PYTHON, "-m", "pytest", path, "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
+                                f"--junitxml={xml}"], limit)
+    result["tests"] = junit_counts(xml)
+    return result
+
+
+def junit_counts(xml):
+    """{tests, passed, failed, errors, skipped} from pytest's junit XML; None without one."""
+    try:
+        root = ElementTree.parse(xml).getroot()
+    except (OSError, ElementTree.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    counts["failed"] = counts.pop("failures")
+    counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def small_tests(run):
+    results = {"pytest": pytest_gpu(run, "pytest", "tests/test_kernels_cuda.py", limit=90)}
+    sanitizer = report.compute_sanitizer()
+    if sanitizer is None:
+        results["sanitizer"] = ("compute-sanitizer is not on PATH nor in $CUDA_HOME/bin: memcheck and racecheck "
+                                "did not run")
+        return results
+    for tool in ("memcheck", "racecheck"):
+        # API errors are left out: Python libraries probe the driver with calls that fail by design
+        result = run.command(tool, [sanitizer, "--tool", tool, "--error-exitcode", "1", "--report-api-errors", "no",
+                                    PYTHON, "-m", "bench.sanitizer_step"], limit=60)
+        result["summary"] = last_line_with(run.args.out / result.get("log", ""), "SUMMARY")
+        results[tool] = result
+    return results
+
+
+def last_line_with(path, text):
+    """The last line of a log that contains `text` ('ERROR SUMMARY: 0 errors'), or None."""
+    try:
+        lines = [line.strip("= \n") for line in path.read_text(errors="replace").splitlines() if text in line]
+    except OSError:
+        return None
+    return lines[-1] if lines else None
+
+
+def full_tests(run):
+    return {"pytest": pytest_gpu(run, "pytest", "tests/test_gpu_full.py")}
+
+
+def dry(run):
+    return ["--dry-run"] if run.args.dry_run else []
+
+
+def op_times(run):
+    out = run.path("ops.json")
+    run.command("ops", [PYTHON, "-m", "bench.op_times", "--out", out, *dry(run)])
+    return {"ops": report.read_json(out)}
+
+
+def train_times(run):
+    out = run.path("training.json")
+    per_run = max(MIN_COMMAND_S, min(25, (run.left() - STARTUP_S) / 3))
+    run.command("training", [PYTHON, "-m", "bench.train_times", "--out", out, "--seconds-per-run",
+                             f"{per_run:.0f}", *dry(run)])
+    return {"training": report.read_json(out)}
+
+
+def epoch(run):
+    from nn import data
+    folder = Path(run.args.data_dir)
+    missing = [name for pair in data.FILES.values() for name in pair if not (folder / name).exists()]
+    if missing:
+        return {"status": "skipped", "reason": f"Fashion-MNIST is not in {folder} (missing {', '.join(missing)}): "
+                                               f"give its folder with --data-dir"}
+    out = run.path("epoch")
+    # the dry run: the same command on the CPU, on a few images of a narrow model
+    device = ["--gpus", "0", "--limit", "64", "--test-limit", "64", "--width", "4", "--batch-size", "32"] \
+        if run.args.dry_run else ["--gpus", "1"]
+    run.command("train", [PYTHON, "train_resnet.py", *device, "--epochs", "1", "--data-dir", folder, "--out", out])
+    metrics = report.read_json(out / "metrics.json")
+    return {"epoch": metrics[-1] if metrics else None}
+
+
+TIERS = (
+    Tier("a", "GPU tests on small shapes; compute-sanitizer memcheck and racecheck", 70, 150, small_tests, False),
+    Tier("b", "full-shape GPU tests against PyTorch float64", 45, 100, full_tests, False),
+    Tier("c", "each op at every ResNet-18 layer shape, batch 256, beside PyTorch", 35, 80, op_times, True),
+    Tier("d", "100 training steps at batch 256, beside PyTorch eager", 40, 90, train_times, True),
+    Tier("e", "one epoch on the full data, train_resnet.py --gpus 1", 60, 120, epoch, True),
+)
+
+
+# ---- running the tiers within the budget ----------------------------------------------------
+
+def run_tier(tier, args, left):
+    """The tier's result: its own (or why it was skipped), with its status, time and commands."""
+    head = {"tier": tier.key, "title": tier.title}
+    if args.dry_run and not tier.dry_run:
+        return {**head, "status": "not run", "reason": "needs a GPU: a dry run covers tiers c, d and e"}
+    if left < tier.estimate_s:
+        return {**head, "status": "skipped",
+                "reason": f"{max(left, 0):.0f} s of the {args.budget_seconds:.0f} s budget left; this tier takes "
+                          f"about {tier.estimate_s:.0f} s"}
+    timeout = min(tier.limit_s, left)
+    print(f"tier {tier.key}: {tier.title} (at most {timeout:.0f} s)", flush=True)
+    began, run = time.monotonic(), Run(args, tier, timeout)
+    try:
+        details = tier.run(run)
+    except Exception as e:  # a fault of the check itself: recorded, and the next tier still runs
+        details = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+    result = {**head, "status": status(run.commands, details), "seconds": round(time.monotonic() - began, 1),
+              "timeout_s": round(timeout), **details, "commands": run.commands}
+    print(f"tier {tier.key}: {result['status']} in {result['seconds']:.0f} s", flush=True)
+    return result
+
+
+def status(commands, details):
+    """passed, failed, timeout, skipped (a command or all its tests were), or what the tier said."""
+    if "status" in details:
+        return details["status"]
+    if any(c.get("timed_out") for c in commands):
+        return "timeout"
+    if any(c.get("rc") not in (0, None) for c in commands):
+        return "failed"
+    tests = [c["tests"] for c in commands if "tests" in c]
+    if any(c.get("status") == "skipped" for c in commands) or any(t is None or t["passed"] == 0 for t in tests):
+        return "skipped"
+    if any(v is None for k, v in details.items() if k in ("ops", "training", "epoch")):
+        return "failed"
+    return "passed"
+
+
+def probe():
+    """The environment, as bench/report.py describes it, from a child process with a timeout (a
+    broken driver may hang)."""
+    try:
+        done = subprocess.run([PYTHON, "-m", "bench.report"], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return json.loads(done.stdout)
+    except (subprocess.TimeoutExpired, ValueError) as e:
+        return {"probe_error": f"{type(e).__name__}: {e}"}
+
+
+def no_gpu_reason(env):
+    if env.get("gpu_count", 0) >= 1:
+        return None
+    why = env.get("gpu_error") or env.get("cupy_error") or env.get("probe_error") or "CuPy sees no CUDA device"
+    return f"no GPU: {why}"
+
+
+def parse_args(argv):
+    from nn.data import resolve_dir
+    p = argparse.ArgumentParser(prog="bench/gpu_check", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default=str(resolve_dir()), metavar="DIR",
+                   help="the Fashion-MNIST folder, with its four .gz files (default: $FASHION_MNIST_DIR, else "
+                        "./data/fashion-mnist)")
+    p.add_argument("--out", metavar="DIR", default=time.strftime("runs/gpu-check-%Y%m%d-%H%M%S"),
+                   help="results folder (default: runs/gpu-check-<date>-<time>)")
+    p.add_argument("--tiers", default="a,b,c,d,e", metavar="a,b,c,d,e",
+                   help="the tiers to run, comma-separated (default: %(default)s)")
+    p.add_argument("--budget-seconds", type=float, default=280, metavar="S",
+                   help="total time for all tiers; a tier that would not fit is skipped (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiers c, d and e on the CPU, tiny, through the same code: checks the check")
+    args = p.parse_args(argv)
+    keys = [k.strip() for k in args.tiers.split(",") if k.strip()]
+    unknown = sorted(set(keys) - {t.key for t in TIERS})
+    if unknown or not keys:
+        p.error(f"--tiers takes letters among {','.join(t.key for t in TIERS)}, got {args.tiers!r}")
+    args.tiers = [t for t in TIERS if t.key in keys]
+    args.out = Path(args.out).resolve()
+    args.data_dir = str(Path(args.data_dir).resolve())
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {"command": ["bench/gpu_check", *(sys.argv[1:] if argv is None else argv)], "started": report.now(),
+               "out": str(args.out), "data_dir": args.data_dir, "budget_s": args.budget_seconds,
+               "dry_run": args.dry_run, "environment": probe(), "tiers": {}}
+    reason = None if args.dry_run else no_gpu_reason(summary["environment"])
+    if reason:
+        summary["nothing_ran"] = reason
+        for tier in args.tiers:
+            summary["tiers"][tier.key] = {"tier": tier.key, "title": tier.title, "status": "not run", "reason": reason}
+        finish(summary, args.out, start)
+        print(f"bench/gpu_check: {reason}; nothing ran (summary in {args.out})", file=sys.stderr)
+        return 2
+    for tier in args.tiers:
+        result = run_tier(tier, args, args.budget_seconds - (time.monotonic() - start))
+        summary["tiers"][tier.key] = result
+        report.write_json(args.out / f"tier_{tier.key}.json", result)
+        report.write_json(args.out / "summary.json", summary)
+    finish(summary, args.out, start)
+    return 0 if all(t["status"] in ("passed", "not run") for t in summary["tiers"].values()) else 1
+
+
+def finish(summary, out, start):
+    """summary.json and summary.txt, final; the text printed last."""
+    summary["finished"], summary["seconds"] = report.now(), round(time.monotonic() - start, 1)
+    report.write_json(out / "summary.json", summary)
+    text = "\n".join(summary_lines(summary)) + "\n"
+    (out / "summary.txt").write_text(text)
+    print(text, end="", flush=True)

@@ -1,0 +1,154 @@
+"""Tier (d) of bench/gpu_check: training steps of ResNet-18 at batch 256 on the GPU, ours (nn on the
+cuda kernels) beside d2l's model in PyTorch eager (cuDNN) with TF32 off and with its defaults, in
+one process; sec/epoch is the time of 60000 images at the median step time.
+
+  PYTHONPATH=. python -m bench.train_times --out training.json              # 100 steps each
+  PYTHONPATH=. python -m bench.train_times --dry-run --out training.json    # tiny, on the CPU
+
+A step is what nn/train.py's epoch loop does, with the trainer's default hyperparameters: gather
+the batch from uint8 images on the device, convert it to float, forward, cross-entropy, backward,
+SGD. The images are random: the time does not depend on them. Steps run in chunks of 10 between
+two clock marks (CUDA events), with no host synchronisation inside a chunk; the median chunk
+gives the step time. A run that has spent --seconds-per-run stops early and says how many steps
+it timed. Each run's result is written to the JSON file as soon as it ends.
+"""
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import kernels
+from bench import layers, report, timing
+from bench.op_times import SETTINGS, load_torch, precision
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FULL = {"device": "cuda", "batch": layers.BATCH, "width": 64, "steps": 100, "warmup": 3, "chunk": 10,
+        "batches": 16}
+DRY = {"device": "cpu", "batch": 4, "width": 4, "steps": 4, "warmup": 1, "chunk": 2, "batches": 2}
+
+
+def random_data(config):
+    """`batches` batches of random uint8 images and int32 labels, as host arrays."""
+    g = np.random.default_rng(0)
+    n = config["batch"] * config["batches"]
+    return (g.integers(0, 256, (n, layers.IMAGE, layers.IMAGE)).astype(np.uint8),
+            g.integers(0, layers.CLASSES, n).astype(np.int32))
+
+
+def hyperparameters():
+    from nn.train import Config
+    d = Config()
+    return {"lr": d.lr, "momentum": d.momentum, "weight_decay": d.weight_decay}
+
+
+def ours_step(config, images, labels):
+    """A closure that runs one training step of our ResNet-18, as nn/train.py's loop does."""
+    import nn
+    from nn import data
+    xp = kernels.array_module_for(config["device"])
+    images, labels = xp.asarray(images), xp.asarray(labels)
+    K = kernels.backend_of(images)
+    nn.manual_seed(0)
+    model = nn.resnet18(width=config["width"]).to(config["device"])
+    opt = nn.SGD(model.parameters(), **hyperparameters())
+    batches = itertools.cycle(data.batch_indices(xp.asarray(data.epoch_order(len(images), 0, 0)), config["batch"]))
+
+    def step():
+        idx = next(batches)
+        x = nn.Tensor(K.images_to_float(images[idx]))
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), labels[idx])
+        loss.backward()
+        opt.step()
+        return loss.data
+    return step
+
+
+def torch_step(torch, config, images, labels):
+    """The same step of d2l's ResNet-18 in PyTorch eager."""
+    from nn import data
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_torch_parity import torch_resnet18   # the one copy of d2l's model in the repository
+    device = config["device"]
+    images, labels = torch.from_numpy(images).to(device), torch.from_numpy(labels).long().to(device)
+    torch.manual_seed(0)
+    model = torch_resnet18(layers.CLASSES, 1, config["width"]).to(device)
+    opt = torch.optim.SGD(model.parameters(), **hyperparameters())
+    order = torch.from_numpy(data.epoch_order(len(images), 0, 0)).to(device)
+    batches = itertools.cycle(order.split(config["batch"]))
+
+    def step():
+        idx = next(batches)
+        x = images[idx].unsqueeze(1).to(torch.float32).div_(255)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), labels[idx])
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def time_steps(step, clock, config, seconds):
+    """Warm-up, then chunks of steps until config['steps'] are timed or `seconds` are spent."""
+    for _ in range(config["warmup"]):
+        step()
+    chunk, chunks, last = config["chunk"], [], None
+    began = time.perf_counter()
+    while len(chunks) * chunk < config["steps"] and (not chunks or time.perf_counter() - began < seconds):
+        start = clock.mark()
+        for _ in range(chunk):
+            last = step()
+        chunks.append(clock.elapsed_ms(start, clock.mark()) / chunk)
+    step_ms = statistics.median(chunks)
+    return {"steps": len(chunks) * chunk, "step_ms": step_ms, "chunk_step_ms": chunks,
+            "sec_per_epoch": step_ms / 1e3 * layers.EPOCH_IMAGES / config["batch"], "final_loss": float(last)}
+
+
+def runs(config, torch):
+    """(name, make_step, clock framework, precision setting or None) for every run to time."""
+    images, labels = random_data(config)
+    yield "ours", lambda: ours_step(config, images, labels), "ours", None
+    if torch is not None:
+        for setting, tf32 in SETTINGS:
+            yield setting, lambda: torch_step(torch, config, images, labels), "torch", tf32
+
+
+def run(out, seconds_per_run, dry_run=False):
+    config = DRY if dry_run else FULL
+    torch, why_not = load_torch(config["device"])
+    result = {"environment": report.environment(), "config": config, "hyperparameters": hyperparameters(),
+              "torch": why_not or "compared", "runs": {}}
+    for name, make_step, side, tf32 in runs(config, torch):
+        clock = timing.clock(side, config["device"], torch)
+        if side == "torch":
+            with precision(torch, tf32) as flags:
+                measured = {**time_steps(make_step(), clock, config, seconds_per_run), "precision": flags}
+        else:
+            measured = time_steps(make_step(), clock, config, seconds_per_run)
+        result["runs"][name] = measured
+        print(f"{name:14s} {measured['steps']:4d} steps, {measured['step_ms']:8.2f} ms/step, "
+              f"{measured['sec_per_epoch']:7.2f} sec/epoch, last loss {measured['final_loss']:.4f}", flush=True)
+        report.write_json(out, result)
+    ours = result["runs"]["ours"]["sec_per_epoch"]
+    result["ours_over"] = {name: ours / r["sec_per_epoch"] for name, r in result["runs"].items() if name != "ours"}
+    report.write_json(out, result)
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the JSON file to write")
+    p.add_argument("--seconds-per-run", type=float, default=25.0,
+                   help="stop timing a run after this many seconds, even short of its steps (default %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="a tiny model on the NumPy backend, on the CPU")
+    args = p.parse_args(argv)
+    run(args.out, args.seconds_per_run, args.dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""bench/gpu_check without a GPU: its command line, its exit without a GPU, its budget and timeouts, the
+cost formulas of bench/costs.py, the layer list of bench/layers.py against the model, the checks of
+tests/test_gpu_full.py run small on the CPU, and a dry run of tiers c, d and e on the NumPy backend
+through the same code as on the GPU."""
+import argparse
+import inspect
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kernels
+import kernels.cpu as K
+from bench import costs, tiers
+from bench.layers import distinct, parameter_count, resnet18_layers
+from helpers import write_fashion_mnist
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_CHECK = ROOT / "bench" / "gpu_check"
+
+
+def gpu_check(*flags):
+    return subprocess.run([sys.executable, str(GPU_CHECK), *map(str, flags)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+def test_help_names_every_tier_and_the_ten_epoch_command():
+    done = gpu_check("--help")
+    assert done.returncode == 0, done.stderr
+    for text in ("--data-dir", "--out", "--tiers", "--budget-seconds", "--dry-run", "compute-sanitizer",
+                 "train_resnet.py --gpus 1 --epochs 10"):
+        assert text in done.stdout, text
+
+
+def test_unknown_tiers_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        tiers.parse_args(["--tiers", "a,x"])
+    assert "--tiers" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(kernels.gpu_count() > 0, reason="this machine has a GPU")
+def test_without_a_gpu_nothing_runs_and_the_summary_says_so(tmp_path):
+    began = time.monotonic()
+    done = gpu_check("--out", tmp_path)
+    assert done.returncode == 2 and time.monotonic() - began < 30
+    assert "no GPU" in done.stderr and "nothing ran" in done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["nothing_ran"].startswith("no GPU")
+    assert [t["status"] for t in summary["tiers"].values()] == ["not run"] * 5
+    assert "NOTHING RAN" in (tmp_path / "summary.txt").read_text() and "NOTHING RAN" in done.stdout
+
+
+def test_a_dry_run_runs_tiers_c_d_and_e_through_the_same_code(tmp_path):
+    data = write_fashion_mnist(tmp_path / "data", n_train=64, n_test=64)
+    done = gpu_check("--dry-run", "--out", tmp_path / "out", "--data-dir", data)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert {k: t["status"] for k, t in summary["tiers"].items()} == {
+        "a": "not run", "b": "not run", "c": "passed", "d": "passed", "e": "passed"}
+    ops = json.loads((tmp_path / "out" / "tier_c_ops.json").read_text())
+    assert [row["layer"] for row in ops["rows"]] == [layer.label for layer, _ in distinct(resnet18_layers(2, 4))]
+    assert all(row["forward"]["ours"]["ms"] > 0 for row in ops["rows"])
+    training = summary["tiers"]["d"]["training"]
+    assert training["runs"]["ours"]["steps"] > 0 and np.isfinite(training["runs"]["ours"]["sec_per_epoch"])
+    if ops["torch"] == "compared":
+        assert set(training["runs"]) == {"ours", "torch_fp32", "torch_default"}
+        assert all("torch_fp32" in row["forward"] for row in ops["rows"])
+    assert 0 <= summary["tiers"]["e"]["epoch"]["test_acc"] <= 1
+    assert done.stdout.endswith((tmp_path / "out" / "summary.txt").read_text())
+    assert "sec/epoch" in done.stdout and "test acc" in done.stdout
+
+
+# ---- the budget ----------------------------------------------------------------------------------
+
+def budget_args(tmp_path, budget=280):
+    return argparse.Namespace(out=tmp_path, dry_run=False, budget_seconds=budget)
+
+
+def test_a_tier_that_does_not_fit_the_time_left_is_skipped(tmp_path):
+    def must_not_run(run):
+        raise AssertionError("ran a tier with no time for it")
+    tier = tiers.Tier("x", "a long tier", estimate_s=60, limit_s=100, run=must_not_run, dry_run=True)
+    result = tiers.run_tier(tier, budget_args(tmp_path), left=20)
+    assert result["status"] == "skipped" and "20 s of the 280 s budget left" in result["reason"]
+
+
+def test_a_hung_command_is_killed_at_the_tiers_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(tiers, "MIN_COMMAND_S", 0.1)
+
+    def hang(run):
+        run.command("hang", [sys.executable, "-c", "import time; print('hanging', flush=True); time.sleep(60)"])
+        return {}
+    tier = tiers.Tier("x", "a hanging tier", estimate_s=0, limit_s=1.5, run=hang, dry_run=True)
+    began = time.monotonic()
+    result = tiers.run_tier(tier, budget_args(tmp_path), left=100)
+    assert time.monotonic() - began < 15
+    assert result["status"] == "timeout" and result["commands"][0]["timed_out"]
+    log = (tmp_path / "tier_x_hang.log").read_text()
+    assert "hanging" in log and "killed after" in log
+
+
+def test_junit_counts(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text('<testsuites><testsuite tests="7" failures="1" errors="1" skipped="2"/></testsuites>')
+    assert tiers.junit_counts(xml) == {"tests": 7, "failed": 1, "errors": 1, "skipped": 2, "passed": 3}
+    assert tiers.junit_counts(tmp_path / "missing.xml") is None
+
+
+def test_the_sanitizer_step_runs_on_the_numpy_backend():
+    from bench import sanitizer_step
+    assert sanitizer_step.main(["--device", "cpu"]) == 0
+
+
+# ---- costs -----------------------------------------------------------------------------------
+
+def test_cost_of_a_convolution_by_hand():
+    # 28x28 outputs x 64 channels, each a 64*3*3 = 576-term dot product, plus the bias
+    c = costs.conv2d_forward((1, 64, 28, 28), (64, 64, 3, 3), (64,), 1, 1)
+    assert c.flops == 2 * 28 * 28 * 64 * 576 + 28 * 28 * 64 == 57_852_928
+    assert c.bytes == 4 * (64 * 28 * 28 + 64 * 64 * 9 + 64 + 64 * 28 * 28)
+    # stride 2, 28 -> 14, 64 -> 128 channels, no bias
+    assert costs.conv2d_forward((2, 64, 28, 28), (128, 64, 3, 3), None, 2, 1).flops == 2 * 2 * 14 * 14 * 128 * 576
+    # backward: backward-data and backward-weight GEMMs as large as the forward's, and the bias sum
+    assert costs.conv2d_backward((1, 64, 28, 28), (1, 64, 28, 28), (64, 64, 3, 3), 1, 1).flops == \
+        4 * 28 * 28 * 64 * 576 + 28 * 28 * 64
+
+
+def test_cost_of_a_linear_layer_by_hand():
+    c = costs.linear_forward((256, 512), (10, 512), (10,))
+    assert c.flops == 2 * 256 * 512 * 10 + 256 * 10 == 2_624_000
+    assert c.bytes == 4 * (256 * 512 + 10 * 512 + 10 + 256 * 10)
+    assert costs.linear_backward((256, 10), (256, 512), (10, 512)).flops == 4 * 256 * 512 * 10 + 256 * 10
+
+
+def test_cost_of_pooling_by_hand():
+    c = costs.global_avg_pool_forward((256, 512, 4, 4))
+    assert c.flops == 256 * 512 * 16 and c.bytes == 4 * (256 * 512 * 16 + 256 * 512)
+    c = costs.max_pool2d_forward((1, 2, 4, 4), 2, 2, 0)   # 2 x 2 x 2 windows of 4 comparisons
+    assert c.flops == 8 * 4 and c.bytes == 4 * (32 + 8) + 8 * 8
+
+
+def test_the_forward_costs_add_up_to_the_models_gflop():
+    """DESIGN.md: 0.912 GFLOP forward per 1x28x28 image (convolutions and the linear layer)."""
+    total = 0
+    for layer in resnet18_layers(batch=1):
+        if layer.op == "conv2d":
+            total += costs.conv2d_forward(layer.x, layer.w, None, layer.stride, layer.padding).flops
+        elif layer.op == "linear":
+            total += costs.linear_forward(layer.x, layer.w, None).flops
+    assert abs(total / 1e9 - 0.912) < 0.001
+
+
+def test_every_op_of_the_contract_has_a_cost_with_its_parameters():
+    for name, fn in vars(K).items():
+        if inspect.isfunction(fn) and not name.startswith("_"):
+            assert inspect.signature(getattr(costs, name)).parameters.keys() == \
+                inspect.signature(fn).parameters.keys(), name
+
+
+def test_cost_of_takes_the_arrays_themselves():
+    x, w, b = np.zeros((2, 3, 5, 5), np.float32), np.zeros((4, 3, 3, 3), np.float32), np.zeros(4, np.float32)
+    assert costs.cost_of("conv2d_forward", x, w, b, 1, 1) == costs.conv2d_forward(x.shape, w.shape, b.shape, 1, 1)
+
+
+# ---- the layer list ------------------------------------------------------------------------
+
+FORWARD_OPS = ("images_to_float", "conv2d_forward", "batch_norm_forward", "relu_forward", "add_relu_forward",
+               "global_avg_pool_forward", "linear_forward", "softmax_cross_entropy_forward")
+
+
+def layer_key(op, x, *args):
+    """The Layer.key of a call of one of FORWARD_OPS."""
+    name = op.removesuffix("_forward")
+    if name == "conv2d":
+        w, _, stride, padding = args
+        return name, x.shape, w.shape, stride[0], padding[0]    # nn.Conv2d passes (h, w) pairs
+    return name, x.shape, args[0].shape if name == "linear" else None, 1, 0
+
+
+def test_the_layer_list_is_what_the_model_runs(monkeypatch):
+    """The ops that nn.resnet18's forward calls, with their shapes, are bench/layers.py's list."""
+    import nn
+    seen = []
+
+    def recording(op, fn):
+        def call(*args):
+            seen.append(layer_key(op, *args))
+            return fn(*args)
+        return call
+    for op in FORWARD_OPS:
+        monkeypatch.setattr(K, op, recording(op, getattr(K, op)))
+    nn.manual_seed(0)
+    model = nn.resnet18(width=4)
+    x = nn.Tensor(K.images_to_float(np.zeros((2, 28, 28), np.uint8)))
+    nn.functional.cross_entropy(model(x), np.zeros(2, np.int32))
+    listed = resnet18_layers(batch=2, width=4)
+    assert seen == [layer.key for layer in listed if layer.op != "sgd_update"]
+    assert listed[-1].x == (sum(p.size for p in model.parameters()),) == (parameter_count(listed),)
+    assert parameter_count(resnet18_layers()) == 11_175_818
+
+
+# ---- the full-shape GPU checks, small, on the CPU ----------------------------------------------
+
+def small_layers():
+    from test_gpu_full import ODD_SHAPES, Pool
+    return ODD_SHAPES + [layer for layer, _ in distinct(resnet18_layers(batch=2, width=4))] + [
+        Pool((2, 4, 9, 9), 3, 2, 1)]
+
+
+def test_the_gpu_checks_pass_on_the_numpy_backend(poisoned_empty):
+    """Every check of tests/test_gpu_full.py, with kernels.cpu as ours and PyTorch on the CPU as the
+    peer: the checks themselves (shapes, argument orders, PyTorch's side, bounds) hold."""
+    torch = pytest.importorskip("torch")
+    from test_gpu_full import params
+    for p in params(small_layers()):
+        check, layer = p.values
+        check(K, torch, "cpu", layer)
+
+
+class Broken:
+    """kernels.cpu with one op's result wrong: off by a relative 1e-3, or with an element unwritten."""
+
+    def __init__(self, op, spoil):
+        self.op, self.spoil = op, spoil
+
+    def __getattr__(self, name):
+        fn = getattr(K, name)
+        if name != self.op:
+            return fn
+        return lambda *args: self.spoil(fn(*args))
+
+
+def first_output(spoil):
+    return lambda out: (spoil(out[0]), *out[1:]) if isinstance(out, tuple) else spoil(out)
+
+
+@pytest.mark.parametrize("op, check_name, spoil", [
+    ("conv2d_forward", "conv2d", lambda y: y * np.float32(1.001)),
+    ("relu_forward", "relu", lambda y: np.where(np.arange(y.size).reshape(y.shape) == 0, np.nan, y)),
+    ("batch_norm_backward", "batch_norm", lambda dx: dx * np.float32(1.001)),
+])
+def test_a_check_fails_on_a_wrong_result(op, check_name, spoil):
+    torch = pytest.importorskip("torch")
+    from test_gpu_full import CHECKS
+    layer = next(layer for layer in small_layers() if any(c.__name__ == check_name for c in CHECKS[layer.op]))
+    check = next(c for c in CHECKS[layer.op] if c.__name__ == check_name)
+    with pytest.raises(AssertionError):
+        check(Broken(op, first_output(spoil)), torch, "cpu", layer)
