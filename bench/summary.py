@@ -99,7 +99,7 @@ def ops_lines(ops):
     step = ops.get("per_step_ms") or {}
     if step.get("ours"):
         cells = [f"{step[s]:>15.2f}" + ("" if s == "ours" else f" {step['ours'] / step[s]:>5.2f}x")
-                 if step.get(s) else f"{'-':>15s}" for s in SIDES]
+                 if step.get(s) else f"{'-':>15s}" + ("" if s == "ours" else f" {'-':>6s}") for s in SIDES]
         lines.append(f"{'one step: sum of n x (fwd+bwd)':30s} {'':>2s}  " + "  ".join(cells))
     if ops.get("torch") != "compared":
         lines.append(f"PyTorch not compared: {ops.get('torch')}")

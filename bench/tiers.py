@@ -79,7 +79,8 @@ class Run:
         seconds and the tier's deadline."""
         timeout = min(limit or float("inf"), self.left())
         if timeout < MIN_COMMAND_S:
-            result = {"name": name, "argv": argv, "status": "skipped", "reason": "no time left in the tier"}
+            result = {"name": name, "argv": [str(a) for a in argv], "status": "skipped",
+                      "reason": "no time left in the tier"}
         else:
             result = {"name": name, **run_command(argv, self.path(f"{name}.log"), timeout)}
         self.commands.append(result)
@@ -102,13 +103,16 @@ def run_command(argv, log, timeout):
         except subprocess.TimeoutExpired:
             rc, timed_out = _stop(process), True
             out.write(f"\n[bench/gpu_check: killed after {timeout:.0f} s]\n")
+        except BaseException:   # Ctrl-C: a child in its own session does not get it from the terminal
+            _stop(process)
+            raise
     return {"argv": [str(a) for a in argv], "log": log.name, "rc": rc, "seconds": round(time.monotonic() - began, 1),
             "timed_out": timed_out}
 
 
 def _stop(process):
-    """End the process's whole session: SIGTERM, then SIGKILL after 10 s."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+    """End the process's whole session: SIGTERM, then SIGKILL after 5 s."""
+    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, None)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
@@ -155,7 +159,8 @@ def small_tests(run):
         # API errors are left out: Python libraries probe the driver with calls that fail by design
         result = run.command(tool, [sanitizer, "--tool", tool, "--error-exitcode", "1", "--report-api-errors", "no",
                                     PYTHON, "-m", "bench.sanitizer_step"], limit=60)
-        result["summary"] = last_line_with(run.args.out / result.get("log", ""), "SUMMARY")
+        if "log" in result:
+            result["summary"] = last_line_with(run.args.out / result["log"], "SUMMARY")
         results[tool] = result
     return results
 

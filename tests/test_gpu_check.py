@@ -112,6 +112,28 @@ def test_junit_counts(tmp_path):
     assert tiers.junit_counts(tmp_path / "missing.xml") is None
 
 
+def test_the_summary_of_a_gpu_run():
+    """The summary's paths that only a GPU run takes: pytest counts, the sanitizers, a failed and a
+    timed-out command, a tier skipped for the budget."""
+    from bench.summary import summary_lines
+    command = {"name": "pytest", "log": "tier_b_pytest.log", "rc": 1, "seconds": 40.0, "timed_out": False,
+               "tests": {"tests": 90, "passed": 88, "failed": 2, "errors": 0, "skipped": 0}}
+    summary = {"environment": {"gpus": ["NVIDIA H200"], "driver": "580.1", "cupy": "14.0"}, "budget_s": 280,
+               "seconds": 250, "out": "/results", "tiers": {
+                   "a": {"status": "passed", "seconds": 60,
+                         "pytest": {**command, "rc": 0, "tests": {**command["tests"], "passed": 90, "failed": 0}},
+                         "memcheck": {"summary": "ERROR SUMMARY: 0 errors", "rc": 0},
+                         "racecheck": {"rc": 0, "seconds": 60, "timed_out": True}},
+                   "b": {"status": "failed", "seconds": 40, "pytest": command, "commands": [command]},
+                   "d": {"status": "skipped", "reason": "10 s of the 280 s budget left"}}}
+    text = "\n".join(summary_lines(summary))
+    assert "NVIDIA H200 (driver 580.1)" in text
+    assert "pytest: 90 passed, 0 failed, 0 errors, 0 skipped; memcheck: ERROR SUMMARY: 0 errors; " \
+           "racecheck: killed after 60 s" in text
+    assert "88 passed, 2 failed" in text and "pytest: exit status 1, see tier_b_pytest.log" in text
+    assert "10 s of the 280 s budget left" in text
+
+
 def test_the_sanitizer_step_runs_on_the_numpy_backend():
     from bench import sanitizer_step
     assert sanitizer_step.main(["--device", "cpu"]) == 0
