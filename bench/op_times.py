@@ -250,13 +250,14 @@ def per_step(rows):
 
 
 def line(row):
-    """One line of the log: ms forward / backward, per side."""
-    cells = []
-    for side in SIDES:
-        if side in row["forward"]:
-            times = [f"{row[p][side]['ms']:.3f}" for p in ("forward", "backward") if p in row]
-            cells.append(f"{side} {'/'.join(times)}")
-    return f"{row['layer']:32s} x{row['count']:<2d} ms fwd/bwd: " + ", ".join(cells)
+    """One line of the log: per phase, each side's ms with its TFLOP/s and GB/s."""
+    phases = []
+    for phase, short in (("forward", "fwd"), ("backward", "bwd")):
+        if phase in row:
+            sides = [f"{side} {t['ms']:.3f} ms {t['tflops']:.2f} TFLOP/s {t['gbs']:.0f} GB/s"
+                     for side, t in row[phase].items() if side in SIDES and t["ms"] > 0]
+            phases.append(f"{short}: " + ", ".join(sides))
+    return f"{row['layer']:32s} x{row['count']:<2d} " + "; ".join(phases)
 
 
 def load_torch(device):
