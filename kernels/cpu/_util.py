@@ -1,6 +1,11 @@
-"""Helpers shared by the CPU kernels: argument pairs, output sizes, padding, sliding windows."""
+"""Helpers shared by the CPU kernels: argument pairs, output sizes, padding, sliding windows,
+and reusable scratch memory."""
+import threading
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+_scratch = threading.local()
 
 
 def pair(v):
@@ -23,17 +28,24 @@ def output_size(size, kernel, stride, padding):
     return out
 
 
-def padded(x, padding, axes, value=0):
-    """A new C-contiguous copy of x, padded by (ph, pw) on both sides of the two axes.
+def padded(x, padding, axes, value=0, scratch=None):
+    """A C-contiguous copy of x, padded by (ph, pw) on both sides of the two axes.
 
     Always copies, so callers can pass a transposed view and get a contiguous array back.
+    With ``scratch``, the copy is the workspace of that name rather than a new array.
     """
     shape = list(x.shape)
     index = [slice(None)] * x.ndim
     for axis, p in zip(axes, padding):
         shape[axis] += 2 * p
         index[axis] = slice(p, p + x.shape[axis])
-    out = np.full(shape, value, dtype=x.dtype)
+    out = np.empty(shape, x.dtype) if scratch is None else workspace(scratch, shape, x.dtype)
+    for axis, p in zip(axes, padding):   # the borders only: the interior is copied next
+        if p:
+            border = [slice(None)] * x.ndim
+            for side in (slice(0, p), slice(p + x.shape[axis], None)):
+                border[axis] = side
+                out[tuple(border)] = value
     out[tuple(index)] = x
     return out
 
@@ -48,3 +60,33 @@ def windows(x, kernel, stride, axes):
     for axis, s in zip(axes, stride):
         index[axis] = slice(None, None, s)
     return view[tuple(index)]
+
+
+def channel_sum(a):
+    """Per-channel sum over (N, H, W) of an (N, C, H, W) array, in either memory layout.
+
+    NumPy sums a contiguous axis pairwise but accumulates along a strided one value by
+    value, so summing a channels-last array over (0, 2, 3) in one call would add N*H*W
+    float32 values in a row; summing W, H and N in turn keeps every run short, and the
+    result as accurate as on an NCHW array.
+    """
+    nhwc = a.transpose(0, 2, 3, 1)
+    if nhwc.flags.c_contiguous:
+        return nhwc.sum(axis=2).sum(axis=1).sum(axis=0)
+    return a.sum(axis=(0, 2, 3))
+
+
+def workspace(name, shape, dtype):
+    """A scratch array for a temporary that never leaves a kernel, reused across calls.
+
+    A fresh array of hundreds of MB (an im2col matrix at batch 128) is mapped from the OS
+    and page-faulted on first write, which costs more than the copy that fills it; one
+    buffer per name and thread, grown to the largest request, is faulted in once. The
+    array is valid until the next request for the same name in this thread.
+    """
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if name not in buffers or buffers[name].nbytes < nbytes:
+        buffers[name] = None   # let the old buffer go before the new one is mapped
+        buffers[name] = np.empty(nbytes, np.uint8)
+    return buffers[name][:nbytes].view(dtype).reshape(shape)

@@ -8,15 +8,16 @@ Inference uses the running statistics, which its backward treats as constants.
 """
 import numpy as np
 
-_REDUCE = (0, 2, 3)
+from ._util import channel_sum
 
 
 def batch_norm_forward(x, gamma, beta, eps):
     _check(x, gamma)
-    mean = x.mean(axis=_REDUCE)
+    m = x.size // x.shape[1]
+    mean = channel_sum(x) / m
     centred = x - _channel(mean)
     centred *= centred
-    invstd = 1 / np.sqrt(centred.mean(axis=_REDUCE) + eps)
+    invstd = 1 / np.sqrt(channel_sum(centred) / m + eps)
     return _affine(x, gamma, beta, mean, invstd), mean, invstd
 
 
@@ -62,7 +63,7 @@ def _affine(x, gamma, beta, mean, invstd):
 def _affine_grads(dy, x, mean, invstd):
     """xhat and the gradients of gamma and beta, which both modes share."""
     xhat = (x - _channel(mean)) * _channel(invstd)
-    return xhat, (dy * xhat).sum(axis=_REDUCE), dy.sum(axis=_REDUCE)
+    return xhat, channel_sum(dy * xhat), channel_sum(dy)
 
 
 def _check(x, gamma):

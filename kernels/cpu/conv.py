@@ -1,15 +1,22 @@
 """2-D convolution (cross-correlation, like PyTorch) as im2col + one large matrix product.
 
-The input is padded and moved to NHWC in one copy, so that each window row (KH, KW, C) is
-gathered from contiguous channel runs. Its windows form a (N*OH*OW, KH*KW*C) matrix whose
+The kernels work in NHWC and return channels-last arrays (NCHW views of NHWC memory), so a
+network of them never transposes: the NHWC view of a channels-last input is free, and any
+other input is moved to NHWC by the padding copy. Each window row (KH, KW, C) is gathered
+from contiguous channel runs. Its windows form a (N*OH*OW, KH*KW*C) matrix whose
 product with the weight, reordered to (KH, KW, C) columns, is the output in NHWC.
-Backward rebuilds the same matrix for dw; for dx each kernel position contributes one
-(N*OH*OW, O) @ (O, C) product, added into a strided slice of the padded input gradient
-(col2im), which never materialises the full column gradient.
+Backward rebuilds the same matrix for dw. For dx at stride 1, the input gradient is itself
+a convolution: of dy, padded by K-1-P, with the kernel flipped and its two channel axes
+swapped, so it is one more im2col and one product of the same efficiency as the forward's.
+At larger strides, each kernel position contributes one (N*OH*OW, O) @ (O, C) product,
+added into a strided slice of the padded input gradient (col2im).
+
+The column matrices are the largest arrays of a training step (230 MB for ResNet-18's first
+stage at batch 128) and live only inside a call, so they are built in reused workspaces.
 """
 import numpy as np
 
-from ._util import output_size, pair, padded, windows
+from ._util import channel_sum, output_size, pair, padded, windows, workspace
 
 
 def conv2d_forward(x, w, b, stride, padding):
@@ -18,10 +25,10 @@ def conv2d_forward(x, w, b, stride, padding):
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"conv2d bias shape {b.shape} does not match {w.shape[0]} "
                          f"output channels")
-    y = _im2col(x, w.shape[2:], stride, padding) @ _weight_matrix(w).T
+    y = _im2col(_nhwc(x), w.shape[2:], stride, padding) @ _weight_matrix(w).T
     if b is not None:
         y += b
-    return _nhwc_to_nchw(y.reshape(n, oh, ow, -1))
+    return _nchw(y.reshape(n, oh, ow, -1))
 
 
 def conv2d_backward(dy, x, w, stride, padding):
@@ -30,12 +37,13 @@ def conv2d_backward(dy, x, w, stride, padding):
     if dy.shape != (n, w.shape[0], oh, ow):
         raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output "
                          f"{(n, w.shape[0], oh, ow)}")
-    dy_rows = dy.transpose(0, 2, 3, 1).reshape(n * oh * ow, -1)
-    cols = _im2col(x, w.shape[2:], stride, padding)
-    o, c, kh, kw = w.shape
-    dw = (dy_rows.T @ cols).reshape(o, kh, kw, c).transpose(0, 3, 1, 2)
-    dx = _col2im(dy_rows, x.shape, w, stride, padding, (oh, ow))
-    return dx, np.ascontiguousarray(dw), dy.sum(axis=(0, 2, 3))
+    dy_nhwc = np.ascontiguousarray(_nhwc(dy))
+    dw = _backward_weight(dy_nhwc, x, w, stride, padding)
+    if stride == (1, 1) and all(p < k for p, k in zip(padding, w.shape[2:])):
+        dx = _backward_data_stride1(dy_nhwc, w, padding)
+    else:
+        dx = _col2im(dy_nhwc, x.shape, w, stride, padding)
+    return dx, dw, channel_sum(dy)
 
 
 def _output_shape(x, w, stride, padding):
@@ -50,27 +58,51 @@ def _output_shape(x, w, stride, padding):
     return x.shape[0], oh, ow
 
 
-def _im2col(x, kernel, stride, padding):
-    """(N*OH*OW, KH*KW*C) matrix of the padded input's windows."""
-    xp = padded(x.transpose(0, 2, 3, 1), padding, axes=(1, 2))
-    win = windows(xp, kernel, stride, axes=(1, 2))      # (N, OH, OW, C, KH, KW)
+def _im2col(x_nhwc, kernel, stride, padding):
+    """(N*OH*OW, KH*KW*C) matrix of the padded NHWC input's windows, in the workspace."""
+    if padding != (0, 0):
+        x_nhwc = padded(x_nhwc, padding, axes=(1, 2), scratch="padded")
+    win = windows(x_nhwc, kernel, stride, axes=(1, 2))      # (N, OH, OW, C, KH, KW)
     win = win.transpose(0, 1, 2, 4, 5, 3)
-    return win.reshape(-1, win.shape[3] * win.shape[4] * win.shape[5])
+    cols = workspace("im2col", win.shape, x_nhwc.dtype)
+    np.copyto(cols, win)
+    return cols.reshape(-1, win.shape[3] * win.shape[4] * win.shape[5])
 
 
-def _col2im(dy_rows, x_shape, w, stride, padding, out_hw):
-    """dx from the (N*OH*OW, O) output gradient: the adjoint of _im2col times the weight."""
+def _backward_weight(dy_nhwc, x, w, stride, padding):
+    """dw = dy^T @ im2col(x), reordered from (O, KH, KW, C) to (O, C, KH, KW)."""
+    o, c, kh, kw = w.shape
+    cols = _im2col(_nhwc(x), (kh, kw), stride, padding)
+    dw = dy_nhwc.reshape(-1, o).T @ cols
+    return np.ascontiguousarray(dw.reshape(o, kh, kw, c).transpose(0, 3, 1, 2))
+
+
+def _backward_data_stride1(dy_nhwc, w, padding):
+    """dx of a stride-1 convolution: dy, padded by K-1-P, convolved with the flipped kernel."""
+    o, c, kh, kw = w.shape
+    n, oh, ow, _ = dy_nhwc.shape
+    pad = (kh - 1 - padding[0], kw - 1 - padding[1])
+    # rows (i, j, o) in the order _im2col lays out a window of dy
+    flipped = w[:, :, ::-1, ::-1].transpose(2, 3, 0, 1).reshape(kh * kw * o, c)
+    dx = _im2col(dy_nhwc, (kh, kw), (1, 1), pad) @ flipped
+    return _nchw(dx.reshape(n, oh + 2 * pad[0] - kh + 1, ow + 2 * pad[1] - kw + 1, c))
+
+
+def _col2im(dy_nhwc, x_shape, w, stride, padding):
+    """dx from the output gradient: the adjoint of _im2col times the weight."""
     n, c, h, width = x_shape
-    (sh, sw), (ph, pw), (oh, ow) = stride, padding, out_hw
+    _, oh, ow, o = dy_nhwc.shape
+    (sh, sw), (ph, pw) = stride, padding
+    dy_rows = dy_nhwc.reshape(-1, o)
     w_taps = np.ascontiguousarray(w.transpose(2, 3, 0, 1))     # (KH, KW, O, C)
-    dxp = np.zeros((n, h + 2 * ph, width + 2 * pw, c), dtype=dy_rows.dtype)
+    dxp = np.zeros((n, h + 2 * ph, width + 2 * pw, c), dtype=dy_nhwc.dtype)
     # Windows overlap when the kernel is larger than the stride, but at one kernel
     # position they all touch distinct cells, so a strided += per position is exact.
     for i in range(w_taps.shape[0]):
         for j in range(w_taps.shape[1]):
             tap = (dy_rows @ w_taps[i, j]).reshape(n, oh, ow, c)
             dxp[:, i:i + sh * oh:sh, j:j + sw * ow:sw, :] += tap
-    return _nhwc_to_nchw(dxp[:, ph:ph + h, pw:pw + width, :])
+    return _nchw(np.ascontiguousarray(dxp[:, ph:ph + h, pw:pw + width, :]))
 
 
 def _weight_matrix(w):
@@ -78,5 +110,11 @@ def _weight_matrix(w):
     return w.transpose(0, 2, 3, 1).reshape(w.shape[0], -1)
 
 
-def _nhwc_to_nchw(a):
-    return np.ascontiguousarray(a.transpose(0, 3, 1, 2))
+def _nhwc(a):
+    """The (N, H, W, C) view of an (N, C, H, W) array: contiguous when a is channels-last."""
+    return a.transpose(0, 2, 3, 1)
+
+
+def _nchw(a):
+    """The (N, C, H, W) view of an (N, H, W, C) array: a channels-last result."""
+    return a.transpose(0, 3, 1, 2)

@@ -40,9 +40,11 @@ def global_avg_pool_forward(x):
 
 
 def global_avg_pool_backward(dy, x_shape):
-    dx = np.empty(x_shape, dtype=dy.dtype)
-    dx[...] = (dy / (x_shape[2] * x_shape[3]))[:, :, None, None]
-    return dx
+    # channels-last, like the convolutions' arrays that it flows back into
+    n, c, h, w = x_shape
+    dx = np.empty((n, h, w, c), dtype=dy.dtype)
+    dx[...] = (dy / (h * w))[:, None, None, :]
+    return dx.transpose(0, 3, 1, 2)
 
 
 def _check_pool_args(x, kernel, stride, padding):
