@@ -12,8 +12,8 @@ images/s from that median, and the ratio ours/PyTorch.
     PYTHONPATH=. python bench/cpu_throughput.py --batch-sizes 32 --steps 20 --json out.json
     PYTHONPATH=. python bench/cpu_throughput.py --profile             # where our step's time goes
 
---profile times every kernel call of our step (kernels.cpu) and the steps of the convolution
-kernels, and reports milliseconds per step for each, the rest being Python and the tape.
+--profile times every kernel call of our step (kernels.cpu) and every helper function those
+kernels call, and reports milliseconds per step for each, the rest being Python and the tape.
 """
 import argparse
 import functools
@@ -145,56 +145,83 @@ def summary(measured, batch_size):
             "other_processes_cores": others}
 
 
-# ---- profile: wall time inside each kernel --------------------------------------------
+# ---- profile: wall time inside each kernel and helper ------------------------------------
 
-def instrument_kernels(totals):
-    """Wrap every kernel of kernels.cpu, and the helpers of the convolution kernels, so that
-    each call adds its wall time to totals[name]. A helper's time is also part of its
-    kernel's: helpers are named with a leading space and listed apart from the kernels."""
-    import kernels.cpu as K
-    from kernels.cpu import conv
+class KernelProfiler:
+    """Wall time in every kernel of kernels.cpu and in every helper function its modules call.
 
-    def timer(name, fn):
+    ``total`` is inclusive; ``own`` leaves out the time in wrapped callees, so the helpers'
+    own times and the kernels' own times add up to the kernels' total.
+    """
+
+    def __init__(self):
+        self.total, self.own = defaultdict(float), defaultdict(float)
+        self._callee_time = []   # one entry per wrapped call in progress
+
+    def install(self):
+        import inspect
+        import kernels.cpu as K
+        public = {n for n in dir(K) if inspect.isfunction(getattr(K, n))}
+        for name in public:
+            setattr(K, name, self._wrap(name, getattr(K, name)))
+        for module in [m for m in vars(K).values() if inspect.ismodule(m)]:
+            short = module.__name__.rsplit(".", 1)[-1]
+            for name, fn in list(vars(module).items()):
+                if (inspect.isfunction(fn) and name not in public
+                        and fn.__module__.startswith(K.__name__)):
+                    setattr(module, name, self._wrap(f"{short}.{name}", fn))
+
+    def clear(self):
+        self.total.clear()
+        self.own.clear()
+
+    def _wrap(self, name, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            self._callee_time.append(0.0)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                totals[name] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                self.total[name] += elapsed
+                self.own[name] += elapsed - self._callee_time.pop()
+                if self._callee_time:
+                    self._callee_time[-1] += elapsed
         return timed
-
-    for name in [n for n in dir(K) if callable(getattr(K, n)) and not n.startswith("_")]:
-        setattr(K, name, timer(name, getattr(K, name)))
-    for name in [n for n in dir(conv) if n.startswith("_") and not n.startswith("__")
-                 and callable(getattr(conv, n)) and getattr(conv, n).__module__ == conv.__name__]:
-        setattr(conv, name, timer(f"  conv{name}", getattr(conv, name)))
 
 
 def profile(batch_sizes, warmup, steps):
-    totals = defaultdict(float)
-    instrument_kernels(totals)
-    return [profile_one(b, warmup, steps, totals) for b in batch_sizes]
+    profiler = KernelProfiler()
+    profiler.install()
+    return [profile_one(b, warmup, steps, profiler) for b in batch_sizes]
 
 
-def profile_one(batch_size, warmup, steps, totals):
+def profile_one(batch_size, warmup, steps, profiler):
     step = ours_step(batch_size)
     for _ in range(warmup):
         step()
-    totals.clear()
+    profiler.clear()
     wall = sum(timed_steps(step, 0, steps))
-    kernels = sorted(((k, v) for k, v in totals.items() if not k.startswith(" ")),
-                     key=lambda kv: -kv[1])
-    helpers = sorted(((k, v) for k, v in totals.items() if k.startswith(" ")),
-                     key=lambda kv: -kv[1])
-    other = wall - sum(v for _, v in kernels)
-    print(f"\nProfile, batch {batch_size}: ms per step (mean of {steps}), share of the step")
-    for name, seconds in kernels + [("other (Python, tape, hooks)", other)] + helpers:
-        print(f"  {name:34s} {1e3 * seconds / steps:9.1f} {100 * seconds / wall:6.1f}%")
-    print(f"  {'step':34s} {1e3 * wall / steps:9.1f}")
-    return {"batch_size": batch_size, "steps": steps, "step_ms": 1e3 * wall / steps,
-            "kernel_ms": {k.strip(): 1e3 * v / steps for k, v in kernels + helpers},
-            "other_ms": 1e3 * other / steps}
+    per_step = {name: 1e3 * seconds / steps for name, seconds in profiler.total.items()}
+    own = {name: 1e3 * seconds / steps for name, seconds in profiler.own.items()}
+    kernels = sorted((n for n in per_step if "." not in n), key=lambda n: -per_step[n])
+    helpers = sorted((n for n in per_step if "." in n), key=lambda n: -own[n])
+    step_ms = 1e3 * wall / steps
+    other = step_ms - sum(per_step[n] for n in kernels)
+    share = lambda ms: f"{100 * ms / step_ms:5.1f}%"   # noqa: E731
+    print(f"\nProfile, batch {batch_size}: ms per step, mean of {steps} steps")
+    print(f"  {'kernel':34s} {'total':>8} {'share':>6} {'own code':>9}")
+    for name in kernels:
+        print(f"  {name:34s} {per_step[name]:8.1f} {share(per_step[name])} {own[name]:9.1f}")
+    print(f"  {'other (Python, tape, hooks)':34s} {other:8.1f} {share(other)}")
+    print(f"  {'step':34s} {step_ms:8.1f}")
+    print(f"  {'helper (own time, without callees)':34s} {'own':>8} {'share':>6}")
+    for name in helpers:
+        if own[name] >= 0.05:
+            print(f"  {name:34s} {own[name]:8.1f} {share(own[name])}")
+    return {"batch_size": batch_size, "steps": steps, "step_ms": step_ms,
+            "total_ms": per_step, "own_ms": own, "other_ms": other}
 
 
 # ---- main ----------------------------------------------------------------------------------
