@@ -63,6 +63,11 @@ def _cupy():
     info["cuda_driver_api"] = runtime.driverGetVersion()
     info["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
     info["gpus"] = [_name(runtime.getDeviceProperties(i)) for i in range(info["gpu_count"])]
+    if not info["gpus"]:
+        try:
+            runtime.getDeviceCount()
+        except Exception as e:  # gpu_count() says 0; this says why
+            info["gpu_error"] = f"{type(e).__name__}: {e}"
     return info
 
 
