@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kernels import array_module_for, get_array_module
+from kernels import array_module_for, backend_of, get_array_module
 from . import functional as F
 from . import hooks
 from .init import init_layer
@@ -31,7 +31,7 @@ class Parameter(Tensor):
         self._flat = None
 
     def _accumulate(self, grad):
-        self.grad += grad
+        backend_of(grad).add(self.grad, grad, out=self.grad)
 
     def zero_grad(self):
         self.grad.fill(0)

@@ -10,7 +10,7 @@ import contextlib
 
 import numpy as np
 
-from kernels import get_array_module
+from kernels import backend_of, get_array_module
 from . import hooks
 
 _grad_enabled = True
@@ -74,7 +74,7 @@ class Tensor:
 
     def _accumulate(self, grad):
         # never in place: an op may hand the same array to several parents
-        self.grad = grad if self.grad is None else self.grad + grad
+        self.grad = grad if self.grad is None else backend_of(grad).add(self.grad, grad)
 
     def _topological_order(self):
         order, seen, stack = [], set(), [(self, False)]

@@ -84,6 +84,18 @@ def test_relu(shape):
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (4, 10)])
+def test_add(shape):
+    check_op([shape, shape], *through_both(lambda m, a, b: m.add(a, b)))
+
+
+def test_add_in_place():
+    a, b = rng().standard_normal((2, 7)).astype(np.float32), rng().standard_normal((2, 7)).astype(np.float32)
+    expected = R.add(a, b)
+    assert K.add(a, b, out=a) is a
+    validate(a, expected, "a += b")
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 7), (4,)])
 def test_add_relu(shape):
     check_op([shape, shape], *through_both(lambda m, a, b: m.add_relu_forward(a, b)),
              backward=through_both(lambda m, dy, a, b, y: m.relu_backward(dy, y)))

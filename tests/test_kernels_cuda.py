@@ -260,6 +260,19 @@ def test_relu(ours, shape):
     check(ours, [shape], lambda m, x: m.relu_forward(x), backward=lambda m, dy, x, y: m.relu_backward(dy, y))
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 700)])
+def test_add(ours, shape):
+    check(ours, [shape, shape], lambda m, a, b: m.add(a, b))
+
+
+def test_add_in_place_on_the_emulator():
+    g = rng()
+    a, b = (g.standard_normal((5, 300)).astype(np.float32) for _ in range(2))
+    expected = R.add(a, b)
+    assert kernels._device_backend("emu").add(a, b, out=a) is a
+    validate(a, expected, "a += b, in place")
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (4, 10)])
 def test_add_relu(ours, shape):
     check(ours, [shape, shape], lambda m, a, b: m.add_relu_forward(a, b),

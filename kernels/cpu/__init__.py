@@ -25,6 +25,8 @@ batch_norm_inference(x, gamma, beta, running_mean, running_var, eps) -> y
 batch_norm_inference_backward(dy, x, gamma, running_mean, running_var, eps)
     -> (dx, dgamma, dbeta)
 
+add(a, b, out=None) -> y
+    a + b of one shape; ``out`` may be a or b (gradients accumulate in place)
 relu_forward(x) -> y
 relu_backward(dy, y) -> dx            (mask taken from the output)
 add_relu_forward(a, b) -> y           relu(a + b), the residual join
@@ -56,7 +58,7 @@ images_to_float(images) -> x
 from .conv import conv2d_forward, conv2d_backward
 from .batchnorm import (batch_norm_forward, batch_norm_backward, batch_norm_update_running,
                         batch_norm_inference, batch_norm_inference_backward)
-from .elementwise import relu_forward, relu_backward, add_relu_forward
+from .elementwise import add, relu_forward, relu_backward, add_relu_forward
 from .pool import (max_pool2d_forward, max_pool2d_backward, global_avg_pool_forward,
                    global_avg_pool_backward)
 from .linear import linear_forward, linear_backward

@@ -19,6 +19,13 @@ relu_backward(const float* __restrict__ dy, const float* __restrict__ y, int tot
         dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
 }
 
+// y = a + b (y may be a or b: gradient accumulation in place): threads over elements, grid-stride.
+extern "C" __global__ void __launch_bounds__(256)
+add(const float* a, const float* b, int total, float* y) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x)
+        y[i] = a[i] + b[i];
+}
+
 // y = max(a + b, 0): threads over elements, grid-stride.
 extern "C" __global__ void __launch_bounds__(256)
 add_relu_forward(const float* __restrict__ a, const float* __restrict__ b, int total, float* __restrict__ y) {

@@ -1,10 +1,22 @@
-"""Launchers of elementwise.cu: relu, relu's backward, relu(a + b) and uint8 images to float."""
+"""Launchers of elementwise.cu: a + b, relu, relu's backward, relu(a + b) and uint8 images to float."""
 import numpy as np
 
 from .launch import blocks, float32, launch, typed
 
-OPS = ("relu_forward", "relu_backward", "add_relu_forward", "images_to_float")
-KERNELS = ("relu_forward", "relu_backward", "add_relu_forward", "images_to_float")
+OPS = ("add", "relu_forward", "relu_backward", "add_relu_forward", "images_to_float")
+KERNELS = OPS
+
+
+def add(be, a, b, out=None):
+    a, b = float32(be, "add", a, b)
+    _same_shape("add", a, b)
+    if out is None:
+        out = be.xp.empty_like(a)
+    else:
+        (out,) = float32(be, "add", out)
+        _same_shape("add", a, out)
+    launch(be, "elementwise", "add", blocks(a.size), (a, b, a.size, out))
+    return out
 
 
 def relu_forward(be, x):
