@@ -8,8 +8,8 @@ product with the weight, reordered to (KH, KW, C) columns, is the output in NHWC
 Backward rebuilds the same matrix for dw. For dx at stride 1, the input gradient is itself
 a convolution: of dy, padded by K-1-P, with the kernel flipped and its two channel axes
 swapped, so it is one more im2col and one product of the same efficiency as the forward's.
-At larger strides, each kernel position contributes one (N*OH*OW, O) @ (O, C) product,
-added into a strided slice of the padded input gradient (col2im).
+At larger strides, the column gradient dy @ W, one product, is added back window by window
+into the padded input gradient (col2im).
 
 The column matrices are the largest arrays of a training step (230 MB for ResNet-18's first
 stage at batch 128) and live only inside a call, so they are built in reused workspaces.
@@ -89,19 +89,19 @@ def _backward_data_stride1(dy_nhwc, w, padding):
 
 
 def _col2im(dy_nhwc, x_shape, w, stride, padding):
-    """dx from the output gradient: the adjoint of _im2col times the weight."""
+    """dx from the output gradient: the column gradient dy @ W, scattered back by the
+    adjoint of _im2col (each window's cells added to the input cells they came from)."""
     n, c, h, width = x_shape
     _, oh, ow, o = dy_nhwc.shape
-    (sh, sw), (ph, pw) = stride, padding
-    dy_rows = dy_nhwc.reshape(-1, o)
-    w_taps = np.ascontiguousarray(w.transpose(2, 3, 0, 1))     # (KH, KW, O, C)
+    (kh, kw), (sh, sw), (ph, pw) = w.shape[2:], stride, padding
+    dcols = workspace("im2col", (n, oh, ow, kh, kw, c), dy_nhwc.dtype)
+    np.matmul(dy_nhwc.reshape(-1, o), _weight_matrix(w), out=dcols.reshape(n * oh * ow, -1))
     dxp = np.zeros((n, h + 2 * ph, width + 2 * pw, c), dtype=dy_nhwc.dtype)
     # Windows overlap when the kernel is larger than the stride, but at one kernel
     # position they all touch distinct cells, so a strided += per position is exact.
-    for i in range(w_taps.shape[0]):
-        for j in range(w_taps.shape[1]):
-            tap = (dy_rows @ w_taps[i, j]).reshape(n, oh, ow, c)
-            dxp[:, i:i + sh * oh:sh, j:j + sw * ow:sw, :] += tap
+    for i in range(kh):
+        for j in range(kw):
+            dxp[:, i:i + sh * oh:sh, j:j + sw * ow:sw, :] += dcols[:, :, :, i, j, :]
     return _nchw(np.ascontiguousarray(dxp[:, ph:ph + h, pw:pw + width, :]))
 
 

@@ -9,7 +9,9 @@ def relu_forward(x):
 def relu_backward(dy, y):
     # The mask comes from the output: y > 0 exactly where the input was, and the
     # output is what add_relu_forward keeps, so one backward serves both ops.
-    return dy * (y > 0)
+    # Written as 1.0/0.0 in dy's dtype, the mask multiplies without a cast from bool.
+    mask = np.greater(y, 0, out=np.empty_like(dy))
+    return np.multiply(dy, mask, out=mask)
 
 
 def add_relu_forward(a, b):
