@@ -5,31 +5,54 @@ passes over x once the statistics are known. Training uses the batch mean and bi
 variance; its backward is the standard closed form
     dx = gamma * invstd / M * (M * dy - sum(dy) - xhat * sum(dy * xhat)),  M = N*H*W.
 Inference uses the running statistics, which its backward treats as constants.
+
+Each of these is a chain of elementwise passes; run over the whole array, every pass goes
+to memory, so the training kernels run the chain on blocks of whole images that stay in
+cache. Results are channels-last (see kernels.cpu), whatever the layout of x.
 """
 import numpy as np
 
 from ._util import channel_sum
+
+_BLOCK_BYTES = 1 << 20
 
 
 def batch_norm_forward(x, gamma, beta, eps):
     _check(x, gamma)
     m = x.size // x.shape[1]
     mean = channel_sum(x) / m
-    centred = x - _channel(mean)
-    centred *= centred
-    invstd = 1 / np.sqrt(channel_sum(centred) / m + eps)
+    x_nhwc = _nhwc(x)
+    blocks, scratch = _image_blocks(x_nhwc)
+    squares = np.zeros_like(mean)
+    for b in blocks:
+        centred = np.subtract(x_nhwc[b], mean, out=scratch[:b.stop - b.start])
+        centred *= centred
+        squares += channel_sum(_nchw(centred))
+    invstd = 1 / np.sqrt(squares / m + eps)
     return _affine(x, gamma, beta, mean, invstd), mean, invstd
 
 
 def batch_norm_backward(dy, x, gamma, mean, invstd):
     _check(x, gamma)
     m = x.size // x.shape[1]
-    xhat, dgamma, dbeta = _affine_grads(dy, x, mean, invstd)
-    dx = dy - _channel(dbeta / m)
-    xhat *= _channel(dgamma / m)
-    dx -= xhat
-    dx *= _channel(gamma * invstd)
-    return dx, dgamma, dbeta
+    x_nhwc, dy_nhwc = _nhwc(x), _nhwc(dy)
+    blocks, scratch = _image_blocks(x_nhwc)
+    dbeta, dgamma = np.zeros_like(mean), np.zeros_like(mean)
+    for b in blocks:
+        dbeta += channel_sum(_nchw(dy_nhwc[b]))
+        product = np.subtract(x_nhwc[b], mean, out=scratch[:b.stop - b.start])
+        product *= dy_nhwc[b]
+        dgamma += channel_sum(_nchw(product))
+    dgamma *= invstd
+    scale, xhat_scale = gamma * invstd, invstd * dgamma / m
+    dx = np.empty(dy_nhwc.shape, dy.dtype)
+    for b in blocks:
+        xhat_term = np.subtract(x_nhwc[b], mean, out=scratch[:b.stop - b.start])
+        xhat_term *= xhat_scale
+        block = np.subtract(dy_nhwc[b], dbeta / m, out=dx[b])
+        block -= xhat_term
+        block *= scale
+    return _nchw(dx), dgamma, dbeta
 
 
 def batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps):
@@ -48,22 +71,28 @@ def batch_norm_inference(x, gamma, beta, running_mean, running_var, eps):
 def batch_norm_inference_backward(dy, x, gamma, running_mean, running_var, eps):
     _check(x, gamma)
     invstd = 1 / np.sqrt(running_var + eps)
-    _, dgamma, dbeta = _affine_grads(dy, x, running_mean, invstd)
-    return dy * _channel(gamma * invstd), dgamma, dbeta
+    dgamma = channel_sum(dy * (x - _channel(running_mean))) * invstd
+    return dy * _channel(gamma * invstd), dgamma, channel_sum(dy)
 
 
 def _affine(x, gamma, beta, mean, invstd):
     """gamma * (x - mean) * invstd + beta, folded into one scale and one shift."""
     scale = gamma * invstd
-    y = x * _channel(scale)
-    y += _channel(beta - mean * scale)
-    return y
+    shift = beta - mean * scale
+    x_nhwc = _nhwc(x)
+    y = np.empty(x_nhwc.shape, x.dtype)
+    for b in _image_blocks(x_nhwc)[0]:
+        np.multiply(x_nhwc[b], scale, out=y[b])
+        y[b] += shift
+    return _nchw(y)
 
 
-def _affine_grads(dy, x, mean, invstd):
-    """xhat and the gradients of gamma and beta, which both modes share."""
-    xhat = (x - _channel(mean)) * _channel(invstd)
-    return xhat, channel_sum(dy * xhat), channel_sum(dy)
+def _image_blocks(x_nhwc):
+    """Slices of about _BLOCK_BYTES of whole images, and a scratch array of one block."""
+    n = x_nhwc.shape[0]
+    per = min(n, max(1, _BLOCK_BYTES // max(1, x_nhwc[0].nbytes)))
+    blocks = [slice(i, min(i + per, n)) for i in range(0, n, per)]
+    return blocks, np.empty((per,) + x_nhwc.shape[1:], x_nhwc.dtype)
 
 
 def _check(x, gamma):
@@ -75,3 +104,11 @@ def _check(x, gamma):
 def _channel(v):
     """A (C,) vector shaped to broadcast over (N, C, H, W)."""
     return v.reshape(1, -1, 1, 1)
+
+
+def _nhwc(a):
+    return a.transpose(0, 2, 3, 1)
+
+
+def _nchw(a):
+    return a.transpose(0, 3, 1, 2)
