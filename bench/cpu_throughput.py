@@ -8,16 +8,15 @@ thread count. Each step is timed with time.perf_counter after the warm-up steps;
 gives the median (the machine may be shared, and a median ignores the odd disturbed step),
 images/s from that median, and the ratio ours/PyTorch.
 
-    PYTHONPATH=. python bench/cpu_throughput.py                       # batch 32 and 128
-    PYTHONPATH=. python bench/cpu_throughput.py --batch-sizes 32 --steps 20 --json out.json
-    PYTHONPATH=. python bench/cpu_throughput.py --profile             # where our step's time goes
+    PYTHONPATH=. python -m bench.cpu_throughput                      # batch 32 and 128
+    PYTHONPATH=. python -m bench.cpu_throughput --batch-sizes 32 --steps 20 --json out.json
+    PYTHONPATH=. python -m bench.cpu_throughput --profile            # where our step's time goes
 
 --profile times every kernel call of our step (kernels.cpu) and every helper function those
 kernels call, and reports milliseconds per step for each, the rest being Python and the tape.
 """
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,9 @@ import time
 from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)   # also as a script: bench/cpu_throughput.py
+
+from bench import report, timing  # noqa: E402  (neither imports NumPy, see set_threads)
 
 
 def parse_args():
@@ -60,14 +62,11 @@ def set_threads(threads):
 
 
 def timed_steps(step, warmup, steps):
+    """Milliseconds of each of `steps` steps, after `warmup` untimed ones."""
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return times
+    clock = timing.WallClock()
+    return [timing.time_ms(step, clock) for _ in range(steps)]
 
 
 def busy_cpu_seconds():
@@ -82,7 +81,7 @@ def busy_cpu_seconds():
 
 
 def measure(step, warmup, steps):
-    """Step times, and how many cores other processes kept busy meanwhile: the machine
+    """Step times (ms), and how many cores other processes kept busy meanwhile: the machine
     may be shared, and a number taken while someone else ran their tests is suspect."""
     busy, own, start = busy_cpu_seconds(), os.times(), time.perf_counter()
     times = timed_steps(step, warmup, steps)
@@ -113,7 +112,7 @@ def ours_step(batch_size):
     return step
 
 
-def torch_step(batch_size, threads):
+def torch_step(batch_size):
     """The same step in PyTorch, or None when it is not installed."""
     try:
         import torch
@@ -121,8 +120,6 @@ def torch_step(batch_size, threads):
         return None
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_torch_parity import torch_resnet18   # the one copy of d2l's model in the repo
-    if threads is not None:
-        torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = torch_resnet18(10, 1, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
@@ -140,8 +137,8 @@ def torch_step(batch_size, threads):
 def summary(measured, batch_size):
     times, others = measured
     median = statistics.median(times)
-    return {"median_s": median, "min_s": min(times), "max_s": max(times),
-            "images_per_s": batch_size / median, "step_times_s": times,
+    return {"step_ms": median, "min_ms": min(times), "max_ms": max(times),
+            "images_per_s": 1e3 * batch_size / median, "step_times_ms": times,
             "other_processes_cores": others}
 
 
@@ -202,12 +199,11 @@ def profile_one(batch_size, warmup, steps, profiler):
     for _ in range(warmup):
         step()
     profiler.clear()
-    wall = sum(timed_steps(step, 0, steps))
+    step_ms = sum(timed_steps(step, 0, steps)) / steps
     per_step = {name: 1e3 * seconds / steps for name, seconds in profiler.total.items()}
     own = {name: 1e3 * seconds / steps for name, seconds in profiler.own.items()}
     kernels = sorted((n for n in per_step if "." not in n), key=lambda n: -per_step[n])
     helpers = sorted((n for n in per_step if "." in n), key=lambda n: -own[n])
-    step_ms = 1e3 * wall / steps
     other = step_ms - sum(per_step[n] for n in kernels)
     share = lambda ms: f"{100 * ms / step_ms:5.1f}%"   # noqa: E731
     print(f"\nProfile, batch {batch_size}: ms per step, mean of {steps} steps")
@@ -226,11 +222,14 @@ def profile_one(batch_size, warmup, steps, profiler):
 
 # ---- main ----------------------------------------------------------------------------------
 
-def environment():
-    import platform
+def environment(threads):
+    """bench.report's environment, and what a CPU number depends on: the CPU, its memory,
+    NumPy's BLAS and the thread counts."""
     import numpy as np
-    info = {"python": platform.python_version(), "numpy": np.__version__,
-            "cpus": os.cpu_count(), "threads": os.environ.get("OPENBLAS_NUM_THREADS", "default")}
+    info = report.environment()
+    info.update(cpu=_proc_field("/proc/cpuinfo", "model name"), cpus=os.cpu_count(),
+                memory=_proc_field("/proc/meminfo", "MemTotal"),
+                blas_threads=os.environ.get("OPENBLAS_NUM_THREADS", "OpenBLAS default"))
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         info["numpy_blas"] = f"{blas.get('name')} {blas.get('version')}"
@@ -238,36 +237,47 @@ def environment():
         info["numpy_blas"] = "unknown"
     try:
         import torch
-        info["torch"] = torch.__version__
+        if threads is not None:
+            torch.set_num_threads(threads)
         info["torch_threads"] = torch.get_num_threads()
     except ImportError:
-        info["torch"] = None
+        pass
     return info
+
+
+def _proc_field(path, name):
+    """The value of the first `name: value` line of a /proc file, or None."""
+    try:
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(name)), None)
+    except OSError:
+        return None
 
 
 def main():
     args = parse_args()
     set_threads(args.threads)
-    sys.path.insert(0, ROOT)
-    env = environment()
-    print(f"ResNet-18 (width 64) training step, float32, 1x28x28; median of {args.steps} steps "
-          f"after {args.warmup} warm-up; " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    env = environment(args.threads)
+    print(f"ResNet-18 (width 64) training step, float32, 1x28x28, median of {args.steps} steps "
+          f"after {args.warmup} warm-up\n" + ", ".join(
+              f"{k} {env.get(k)}" for k in ("date", "cpu", "cpus", "memory", "python", "numpy",
+                                            "numpy_blas", "blas_threads", "torch", "torch_threads")))
     results = []
     for batch_size in args.batch_sizes:
         row = {"batch_size": batch_size,
                "ours": summary(measure(ours_step(batch_size), args.warmup, args.steps), batch_size)}
-        step = None if args.no_torch else torch_step(batch_size, args.threads)
+        step = None if args.no_torch else torch_step(batch_size)
         if step is not None:
             row["pytorch"] = summary(measure(step, args.warmup, args.steps), batch_size)
             row["ratio"] = row["ours"]["images_per_s"] / row["pytorch"]["images_per_s"]
         results.append(row)
         print_row(row, first=len(results) == 1)
-    report = {"environment": env, "steps": args.steps, "warmup": args.warmup, "results": results}
+    result = {"environment": env, "command": " ".join(sys.argv), "steps": args.steps,
+              "warmup": args.warmup, "results": results}
     if args.profile:
-        report["profile"] = profile(args.batch_sizes, min(args.warmup, 1), min(args.steps, 3))
+        result["profile"] = profile(args.batch_sizes, min(args.warmup, 1), min(args.steps, 3))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        report.write_json(args.json, result)
 
 
 def print_row(row, first):
@@ -282,7 +292,7 @@ def print_row(row, first):
             cells.append(f"{'-':>{width}} {'-':>7} {'-':>5}")
             continue
         busy = "?" if r["other_processes_cores"] is None else f"{r['other_processes_cores']:.2f}"
-        spread = f"{1e3 * r['median_s']:.0f} [{1e3 * r['min_s']:.0f}-{1e3 * r['max_s']:.0f}]"
+        spread = f"{r['step_ms']:.0f} [{r['min_ms']:.0f}-{r['max_ms']:.0f}]"
         cells.append(f"{spread:>{width}} {r['images_per_s']:>7.1f} {busy:>5}")
     cells.append(f"{row['ratio']:>12.2f}" if "ratio" in row else f"{'-':>12}")
     print(" | ".join(cells), flush=True)

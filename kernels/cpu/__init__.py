@@ -2,12 +2,14 @@
 
 Every backend (``cpu``, ``cuda``, ``emu``) offers these functions with the same
 signatures. Arrays are NCHW; the CPU backend accepts float32 and float64 and
-computes in the dtype it is given. Its 4-D results are channels-last in memory
-(NCHW shape over NHWC strides, like PyTorch's channels_last format), the layout its
-convolutions compute in, so that a network of them never transposes; every kernel
-accepts any memory layout, and np.ascontiguousarray gives C order where it matters. ``stride``, ``padding`` and ``kernel_size``
+computes in the dtype it is given. ``stride``, ``padding`` and ``kernel_size``
 are ints or (h, w) pairs. What a backward needs from its forward is returned by
 the forward and passed back explicitly.
+
+The CPU backend's 4-D results are channels-last in memory (NCHW shape over NHWC
+strides, like PyTorch's channels_last format), the layout its convolutions compute
+in, so that a network of them never transposes. Every kernel accepts any memory
+layout; np.ascontiguousarray gives C order where something needs it.
 
 conv2d_forward(x, w, b, stride, padding) -> y
     x (N, C, H, W), w (O, C, KH, KW), b (O,) or None -> y (N, O, OH, OW),
