@@ -289,13 +289,7 @@ def test_images_to_float(ours):
 
 # ---- pooling -----------------------------------------------------------------------------
 
-MAX_POOLS = [
-    ((2, 3, 8, 8), 2, 2, 0),
-    ((2, 3, 7, 7), 3, 2, 1),            # overlapping windows: backward must accumulate
-    ((1, 2, 9, 6), 3, 2, 1),
-    ((2, 2, 5, 7), 2, 2, 0),            # odd sizes: the last row and column are dropped
-    ((2, 2, 6, 7), (2, 3), (1, 2), (1, 0)),
-]
+from test_kernels_cpu import MAX_POOLS  # noqa: E402  (the same shapes on every backend)
 
 
 @pytest.mark.parametrize("x_shape, kernel, stride, padding", MAX_POOLS)

@@ -27,6 +27,14 @@ struct Geometry {
     __device__ int kw() const { return KW ? KW : kw_run; }
     __device__ int taps() const { return kh() * kw(); }
     __device__ int out_plane() const { return oh * ow; }
+
+    // im2col(x)[(ci, r, s), (img, p, q)] for the window at (h0, w0) = (p*sh - ph, q*sw - pw)
+    // of the image x_img: zero in the padding
+    __device__ float im2col(const float* x_img, int crs, int h0, int w0) const {
+        const int ci = crs / taps(), rs = crs - ci * taps(), r = rs / kw(), s = rs - r * kw();
+        const int hh = h0 + r, ww = w0 + s;
+        return unsigned(hh) < unsigned(h) && unsigned(ww) < unsigned(w) ? x_img[(ci * h + hh) * w + ww] : 0.0f;
+    }
 };
 
 // The kernels' size parameters, named apart from the Geometry fields they initialise.
@@ -58,13 +66,7 @@ struct ForwardColumns : Staged<T, T::BN, false> {
 #pragma unroll
         for (int i = 0; i < Map::COUNT; ++i) {
             const int k = k0 + Map::k(i);
-            float v = 0.0f;
-            if (valid && k < k_end) {
-                const int ci = k / g.taps(), rs = k - ci * g.taps(), r = rs / g.kw(), s = rs - r * g.kw();
-                const int hh = h0 + r, ww = w0 + s;
-                if (unsigned(hh) < unsigned(g.h) && unsigned(ww) < unsigned(g.w)) v = x_img[(ci * g.h + hh) * g.w + ww];
-            }
-            this->staged[i] = v;
+            this->staged[i] = valid && k < k_end ? g.im2col(x_img, k, h0, w0) : 0.0f;
         }
     }
 };
@@ -282,13 +284,7 @@ struct WeightGradColumns : Staged<T, T::BN, true> {
 #pragma unroll
         for (int i = 0; i < Map::COUNT; ++i) {
             const int col = n0 + Map::w(i);
-            float v = 0.0f;
-            if (k < k_end && col < columns) {
-                const int ci = col / g.taps(), rs = col - ci * g.taps(), r = rs / g.kw(), s = rs - r * g.kw();
-                const int hh = h0 + r, ww = w0 + s;
-                if (unsigned(hh) < unsigned(g.h) && unsigned(ww) < unsigned(g.w)) v = x_img[(ci * g.h + hh) * g.w + ww];
-            }
-            this->staged[i] = v;
+            this->staged[i] = k < k_end && col < columns ? g.im2col(x_img, col, h0, w0) : 0.0f;
         }
     }
 };
