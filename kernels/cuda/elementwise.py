@@ -1,45 +1,39 @@
 """Launchers of elementwise.cu: a + b, relu, relu's backward, relu(a + b) and uint8 images to float."""
 import numpy as np
 
-from .launch import blocks, float32, launch, typed
+from .launch import blocks, float32, in_place, launch, typed
 
 OPS = ("add", "relu_forward", "relu_backward", "add_relu_forward", "images_to_float")
 KERNELS = OPS
 
 
 def add(be, a, b, out=None):
-    a, b = float32(be, "add", a, b)
-    _same_shape("add", a, b)
-    if out is None:
-        out = be.xp.empty_like(a)
-    else:
-        (out,) = float32(be, "add", out)
-        _same_shape("add", a, out)
-    launch(be, "elementwise", "add", blocks(a.size), (a, b, a.size, out))
-    return out
+    return _elementwise(be, "add", a, b, out=out)
 
 
 def relu_forward(be, x):
-    (x,) = float32(be, "relu_forward", x)
-    y = be.xp.empty_like(x)
-    launch(be, "elementwise", "relu_forward", blocks(x.size), (x, x.size, y))
-    return y
+    return _elementwise(be, "relu_forward", x)
 
 
 def relu_backward(be, dy, y):
-    dy, y = float32(be, "relu_backward", dy, y)
-    _same_shape("relu_backward", dy, y)
-    dx = be.xp.empty_like(dy)
-    launch(be, "elementwise", "relu_backward", blocks(dy.size), (dy, y, dy.size, dx))
-    return dx
+    return _elementwise(be, "relu_backward", dy, y)
 
 
 def add_relu_forward(be, a, b):
-    a, b = float32(be, "add_relu_forward", a, b)
-    _same_shape("add_relu", a, b)
-    y = be.xp.empty_like(a)
-    launch(be, "elementwise", "add_relu_forward", blocks(a.size), (a, b, a.size, y))
-    return y
+    return _elementwise(be, "add_relu_forward", a, b)
+
+
+def _elementwise(be, kernel, *operands, out=None):
+    """One launch of a float32 kernel(operands..., total, out) over operands of one shape."""
+    operands = float32(be, kernel, *operands)
+    if out is None:
+        out = be.xp.empty_like(operands[0])
+    else:
+        in_place(be, kernel, out)
+    for other in (*operands[1:], out):
+        _same_shape(kernel, operands[0], other)
+    launch(be, "elementwise", kernel, blocks(out.size), (*operands, out.size, out))
+    return out
 
 
 def images_to_float(be, images):
