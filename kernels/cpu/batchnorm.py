@@ -8,7 +8,8 @@ Inference uses the running statistics, which its backward treats as constants.
 
 Each of these is a chain of elementwise passes; run over the whole array, every pass goes
 to memory, so the training kernels run the chain on blocks of whole images that stay in
-cache. Results are channels-last (see kernels.cpu), whatever the layout of x.
+cache. The training kernels and the inference forward return channels-last arrays (see
+kernels.cpu), whatever the layout of x.
 """
 import numpy as np
 
