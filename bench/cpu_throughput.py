@@ -1,12 +1,14 @@
 """Training throughput of ResNet-18 on the CPU: this project's NumPy backend against PyTorch.
 
-One training step is forward, softmax cross-entropy, backward and an SGD step (momentum 0.9,
-weight decay 5e-4), float32, on random 1x28x28 images and labels, for the full-width model
-(nn.resnet18(), 11.2 M parameters). PyTorch, when it is installed, trains d2l's ResNet-18
-(the builder in tests/test_torch_parity.py) in the same run with the same batch sizes and
-thread count. Each step is timed with time.perf_counter after the warm-up steps; the table
-gives the median (the machine may be shared, and a median ignores the odd disturbed step),
-images/s from that median, and the ratio ours/PyTorch.
+One training step is zero_grad, forward, softmax cross-entropy, backward and an SGD step
+(lr 0.05, momentum 0.9, weight decay 5e-4), float32, on random 1x28x28 images and labels,
+for the full-width model (nn.resnet18(), 11.2 M parameters). PyTorch, when it is installed,
+trains d2l's ResNet-18 (the builder in tests/test_torch_parity.py) in the same run with the
+same batch sizes and thread count. Each step is timed with time.perf_counter after the
+warm-up steps; the table gives the median (the machine may be shared, and a median ignores
+the odd disturbed step), images/s from that median, and the ratio ours/PyTorch. Its "busy"
+column is how many cores other processes kept busy meanwhile (from /proc/stat): a number
+taken while it was above 0.1 is suspect, and the run says so.
 
     PYTHONPATH=. python -m bench.cpu_throughput                      # batch 32 and 128
     PYTHONPATH=. python -m bench.cpu_throughput --batch-sizes 32 --steps 20 --json out.json
@@ -31,7 +33,7 @@ from bench import report, timing  # noqa: E402  (neither imports NumPy, see set_
 
 def parse_args():
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
+        description=__doc__,
         epilog="Each number is the median over --steps timed steps, after --warmup untimed ones.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="32,128",
