@@ -478,7 +478,7 @@ def relative_error(ours, ref):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TORCH_PEERS, ids=[c[0] for c in TORCH_PEERS])
-def test_gpu_against_torch_float64(gpu, case):
+def test_gpu_against_torch_float64(gpu, poisoned_device_empty, case):
     be, _, torch = gpu
     compare_with_torch(OnDevice(be), torch, "cuda", case)
 
