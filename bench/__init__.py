@@ -1,6 +1,6 @@
 """Benchmarks and the one-call GPU check (``bench/gpu_check``); RESULTS.md records what was measured.
 
 A package so that the check's tiers run as ``python -m bench.<module>`` from the repository
-root and share ``layers`` (ResNet-18's layer shapes), ``costs`` (FLOPs and bytes per op) and
-``timing`` (median time per call).
+root and share ``layers`` (ResNet-18's layer shapes) and ``timing`` (median time per call); the FLOPs and
+bytes of each op are in nn/costs.py, which the profiler uses too.
 """
