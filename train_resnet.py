@@ -4,15 +4,27 @@
   python train_resnet.py --epochs 10 --batch-size 256 --lr 0.1
   python train_resnet.py --limit 3000 --test-limit 1000 --epochs 3 --batch-size 64
   python train_resnet.py --resume runs/resnet18-20261129-120000 --epochs 20
+  mpiexec -n 2 python train_resnet.py --gpus 0 --batch-size 128   # two CPU ranks
 
 Each epoch prints one line and rewrites, in the --out folder, checkpoint.npz,
 metrics.json, metrics.csv and training.png. Ctrl-C stops after keeping the last
 finished epoch's files; --resume continues from them.
+
+Data parallelism: under mpiexec every rank trains a replica on its share of each
+global batch of --batch-size images and the gradients are summed over ranks; rank 0
+prints and writes the files. --lr is the learning rate of the global batch (add
+--scale-lr to multiply it by the number of ranks). An error on any rank ends the job.
 """
 import argparse
 import sys
+import traceback
 
-from nn import checkpoint, data, train
+from parallel import launch
+
+launch.limit_threads()  # before NumPy loads: ranks of one machine share its cores
+
+from nn import checkpoint, data, train  # noqa: E402
+from parallel import comm as communicators  # noqa: E402
 
 D = train.Config()
 
@@ -41,24 +53,44 @@ def parse_args(argv):
     p.add_argument("--out", help="output folder (default runs/resnet18-<date>-<time>; "
                                  "when resuming, the checkpoint's folder)")
     p.add_argument("--resume", help="a checkpoint.npz, or an output folder holding one")
+    ddp = p.add_argument_group("data parallelism (under mpiexec)")
+    ddp.add_argument("--sync-bn", action="store_true", default=None,
+                     help="batch norm over the whole global batch (statistics summed over ranks) "
+                          "instead of each rank's share")
+    ddp.add_argument("--scale-lr", action="store_true", default=None,
+                     help="multiply --lr by the number of ranks (the linear scaling rule); by default "
+                          "--lr is the learning rate of the global batch, whatever the ranks")
+    ddp.add_argument("--check-sync", type=int, metavar="N",
+                     help="compare a checksum of the parameters across ranks every N steps and stop if "
+                          "they differ (default 0: only at the start)")
+    ddp.add_argument("--bucket-mb", type=float,
+                     help=f"gradient all-reduce bucket size in MB (default {D.bucket_mb:g})")
     return p, p.parse_args(argv)
 
 
 def main(argv=None):
     parser, args = parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None}
+    comm = communicators.SingleProcess()
     try:
-        train.run(given)
+        comm = communicators.from_environment()
+        train.run(given, comm)
+        return 0
     except (train.ConfigError, checkpoint.CheckpointError, data.DataError) as e:
-        parser.error(str(e))
+        code, message = 2, f"{parser.prog}: error: {e}"
+        if comm.world_size == 1:
+            parser.error(str(e))
     except (train.NonFiniteLoss, train.OutOfMemory) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        code, message = 1, f"error: {e}"
     except KeyboardInterrupt:
-        print("\ninterrupted: the files of the last finished epoch are kept; --resume continues "
-              "from them", file=sys.stderr)
-        return 130
-    return 0
+        code, message = 130, ("\ninterrupted: the files of the last finished epoch are kept; --resume "
+                              "continues from them")
+    except Exception as e:
+        if comm.world_size == 1:
+            raise
+        traceback.print_exc()
+        code, message = 1, f"error: {type(e).__name__}: {e}"
+    return launch.fail(comm, code, message)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Differentiable ops of the model: each is a forward and a backward that call the
 kernels of the arrays' backend, with the backward written next to its forward."""
-from kernels import backend_of
+from kernels import backend_of, get_array_module
 from .tensor import Tensor
 
 
@@ -16,21 +16,50 @@ def conv2d(x, weight, bias=None, stride=1, padding=0):
                         lambda dy: K.conv2d_backward(dy, x.data, weight.data, stride, padding))
 
 
-def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.1, eps=1e-5):
+def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.1, eps=1e-5, group=None):
     """PyTorch's F.batch_norm: in training, normalise with the batch statistics and
     move the running ones (plain arrays, updated in place) towards them; in eval,
-    normalise with the running statistics."""
+    normalise with the running statistics. With a ``group`` of replicas (see
+    synchronised_batch_norm), the training statistics are those of every replica's batch."""
     K = backend_of(x.data)
     if not training:
         y = K.batch_norm_inference(x.data, weight.data, bias.data, running_mean, running_var, eps)
         return Tensor._make(y, (x, weight, bias), lambda dy: K.batch_norm_inference_backward(
             dy, x.data, weight.data, running_mean, running_var, eps))
+    if group is not None:
+        return synchronised_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, group)
     y, mean, invstd = K.batch_norm_forward(x.data, weight.data, bias.data, eps)
     if running_mean is not None:
         count = x.data.size // x.data.shape[1]
         K.batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps)
     return Tensor._make(y, (x, weight, bias), lambda dy: K.batch_norm_backward(
         dy, x.data, weight.data, mean, invstd))
+
+
+def synchronised_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, group):
+    """Training batch norm over the batches of all replicas, as one process holding them
+    all would compute it. ``group.all_reduce(array)`` adds an array over the replicas in
+    place, and ``group.batch_size`` is the number of images over all of them in this step.
+    The forward adds the per-channel sums twice (for the mean, then centred on it, so that
+    the variance does not cancel) and the backward adds its two sums once. The returned
+    gradients of weight and bias are this replica's share, which the gradient all-reduce adds."""
+    K, xp = backend_of(x.data), get_array_module(x.data)
+    count = group.batch_size * (x.data.size // (x.data.shape[0] * x.data.shape[1]))
+    centre = xp.zeros(x.shape[1], x.dtype)
+    for _ in range(2):
+        sums = group.all_reduce(K.batch_norm_sums(x.data, centre))
+        mean, invstd = K.batch_norm_stats(sums, centre, count, eps)
+        centre = mean
+    y = K.batch_norm_apply(x.data, weight.data, bias.data, mean, invstd)
+    if running_mean is not None:
+        K.batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps)
+
+    def backward(dy):
+        local = K.batch_norm_backward_sums(dy, x.data, mean, invstd)
+        total = group.all_reduce(local.copy())
+        dx = K.batch_norm_backward_dx(dy, x.data, weight.data, mean, invstd, total, count)
+        return dx, local[0], local[1]
+    return Tensor._make(y, (x, weight, bias), backward)
 
 
 def relu(x):

@@ -298,12 +298,13 @@ class BatchNorm2d(Module):
         self.register_buffer("running_var", np.ones(num_features, np.float32))
         # a host counter, as in PyTorch's state dict; not used in the arithmetic
         self.register_buffer("num_batches_tracked", np.zeros((), np.int64))
+        self.group = None  # replicas whose batches this layer normalises together
 
     def forward(self, x):
         if self.training:
             self.num_batches_tracked += 1
         return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                            self.training, self.momentum, self.eps)
+                            self.training, self.momentum, self.eps, self.group)
 
     def extra_repr(self):
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
@@ -342,3 +343,12 @@ class AdaptiveAvgPool2d(Module):
 class Flatten(Module):
     def forward(self, x):
         return F.flatten(x)
+
+
+def synchronise_batch_norm(model, group):
+    """Make every BatchNorm2d of ``model`` normalise over the batches of all replicas in
+    ``group`` (see F.synchronised_batch_norm; None undoes it); returns how many there are."""
+    layers = [m for m in model.modules() if isinstance(m, BatchNorm2d)]
+    for m in layers:
+        m.group = group
+    return len(layers)

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from kernels import DeviceError, array_module_for, backend_of, get_array_module
+from parallel.comm import SingleProcess
+from parallel.ddp import DEFAULT_BUCKET_MB, DataParallel, shard_bounds
 from . import checkpoint, data, init
 from .functional import cross_entropy
 from .optim import SGD, CosineAnnealingLR
@@ -58,6 +60,10 @@ class Config:
     out: str = None
     resume: str = None
     gpus: int = 0
+    sync_bn: bool = False
+    check_sync: int = 0
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    scale_lr: bool = False
 
     @property
     def device(self):
@@ -86,6 +92,21 @@ class Config:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.check_sync < 0:
+            raise ConfigError(f"--check-sync must be 0 (only at the start) or more, got {self.check_sync}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+
+    def check_world(self, world_size, train_images):
+        """What only the launch decides: the number of ranks against the batch and data."""
+        if world_size > 1 and self.gpus:
+            raise ConfigError(f"--gpus {self.gpus} under mpiexec: ranks on GPUs need the NCCL "
+                              f"communicator, which is not built yet; use --gpus 0 for CPU ranks")
+        if self.batch_size < world_size:
+            raise ConfigError(f"--batch-size {self.batch_size} is smaller than the {world_size} ranks: "
+                              f"every rank needs at least one image per step")
+        if train_images < world_size:
+            raise ConfigError(f"{train_images} training images cannot be shared by {world_size} ranks")
 
 
 def merge_resumed(given, saved):
@@ -137,23 +158,33 @@ class _Window:
     once per window, so that the steps between reads never wait for the device."""
 
     def __init__(self):
-        self.losses, self.correct = [], []
+        self.losses, self.correct, self.shares = [], [], []
         self.loss_sum = self.correct_sum = 0.0
+        self.local_loss_sum = 0.0  # this rank's own mean losses, for its progress bar
         self.steps = 0
 
-    def add(self, loss, correct):
+    def add(self, loss, correct, share):
+        """``share``: this rank's fraction of the batch, so that the losses of all ranks
+        add up to the batch's mean loss."""
         self.losses.append(loss)
         self.correct.append(correct)
+        self.shares.append(share)
 
     def flush(self, epoch, first_step):
         values = [float(v) for v in self.losses]
         for i, v in enumerate(values):
             if not np.isfinite(v):
                 raise NonFiniteLoss(f"loss is {v} at epoch {epoch}, step {first_step + i + 1}")
-        self.loss_sum += sum(values)
+        self.loss_sum += sum(v * share for v, share in zip(values, self.shares))
+        self.local_loss_sum += sum(values)
         self.correct_sum += sum(float(c) for c in self.correct)
         self.steps += len(values)
-        self.losses, self.correct = [], []
+        self.losses, self.correct, self.shares = [], [], []
+
+    def totals(self, comm):
+        """(mean loss per step, correct count) over every rank."""
+        totals = comm.all_reduce(np.array([self.loss_sum, self.correct_sum]))
+        return totals[0] / max(self.steps, 1), totals[1]
 
 
 def _kept(out, epoch):
@@ -162,43 +193,58 @@ def _kept(out, epoch):
     return f"the last good checkpoint (epoch {epoch}) is {out / checkpoint.FILENAME}"
 
 
-def evaluate(model, images, labels, batch_size):
-    """(mean loss, accuracy) of ``model`` in eval mode."""
+def evaluate(model, images, labels, batch_size, comm=SingleProcess()):
+    """(mean loss, accuracy) of ``model`` in eval mode; each rank evaluates its shard of
+    the images and the sums are added over ranks."""
     K, xp = backend_of(images), get_array_module(images)
+    lo, hi = shard_bounds(len(images), comm.world_size, comm.rank)
     model.eval()
     loss_sum = correct = 0.0
     with no_grad():
-        for idx in data.batch_indices(xp.arange(len(images)), batch_size):
+        for idx in data.batch_indices(xp.arange(lo, hi), batch_size):
             logits = model(Tensor(K.images_to_float(images[idx])))
             loss_sum += float(cross_entropy(logits, labels[idx]).data) * len(idx)
             correct += float(K.count_correct(logits.data, labels[idx]))
     model.train()
+    loss_sum, correct = comm.all_reduce(np.array([loss_sum, correct]))
     return loss_sum / len(images), correct / len(images)
 
 
-def train_epoch(model, opt, schedule, images, labels, cfg, epoch, log_seconds=1.0):
-    """One pass over the shuffled training split; (mean loss, accuracy)."""
+def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, log_seconds=1.0, show=True):
+    """One pass over the shuffled training split, each global batch shared by the ranks
+    of ``ddp``; (mean loss, accuracy) over all ranks. ``show``: draw the progress bar
+    (of this rank's losses)."""
     K, xp = backend_of(images), get_array_module(images)
     order = xp.asarray(data.epoch_order(len(images), cfg.seed, epoch))
     batches = data.batch_indices(order, cfg.batch_size)
-    progress = Progress(len(batches), f"epoch {epoch + 1}/{cfg.epochs}")
-    window, last_read = _Window(), time.perf_counter()
+    progress = Progress(len(batches), f"epoch {epoch + 1}/{cfg.epochs}") if show else None
+    window, last_read, trained = _Window(), time.perf_counter(), 0
     for step, idx in enumerate(batches):
+        local = ddp.scatter(idx)
+        if local is None:  # a last batch with fewer images than ranks
+            continue
+        trained += len(idx)
         if schedule is not None:
             opt.lr = schedule.lr_at(epoch * len(batches) + step)
-        x, y = Tensor(K.images_to_float(images[idx])), labels[idx]
+        x, y = Tensor(K.images_to_float(images[local])), labels[local]
         opt.zero_grad()
         logits = model(x)
         loss = cross_entropy(logits, y)
-        loss.backward()
+        ddp.backward(loss)
         opt.step()
-        window.add(loss.data, K.count_correct(logits.data, y))
+        if cfg.check_sync and (epoch * len(batches) + step + 1) % cfg.check_sync == 0:
+            ddp.check_in_sync(f"after epoch {epoch + 1}, step {step + 1}")
+        window.add(loss.data, K.count_correct(logits.data, y), len(local) / len(idx))
         if time.perf_counter() - last_read >= log_seconds or step == len(batches) - 1:
             window.flush(epoch + 1, step + 1 - len(window.losses))
-            progress.update(step + 1, window.loss_sum / window.steps)
+            if progress:
+                progress.update(step + 1, window.local_loss_sum / window.steps)
             last_read = time.perf_counter()
-    progress.close()
-    return window.loss_sum / window.steps, window.correct_sum / len(images)
+    window.flush(epoch + 1, len(batches) - len(window.losses))
+    if progress:
+        progress.close()
+    loss, correct = window.totals(ddp.comm)
+    return loss, correct / trained
 
 
 def write_reports(out, metrics):
@@ -272,40 +318,67 @@ def prepare(given, log=print):
     return cfg, train, test, model, opt, record
 
 
-def run(given, log=lambda *a: print(*a, flush=True)):
-    """Train with the flags in ``given`` (a dict of Config fields); returns the metrics."""
+def _world_line(cfg, ddp, lr):
+    world = ddp.world_size
+    low, high = cfg.batch_size // world, -(-cfg.batch_size // world)
+    per_rank = f"{low}" if low == high else f"{low}-{high}"
+    rule = f"--lr {cfg.lr} x {world} ranks (--scale-lr)" if cfg.scale_lr else "--lr, for the global batch"
+    norm = "synchronised over ranks (--sync-bn)" if cfg.sync_bn else "per rank"
+    return (f"data parallel: {world} ranks, global batch {cfg.batch_size}, {per_rank} images per rank, "
+            f"lr {lr:g} ({rule}); batch norm {norm}; {len(ddp.buckets)} gradient bucket(s) of "
+            f"~{cfg.bucket_mb:g} MB")
+
+
+def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
+    """Train with the flags in ``given`` (a dict of Config fields) as one rank of ``comm``
+    (default: a world of one); returns the metrics. Only rank 0 logs and writes files."""
+    comm = comm or SingleProcess()
+    lead = comm.rank == 0
+    log = log if lead else (lambda *a: None)
     cfg, (x_train, y_train), (x_test, y_test), model, opt, record = prepare(given, log)
+    cfg.check_world(comm.world_size, len(x_train))
     out = Path(cfg.out or default_out())
-    out.mkdir(parents=True, exist_ok=True)
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
     cfg.out = str(out)
+    if cfg.scale_lr:
+        opt.lr = cfg.lr * comm.world_size
+    ddp = DataParallel(model, comm, cfg.bucket_mb, cfg.sync_bn, state=(opt.velocity,))
     steps_per_epoch = -(-len(x_train) // cfg.batch_size)
     schedule = CosineAnnealingLR(opt, cfg.epochs * steps_per_epoch) if cfg.schedule == "cosine" else None
     metrics = record["metrics"] if record else []
     start = record["epoch"] if record else 0
     log(f"ResNet-18 (width {cfg.width}, {len(opt.flat):,} parameters) on {len(x_train)} training and "
-        f"{len(x_test)} test images, batch {cfg.batch_size}, lr {cfg.lr}, {cfg.schedule} schedule; "
+        f"{len(x_test)} test images, batch {cfg.batch_size}, lr {opt.lr:g}, {cfg.schedule} schedule; "
         f"output in {out}" + (f"; resuming after epoch {start}" if start else ""))
+    if comm.world_size > 1:
+        log(_world_line(cfg, ddp, opt.lr))
     for epoch in range(start, cfg.epochs):
         began = time.perf_counter()
         try:
-            train_loss, train_acc = train_epoch(model, opt, schedule, x_train, y_train, cfg, epoch)
+            train_loss, train_acc = train_epoch(model, opt, schedule, x_train, y_train, cfg, epoch, ddp=ddp,
+                                                show=lead)
         except NonFiniteLoss as e:
             raise NonFiniteLoss(f"{e}; stopping: {_kept(out, epoch)}") from None
         except MemoryError:  # CuPy's OutOfMemoryError is one too
             raise OutOfMemory(f"out of {cfg.device} memory at batch size {cfg.batch_size}: try a "
                               f"smaller --batch-size; {_kept(out, epoch)}") from None
         train_seconds = time.perf_counter() - began
-        test_loss, test_acc = evaluate(model, x_test, y_test, cfg.batch_size)
+        # evaluation and the checkpoint see the same running statistics on every rank
+        ddp.average_buffers()
+        test_loss, test_acc = evaluate(model, x_test, y_test, cfg.batch_size, comm)
         seconds = time.perf_counter() - began
         metrics.append({"epoch": epoch + 1, "lr": opt.lr, "train_loss": train_loss, "train_acc": train_acc,
                         "test_loss": test_loss, "test_acc": test_acc, "seconds": seconds,
-                        "images_per_sec": len(x_train) / train_seconds})
-        checkpoint.save(out / checkpoint.FILENAME, model, opt, {
-            "epoch": epoch + 1, "config": dataclasses.asdict(cfg), "metrics": metrics,
-            "rng_state": init.get_rng_state()})
-        write_reports(out, metrics)
+                        "images_per_sec": len(x_train) / train_seconds, "world_size": comm.world_size})
+        if lead:
+            checkpoint.save(out / checkpoint.FILENAME, model, opt, {
+                "epoch": epoch + 1, "config": dataclasses.asdict(cfg), "metrics": metrics,
+                "rng_state": init.get_rng_state()})
+            write_reports(out, metrics)
         log(f"epoch {epoch + 1}/{cfg.epochs}: loss {train_loss:.4f}, train acc {train_acc:.3f}, "
             f"test acc {test_acc:.3f}, {seconds:.1f} s, {metrics[-1]['images_per_sec']:.1f} images/s")
     mean_seconds = sum(m["seconds"] for m in metrics) / len(metrics)
-    log(f"test acc: {metrics[-1]['test_acc']:.2f}, {mean_seconds:.1f} sec/epoch on {backend_of(x_train).name}")
+    log(f"test acc: {metrics[-1]['test_acc']:.2f}, {mean_seconds:.1f} sec/epoch on {backend_of(x_train).name}"
+        + (f", {comm.world_size} ranks" if comm.world_size > 1 else ""))
     return metrics

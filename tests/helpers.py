@@ -216,3 +216,22 @@ def write_fashion_mnist(folder, n_train, n_test, seed=0):
         write_idx(folder / images_file, images.astype(np.uint8))
         write_idx(folder / labels_file, labels)
     return folder
+
+
+def batch_norm_over_replicas(m, x, gamma, beta, dy, cut, eps):
+    """Training batch norm of the batch ``x`` as two replicas holding x[:cut] and x[cut:]
+    compute it with the contract's parts (module ``m``), adding their per-channel sums
+    where synchronised batch norm all-reduces them: (y, dx, dgamma, dbeta) of the whole."""
+    parts = (slice(0, cut), slice(cut, None))
+    count = x.size // x.shape[1]
+    zero = np.zeros(x.shape[1], x.dtype)
+    centre = sum(np.asarray(m.batch_norm_sums(x[p], zero)) for p in parts)[0] / count
+    centre = centre.astype(x.dtype)
+    sums = sum(np.asarray(m.batch_norm_sums(x[p], centre)) for p in parts).astype(x.dtype)
+    mean, invstd = m.batch_norm_stats(sums, centre, count, eps)
+    y = np.concatenate([m.batch_norm_apply(x[p], gamma, beta, mean, invstd) for p in parts])
+    grads = sum(np.asarray(m.batch_norm_backward_sums(dy[p], x[p], mean, invstd)) for p in parts)
+    grads = grads.astype(x.dtype)
+    dx = np.concatenate([m.batch_norm_backward_dx(dy[p], x[p], gamma, mean, invstd, grads, count)
+                         for p in parts])
+    return y, dx, grads[0], grads[1]

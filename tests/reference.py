@@ -100,6 +100,18 @@ def batch_norm_backward(dy, x, gamma, mean, invstd):
     return dx, dgamma, dbeta
 
 
+def batch_norm_sums(x, shift):
+    x, shift = _f64(x, shift)
+    d = x - _per_channel(shift)
+    return np.stack([d.sum(axis=(0, 2, 3)), (d * d).sum(axis=(0, 2, 3))])
+
+
+def batch_norm_backward_sums(dy, x, mean, invstd):
+    dy, x, mean, invstd = _f64(dy, x, mean, invstd)
+    xhat = (x - _per_channel(mean)) * _per_channel(invstd)
+    return np.stack([(dy * xhat).sum(axis=(0, 2, 3)), dy.sum(axis=(0, 2, 3))])
+
+
 def batch_norm_inference(x, gamma, beta, running_mean, running_var, eps):
     x, gamma, beta, running_mean, running_var = _f64(x, gamma, beta, running_mean, running_var)
     xhat = (x - _per_channel(running_mean)) / np.sqrt(_per_channel(running_var) + eps)

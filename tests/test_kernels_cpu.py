@@ -12,7 +12,7 @@ import pytest
 
 import kernels.cpu as K
 import reference as R
-from helpers import check_op, rng, validate
+from helpers import batch_norm_over_replicas, check_op, rng, validate
 
 EPS = 1e-5
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
@@ -62,6 +62,31 @@ def test_batch_norm_training(shape):
              *through_both(lambda m, x, gamma, beta: m.batch_norm_forward(x, gamma, beta, EPS)),
              backward=through_both(lambda m, dy, x, gamma, beta, y, mean, invstd:
                                    m.batch_norm_backward(dy, x, gamma, mean, invstd)))
+
+
+@pytest.mark.parametrize("shape, cut", [((4, 3, 5, 5), 2), ((5, 2, 3, 4), 1), ((3, 4, 1, 1), 2)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batch_norm_in_parts_over_replicas_equals_the_whole_batch(shape, cut, dtype):
+    """What synchronised batch norm computes: replicas add their sums between the parts."""
+    g = rng()
+    x, dy = shifted_batch(shape).astype(dtype), g.standard_normal(shape).astype(dtype)
+    gamma, beta = g.standard_normal((2, shape[1])).astype(dtype)
+    y, dx, dgamma, dbeta = batch_norm_over_replicas(K, x, gamma, beta, dy, cut, EPS)
+    ref_y, mean, invstd = R.batch_norm_forward(x, gamma, beta, EPS)
+    for ours, ref, name in zip((y, dx, dgamma, dbeta), (ref_y, *R.batch_norm_backward(dy, x, gamma, mean, invstd)),
+                               ("y", "dx", "dgamma", "dbeta")):
+        assert ours.dtype == dtype, name
+        validate(ours, ref, name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batch_norm_sums(dtype):
+    g = rng()
+    x, dy = shifted_batch((3, 4, 5, 2)).astype(dtype), g.standard_normal((3, 4, 5, 2)).astype(dtype)
+    mean, invstd = g.standard_normal(4).astype(dtype), g.uniform(0.5, 2, 4).astype(dtype)
+    validate(K.batch_norm_sums(x, mean), R.batch_norm_sums(x, mean), "batch_norm_sums")
+    validate(K.batch_norm_backward_sums(dy, x, mean, invstd), R.batch_norm_backward_sums(dy, x, mean, invstd),
+             "batch_norm_backward_sums")
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 5, 5), (1, 2, 3, 4), (3, 4, 1, 1)])

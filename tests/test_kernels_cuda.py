@@ -23,7 +23,7 @@ import pytest
 import kernels
 import kernels.cpu as K
 import reference as R
-from helpers import check_op, reproduce_hint, rng, validate
+from helpers import batch_norm_over_replicas, check_op, reproduce_hint, rng, validate
 from kernels import cuda, nvrtc
 from kernels.cuda import conv as cuda_conv
 from kernels.cuda import launch as cuda_launch
@@ -221,6 +221,28 @@ def test_batch_norm_training(ours, variant, shape):
     check(ours, [shifted_batch(shape), (shape[1],), (shape[1],)],
           lambda m, x, gamma, beta: m.batch_norm_forward(x, gamma, beta, EPS),
           backward=lambda m, dy, x, gamma, beta, y, mean, invstd: m.batch_norm_backward(dy, x, gamma, mean, invstd))
+
+
+@pytest.mark.parametrize("shape, cut", [((4, 3, 5, 5), 2), ((5, 2, 3, 4), 1), ((3, 17, 2, 2), 2)])
+def test_batch_norm_in_parts_over_replicas_equals_the_whole_batch(ours, variant, shape, cut):
+    """The parts synchronised batch norm runs, with two replicas' sums added between them."""
+    g = rng()
+    x, dy = shifted_batch(shape).astype(np.float32), g.standard_normal(shape).astype(np.float32)
+    gamma, beta = g.standard_normal((2, shape[1])).astype(np.float32)
+    y, dx, dgamma, dbeta = batch_norm_over_replicas(ours, x, gamma, beta, dy, cut, EPS)
+    ref_y, mean, invstd = R.batch_norm_forward(x, gamma, beta, EPS)
+    for got, ref, name in zip((y, dx, dgamma, dbeta), (ref_y, *R.batch_norm_backward(dy, x, gamma, mean, invstd)),
+                              ("y", "dx", "dgamma", "dbeta")):
+        validate(got, ref, name)
+
+
+def test_batch_norm_sums(ours, variant):
+    g = rng()
+    x, dy = shifted_batch((3, 4, 5, 2)).astype(np.float32), g.standard_normal((3, 4, 5, 2)).astype(np.float32)
+    mean, invstd = g.standard_normal(4).astype(np.float32), g.uniform(0.5, 2, 4).astype(np.float32)
+    validate(ours.batch_norm_sums(x, mean), R.batch_norm_sums(x, mean), "batch_norm_sums")
+    validate(ours.batch_norm_backward_sums(dy, x, mean, invstd), R.batch_norm_backward_sums(dy, x, mean, invstd),
+             "batch_norm_backward_sums")
 
 
 @pytest.mark.parametrize("shape", BATCH_NORMS[:3])

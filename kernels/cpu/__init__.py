@@ -23,6 +23,20 @@ batch_norm_backward(dy, x, gamma, mean, invstd) -> (dx, dgamma, dbeta)
 batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps) -> None
     In place: running <- (1 - momentum) running + momentum batch, with the unbiased
     batch variance (1/invstd^2 - eps) * count / (count - 1), count = N*H*W.
+batch_norm_sums(x, shift) -> sums
+    (2, C): [sum(x - shift), sum((x - shift)^2)] per channel over (N, H, W); the
+    training forward in parts, for batch norm synchronised across replicas, is
+    sums -> (added over replicas) -> stats -> apply.
+batch_norm_stats(sums, shift, count, eps) -> (mean, invstd)
+    From sums over ``count`` values per channel: mean = shift + sums[0] / count,
+    invstd = 1/sqrt(sums[1] / count - (sums[0] / count)^2 + eps).
+batch_norm_apply(x, gamma, beta, mean, invstd) -> y
+    gamma * (x - mean) * invstd + beta
+batch_norm_backward_sums(dy, x, mean, invstd) -> sums
+    (2, C): [sum(dy * xhat), sum(dy)] = [dgamma, dbeta], xhat = (x - mean) * invstd.
+batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, count) -> dx
+    gamma * invstd * (dy - sums[1] / count - xhat * sums[0] / count); with the sums of
+    every replica and their total count, the dx of the whole batch.
 batch_norm_inference(x, gamma, beta, running_mean, running_var, eps) -> y
 batch_norm_inference_backward(dy, x, gamma, running_mean, running_var, eps)
     -> (dx, dgamma, dbeta)
@@ -59,7 +73,9 @@ images_to_float(images) -> x
 """
 from .conv import conv2d_forward, conv2d_backward
 from .batchnorm import (batch_norm_forward, batch_norm_backward, batch_norm_update_running,
-                        batch_norm_inference, batch_norm_inference_backward)
+                        batch_norm_inference, batch_norm_inference_backward, batch_norm_sums,
+                        batch_norm_stats, batch_norm_apply, batch_norm_backward_sums,
+                        batch_norm_backward_dx)
 from .elementwise import add, relu_forward, relu_backward, add_relu_forward
 from .pool import (max_pool2d_forward, max_pool2d_backward, global_avg_pool_forward,
                    global_avg_pool_backward)

@@ -6,6 +6,10 @@ variance; its backward is the standard closed form
     dx = gamma * invstd / M * (M * dy - sum(dy) - xhat * sum(dy * xhat)),  M = N*H*W.
 Inference uses the running statistics, which its backward treats as constants.
 
+The training forward and backward are also offered in their parts (sums, stats, apply;
+backward sums, backward dx), so that synchronised batch norm can add the per-channel
+sums of every replica between the parts.
+
 Each of these is a chain of elementwise passes; run over the whole array, every pass goes
 to memory, so the training kernels run the chain on blocks of whole images that stay in
 cache. The training kernels and the inference forward return channels-last arrays (see
@@ -21,39 +25,69 @@ _BLOCK_BYTES = 1 << 20
 def batch_norm_forward(x, gamma, beta, eps):
     _check(x, gamma)
     m = x.size // x.shape[1]
+    # centred on the exact mean, the sum of squares does not cancel
     mean = channel_sum(x) / m
-    x_nhwc = _nhwc(x)
-    blocks, scratch = _image_blocks(x_nhwc)
-    squares = np.zeros_like(mean)
-    for b in blocks:
-        centred = np.subtract(x_nhwc[b], mean, out=scratch[:b.stop - b.start])
-        centred *= centred
-        squares += channel_sum(_nchw(centred))
-    invstd = 1 / np.sqrt(squares / m + eps)
+    mean, invstd = batch_norm_stats(batch_norm_sums(x, mean), mean, m, eps)
     return _affine(x, gamma, beta, mean, invstd), mean, invstd
 
 
 def batch_norm_backward(dy, x, gamma, mean, invstd):
+    sums = batch_norm_backward_sums(dy, x, mean, invstd)
+    dx = batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, x.size // x.shape[1])
+    return dx, sums[0], sums[1]
+
+
+def batch_norm_sums(x, shift):
+    _check(x, shift)
+    x_nhwc = _nhwc(x)
+    blocks, scratch = _image_blocks(x_nhwc)
+    sums = np.zeros((2, x.shape[1]), x.dtype)
+    for b in blocks:
+        centred = np.subtract(x_nhwc[b], shift, out=scratch[:b.stop - b.start])
+        sums[0] += channel_sum(_nchw(centred))
+        centred *= centred
+        sums[1] += channel_sum(_nchw(centred))
+    return sums
+
+
+def batch_norm_stats(sums, shift, count, eps):
+    centre = sums[0] / count
+    variance = np.maximum(sums[1] / count - centre * centre, 0)
+    return shift + centre, 1 / np.sqrt(variance + eps)
+
+
+def batch_norm_apply(x, gamma, beta, mean, invstd):
     _check(x, gamma)
-    m = x.size // x.shape[1]
+    return _affine(x, gamma, beta, mean, invstd)
+
+
+def batch_norm_backward_sums(dy, x, mean, invstd):
+    _check(x, mean)
     x_nhwc, dy_nhwc = _nhwc(x), _nhwc(dy)
     blocks, scratch = _image_blocks(x_nhwc)
-    dbeta, dgamma = np.zeros_like(mean), np.zeros_like(mean)
+    sums = np.zeros((2, x.shape[1]), dy.dtype)
     for b in blocks:
-        dbeta += channel_sum(_nchw(dy_nhwc[b]))
+        sums[1] += channel_sum(_nchw(dy_nhwc[b]))
         product = np.subtract(x_nhwc[b], mean, out=scratch[:b.stop - b.start])
         product *= dy_nhwc[b]
-        dgamma += channel_sum(_nchw(product))
-    dgamma *= invstd
-    scale, xhat_scale = gamma * invstd, invstd * dgamma / m
+        sums[0] += channel_sum(_nchw(product))
+    sums[0] *= invstd
+    return sums
+
+
+def batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, count):
+    _check(x, gamma)
+    x_nhwc, dy_nhwc = _nhwc(x), _nhwc(dy)
+    blocks, scratch = _image_blocks(x_nhwc)
+    scale, xhat_scale = gamma * invstd, invstd * sums[0] / count
     dx = np.empty(dy_nhwc.shape, dy.dtype)
     for b in blocks:
         xhat_term = np.subtract(x_nhwc[b], mean, out=scratch[:b.stop - b.start])
         xhat_term *= xhat_scale
-        block = np.subtract(dy_nhwc[b], dbeta / m, out=dx[b])
+        block = np.subtract(dy_nhwc[b], sums[1] / count, out=dx[b])
         block -= xhat_term
         block *= scale
-    return _nchw(dx), dgamma, dbeta
+    return _nchw(dx)
 
 
 def batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps):

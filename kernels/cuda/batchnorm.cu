@@ -4,9 +4,12 @@
 //
 // Training forward, three launches:
 //   bn_stats_partials  one pass over x: per (channel, split) block, the sums of x - shift and
-//                      of its square, shift = x[0, c, 0, 0] (a sample of the channel, so that
-//                      the variance does not cancel when the mean is far from zero)
+//                      of its square, shift[c] a value near the channel's mean (a sample of the
+//                      channel, or the mean over every replica), so that the variance does not
+//                      cancel when the mean is far from zero
 //   bn_stats_finish    per channel: the splits added in order -> mean, invstd
+// Synchronised batch norm runs the same kernels in parts: bn_stats_partials + sum_partials
+// give the sums that replicas add, and bn_stats_finish reads the added sums as one split.
 //   bn_apply<RELU>     y = x * scale + shift (+ relu), scale = gamma * invstd, in one pass
 // Training backward: bn_backward_partials (sum dy * xhat and sum dy fused in one pass),
 //   sum_partials (splits in order -> dgamma, dbeta), bn_backward_dx.
@@ -19,10 +22,11 @@
 // channel c's values e in [s * chunk, (s + 1) * chunk) of its N*plane, each thread a strided
 // subset in order, then block_sum; partial (splits, 2, C) gets [sum(x - shift), sum((x - shift)^2)].
 extern "C" __global__ void __launch_bounds__(256)
-bn_stats_partials(const float* __restrict__ x, int n, int channels, int plane, int chunk, float* __restrict__ partial) {
+bn_stats_partials(const float* __restrict__ x, const float* __restrict__ shifts, int n, int channels, int plane,
+                  int chunk, float* __restrict__ partial) {
     __shared__ float scratch[32];
     const int c = blockIdx.x, begin = blockIdx.y * chunk, end = min(begin + chunk, n * plane);
-    const float shift = x[c * plane];
+    const float shift = shifts[c];
     float sum = 0.0f, squares = 0.0f;
     for (int e = begin + threadIdx.x; e < end; e += blockDim.x) {
         const float d = x[channel_element(e, c, channels, plane)] - shift;
@@ -37,10 +41,10 @@ bn_stats_partials(const float* __restrict__ x, int n, int channels, int plane, i
     }
 }
 
-// mean and 1/sqrt(biased variance + eps) per channel from bn_stats_partials: one thread per
-// channel adds the splits in order.
+// mean and 1/sqrt(biased variance + eps) per channel from bn_stats_partials over `count`
+// values per channel: one thread per channel adds the splits in order.
 extern "C" __global__ void __launch_bounds__(256)
-bn_stats_finish(const float* __restrict__ x, const float* __restrict__ partial, int splits, int channels, int plane,
+bn_stats_finish(const float* __restrict__ shifts, const float* __restrict__ partial, int splits, int channels,
                 int count, float eps, float* __restrict__ mean, float* __restrict__ invstd) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
@@ -50,7 +54,7 @@ bn_stats_finish(const float* __restrict__ x, const float* __restrict__ partial, 
         squares += partial[(s * 2 + 1) * channels + c];
     }
     const float centre = sum / float(count);
-    mean[c] = x[c * plane] + centre;
+    mean[c] = shifts[c] + centre;
     invstd[c] = 1.0f / sqrtf(fmaxf(squares / float(count) - centre * centre, 0.0f) + eps);
 }
 

@@ -5,7 +5,8 @@ import numpy as np
 from .launch import THREADS, blocks, cdiv, float32, in_place, launch, split, sum_partials
 
 OPS = ("batch_norm_forward", "batch_norm_backward", "batch_norm_update_running", "batch_norm_inference",
-       "batch_norm_inference_backward")
+       "batch_norm_inference_backward", "batch_norm_sums", "batch_norm_stats", "batch_norm_apply",
+       "batch_norm_backward_sums", "batch_norm_backward_dx")
 KERNELS = ("bn_stats_partials", "bn_stats_finish", "bn_apply<false>", "bn_apply<true>", "bn_invstd",
            "bn_backward_partials", "bn_backward_dx", "bn_inference_dx", "bn_update_running", "sum_partials")
 
@@ -13,13 +14,30 @@ KERNELS = ("bn_stats_partials", "bn_stats_finish", "bn_apply<false>", "bn_apply<
 def batch_norm_forward(be, x, gamma, beta, eps):
     x, gamma, beta = float32(be, "batch_norm_forward", x, gamma, beta)
     n, c, plane = _sizes(x, gamma)
-    splits, chunk = split(n * plane, c)
-    partial = be.xp.empty((splits, 2, c), np.float32)
-    launch(be, "batchnorm", "bn_stats_partials", (c, splits), (x, n, c, plane, chunk, partial))
-    mean, invstd = be.xp.empty((2, c), np.float32)
-    launch(be, "batchnorm", "bn_stats_finish", (cdiv(c, THREADS),),
-           (x, partial, splits, c, plane, n * plane, float(eps), mean, invstd))
+    # a sample of each channel (image 0, pixel 0) centres its sums
+    shift = be.xp.ascontiguousarray(x[0, :, 0, 0])
+    partial, splits = _stats_partials(be, x, shift)
+    mean, invstd = _stats_finish(be, partial, splits, shift, n * plane, eps)
     return apply(be, x, gamma, beta, mean, invstd), mean, invstd
+
+
+def batch_norm_sums(be, x, shift):
+    x, shift = float32(be, "batch_norm_sums", x, shift)
+    _sizes(x, shift)
+    partial, splits = _stats_partials(be, x, shift)
+    return _added(be, partial, splits)
+
+
+def batch_norm_stats(be, sums, shift, count, eps):
+    sums, shift = float32(be, "batch_norm_stats", sums, shift)
+    if sums.shape != (2,) + shift.shape:
+        raise ValueError(f"batch norm sums {sums.shape} do not fit shift {shift.shape}")
+    return _stats_finish(be, sums, 1, shift, count, eps)
+
+
+def batch_norm_apply(be, x, gamma, beta, mean, invstd):
+    x, gamma, beta, mean, invstd = float32(be, "batch_norm_apply", x, gamma, beta, mean, invstd)
+    return apply(be, x, gamma, beta, mean, invstd)
 
 
 def apply(be, x, gamma, beta, mean, invstd, relu=False):
@@ -32,13 +50,24 @@ def apply(be, x, gamma, beta, mean, invstd, relu=False):
 
 
 def batch_norm_backward(be, dy, x, gamma, mean, invstd):
-    dy, x, gamma, mean, invstd = float32(be, "batch_norm_backward", dy, x, gamma, mean, invstd)
+    sums = batch_norm_backward_sums(be, dy, x, mean, invstd)
+    dx = batch_norm_backward_dx(be, dy, x, gamma, mean, invstd, sums, x.size // x.shape[1])
+    return dx, sums[0], sums[1]
+
+
+def batch_norm_backward_sums(be, dy, x, mean, invstd):
+    dy, x, mean, invstd = float32(be, "batch_norm_backward_sums", dy, x, mean, invstd)
+    _sizes(x, mean, dy)
+    return _affine_grads(be, dy, x, mean, invstd)
+
+
+def batch_norm_backward_dx(be, dy, x, gamma, mean, invstd, sums, count):
+    dy, x, gamma, mean, invstd, sums = float32(be, "batch_norm_backward_dx", dy, x, gamma, mean, invstd, sums)
     n, c, plane = _sizes(x, gamma, dy)
-    grads = _affine_grads(be, dy, x, mean, invstd)
     dx = be.xp.empty_like(x)
     launch(be, "batchnorm", "bn_backward_dx", blocks(x.size),
-           (dy, x, mean, invstd, gamma, grads, n * plane, x.size, c, plane, dx))
-    return dx, grads[0], grads[1]
+           (dy, x, mean, invstd, gamma, sums, count, x.size, c, plane, dx))
+    return dx
 
 
 def batch_norm_update_running(be, running_mean, running_var, mean, invstd, count, momentum, eps):
@@ -68,16 +97,39 @@ def batch_norm_inference_backward(be, dy, x, gamma, running_mean, running_var, e
     return dx, grads[0], grads[1]
 
 
+def _stats_partials(be, x, shift):
+    """(partial (splits, 2, C) of bn_stats_partials, splits)."""
+    n, c, plane = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
+    splits, chunk = split(n * plane, c)
+    partial = be.xp.empty((splits, 2, c), np.float32)
+    launch(be, "batchnorm", "bn_stats_partials", (c, splits), (x, shift, n, c, plane, chunk, partial))
+    return partial, splits
+
+
+def _stats_finish(be, partial, splits, shift, count, eps):
+    c = shift.size
+    mean, invstd = be.xp.empty((2, c), np.float32)
+    launch(be, "batchnorm", "bn_stats_finish", (cdiv(c, THREADS),),
+           (shift, partial, splits, c, count, float(eps), mean, invstd))
+    return mean, invstd
+
+
 def _affine_grads(be, dy, x, mean, invstd):
     """[dgamma; dbeta] (2, C): sums of dy * xhat and of dy per channel."""
     n, c, h, w = x.shape
     splits, chunk = split(n * h * w, c)
-    grads = be.xp.empty((2, c), np.float32)
-    partial = grads if splits == 1 else be.xp.empty((splits, 2, c), np.float32)
+    partial = be.xp.empty((splits, 2, c), np.float32)
     launch(be, "batchnorm", "bn_backward_partials", (c, splits), (dy, x, mean, invstd, n, c, h * w, chunk, partial))
-    if splits > 1:
-        sum_partials(be, "batchnorm", partial, splits, grads)
-    return grads
+    return _added(be, partial, splits)
+
+
+def _added(be, partial, splits):
+    """The (2, C) sum of partial (splits, 2, C) over its splits, in split order."""
+    if splits == 1:
+        return partial[0]
+    sums = be.xp.empty(partial.shape[1:], np.float32)
+    sum_partials(be, "batchnorm", partial, splits, sums)
+    return sums
 
 
 def _invstd(be, var, eps):
