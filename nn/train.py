@@ -97,16 +97,14 @@ class Config:
         if not self.bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
 
-    def check_world(self, world_size, train_images):
-        """What only the launch decides: the number of ranks against the batch and data."""
+    def check_world(self, world_size):
+        """What only the launch decides: the number of ranks against the flags."""
         if world_size > 1 and self.gpus:
             raise ConfigError(f"--gpus {self.gpus} under mpiexec: ranks on GPUs need the NCCL "
                               f"communicator, which is not built yet; use --gpus 0 for CPU ranks")
         if self.batch_size < world_size:
             raise ConfigError(f"--batch-size {self.batch_size} is smaller than the {world_size} ranks: "
                               f"every rank needs at least one image per step")
-        if train_images < world_size:
-            raise ConfigError(f"{train_images} training images cannot be shared by {world_size} ranks")
 
 
 def merge_resumed(given, saved):
@@ -284,9 +282,10 @@ def default_out():
     return Path("runs") / time.strftime("resnet18-%Y%m%d-%H%M%S")
 
 
-def prepare(given, log=print):
+def prepare(given, log=print, world_size=1):
     """Everything that can fail before training, checked first: the configuration
-    (merged with the checkpoint's when resuming), the data and the model."""
+    (merged with the checkpoint's when resuming) for ``world_size`` ranks, the data and
+    the model."""
     saved_arrays = record = None
     if given.get("resume"):
         saved_arrays, record = checkpoint.load(given["resume"])
@@ -296,6 +295,7 @@ def prepare(given, log=print):
     else:
         cfg = Config(**given)
     cfg.check()
+    cfg.check_world(world_size)
     try:
         xp = array_module_for(cfg.device)
     except DeviceError as e:
@@ -308,6 +308,8 @@ def prepare(given, log=print):
     train, test = (tuple(xp.asarray(a) for a in (images, labels.astype(np.int32)))
                    for images, labels in (_limited(splits["train"], cfg.limit, "limit"),
                                           _limited(splits["test"], cfg.test_limit, "test-limit")))
+    if len(train[0]) < world_size:
+        raise ConfigError(f"{len(train[0])} training images cannot be shared by {world_size} ranks")
     init.manual_seed(cfg.seed)
     model = resnet18(num_classes=data.NUM_CLASSES, in_channels=1, width=cfg.width, init=cfg.init)
     model.to(cfg.device)
@@ -335,8 +337,7 @@ def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
     comm = comm or SingleProcess()
     lead = comm.rank == 0
     log = log if lead else (lambda *a: None)
-    cfg, (x_train, y_train), (x_test, y_test), model, opt, record = prepare(given, log)
-    cfg.check_world(comm.world_size, len(x_train))
+    cfg, (x_train, y_train), (x_test, y_test), model, opt, record = prepare(given, log, comm.world_size)
     out = Path(cfg.out or default_out())
     if lead:
         out.mkdir(parents=True, exist_ok=True)
