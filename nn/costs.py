@@ -21,6 +21,11 @@ FLOAT, INDEX, LABEL, PIXEL = 4, 8, 4, 1
 # the two sums (3), dx = k * (dy - mean dy - x-hat * mean(dy x-hat)) (4).
 BN_FORWARD, BN_BACKWARD = 3 + 2, 2 + 3 + 4
 BN_INFERENCE, BN_INFERENCE_BACKWARD = 2, 1 + 2 + 3
+# The same passes in parts, for batch norm synchronised across replicas: the sums of x - shift and
+# of its square (subtract, add, multiply, add); the normalisation alone; the backward's sums
+# (x-hat, dy * x-hat, two sums) and its dx (x-hat again, then dx); per channel, the statistics
+# from the sums (two divisions, square, subtract, add eps, square root, reciprocal, add shift).
+BN_SUMS, BN_APPLY, BN_BACKWARD_SUMS, BN_BACKWARD_DX, BN_STATS = 4, 2, 2 + 3, 2 + 4, 8
 # softmax cross-entropy per logit: max, subtract, exp, sum, divide; backward: subtract, scale
 XENT_FORWARD, XENT_BACKWARD = 5, 2
 
@@ -95,6 +100,31 @@ def batch_norm_forward(x, gamma, beta, eps):
 def batch_norm_backward(dy, x, gamma, mean, invstd):
     c = x[1]
     return Cost(BN_BACKWARD * size(x), FLOAT * (3 * size(x) + 5 * c))
+
+
+def batch_norm_sums(x, shift):
+    c = x[1]
+    return Cost(BN_SUMS * size(x), FLOAT * (size(x) + 3 * c))
+
+
+def batch_norm_stats(sums, shift, count, eps):
+    c = size(shift)
+    return Cost(BN_STATS * c, FLOAT * 5 * c)
+
+
+def batch_norm_apply(x, gamma, beta, mean, invstd):
+    c = x[1]
+    return Cost(BN_APPLY * size(x), FLOAT * (2 * size(x) + 4 * c))
+
+
+def batch_norm_backward_sums(dy, x, mean, invstd):
+    c = x[1]
+    return Cost(BN_BACKWARD_SUMS * size(x), FLOAT * (2 * size(x) + 4 * c))
+
+
+def batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, count):
+    c = x[1]
+    return Cost(BN_BACKWARD_DX * size(x), FLOAT * (3 * size(x) + 5 * c))
 
 
 def batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps):
