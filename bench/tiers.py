@@ -11,15 +11,18 @@ results written to --out as soon as it ends, so that a run cut off early still l
   d  100 training steps at batch 256, ours beside PyTorch eager in both settings: sec/epoch
      (bench/train_times.py)
   e  one epoch on the full data: train_resnet.py --gpus 1 --epochs 1, and its test accuracy
+  f  the per-layer profile: the profiler's GPU test (pytest -m gpu tests/test_profiler.py), then
+     python -m nn.profiler at batch 256 (20 steps): profile.json, profile.csv and profile.png
 
 Budget: before each tier the time left is checked; a tier starts only when its usual time on one
-H200 fits in what is left, and it runs as subprocesses in their own sessions, killed at the tier's
-own limit or at the end of the budget, whichever comes first, so one hang cannot eat the budget.
-Tiers that do not fit are recorded as skipped, with the reason.
+H200 fits in what is left (the usual times of all tiers add up to the default budget or less), and
+it runs as subprocesses in their own sessions, killed at the tier's own limit or at the end of the
+budget, whichever comes first, so one hang cannot eat the budget. Tiers that do not fit are
+recorded as skipped, with the reason.
 
 Output in --out: summary.json and summary.txt (rewritten after every tier; the text is printed
 last), tier_<t>.json per tier, and each command's log (tier_<t>_<step>.log), pytest's junit XML,
-ops.json, training.json and the epoch's output folder.
+ops.json, training.json, the epoch's output folder and the profile's.
 Exit status: 0 when every selected tier passed (a dry run: every tier it covers); 1 when one
 failed, timed out or was skipped; 2 when there is no GPU (nothing ran; the summary says so).
 """
@@ -46,7 +49,7 @@ TEN_EPOCHS = ("PYTHONPATH=. python3 train_resnet.py --gpus 1 --epochs 10 --batch
 EPILOG = f"""The 10-epoch run on one GPU is a separate command (not part of this check):
   {TEN_EPOCHS}
 
---dry-run runs tiers c, d and e on the CPU with tiny shapes and the NumPy backend through the same
+--dry-run runs tiers c, d, e and f on the CPU with tiny shapes and the NumPy backend through the same
 code (wall-clock timing), to check the check without a GPU."""
 
 
@@ -212,12 +215,24 @@ def epoch(run):
     return {"epoch": metrics[-1] if metrics else None}
 
 
+def layer_profile(run):
+    results = {} if run.args.dry_run else {"pytest": pytest_gpu(run, "pytest", "tests/test_profiler.py", limit=40)}
+    out = run.path("profile")
+    # the dry run: the same command on the CPU, on a narrow model and a small batch
+    shape = ["--device", "cpu", "--width", "4", "--batch-size", "8", "--steps", "2", "--warmup", "1"] \
+        if run.args.dry_run else ["--device", "cuda", "--batch-size", "256", "--steps", "20", "--warmup", "3"]
+    run.command("profile", [PYTHON, "-m", "nn.profiler", *shape, "--out", out])
+    results["profile"] = report.read_json(out / "profile.json")
+    return results
+
+
 TIERS = (
     Tier("a", "GPU tests on small shapes; compute-sanitizer memcheck and racecheck", 70, 150, small_tests, False),
     Tier("b", "full-shape GPU tests against PyTorch float64", 45, 100, full_tests, False),
     Tier("c", "each op at every ResNet-18 layer shape, batch 256, beside PyTorch", 35, 80, op_times, True),
     Tier("d", "100 training steps at batch 256, beside PyTorch eager", 40, 90, train_times, True),
     Tier("e", "one epoch on the full data, train_resnet.py --gpus 1", 60, 120, epoch, True),
+    Tier("f", "per-layer profile of a training step at batch 256, nn/profiler.py", 25, 75, layer_profile, True),
 )
 
 
@@ -227,7 +242,7 @@ def run_tier(tier, args, left):
     """The tier's result: its own (or why it was skipped), with its status, time and commands."""
     head = {"tier": tier.key, "title": tier.title}
     if args.dry_run and not tier.dry_run:
-        return {**head, "status": "not run", "reason": "needs a GPU: a dry run covers tiers c, d and e"}
+        return {**head, "status": "not run", "reason": "needs a GPU: a dry run covers tiers c, d, e and f"}
     if left < tier.estimate_s:
         return {**head, "status": "skipped",
                 "reason": f"{max(left, 0):.0f} s of the {args.budget_seconds:.0f} s budget left; this tier takes "
@@ -256,7 +271,7 @@ def status(commands, details):
     tests = [c["tests"] for c in commands if "tests" in c]
     if any(c.get("status") == "skipped" for c in commands) or any(t is None or t["passed"] == 0 for t in tests):
         return "skipped"
-    if any(v is None for k, v in details.items() if k in ("ops", "training", "epoch")):
+    if any(v is None for k, v in details.items() if k in ("ops", "training", "epoch", "profile")):
         return "failed"
     return "passed"
 
@@ -288,12 +303,12 @@ def parse_args(argv):
                         "./data/fashion-mnist)")
     p.add_argument("--out", metavar="DIR", default=time.strftime("runs/gpu-check-%Y%m%d-%H%M%S"),
                    help="results folder (default: runs/gpu-check-<date>-<time>)")
-    p.add_argument("--tiers", default="a,b,c,d,e", metavar="a,b,c,d,e",
+    p.add_argument("--tiers", default="a,b,c,d,e,f", metavar="a,b,c,d,e,f",
                    help="the tiers to run, comma-separated (default: %(default)s)")
     p.add_argument("--budget-seconds", type=float, default=280, metavar="S",
                    help="total time for all tiers; a tier that would not fit is skipped (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true",
-                   help="tiers c, d and e on the CPU, tiny, through the same code: checks the check")
+                   help="tiers c, d, e and f on the CPU, tiny, through the same code: checks the check")
     args = p.parse_args(argv)
     keys = [k.strip() for k in args.tiers.split(",") if k.strip()]
     unknown = sorted(set(keys) - {t.key for t in TIERS})
