@@ -22,8 +22,9 @@ then puts back the model's state, the optimizer's velocity and the train/eval mo
 
 What it measures. Every module's forward and backward, through the module hook of nn/hooks.py
 (the backward events come from the tape), and the explicit spans of the step: the batch gather,
-zero_grad, the loss (its forward, and its backward: the part of loss.backward() outside the
-model, which is the loss gradient and the tape's sort), the optimizer step. A mark is taken at
+zero_grad, the loss (its forward, and its backward: the part of loss.backward() before the
+model's, which is the loss gradient and the tape's sort), the release of the tape as backward()
+returns (it frees the step's activations), the optimizer step. A mark is taken at
 every begin and end: on the CPU backend the wall clock (NumPy returns when its work is done); on
 CuPy a CUDA event recorded on the current stream, all read after the step, so that timing never
 stalls the device mid-step (a layer's time is then the GPU time between its events, launch gaps
@@ -81,6 +82,9 @@ from .tensor import Tensor
 
 PHASES = ("forward", "backward", "other")
 UNTRACKED = ("(between spans)", "untracked")    # the step's own key: Python between the spans
+# From the model's backward end to the next mark: backward() returning, which drops the tape and
+# with it the step's activations (NumPy hands large arrays back to the OS right there)
+TAPE_RELEASE = (("release of the tape", "autograd"), "backward")
 CONTRACT = tuple(name for name, fn in vars(kernels.cpu).items()
                  if inspect.isfunction(fn) and not name.startswith("_"))
 
@@ -254,15 +258,20 @@ class Profiler:
 
     def _on_module(self, module, event):
         key = self.keys.get(id(module))
-        if key is not None:     # modules of another model are not ours to time
-            phase, edge = event.split("_")
-            self._edge(edge, key, phase)
+        if key is None:     # modules of another model are not ours to time
+            return
+        phase, edge = event.split("_")
+        self._edge(edge, key, phase)
+        if key == self.root and event == "backward_end":
+            self._edge("begin", *TAPE_RELEASE)
 
     def _mark(self, stream=None):
         self.marks.append(self.clock.mark(stream))
         return len(self.marks) - 1
 
     def _edge(self, edge, key, phase):
+        if self.open and self.open[-1] == TAPE_RELEASE and (key, phase) != TAPE_RELEASE:
+            self._edge("end", *TAPE_RELEASE)    # the tape's release lasts until the next mark
         if edge == "begin":
             self.nvtx.push(f"{key[0] or 'model'} {phase}")
             self.timeline.append((self._mark(), edge, key, phase))

@@ -66,6 +66,9 @@ def test_every_layer_has_an_entry_with_its_shape_and_kernels(resnet):
         assert span in rows, span
     assert set(rows["batch gather", "data"].kernels["other"]) == {"images_to_float"}
     assert set(rows["loss", "loss"].kernels["backward"]) == {"softmax_cross_entropy_backward"}
+    # after the model's backward, backward() returns and drops the tape: a row of its own
+    release = rows["release of the tape", "autograd"]
+    assert release.ms["backward"] > 0 and not any(release.kernels.values())
     assert set(rows["optimizer step", "optimizer"].kernels["other"]) == {"sgd_update"}
     assert all(r.total_ms >= 0 for r in report.rows) and rows["0", "layer"].ms["backward"] > 0
 
