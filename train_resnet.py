@@ -17,22 +17,27 @@ prints and writes the files. --lr is the learning rate of the global batch (add
 """
 import argparse
 import sys
+import time
 import traceback
 
 from parallel import launch
 
 launch.limit_threads()  # before NumPy loads: ranks of one machine share its cores
 
+import kernels  # noqa: E402
 from nn import checkpoint, data, train  # noqa: E402
 from parallel import comm as communicators  # noqa: E402
 
 D = train.Config()
+WATCHDOG_SECONDS = 600.0
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=0,
-                   help="GPUs to train on: 0 trains on the CPU, 1 on one GPU through CuPy (default 0)")
+                   help="GPUs to train on: 0 trains on the CPU, 1 on one GPU through CuPy, N on N GPUs "
+                        "of this machine, one worker process each, gradients summed over NCCL; under "
+                        "mpiexec, the GPUs of each node, one rank each (default 0)")
     p.add_argument("--epochs", type=int, help=f"total epochs, counting resumed ones (default {D.epochs})")
     p.add_argument("--batch-size", type=int, help=f"images per step (default {D.batch_size})")
     p.add_argument("--lr", type=float, help=f"learning rate (default {D.lr})")
@@ -65,15 +70,55 @@ def parse_args(argv):
                           "they differ (default 0: only at the start)")
     ddp.add_argument("--bucket-mb", type=float,
                      help=f"gradient all-reduce bucket size in MB (default {D.bucket_mb:g})")
+    ddp.add_argument("--watchdog", type=float, default=WATCHDOG_SECONDS, metavar="SECONDS",
+                     help="with --gpus N: stop the job when a worker has not finished a step for this long "
+                          f"(default {WATCHDOG_SECONDS:g}; the first step compiles the kernels)")
     return p, p.parse_args(argv)
+
+
+def usage_error(parser, message):
+    """parser.error, printed once: under mpiexec every rank finds the same fault, and only
+    rank 0 says so (the others give it time to, since mpiexec ends the job at the first
+    rank that exits with an error)."""
+    world = launch.mpi_world()
+    if world is not None and world.rank != 0:
+        time.sleep(10)
+        sys.exit(2)
+    parser.error(message)
+
+
+def train_on_gpus(parser, given, watchdog):
+    """--gpus N on one node: one worker process per GPU; this process waits for them."""
+    try:
+        unique_id = communicators.NCCLCommunicator.unique_id()
+    except Exception as e:
+        parser.error(f"--gpus {given['gpus']}: NCCL is unavailable ({type(e).__name__}: {e})")
+    print(f"starting {given['gpus']} worker processes, one per GPU; rank 0 reports", flush=True)
+    try:
+        launch.run_workers(given["gpus"], train.gpu_worker, (given, unique_id), watchdog=watchdog)
+    except launch.WorkerFailed as e:
+        if e.trace:
+            print(e.trace.rstrip(), file=sys.stderr)
+        print(f"error: {e} (GPU {e.rank}); every worker was stopped", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: every worker was stopped; the files of the last finished epoch are kept, "
+              "and --resume continues from them", file=sys.stderr)
+        return 130
+    return 0
 
 
 def main(argv=None):
     parser, args = parse_args(argv)
-    given = {k: v for k, v in vars(args).items() if v is not None}
+    watchdog = args.watchdog
+    given = {k: v for k, v in vars(args).items() if v is not None and k != "watchdog"}
+    if args.gpus > kernels.gpu_count():
+        usage_error(parser, f"--gpus {args.gpus}: this machine has {kernels.gpu_count()} GPU(s) that CuPy can use")
+    if args.gpus > 1 and launch.mpi_world() is None:
+        return train_on_gpus(parser, given, watchdog)
     comm = communicators.SingleProcess()
     try:
-        comm = communicators.from_environment()
+        comm = communicators.for_training(args.gpus)
         train.run(given, comm)
         return 0
     except (train.ConfigError, checkpoint.CheckpointError, data.DataError) as e:
@@ -82,6 +127,8 @@ def main(argv=None):
             parser.error(str(e))
     except (train.NonFiniteLoss, train.OutOfMemory) as e:
         code, message = 1, f"error: {e}"
+    except launch.LaunchError as e:
+        code, message = 2, f"{parser.prog}: error: {e}"
     except KeyboardInterrupt:
         code, message = 130, ("\ninterrupted: the files of the last finished epoch are kept; --resume "
                               "continues from them")

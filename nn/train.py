@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kernels import DeviceError, array_module_for, backend_of, get_array_module
-from parallel.comm import SingleProcess
+from parallel.comm import NCCLCommunicator, SingleProcess
 from parallel.ddp import DEFAULT_BUCKET_MB, DataParallel, shard_bounds
 from . import checkpoint, data, init
 from .functional import cross_entropy
@@ -85,9 +85,6 @@ class Config:
             raise ConfigError(f"unknown init {self.init!r}: choose one of {init.SCHEMES}")
         if self.gpus < 0:
             raise ConfigError(f"--gpus must be 0 or more, got {self.gpus}")
-        if self.gpus > 1:
-            raise ConfigError(f"--gpus {self.gpus}: training on several GPUs is not built yet; "
-                              f"use --gpus 1, or 0 for the CPU")
         for name in ("limit", "test_limit"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -99,9 +96,6 @@ class Config:
 
     def check_world(self, world_size):
         """What only the launch decides: the number of ranks against the flags."""
-        if world_size > 1 and self.gpus:
-            raise ConfigError(f"--gpus {self.gpus} under mpiexec: ranks on GPUs need the NCCL "
-                              f"communicator, which is not built yet; use --gpus 0 for CPU ranks")
         if self.batch_size < world_size:
             raise ConfigError(f"--batch-size {self.batch_size} is smaller than the {world_size} ranks: "
                               f"every rank needs at least one image per step")
@@ -181,8 +175,8 @@ class _Window:
 
     def totals(self, comm):
         """(mean loss per step, correct count) over every rank."""
-        totals = comm.all_reduce(np.array([self.loss_sum, self.correct_sum]))
-        return totals[0] / max(self.steps, 1), totals[1]
+        loss_sum, correct = comm.all_reduce_values([self.loss_sum, self.correct_sum])
+        return loss_sum / max(self.steps, 1), correct
 
 
 def _kept(out, epoch):
@@ -204,7 +198,7 @@ def evaluate(model, images, labels, batch_size, comm=SingleProcess()):
             loss_sum += float(cross_entropy(logits, labels[idx]).data) * len(idx)
             correct += float(K.count_correct(logits.data, labels[idx]))
     model.train()
-    loss_sum, correct = comm.all_reduce(np.array([loss_sum, correct]))
+    loss_sum, correct = comm.all_reduce_values([loss_sum, correct])
     return loss_sum / len(images), correct / len(images)
 
 
@@ -383,3 +377,11 @@ def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
     log(f"test acc: {metrics[-1]['test_acc']:.2f}, {mean_seconds:.1f} sec/epoch on {backend_of(x_train).name}"
         + (f", {comm.world_size} ranks" if comm.world_size > 1 else ""))
     return metrics
+
+
+def gpu_worker(rank, world_size, given, unique_id):
+    """One worker process of ``--gpus N`` on one node: it trains on GPU ``rank`` and
+    sums gradients with the others over NCCL (``unique_id`` from the parent)."""
+    import cupy
+    cupy.cuda.Device(rank).use()
+    run(given, NCCLCommunicator(rank, world_size, unique_id))

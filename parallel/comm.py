@@ -3,21 +3,26 @@
 ``Communicator`` is the interface: ``rank``, ``world_size``, ``local_rank`` and
 
     all_reduce(array, average=False)   sum over ranks, in place (then / world_size)
+    start_all_reduce(array), wait()    the same, begun now and finished by wait(), so that
+                                       work queued meanwhile can overlap it
     broadcast(array, root=0)           root's values everywhere, in place
     barrier()
     abort(code)                        end every rank of the job now
+    all_reduce_values(values)          a few Python numbers summed over ranks
 
-Arrays are contiguous; every rank passes the same shape and dtype, and every rank
-calls the same collectives in the same order (they block until all have).
+Arrays are contiguous, of the communicator's array module ``xp``; every rank passes
+the same shape and dtype, and every rank calls the same collectives in the same order.
 ``SingleProcess`` is a world of one that runs through the same code without MPI;
-``MPICommunicator`` moves host (NumPy) arrays with mpi4py; the NCCL one moves CuPy
-arrays. ``from_environment()`` picks MPI when the process was started by mpiexec.
+``MPICommunicator`` moves host (NumPy) arrays with mpi4py; ``NCCLCommunicator``
+moves CuPy arrays between GPUs. ``for_training(gpus)`` picks one from how the process
+was launched.
 """
 import os
 import sys
 
 import numpy as np
 
+from . import launch
 from .launch import mpi_world
 
 
@@ -25,9 +30,18 @@ class Communicator:
     rank = 0
     world_size = 1
     local_rank = 0
+    xp = np
 
     def all_reduce(self, array, average=False):
         raise NotImplementedError
+
+    def start_all_reduce(self, array):
+        """Begin summing ``array`` over ranks; it holds the sum after ``wait()``. Here it
+        is done at once; the NCCL communicator overlaps it with later work."""
+        self.all_reduce(array)
+
+    def wait(self):
+        """Work queued after this waits for every started all-reduce."""
 
     def broadcast(self, array, root=0):
         raise NotImplementedError
@@ -38,14 +52,19 @@ class Communicator:
     def abort(self, code=1):
         raise NotImplementedError
 
-    def all_gather_scalar(self, value, xp=np):
-        """[value of rank 0, value of rank 1, ...] on every rank, through all_reduce
-        (one slot per rank, the others zero), so that any communicator offers it.
-        Values are float64: integers are exact below 2**53."""
-        slots = xp.zeros(self.world_size, np.float64)
+    def all_reduce_values(self, values):
+        """The sums over ranks of a few Python numbers, as floats (float64: integers are
+        exact below 2**53), through all_reduce so that any communicator offers it."""
+        array = self.xp.asarray(np.asarray(values, np.float64))
+        self.all_reduce(array)
+        return [float(v) for v in (array if self.xp is np else array.get())]
+
+    def all_gather_scalar(self, value):
+        """[value of rank 0, value of rank 1, ...] on every rank: one slot per rank,
+        the others zero, summed."""
+        slots = [0.0] * self.world_size
         slots[self.rank] = value
-        self.all_reduce(slots)
-        return [float(v) for v in (slots if xp is np else slots.get())]
+        return self.all_reduce_values(slots)
 
     def __repr__(self):
         return f"{type(self).__name__}(rank {self.rank} of {self.world_size})"
@@ -102,11 +121,99 @@ class MPICommunicator(Communicator):
         self.comm.Abort(code)
 
 
+class NCCLCommunicator(Communicator):
+    """Collectives over NCCL on CuPy arrays of this process's GPU (one process per GPU).
+    ``all_reduce``, ``broadcast`` and ``barrier`` run on the current stream, in order with
+    the kernels around them; ``start_all_reduce`` runs on the communicator's own stream,
+    after what the current stream has queued so far, so that the kernels queued next
+    (the rest of backward) overlap it, and ``wait()`` orders the current stream after
+    all of them. When the launcher stops the job, ``abort`` on a watchdog thread ends a
+    collective that waits for a peer that is gone."""
+
+    def __init__(self, rank, world_size, unique_id, local_rank=None):
+        import cupy
+        from cupy.cuda import nccl
+        if not nccl.available:
+            raise RuntimeError("CuPy cannot load NCCL: pip install '.[cuda13]' (or '.[cuda12]'), "
+                               "which brings nvidia-nccl")
+        self._cupy, self._nccl = cupy, nccl
+        self.xp = cupy
+        self.rank, self.world_size = rank, world_size
+        self.local_rank = rank if local_rank is None else local_rank
+        self.comm = nccl.NcclCommunicator(world_size, unique_id, rank)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
+                       np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.int32): nccl.NCCL_INT32}
+        launch.on_stop(self.comm.abort)
+
+    @staticmethod
+    def unique_id():
+        """A new NCCL id, for the process that starts the others to hand to each."""
+        from cupy.cuda import nccl
+        return nccl.get_unique_id()
+
+    def _args(self, array):
+        if not isinstance(array, self._cupy.ndarray) or not array.flags.c_contiguous:
+            raise TypeError(f"the NCCL communicator moves contiguous CuPy arrays, got {type(array).__name__}")
+        return array.data.ptr, array.size, self._types[array.dtype]
+
+    def all_reduce(self, array, average=False, stream=None):
+        ptr, count, dtype = self._args(array)
+        op = self._nccl.NCCL_AVG if average else self._nccl.NCCL_SUM
+        stream = stream or self._cupy.cuda.get_current_stream()
+        self.comm.allReduce(ptr, ptr, count, dtype, op, stream.ptr)
+        return array
+
+    def start_all_reduce(self, array):
+        self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
+        self.all_reduce(array, stream=self.stream)
+
+    def wait(self):
+        self._cupy.cuda.get_current_stream().wait_event(self.stream.record())
+
+    def broadcast(self, array, root=0):
+        _check_root(root, self.world_size)
+        ptr, count, dtype = self._args(array)
+        self.comm.bcast(ptr, count, dtype, root, self._cupy.cuda.get_current_stream().ptr)
+        return array
+
+    def barrier(self):
+        self.all_reduce(self._cupy.zeros(1, np.float32))
+        self._cupy.cuda.get_current_stream().synchronize()
+
+    def abort(self, code=1):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.comm.abort()
+        os._exit(code)
+
+
 def from_environment():
     """MPI when this process is one rank of an mpiexec job, else a world of one."""
     world = mpi_world()
     if world is None or world.size == 1:
         return SingleProcess()
+    return _mpi(world)
+
+
+def for_training(gpus):
+    """This process's communicator for ``--gpus``: under mpiexec, MPI between CPU ranks
+    (gpus 0), or NCCL between GPU ranks (one GPU per rank, the rank's local rank; the
+    NCCL id goes from rank 0 to the others over MPI); else a world of one."""
+    world = mpi_world()
+    if world is None or world.size == 1 or not gpus:
+        return from_environment()
+    if world.local_size != gpus:
+        raise launch.LaunchError(f"--gpus {gpus} is the GPUs per node, but mpiexec started {world.local_size} "
+                         f"ranks on this node: start one rank per GPU (e.g. mpiexec -N {gpus})")
+    mpi = _mpi(world)
+    import cupy
+    cupy.cuda.Device(world.local_rank).use()
+    unique_id = mpi.comm.bcast(NCCLCommunicator.unique_id() if world.rank == 0 else None, root=0)
+    return NCCLCommunicator(world.rank, world.size, unique_id, world.local_rank)
+
+
+def _mpi(world):
     try:
         return MPICommunicator()
     except ImportError:

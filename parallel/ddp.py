@@ -16,7 +16,9 @@
   registration order (the order backward finishes them) until each holds ``bucket_mb``.
   A parameter's gradient-final hook counts down its bucket; a bucket is all-reduced as
   soon as it is complete and every bucket before it has been, so every rank reduces the
-  same slices in the same order. Then every rank applies the same optimizer step.
+  same slices in the same order; on GPUs it runs on the communicator's stream while
+  backward goes on, and the optimizer step waits for the last one. Then every rank
+  applies the same optimizer step.
 - Batch norm: per-replica statistics by default; ``average_buffers()`` makes the running
   statistics the mean over ranks (the trainer calls it before every evaluation and
   checkpoint). ``sync_bn=True`` normalises over the whole batch instead (see
@@ -28,6 +30,7 @@ import numpy as np
 
 from kernels import get_array_module
 from nn.modules import synchronise_batch_norm
+from . import launch
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -150,6 +153,8 @@ class DataParallel:
         for bucket in self.buckets[self._next:]:
             bucket.pending = 0
         self._reduce_ready()
+        self.comm.wait()  # the optimizer step comes after the last bucket's sum
+        launch.heartbeat()
 
     def _grad_ready(self, param):
         self._bucket_of[id(param)].pending -= 1
@@ -158,7 +163,7 @@ class DataParallel:
     def _reduce_ready(self):
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
-            self.comm.all_reduce(self.flat.grad[bucket.lo:bucket.hi])
+            self.comm.start_all_reduce(self.flat.grad[bucket.lo:bucket.hi])
             self.reduced.append((bucket.lo, bucket.hi))
             self._next += 1
 

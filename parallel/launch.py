@@ -1,4 +1,11 @@
-"""How this process was launched, and what that asks of it before NumPy loads.
+"""Starting ranks: one worker process per GPU on this node, or the ranks of mpiexec.
+
+``run_workers(n, target, args)`` starts n processes, each calling
+``target(rank, n, *args)``, and waits for them. If one raises, exits with an error
+or a signal, or stops calling ``heartbeat()`` for longer than the watchdog allows, the
+others are stopped (first the callbacks they registered with ``on_stop``, such as
+aborting their NCCL communicator, then SIGTERM, then SIGKILL) and ``WorkerFailed``
+names the worker and what happened. Ctrl-C stops every worker too.
 
 Under ``mpiexec`` each rank learns its place from MPI's environment (Open MPI's
 OMPI_COMM_WORLD_*, MPICH's PMI_* and MPI_LOCAL*), and several ranks share one
@@ -7,10 +14,19 @@ share, which only works before NumPy is first imported, so this module imports
 nothing heavy.
 """
 import collections
+import multiprocessing
 import os
+import signal
 import sys
+import threading
+import time
+import traceback
 
 World = collections.namedtuple("World", "rank size local_rank local_size")
+
+
+class LaunchError(ValueError):
+    """How the ranks were started does not fit what the flags ask for."""
 
 # (rank, size, local rank, local size) variables of each MPI implementation
 _ENVIRONMENTS = (
@@ -61,3 +77,122 @@ def fail(comm, code, message):
         comm.abort(code)
     print(message, file=sys.stderr)
     return code
+
+
+# ---- one process per GPU ------------------------------------------------------------------
+
+GRACE_SECONDS = 5.0   # for a stopped worker to end by itself, then again after SIGTERM
+_beat = None          # this worker's heartbeat clock, shared with the parent
+_stop = None          # set by the parent when the job is stopped
+
+
+class WorkerFailed(RuntimeError):
+    """``rank``, ``reason``, and ``trace``: the worker's traceback when it raised."""
+
+    def __init__(self, rank, reason, trace=None):
+        super().__init__(f"worker {rank} {reason}")
+        self.rank, self.reason, self.trace = rank, reason, trace
+
+
+def heartbeat():
+    """Tell the parent's watchdog that this worker is making progress (the trainer calls
+    it every step); nothing outside a worker."""
+    if _beat is not None:
+        _beat.value = time.monotonic()
+
+
+def on_stop(fn):
+    """Call ``fn()`` on a watchdog thread when the parent stops the job, so that a worker
+    blocked in a collective for a peer that is gone gets out of it; nothing outside a worker."""
+    if _stop is None:
+        return
+
+    def watch():
+        # a polled flag, not a multiprocessing Event: setting an Event blocks for ever
+        # when a process that waited on it has died, which is what happens here
+        while not _stop.value:
+            time.sleep(0.1)
+        fn()
+    threading.Thread(target=watch, name="stop-watchdog", daemon=True).start()
+
+
+def _worker(rank, world_size, target, args, beat, stop, errors):
+    global _beat, _stop
+    _beat, _stop = beat, stop
+    heartbeat()
+    try:
+        target(rank, world_size, *args)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            errors.put((rank, f"exited with {e.code}", ""))
+        raise
+    except BaseException as e:  # KeyboardInterrupt too: the parent must hear
+        errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        errors.close()
+        errors.join_thread()
+        sys.exit(1)
+
+
+def run_workers(world_size, target, args=(), watchdog=None, poll=0.05):
+    """Run ``target(rank, world_size, *args)`` in ``world_size`` new processes (spawned:
+    CUDA does not survive fork); returns when all have ended well, else stops them all
+    and raises WorkerFailed. ``watchdog``: seconds without a heartbeat after which a
+    worker counts as hung (None: never)."""
+    context = multiprocessing.get_context("spawn")
+    stop, errors = context.Value("b", 0), context.Queue()
+    beats = [context.Value("d", time.monotonic()) for _ in range(world_size)]
+    workers = [context.Process(target=_worker, name=f"worker-{rank}",
+                               args=(rank, world_size, target, args, beats[rank], stop, errors))
+               for rank in range(world_size)]
+    for w in workers:
+        w.start()
+    try:
+        failure = _watch(workers, beats, errors, watchdog, poll)
+    except KeyboardInterrupt:
+        _stop_all(workers, stop)
+        raise
+    if failure is not None:
+        _stop_all(workers, stop)
+        raise WorkerFailed(*failure)
+
+
+def _watch(workers, beats, errors, watchdog, poll):
+    """(rank, reason, traceback) of the first worker to fail, or None when all succeed."""
+    reported, ended = {}, {}
+    while True:
+        while not errors.empty():
+            rank, message, trace = errors.get()
+            reported[rank] = (message, trace)
+        for rank, w in enumerate(workers):
+            if w.exitcode is None or w.exitcode == 0:
+                continue
+            if w.exitcode < 0:
+                return rank, f"was killed by signal {signal.Signals(-w.exitcode).name}", None
+            if rank in reported:
+                message, trace = reported[rank]
+                return rank, (message if message.startswith("exited") else "raised " + message), trace or None
+            # its report may still be in the pipe
+            if time.monotonic() - ended.setdefault(rank, time.monotonic()) > 1.0:
+                return rank, f"exited with code {w.exitcode}", None
+        if all(w.exitcode == 0 for w in workers):
+            return None
+        if watchdog is not None:
+            now = time.monotonic()
+            for rank, w in enumerate(workers):
+                if w.exitcode is None and now - beats[rank].value > watchdog:
+                    return rank, f"hung: no progress for {now - beats[rank].value:.0f} s (watchdog {watchdog:g} s)", None
+        time.sleep(poll)
+
+
+def _stop_all(workers, stop):
+    """The workers' stop callbacks first, then SIGTERM, then SIGKILL, each after a grace."""
+    stop.value = 1
+    for signal_them in (lambda w: None, lambda w: w.terminate(), lambda w: w.kill()):
+        deadline = time.monotonic() + GRACE_SECONDS
+        for w in workers:
+            if w.exitcode is None:
+                signal_them(w)
+        for w in workers:
+            w.join(max(0.0, deadline - time.monotonic()))
+        if all(w.exitcode is not None for w in workers):
+            return

@@ -95,7 +95,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     (["--test-limit", "25"], "--test-limit 25 is larger than the split, which has 24"),
     (["--resume", "/no/such/checkpoint.npz"], "no checkpoint at /no/such/checkpoint.npz"),
     (["--gpus", "1"], "--gpus 1: "),  # no GPU on a test machine
-    (["--gpus", "2"], "several GPUs is not built yet"),
+    (["--gpus", "2"], "--gpus 2: this machine has 0 GPU(s)"),
     (["--gpus", "-1"], "--gpus must be 0 or more"),
     (["--schedule", "linear"], "invalid choice"),
 ])

@@ -203,9 +203,18 @@ def test_check_sync_stops_when_the_replicas_diverge(data_dir, tmp_path):
     assert "parameters differ across ranks after epoch 1, step 2: rank(s) [1] disagree with rank 0" in done.stderr
 
 
+def test_gpus_per_node_must_match_the_ranks_mpiexec_started_here(monkeypatch):
+    from parallel.comm import for_training
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    with pytest.raises(launch.LaunchError, match="--gpus 4 is the GPUs per node, but mpiexec started 2 ranks"):
+        for_training(4)
+
+
 @needs_mpi
-def test_gpus_under_mpiexec_wait_for_nccl(data_dir, tmp_path):
+def test_gpus_under_mpiexec_on_a_machine_without_them_is_one_clear_error(data_dir, tmp_path):
     done = mpirun(2, "train_resnet.py", "--data-dir", data_dir, "--out", tmp_path, *SMALL[2:], "--gpus", "1",
                   timeout=60)
     assert done.returncode == 2
-    assert "ranks on GPUs need the NCCL communicator" in done.stderr
+    assert done.stderr.count("--gpus 1: this machine has 0 GPU(s)") == 1, done.stderr

@@ -1,0 +1,89 @@
+"""The launcher of --gpus N, on the CPU: worker processes that run plain functions. One
+raises, one is killed by a signal, one hangs past the watchdog, the parent is interrupted:
+every time, the parent ends every worker and says which one failed and how."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import launch_targets
+from parallel import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def short_grace(monkeypatch):
+    monkeypatch.setattr(launch, "GRACE_SECONDS", 1.0)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def assert_all_ended(out, world_size):
+    pids = [int((out / f"pid{r}").read_text()) for r in range(world_size)]
+    assert not any(alive(p) for p in pids), "a worker outlived the job"
+
+
+def test_workers_that_succeed_all_run(tmp_path):
+    launch.run_workers(3, launch_targets.succeed, (tmp_path,))
+    assert sorted(p.read_text() for p in tmp_path.glob("done*")) == ["0 of 3", "1 of 3", "2 of 3"]
+
+
+def test_a_worker_that_raises_stops_the_others_and_is_named(tmp_path):
+    began = time.monotonic()
+    with pytest.raises(launch.WorkerFailed) as e:
+        launch.run_workers(3, launch_targets.one_raises, (tmp_path, 1))
+    assert (e.value.rank, e.value.reason) == (1, "raised ValueError: no such layer on rank 1")
+    assert "Traceback" in e.value.trace
+    assert time.monotonic() - began < 30
+    assert_all_ended(tmp_path, 3)
+    # the others were asked to leave their collectives before any signal
+    assert (tmp_path / "stopped0").exists() and (tmp_path / "stopped2").exists()
+
+
+def test_a_worker_killed_by_a_signal_is_named(tmp_path):
+    with pytest.raises(launch.WorkerFailed) as e:
+        launch.run_workers(2, launch_targets.one_is_killed, (tmp_path, 0))
+    assert str(e.value) == "worker 0 was killed by signal SIGKILL"
+    assert_all_ended(tmp_path, 2)
+
+
+def test_a_worker_that_hangs_past_the_watchdog_is_named(tmp_path):
+    began = time.monotonic()
+    with pytest.raises(launch.WorkerFailed, match=r"worker 1 hung: no progress for \d+ s \(watchdog 1\.5 s\)"):
+        launch.run_workers(2, launch_targets.one_hangs, (tmp_path, 1), watchdog=1.5)
+    assert time.monotonic() - began < 30
+    assert_all_ended(tmp_path, 2)
+
+
+def test_ctrl_c_in_the_parent_stops_every_worker(tmp_path):
+    script = (f"import sys; sys.path[:0] = {[str(ROOT), str(ROOT / 'tests')]!r}\n"
+              "import launch_targets\nfrom parallel import launch\nlaunch.GRACE_SECONDS = 1.0\n"
+              "try:\n"
+              f"    launch.run_workers(2, launch_targets.all_busy, ({str(tmp_path)!r},))\n"
+              "except KeyboardInterrupt:\n    sys.exit(130)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    parent.send_signal(signal.SIGINT)
+    assert parent.wait(timeout=30) == 130
+    assert_all_ended(tmp_path, 2)
+
+
+def test_more_gpus_than_the_machine_has_is_an_error_before_anything_starts(tmp_path):
+    done = subprocess.run([sys.executable, "train_resnet.py", "--gpus", "64", "--out", str(tmp_path / "run")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--gpus 64: this machine has" in done.stderr
+    assert not (tmp_path / "run").exists()
