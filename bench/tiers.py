@@ -13,6 +13,8 @@ results written to --out as soon as it ends, so that a run cut off early still l
   e  one epoch on the full data: train_resnet.py --gpus 1 --epochs 1, and its test accuracy
   f  the per-layer profile: the profiler's GPU test (pytest -m gpu tests/test_profiler.py), then
      python -m nn.profiler at batch 256 (20 steps): profile.json, profile.csv and profile.png
+  g  NCCL data parallelism: the communicator, the trainer through NCCL in a world of one against the
+     trainer without it, and two GPUs against one where there are two (tests/test_gpu_nccl.py)
 
 Budget: before each tier the time left is checked; a tier starts only when its usual time on one
 H200 fits in what is left (the usual times of all tiers add up to the default budget or less), and
@@ -215,6 +217,10 @@ def epoch(run):
     return {"epoch": metrics[-1] if metrics else None}
 
 
+def nccl_tests(run):
+    return {"pytest": pytest_gpu(run, "pytest", "tests/test_gpu_nccl.py", limit=55)}
+
+
 def layer_profile(run):
     results = {} if run.args.dry_run else {"pytest": pytest_gpu(run, "pytest", "tests/test_profiler.py", limit=40)}
     out = run.path("profile")
@@ -231,8 +237,10 @@ TIERS = (
     Tier("b", "full-shape GPU tests against PyTorch float64", 45, 100, full_tests, False),
     Tier("c", "each op at every ResNet-18 layer shape, batch 256, beside PyTorch", 35, 80, op_times, True),
     Tier("d", "100 training steps at batch 256, beside PyTorch eager", 40, 90, train_times, True),
-    Tier("e", "one epoch on the full data, train_resnet.py --gpus 1", 60, 120, epoch, True),
+    Tier("e", "one epoch on the full data, train_resnet.py --gpus 1", 45, 120, epoch, True),
     Tier("f", "per-layer profile of a training step at batch 256, nn/profiler.py", 25, 75, layer_profile, True),
+    Tier("g", "NCCL data parallelism: world of one through the trainer; two GPUs where present", 15, 60,
+         nccl_tests, False),
 )
 
 
@@ -303,7 +311,8 @@ def parse_args(argv):
                         "./data/fashion-mnist)")
     p.add_argument("--out", metavar="DIR", default=time.strftime("runs/gpu-check-%Y%m%d-%H%M%S"),
                    help="results folder (default: runs/gpu-check-<date>-<time>)")
-    p.add_argument("--tiers", default="a,b,c,d,e,f", metavar="a,b,c,d,e,f",
+    every = ",".join(t.key for t in TIERS)
+    p.add_argument("--tiers", default=every, metavar=every,
                    help="the tiers to run, comma-separated (default: %(default)s)")
     p.add_argument("--budget-seconds", type=float, default=280, metavar="S",
                    help="total time for all tiers; a tier that would not fit is skipped (default: %(default)s)")
