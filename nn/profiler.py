@@ -230,6 +230,11 @@ class StepTimes:
     total_ms: float
     concurrent: list
 
+    @property
+    def covered_ms(self):
+        """The part of the step inside its layers and spans: all but the Python between the spans."""
+        return self.total_ms - self.exclusive.get((UNTRACKED, "other"), 0.0)
+
 
 class Profiler:
     """The timeline of a step: a mark at every begin and end of the model's modules and of the
@@ -558,7 +563,8 @@ def build_report(config, peak, kinds, inspection, profiled, plain):
     for s in profiled:
         for key, ms, overlap in s.concurrent:
             concurrent[key].append((ms, overlap))
-    return Report(config, peak, rows, statistics.median(s.total_ms for s in profiled), statistics.median(plain),
+    steps = [{"profiled_ms": s.total_ms, "covered_ms": s.covered_ms, "plain_ms": ms} for s, ms in zip(profiled, plain)]
+    return Report(config, peak, rows, steps,
                   {key: tuple(statistics.median(v) for v in zip(*times)) for key, times in concurrent.items()})
 
 
@@ -586,16 +592,31 @@ class Report:
     config: dict
     peak: Peak              # None for a GPU without figures in PEAKS
     rows: list              # in the order they first ran
-    step_ms: float          # median profiled step
-    plain_step_ms: float    # median step timed by one pair of marks
+    steps: list             # per profiled step: {profiled_ms, covered_ms, plain_ms} (its plain neighbour)
     concurrent: dict        # (name, category) -> (median ms, median ms overlapping backward)
+
+    @property
+    def step_ms(self):
+        """The median profiled step."""
+        return statistics.median(s["profiled_ms"] for s in self.steps)
+
+    @property
+    def plain_step_ms(self):
+        """The median step timed by one pair of marks."""
+        return statistics.median(s["plain_ms"] for s in self.steps)
 
     @property
     def overhead_ms(self):
         return self.step_ms - self.plain_step_ms
 
+    def covered_fraction(self):
+        """How much of a step its layers and spans account for (the median over the steps)."""
+        return statistics.median(s["covered_ms"] / s["profiled_ms"] for s in self.steps)
+
     def rows_ms(self):
-        """The layers and spans added up: the step without the Python between its spans."""
+        """The layers' and spans' medians added up. Below the median step when other processes
+        take the CPU at random places of each step: every step keeps its interruptions, while each
+        row's median leaves them out."""
         return sum(r.total_ms for r in self.rows if r.category != UNTRACKED[1])
 
     def by_cost(self):
@@ -608,7 +629,8 @@ class Report:
                            "ridge_flops_per_byte": self.peak.ridge if self.peak else None},
                 "step": {"profiled_ms": self.step_ms, "plain_ms": self.plain_step_ms,
                          "overhead_ms": self.overhead_ms, "overhead_fraction": self.overhead_ms / self.plain_step_ms,
-                         "rows_ms": self.rows_ms()},
+                         "covered_fraction": self.covered_fraction(), "rows_median_sum_ms": self.rows_ms(),
+                         "each": self.steps},
                 "rows": metrics, "groups": self.groups(),
                 "concurrent": [{"name": n, "category": c, "ms": ms, "overlap_backward_ms": overlap,
                                 "overlap_fraction": overlap / ms if ms > 0 else None}
@@ -638,8 +660,8 @@ class Report:
         if rows[top:]:
             lines.append(_times_line(f"... {len(rows[top:])} more rows", rows[top:], self.step_ms))
         lines += [_times_line(f"total of all {len(rows)} rows", rows, self.step_ms),
-                  f"step: {self.step_ms:.2f} ms (median of the profiled steps); its layers and spans add up to "
-                  f"{self.rows_ms():.2f} ms",
+                  f"step: {self.step_ms:.2f} ms (median of the profiled steps), {100 * self.covered_fraction():.1f} % "
+                  f"of it inside its layers and spans; the rows' medians add up to {self.rows_ms():.2f} ms",
                   f"profiler overhead: {self.step_ms:.2f} ms per step with per-layer marks against "
                   f"{self.plain_step_ms:.2f} ms with one pair of marks per step: {self.overhead_ms:+.2f} ms "
                   f"({100 * self.overhead_ms / self.plain_step_ms:+.1f} %)", "",

@@ -74,16 +74,53 @@ def test_every_layer_has_an_entry_with_its_shape_and_kernels(resnet):
 
 
 def test_layer_and_span_times_add_up_to_the_step(resnet):
-    """Each row is a median over the steps, and medians of parts need not add up to the median of
-    the whole: a step slowed in one layer by another process moves that step's total but not the
-    layer's median. On a busy 2-core machine the parts of a ~20 ms step differ from the step by
-    well under a millisecond in quiet runs; 15 % or 2 ms leaves room for the noise and still fails
-    if a phase or a span went missing (the smallest conv row alone is over 2 %)."""
+    """In a profiled step, the layers and spans add up to the step's time as the marks around the
+    whole step measure it, but for the Python between the spans: a few statements, well under
+    1 % of a ~20 ms step. Tolerance: 5 % or 1 ms, in most steps. On a loaded 2-core machine
+    another process takes the CPU for whole time slices (tens of ms) at random places of a step;
+    inside a layer, that time is the layer's and still adds up, and the rare step whose slice
+    fell between two spans is outvoted. The rows' medians themselves add up to less than the
+    median step under such load (each row's median leaves the interruptions out, each step keeps
+    its own): they are held only to not exceed it, which double counting would."""
     _, report = resnet
-    tolerance = max(0.15 * report.step_ms, 2.0)
-    assert abs(report.rows_ms() - report.step_ms) <= tolerance, (report.rows_ms(), report.step_ms)
+    within = [s["profiled_ms"] - s["covered_ms"] <= max(0.05 * s["profiled_ms"], 1.0) for s in report.steps]
+    assert sum(within) > len(within) / 2, report.steps
+    assert report.covered_fraction() <= 1
+    assert report.rows_ms() <= 1.15 * report.step_ms + 2.0, (report.rows_ms(), report.step_ms)
     assert report.step_ms > 0 and report.plain_step_ms > 0
     assert report.overhead_ms == pytest.approx(report.step_ms - report.plain_step_ms)
+
+
+class ScriptedClock:
+    """Marks at given times (ms), so that what each row owns can be worked out by hand."""
+    name = "scripted"
+
+    def __init__(self, times):
+        self.times = iter(times)
+
+    def mark(self, stream=None):
+        return next(self.times)
+
+    def resolve(self, marks):
+        return [m - marks[0] for m in marks]
+
+
+def test_each_interval_belongs_to_the_innermost_row_open_during_it():
+    """Marks: step begins at 0, A at 1, B (inside A) at 3, B ends at 6, A at 10, the step at 12;
+    a concurrent span C runs from 4 to 11, beside them."""
+    p = profiler.Profiler(tiny_net(), ScriptedClock([0, 1, 3, 4, 6, 10, 11, 12]), profiler.Nvtx(enabled=False))
+
+    def step():
+        with p.span("A", "x", "forward"):
+            with p.span("B", "x", "forward"):
+                concurrent = p.span("C", "allreduce", concurrent=True)
+                concurrent.__enter__()
+        concurrent.__exit__(None, None, None)
+    times = p.step(step)
+    assert times.exclusive == {(profiler.UNTRACKED, "other"): 1 + 2, (("A", "x"), "forward"): 2 + 4,
+                               (("B", "x"), "forward"): 3}
+    assert times.total_ms == 12 and times.covered_ms == 9
+    assert times.concurrent == [(("C", "allreduce"), 7, 0.0)]     # no model backward ran
 
 
 def test_flop_counts_equal_the_hand_computed_ones():
