@@ -24,12 +24,12 @@ What it measures. Every module's forward and backward, through the module hook o
 (the backward events come from the tape), and the explicit spans of the step: the batch gather,
 zero_grad, the loss (its forward, and its backward: the part of loss.backward() before the
 model's, which is the loss gradient and the tape's sort), the release of the tape as backward()
-returns (it frees the step's activations), the optimizer step. A mark is taken at
-every begin and end: on the CPU backend the wall clock (NumPy returns when its work is done); on
-CuPy a CUDA event recorded on the current stream, all read after the step, so that timing never
-stalls the device mid-step (a layer's time is then the GPU time between its events, launch gaps
-included). Each interval between two marks belongs to the innermost module or span open during
-it, so the rows add up to the step: a leaf module (conv, batch norm, relu, pool, linear) is a
+returns (it frees the step's activations), the optimizer step. A mark is taken at every begin
+and end: on the CPU backend the wall clock (NumPy returns when its work is done); on CuPy a CUDA
+event recorded on the current stream, all read after the step, so that timing never stalls the
+device mid-step (a layer's time is then the GPU time between its events, launch gaps included).
+Each interval between two marks belongs to the innermost module or span open during it, so in
+each step the rows add up to the step: a leaf module (conv, batch norm, relu, pool, linear) is a
 row, and so are the own ops of a container (the relu and the add+relu that a Residual calls
 itself). Rows are medians over the profiled steps.
 

@@ -1,6 +1,7 @@
 """nn/profiler.py on the CPU backend: an entry for every layer, rows that add up to the step, FLOP
 counts against hand arithmetic, the files, the spans other code records, the CUDA kernel names
 (through the emulator), the command line; and, marked ``gpu``, ResNet-18 at batch 256 on CUDA."""
+import contextlib
 import csv
 import json
 import subprocess
@@ -111,11 +112,10 @@ def test_each_interval_belongs_to_the_innermost_row_open_during_it():
     p = profiler.Profiler(tiny_net(), ScriptedClock([0, 1, 3, 4, 6, 10, 11, 12]), profiler.Nvtx(enabled=False))
 
     def step():
-        with p.span("A", "x", "forward"):
-            with p.span("B", "x", "forward"):
-                concurrent = p.span("C", "allreduce", concurrent=True)
-                concurrent.__enter__()
-        concurrent.__exit__(None, None, None)
+        with contextlib.ExitStack() as beside:      # C begins inside B and ends after A
+            with p.span("A", "x", "forward"):
+                with p.span("B", "x", "forward"):
+                    beside.enter_context(p.span("C", "allreduce", concurrent=True))
     times = p.step(step)
     assert times.exclusive == {(profiler.UNTRACKED, "other"): 1 + 2, (("A", "x"), "forward"): 2 + 4,
                                (("B", "x"), "forward"): 3}
