@@ -63,7 +63,7 @@ def test_a_dry_run_runs_tiers_c_to_f_through_the_same_code(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert {k: t["status"] for k, t in summary["tiers"].items()} == {
-        "a": "not run", "b": "not run", "c": "passed", "d": "passed", "e": "passed", "f": "passed"}
+        "a": "not run", "b": "not run", "c": "passed", "d": "passed", "e": "passed", "f": "passed", "g": "not run"}
     ops = json.loads((tmp_path / "out" / "tier_c_ops.json").read_text())
     assert [row["layer"] for row in ops["rows"]] == [layer.label for layer, _ in distinct(resnet18_layers(2, 4))]
     assert all(row["forward"]["ours"]["ms"] > 0 for row in ops["rows"])
