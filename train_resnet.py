@@ -58,6 +58,13 @@ def parse_args(argv):
     p.add_argument("--out", help="output folder (default runs/resnet18-<date>-<time>; "
                                  "when resuming, the checkpoint's folder)")
     p.add_argument("--resume", help="a checkpoint.npz, or an output folder holding one")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of training, time every layer's forward and backward, the loss, the "
+                        "optimizer step, the batch gather and (with several ranks) each all-reduce bucket "
+                        "over --profile-steps steps of this configuration; prints a table sorted by cost "
+                        "and writes profile.json, profile.csv and profile.png to --out (see nn/profiler.py)")
+    p.add_argument("--profile-steps", type=int, default=20, metavar="N",
+                   help="steps to profile, after 3 warm-up steps (default 20)")
     ddp = p.add_argument_group("data parallelism (under mpiexec)")
     ddp.add_argument("--sync-bn", action="store_true", default=None,
                      help="batch norm over the whole global batch (statistics summed over ranks) "
@@ -87,7 +94,7 @@ def usage_error(parser, message):
     parser.error(message)
 
 
-def train_on_gpus(parser, given, watchdog):
+def train_on_gpus(parser, given, watchdog, profile_steps):
     """--gpus N on one node: one worker process per GPU; this process waits for them."""
     try:
         unique_id = communicators.NCCLCommunicator.unique_id()
@@ -95,7 +102,7 @@ def train_on_gpus(parser, given, watchdog):
         parser.error(f"--gpus {given['gpus']}: NCCL is unavailable ({type(e).__name__}: {e})")
     print(f"starting {given['gpus']} worker processes, one per GPU; rank 0 reports", flush=True)
     try:
-        launch.run_workers(given["gpus"], train.gpu_worker, (given, unique_id), watchdog=watchdog)
+        launch.run_workers(given["gpus"], train.gpu_worker, (given, unique_id, profile_steps), watchdog=watchdog)
     except launch.WorkerFailed as e:
         if e.trace:
             print(e.trace.rstrip(), file=sys.stderr)
@@ -110,16 +117,19 @@ def train_on_gpus(parser, given, watchdog):
 
 def main(argv=None):
     parser, args = parse_args(argv)
-    watchdog = args.watchdog
-    given = {k: v for k, v in vars(args).items() if v is not None and k != "watchdog"}
+    modes = ("watchdog", "profile", "profile_steps")
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in modes}
+    profile_steps = args.profile_steps if args.profile else None
+    if profile_steps is not None and profile_steps < 1:
+        usage_error(parser, f"--profile-steps must be at least 1, got {profile_steps}")
     if args.gpus > kernels.gpu_count():
         usage_error(parser, f"--gpus {args.gpus}: this machine has {kernels.gpu_count()} GPU(s) that CuPy can use")
     if args.gpus > 1 and launch.mpi_world() is None:
-        return train_on_gpus(parser, given, watchdog)
+        return train_on_gpus(parser, given, args.watchdog, profile_steps)
     comm = communicators.SingleProcess()
     try:
         comm = communicators.for_training(args.gpus)
-        train.run(given, comm)
+        train.train_or_profile(given, comm, profile_steps)
         return 0
     except (train.ConfigError, checkpoint.CheckpointError, data.DataError) as e:
         code, message = 2, f"{parser.prog}: error: {e}"

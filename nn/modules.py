@@ -172,8 +172,11 @@ class Module:
             if tuple(value.shape) != tuple(target.shape):
                 raise ValueError(f"shape mismatch for {key}: the model has {tuple(target.shape)}, "
                                  f"the state dict {tuple(value.shape)}")
+            value = value.data if isinstance(value, Tensor) else value
             xp = get_array_module(target)
-            target[...] = xp.asarray(getattr(value, "data", value))
+            if xp is np and hasattr(value, "get"):  # a CuPy array into a host model
+                value = value.get()
+            target[...] = xp.asarray(value)
 
     def train(self, mode=True):
         for m in self.modules():

@@ -426,10 +426,13 @@ def _output_shapes(model, keys, shapes):
 
 # ---- the training step, its spans, and the whole profile ---------------------------------------
 
-def training_step(model, optimizer, images, labels, index):
-    """The trainer's step (nn/train.py) on the batch images[index], with its parts as spans."""
+def training_step(model, optimizer, images, labels, index, ddp=None):
+    """The trainer's step (nn/train.py) on the batch images[index], with its parts as spans;
+    with ``ddp`` (parallel.ddp.DataParallel), on this rank's shard of it, the gradients summed
+    over ranks in buckets (each an 'allreduce' span)."""
     K = backend_of(images)
     with span("batch gather", "data"):
+        index = index if ddp is None else ddp.scatter(index)
         x, y = Tensor(K.images_to_float(images[index])), labels[index]
     with span("zero_grad", "optimizer"):
         optimizer.zero_grad()
@@ -437,7 +440,7 @@ def training_step(model, optimizer, images, labels, index):
     with span("loss", "loss", "forward"):
         loss = cross_entropy(logits, y)
     with span("loss", "loss", "backward"):
-        loss.backward()
+        loss.backward() if ddp is None else ddp.backward(loss)
     with span("optimizer step", "optimizer"):
         optimizer.step()
 
@@ -480,8 +483,9 @@ def _state_kept(model, optimizer):
         model.train(training)
 
 
-def profile(model, optimizer, images, labels, batch_size, steps, warmup=3, log=print, title=None):
-    """The Report of `steps` profiled steps after `warmup` plain ones (see the module's docstring)."""
+def profile(model, optimizer, images, labels, batch_size, steps, warmup=3, log=print, title=None, ddp=None):
+    """The Report of `steps` profiled steps after `warmup` plain ones (see the module's docstring);
+    with ``ddp``, of this rank's data-parallel steps on its shards of global batches."""
     check_inputs(images, labels, batch_size, steps, warmup)
     xp, backend = get_array_module(images), backend_of(images)
     order = xp.asarray(data.epoch_order(len(images), seed=0, epoch=0))
@@ -489,7 +493,7 @@ def profile(model, optimizer, images, labels, batch_size, steps, warmup=3, log=p
     clock = clock_for(xp)
     peak = device_peak(xp)
     profiler = Profiler(model, clock, Nvtx(enabled=xp is not np))
-    step = functools.partial(training_step, model, optimizer, images, labels)
+    step = functools.partial(training_step, model, optimizer, images, labels, ddp=ddp)
     with _state_kept(model, optimizer):
         model.train()
         log(f"profile: {warmup} warm-up steps, one step recording kernels, then {steps} profiled steps, "
@@ -506,7 +510,7 @@ def profile(model, optimizer, images, labels, batch_size, steps, warmup=3, log=p
             profiler.nvtx.pop()
     config = {"model": title or f"{type(model).__name__} of {sum(p.size for p in model.parameters()):,} parameters",
               "batch_size": batch_size, "steps": steps, "warmup": warmup, "backend": backend.name,
-              "clock": clock.name}
+              "clock": clock.name, "world_size": 1 if ddp is None else ddp.world_size}
     return build_report(config, peak, profiler.kinds, inspection, profiled, plain)
 
 

@@ -325,20 +325,46 @@ def _world_line(cfg, ddp, lr):
             f"~{cfg.bucket_mb:g} MB")
 
 
+def _replicated(given, comm, log):
+    """prepare() as one rank of ``comm``: the output folder made (by rank 0), the learning
+    rate scaled if asked, and the model replicated; (cfg, train, test, model, opt, record, ddp)."""
+    cfg, train, test, model, opt, record = prepare(given, log, comm.world_size)
+    out = Path(cfg.out or default_out())
+    if comm.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    cfg.out = str(out)
+    if cfg.scale_lr:
+        opt.lr = cfg.lr * comm.world_size
+    ddp = DataParallel(model, comm, cfg.bucket_mb, cfg.sync_bn, state=(opt.velocity,))
+    return cfg, train, test, model, opt, record, ddp
+
+
+def run_profile(given, comm=None, steps=20, warmup=3, log=lambda *a: print(*a, flush=True)):
+    """``--profile``: instead of training, profile ``steps`` training steps of the configured
+    model, data and ranks (nn/profiler.py); rank 0 prints the table and writes profile.json,
+    profile.csv and profile.png to the output folder. Returns rank 0's report."""
+    from . import profiler
+    comm = comm or SingleProcess()
+    log = log if comm.rank == 0 else (lambda *a: None)
+    cfg, (x_train, y_train), _, model, opt, _, ddp = _replicated(given, comm, log)
+    title = f"ResNet-18 width {cfg.width}, {comm.world_size} rank(s), batch {cfg.batch_size} global"
+    report = profiler.profile(model, opt, x_train, y_train, cfg.batch_size, steps, warmup, log=log,
+                              title=title, ddp=ddp)
+    if comm.rank == 0:
+        log(report.table())
+        paths = report.write(cfg.out)
+        log("profile written: " + ", ".join(str(p) for p in paths.values()))
+    return report
+
+
 def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
     """Train with the flags in ``given`` (a dict of Config fields) as one rank of ``comm``
     (default: a world of one); returns the metrics. Only rank 0 logs and writes files."""
     comm = comm or SingleProcess()
     lead = comm.rank == 0
     log = log if lead else (lambda *a: None)
-    cfg, (x_train, y_train), (x_test, y_test), model, opt, record = prepare(given, log, comm.world_size)
-    out = Path(cfg.out or default_out())
-    if lead:
-        out.mkdir(parents=True, exist_ok=True)
-    cfg.out = str(out)
-    if cfg.scale_lr:
-        opt.lr = cfg.lr * comm.world_size
-    ddp = DataParallel(model, comm, cfg.bucket_mb, cfg.sync_bn, state=(opt.velocity,))
+    cfg, (x_train, y_train), (x_test, y_test), model, opt, record, ddp = _replicated(given, comm, log)
+    out = Path(cfg.out)
     steps_per_epoch = -(-len(x_train) // cfg.batch_size)
     schedule = CosineAnnealingLR(opt, cfg.epochs * steps_per_epoch) if cfg.schedule == "cosine" else None
     metrics = record["metrics"] if record else []
@@ -379,9 +405,16 @@ def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
     return metrics
 
 
-def gpu_worker(rank, world_size, given, unique_id):
-    """One worker process of ``--gpus N`` on one node: it trains on GPU ``rank`` and
-    sums gradients with the others over NCCL (``unique_id`` from the parent)."""
+def train_or_profile(given, comm, profile_steps=None):
+    """run(), or run_profile() of ``profile_steps`` steps when that is given."""
+    if profile_steps is None:
+        return run(given, comm)
+    return run_profile(given, comm, steps=profile_steps)
+
+
+def gpu_worker(rank, world_size, given, unique_id, profile_steps=None):
+    """One worker process of ``--gpus N`` on one node: it trains (or profiles) on GPU
+    ``rank`` and sums gradients with the others over NCCL (``unique_id`` from the parent)."""
     import cupy
     cupy.cuda.Device(rank).use()
-    run(given, NCCLCommunicator(rank, world_size, unique_id))
+    train_or_profile(given, NCCLCommunicator(rank, world_size, unique_id), profile_steps)

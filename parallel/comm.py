@@ -17,6 +17,7 @@ the same shape and dtype, and every rank calls the same collectives in the same 
 moves CuPy arrays between GPUs. ``for_training(gpus)`` picks one from how the process
 was launched.
 """
+import contextlib
 import os
 import sys
 
@@ -35,10 +36,13 @@ class Communicator:
     def all_reduce(self, array, average=False):
         raise NotImplementedError
 
-    def start_all_reduce(self, array):
+    def start_all_reduce(self, array, timed=None):
         """Begin summing ``array`` over ranks; it holds the sum after ``wait()``. Here it
-        is done at once; the NCCL communicator overlaps it with later work."""
-        self.all_reduce(array)
+        is done at once; the NCCL communicator overlaps it with later work. ``timed(stream)``:
+        a context manager put around the all-reduce itself, given the stream it runs on
+        (None: it blocks this thread), for a profiler's span."""
+        with (timed or _untimed)(None):
+            self.all_reduce(array)
 
     def wait(self):
         """Work queued after this waits for every started all-reduce."""
@@ -164,9 +168,10 @@ class NCCLCommunicator(Communicator):
         self.comm.allReduce(ptr, ptr, count, dtype, op, stream.ptr)
         return array
 
-    def start_all_reduce(self, array):
+    def start_all_reduce(self, array, timed=None):
         self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
-        self.all_reduce(array, stream=self.stream)
+        with (timed or _untimed)(self.stream):
+            self.all_reduce(array, stream=self.stream)
 
     def wait(self):
         self._cupy.cuda.get_current_stream().wait_event(self.stream.record())
@@ -186,6 +191,10 @@ class NCCLCommunicator(Communicator):
         sys.stderr.flush()
         self.comm.abort()
         os._exit(code)
+
+
+def _untimed(stream):
+    return contextlib.nullcontext()
 
 
 def from_environment():

@@ -24,11 +24,13 @@
   checkpoint). ``sync_bn=True`` normalises over the whole batch instead (see
   nn.functional.synchronised_batch_norm), with this object as the group.
 """
+import functools
 import zlib
 
 import numpy as np
 
 from kernels import get_array_module
+from nn import profiler
 from nn.modules import synchronise_batch_norm
 from . import launch
 
@@ -66,8 +68,9 @@ def plan_buckets(sizes, itemsize, bucket_bytes):
 
 
 class _Bucket:
-    def __init__(self, index, params, lo, hi):
+    def __init__(self, index, params, lo, hi, itemsize):
         self.index, self.params, self.lo, self.hi = index, params, lo, hi
+        self.nbytes = (hi - lo) * itemsize
         self.pending = len(params)
 
 
@@ -133,7 +136,7 @@ class DataParallel:
         self.buckets, self._bucket_of = [], {}
         for index, members in enumerate(plan):
             # reverse order: the slice runs from the last member's start to the first's end
-            bucket = _Bucket(index, members, offsets[members[-1]], offsets[members[0] + 1])
+            bucket = _Bucket(index, members, offsets[members[-1]], offsets[members[0] + 1], self.flat.data.itemsize)
             self.buckets.append(bucket)
             for i in members:
                 self._bucket_of[id(params[i])] = bucket
@@ -163,7 +166,14 @@ class DataParallel:
     def _reduce_ready(self):
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
-            self.comm.start_all_reduce(self.flat.grad[bucket.lo:bucket.hi])
+            self.comm.start_all_reduce(self.flat.grad[bucket.lo:bucket.hi], functools.partial(_span, bucket))
             self.reduced.append((bucket.lo, bucket.hi))
             self._next += 1
 
+
+
+def _span(bucket, stream):
+    """The profiler's span of a bucket's all-reduce: beside the step when it runs on a stream
+    of its own, else a row of the backward, which it blocks."""
+    name = f"all-reduce bucket {bucket.index} ({bucket.nbytes / 2 ** 20:.1f} MB)"
+    return profiler.span(name, "allreduce", "backward", concurrent=stream is not None, stream=stream)

@@ -157,3 +157,21 @@ def test_training_through_the_cuda_kernels_on_the_emulator(data_dir, tmp_path):
     (emu,), (cpu,) = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("emu", "cpu"))
     assert abs(emu["train_loss"] - cpu["train_loss"]) <= 1e-4 * cpu["train_loss"]
     assert emu["train_acc"] == cpu["train_acc"] and emu["test_acc"] == cpu["test_acc"]
+
+
+def test_profile_times_the_configured_model_instead_of_training(data_dir, tmp_path, capsys):
+    out = tmp_path / "profile"
+    assert run(data_dir, out, "--profile", "--profile-steps", "2") == 0
+    printed = capsys.readouterr().out
+    assert "profile written" in printed and "resnet_block1.0.conv1" in printed
+    document = json.loads((out / "profile.json").read_text())
+    assert document["config"]["batch_size"] == 16 and document["config"]["steps"] == 2
+    assert {row["name"] for row in document["rows"]} >= {"0", "resnet_block4.1.conv2", "fc.1"}
+    assert (out / "profile.csv").exists() and (out / "profile.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "checkpoint.npz").exists(), "profiling does not train"
+
+
+def test_profile_steps_must_be_positive(data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run(data_dir, tmp_path / "profile", "--profile", "--profile-steps", "0")
+    assert "--profile-steps must be at least 1, got 0" in capsys.readouterr().err

@@ -218,3 +218,15 @@ def test_gpus_under_mpiexec_on_a_machine_without_them_is_one_clear_error(data_di
                   timeout=60)
     assert done.returncode == 2
     assert done.stderr.count("--gpus 1: this machine has 0 GPU(s)") == 1, done.stderr
+
+
+@needs_mpi
+def test_profile_of_two_ranks_has_a_row_for_each_all_reduce_bucket(data_dir, tmp_path):
+    done = mpirun(2, "train_resnet.py", "--data-dir", data_dir, "--out", tmp_path, "--profile", "--profile-steps", "2",
+                  "--bucket-mb", "0.01", *SMALL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    document = json.loads((tmp_path / "profile.json").read_text())
+    assert document["config"]["world_size"] == 2
+    buckets = [row for row in document["rows"] if row["category"] == "allreduce"]
+    assert len(buckets) >= 2 and all(row["name"].startswith("all-reduce bucket ") for row in buckets)
+    assert all(row["backward_ms"] > 0 for row in buckets)

@@ -221,6 +221,25 @@ def test_parameters_are_views_of_the_flat_buffers_after_load_state_dict():
     assert model.flat_parameters() is flat
 
 
+class DeviceArray:
+    """What a CuPy array offers a host model: its shape, get() to the host, and a ``data``
+    attribute that is a device pointer, not the values."""
+
+    def __init__(self, array):
+        self.array, self.shape, self.data = array, array.shape, object()
+
+    def get(self):
+        return self.array
+
+
+def test_load_state_dict_takes_tensors_and_device_arrays():
+    model, other = nn.resnet18(width=2), nn.resnet18(width=2, init="pytorch")
+    state = {k: (DeviceArray(v) if i % 2 else nn.Tensor(v)) for i, (k, v) in enumerate(other.state_dict().items())}
+    model.load_state_dict(state)
+    for key, value in other.state_dict().items():
+        np.testing.assert_array_equal(model.state_dict()[key], value, err_msg=key)
+
+
 def test_load_state_dict_names_the_mismatch():
     model = nn.resnet18(width=2)
     state = dict(model.state_dict())
