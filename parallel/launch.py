@@ -5,7 +5,8 @@
 or a signal, or stops calling ``heartbeat()`` for longer than the watchdog allows, the
 others are stopped (first the callbacks they registered with ``on_stop``, such as
 aborting their NCCL communicator, then SIGTERM, then SIGKILL) and ``WorkerFailed``
-names the worker and what happened. Ctrl-C stops every worker too.
+names the worker and what happened. Ctrl-C stops every worker too, and a worker whose
+parent dies (even by SIGKILL) runs its callbacks and ends.
 
 Under ``mpiexec`` each rank learns its place from MPI's environment (Open MPI's
 OMPI_COMM_WORLD_*, MPICH's PMI_* and MPI_LOCAL*), and several ranks share one
@@ -84,6 +85,7 @@ def fail(comm, code, message):
 GRACE_SECONDS = 5.0   # for a stopped worker to end by itself, then again after SIGTERM
 _beat = None          # this worker's heartbeat clock, shared with the parent
 _stop = None          # set by the parent when the job is stopped
+_on_stop = []         # what to do then, before the signals come
 
 
 class WorkerFailed(RuntimeError):
@@ -102,23 +104,31 @@ def heartbeat():
 
 
 def on_stop(fn):
-    """Call ``fn()`` on a watchdog thread when the parent stops the job, so that a worker
-    blocked in a collective for a peer that is gone gets out of it; nothing outside a worker."""
-    if _stop is None:
-        return
+    """Call ``fn()`` on the worker's watchdog thread when the parent stops the job, so that
+    a worker blocked in a collective for a peer that is gone gets out of it (the NCCL
+    communicator registers its abort); nothing outside a worker."""
+    if _stop is not None:
+        _on_stop.append(fn)
 
-    def watch():
-        # a polled flag, not a multiprocessing Event: setting an Event blocks for ever
-        # when a process that waited on it has died, which is what happens here
-        while not _stop.value:
-            time.sleep(0.1)
+
+def _watchdog(parent):
+    """The worker's watchdog thread: when the parent stops the job, or dies without doing
+    so, run the on_stop callbacks; when the parent is gone, end the worker too."""
+    # a polled flag, not a multiprocessing Event: setting an Event blocks for ever when a
+    # process that waited on it has died, which is what happens here
+    while not _stop.value and os.getppid() == parent:
+        time.sleep(0.1)
+    for fn in _on_stop:
         fn()
-    threading.Thread(target=watch, name="stop-watchdog", daemon=True).start()
+    if os.getppid() != parent:
+        print(f"worker of parent {parent}: the parent is gone; ending", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
-def _worker(rank, world_size, target, args, beat, stop, errors):
+def _worker(rank, world_size, target, args, beat, stop, errors, parent):
     global _beat, _stop
     _beat, _stop = beat, stop
+    threading.Thread(target=_watchdog, args=(parent,), name="watchdog", daemon=True).start()
     heartbeat()
     try:
         target(rank, world_size, *args)
@@ -142,7 +152,7 @@ def run_workers(world_size, target, args=(), watchdog=None, poll=0.05):
     stop, errors = context.Value("b", 0), context.Queue()
     beats = [context.Value("d", time.monotonic()) for _ in range(world_size)]
     workers = [context.Process(target=_worker, name=f"worker-{rank}",
-                               args=(rank, world_size, target, args, beats[rank], stop, errors))
+                               args=(rank, world_size, target, args, beats[rank], stop, errors, os.getpid()))
                for rank in range(world_size)]
     for w in workers:
         w.start()

@@ -66,19 +66,40 @@ def test_a_worker_that_hangs_past_the_watchdog_is_named(tmp_path):
     assert_all_ended(tmp_path, 2)
 
 
-def test_ctrl_c_in_the_parent_stops_every_worker(tmp_path):
+def start_parent(out):
+    """A parent process running two busy workers; returns it once both have started."""
     script = (f"import sys; sys.path[:0] = {[str(ROOT), str(ROOT / 'tests')]!r}\n"
               "import launch_targets\nfrom parallel import launch\nlaunch.GRACE_SECONDS = 1.0\n"
               "try:\n"
-              f"    launch.run_workers(2, launch_targets.all_busy, ({str(tmp_path)!r},))\n"
+              f"    launch.run_workers(2, launch_targets.all_busy, ({str(out)!r},))\n"
               "except KeyboardInterrupt:\n    sys.exit(130)\n")
-    parent = subprocess.Popen([sys.executable, "-c", script])
+    parent = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
-    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+    while len(list(out.glob("pid*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
+    return parent
+
+
+def wait_until_ended(out, world_size, seconds):
+    deadline = time.monotonic() + seconds
+    pids = [int((out / f"pid{r}").read_text()) for r in range(world_size)]
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert_all_ended(out, world_size)
+
+
+def test_ctrl_c_in_the_parent_stops_every_worker(tmp_path):
+    parent = start_parent(tmp_path)
     parent.send_signal(signal.SIGINT)
     assert parent.wait(timeout=30) == 130
     assert_all_ended(tmp_path, 2)
+
+
+def test_workers_end_when_their_parent_is_killed(tmp_path):
+    parent = start_parent(tmp_path)
+    parent.kill()
+    parent.wait(timeout=30)
+    wait_until_ended(tmp_path, 2, seconds=10)
 
 
 def test_more_gpus_than_the_machine_has_is_an_error_before_anything_starts(tmp_path):
