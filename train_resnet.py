@@ -96,6 +96,11 @@ def usage_error(parser, message):
 
 def train_on_gpus(parser, given, watchdog, profile_steps):
     """--gpus N on one node: one worker process per GPU; this process waits for them."""
+    if "resume" not in given:  # the flags' faults, said once, before any worker starts
+        try:
+            train.Config(**given).check()
+        except train.ConfigError as e:
+            parser.error(str(e))
     try:
         unique_id = communicators.NCCLCommunicator.unique_id()
     except Exception as e:
