@@ -175,3 +175,30 @@ def test_profile_steps_must_be_positive(data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         run(data_dir, tmp_path / "profile", "--profile", "--profile-steps", "0")
     assert "--profile-steps must be at least 1, got 0" in capsys.readouterr().err
+
+
+def nccl_loads():
+    try:
+        from cupy.cuda import nccl
+        return nccl.available
+    except Exception:  # no CuPy, or its NCCL module fails: NCCL does not load
+        return False
+
+
+@pytest.mark.filterwarnings("ignore:.*nccl library could not be loaded")
+@pytest.mark.parametrize("flags,message", [
+    (["--lr", "0"], "learning rate must be positive"),
+    ([], "--gpus 2: NCCL is unavailable"),
+])
+def test_several_gpus_check_the_flags_and_nccl_before_any_worker_starts(data_dir, tmp_path, capsys, monkeypatch,
+                                                                        flags, message):
+    """As on a machine with two GPUs: the parent's own checks, before it starts workers."""
+    from parallel import launch
+    if not flags and nccl_loads():
+        pytest.skip("NCCL loads here: the parent would go on to start workers")
+    monkeypatch.setattr(train_resnet.kernels, "gpu_count", lambda: 2)
+    monkeypatch.setattr(launch, "run_workers", lambda *a, **k: pytest.fail("a worker was started"))
+    with pytest.raises(SystemExit) as e:
+        run(data_dir, tmp_path / "run", "--gpus", "2", *flags)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
