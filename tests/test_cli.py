@@ -185,7 +185,7 @@ def nccl_loads():
         return False
 
 
-@pytest.mark.filterwarnings("ignore:.*nccl library could not be loaded")
+@pytest.mark.filterwarnings("ignore:(?s).*nccl library could not be loaded:UserWarning")
 @pytest.mark.parametrize("flags,message", [
     (["--lr", "0"], "learning rate must be positive"),
     ([], "--gpus 2: NCCL is unavailable"),
