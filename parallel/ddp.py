@@ -75,6 +75,8 @@ class _Bucket:
 
 
 class DataParallel:
+    """One rank's replica of ``model`` in the world of ``comm`` (see the module's docstring)."""
+
     def __init__(self, model, comm, bucket_mb=DEFAULT_BUCKET_MB, sync_bn=False, state=()):
         """``state``: more arrays that must start equal on every rank (momentum buffers)."""
         self.model, self.comm = model, comm
@@ -87,7 +89,6 @@ class DataParallel:
         self.batch_size = self.local_size = None
         self.reduced = []  # (lo, hi) of each bucket in the order reduced, this step
         self._next = len(self.buckets)  # a backward outside self.backward reduces nothing
-        self.sync_bn = sync_bn
         if sync_bn:
             synchronise_batch_norm(model, self)
 
@@ -169,7 +170,6 @@ class DataParallel:
             self.comm.start_all_reduce(self.flat.grad[bucket.lo:bucket.hi], functools.partial(_span, bucket))
             self.reduced.append((bucket.lo, bucket.hi))
             self._next += 1
-
 
 
 def _span(bucket, stream):
