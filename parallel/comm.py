@@ -127,8 +127,8 @@ class MPICommunicator(Communicator):
 
 class NCCLCommunicator(Communicator):
     """Collectives over NCCL on CuPy arrays of this process's GPU (one process per GPU).
-    ``all_reduce``, ``broadcast`` and ``barrier`` run on the current stream, in order with
-    the kernels around them; ``start_all_reduce`` runs on the communicator's own stream,
+    ``all_reduce``, ``broadcast`` and ``barrier`` run on the current stream (or the one
+    given), in order with the kernels around them; ``start_all_reduce`` runs on the communicator's own stream,
     after what the current stream has queued so far, so that the kernels queued next
     (the rest of backward) overlap it, and ``wait()`` orders the current stream after
     all of them. When the launcher stops the job, ``abort`` on a watchdog thread ends a
@@ -176,10 +176,11 @@ class NCCLCommunicator(Communicator):
     def wait(self):
         self._cupy.cuda.get_current_stream().wait_event(self.stream.record())
 
-    def broadcast(self, array, root=0):
+    def broadcast(self, array, root=0, stream=None):
         _check_root(root, self.world_size)
         ptr, count, dtype = self._args(array)
-        self.comm.bcast(ptr, count, dtype, root, self._cupy.cuda.get_current_stream().ptr)
+        stream = stream or self._cupy.cuda.get_current_stream()
+        self.comm.bcast(ptr, count, dtype, root, stream.ptr)
         return array
 
     def barrier(self):
