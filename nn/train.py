@@ -316,8 +316,8 @@ def prepare(given, log=print, world_size=1):
 
 def _world_line(cfg, ddp, lr):
     world = ddp.world_size
-    low, high = cfg.batch_size // world, -(-cfg.batch_size // world)
-    per_rank = f"{low}" if low == high else f"{low}-{high}"
+    sizes = sorted({hi - lo for lo, hi in (shard_bounds(cfg.batch_size, world, r) for r in range(world))})
+    per_rank = "-".join(map(str, sizes))
     rule = f"--lr {cfg.lr} x {world} ranks (--scale-lr)" if cfg.scale_lr else "--lr, for the global batch"
     norm = "synchronised over ranks (--sync-bn)" if cfg.sync_bn else "per rank"
     return (f"data parallel: {world} ranks, global batch {cfg.batch_size}, {per_rank} images per rank, "

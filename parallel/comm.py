@@ -146,6 +146,8 @@ class NCCLCommunicator(Communicator):
         self.local_rank = rank if local_rank is None else local_rank
         self.comm = nccl.NcclCommunicator(world_size, unique_id, rank)
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        # recorded again at every use: no event is created inside the training step
+        self._ready, self._done = (cupy.cuda.Event(disable_timing=True) for _ in range(2))
         self._types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
                        np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.int32): nccl.NCCL_INT32}
         launch.on_stop(self.comm.abort)
@@ -169,12 +171,12 @@ class NCCLCommunicator(Communicator):
         return array
 
     def start_all_reduce(self, array, timed=None):
-        self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
+        self.stream.wait_event(self._cupy.cuda.get_current_stream().record(self._ready))
         with (timed or _untimed)(self.stream):
             self.all_reduce(array, stream=self.stream)
 
     def wait(self):
-        self._cupy.cuda.get_current_stream().wait_event(self.stream.record())
+        self._cupy.cuda.get_current_stream().wait_event(self.stream.record(self._done))
 
     def broadcast(self, array, root=0, stream=None):
         _check_root(root, self.world_size)

@@ -87,6 +87,7 @@ class DataParallel:
         self.check_in_sync("after the broadcast from rank 0")
         self._build_buckets(bucket_mb)
         self.batch_size = self.local_size = None
+        self._shares = {}
         self.reduced = []  # (lo, hi) of each bucket in the order reduced, this step
         self._next = len(self.buckets)  # a backward outside self.backward reduces nothing
         if sync_bn:
@@ -151,14 +152,22 @@ class DataParallel:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
         self.reduced, self._next = [], 0
-        share = self.local_size / self.batch_size
-        loss.backward(get_array_module(loss.data).asarray(share, dtype=loss.dtype))
+        loss.backward(self._share(loss.data))
         # parameters that took no part in this loss never fired their hook
         for bucket in self.buckets[self._next:]:
             bucket.pending = 0
         self._reduce_ready()
         self.comm.wait()  # the optimizer step comes after the last bucket's sum
         launch.heartbeat()
+
+    def _share(self, loss):
+        """This shard's share of the batch as the loss's gradient: a 0-d array of the loss's
+        kind, made once per shard size (on a GPU, copying a new one from the host every
+        step would wait for the step's kernels)."""
+        key = (self.local_size, self.batch_size, loss.dtype)
+        if key not in self._shares:
+            self._shares[key] = get_array_module(loss).asarray(self.local_size / self.batch_size, dtype=loss.dtype)
+        return self._shares[key]
 
     def _grad_ready(self, param):
         self._bucket_of[id(param)].pending -= 1
