@@ -3,7 +3,8 @@ the compiler's log, and read registers, shared memory and spills from ptxas' rep
 
 NVRTC needs only its library (the nvidia-cuda-nvrtc wheel): no driver, no device. CuPy's
 higher-level compile helpers query the device, so this module calls ``cupy.cuda.nvrtc``
-directly.
+directly, with the very options CuPy gives NVRTC for a ``cupy.RawModule`` (``cupy_options``:
+``-ftz=true`` among them), so that what is compiled here is what runs on the GPU.
 
     result = nvrtc.compile(source, arch="sm_90", options=("-DTILE=16",),
                            name_expressions=("axpy<float>",), verbose=True)
@@ -64,14 +65,33 @@ class Compiled:
         return parse_ptxas_log(self.log)
 
 
-def compile(source, arch="sm_90", options=(), name_expressions=(), filename="kernel.cu", verbose=False):
-    """Compile ``source`` for ``arch`` ("sm_90" gives PTX and CUBIN, "compute_90" PTX only).
+def cupy_options(options=(), arch="sm_90"):
+    """The NVRTC options of CuPy 14.2 for ``cupy.RawModule(code=..., options=options)`` on ``arch``,
+    in CuPy's order: core.pyx's assemble_cupy_compiler_options (the options, ``--std=c++17``
+    unless one is given, CCCL's, CuPy's and CUDA's include folders), then compiler.py's
+    ``-ftz=true`` (always: a later ``-ftz=false`` does not undo it), ``--device-debug
+    --generate-line-info`` under CUPY_CUDA_COMPILE_WITH_DEBUG, the architecture,
+    ``--device-as-default-execution-space``, and ``--pch`` under CUPY_NVRTC_USE_PCH."""
+    from cupy._core.core import assemble_cupy_compiler_options  # noqa: PLC0415
+    from cupy.cuda import compiler  # noqa: PLC0415
+    flags = (*assemble_cupy_compiler_options(tuple(options)), "-ftz=true")
+    if compiler._get_bool_env_variable("CUPY_CUDA_COMPILE_WITH_DEBUG", False):
+        flags += ("--device-debug", "--generate-line-info")
+    flags += (f"-arch={arch}", "--device-as-default-execution-space")
+    if compiler._use_pch and version() >= (12, 8):
+        flags += ("--pch",)
+    return flags
 
-    options: NVRTC options (``-I``, ``-D``, ``-std=c++17``, ...). verbose: ask ptxas for its
-    resource report (needs a real architecture). Raises NvrtcError with the log on failure.
+
+def compile(source, arch="sm_90", options=(), name_expressions=(), filename="kernel.cu", verbose=False):
+    """Compile ``source`` for ``arch`` ("sm_90" gives PTX and CUBIN, "compute_90" PTX only) as
+    CuPy compiles a RawModule: NVRTC gets ``cupy_options(options, arch)``.
+
+    options: the RawModule's options (``-I``, ``-D``, ``--std=c++17``, ...). verbose: ask ptxas for
+    its resource report (needs a real architecture). Raises NvrtcError with the log on failure.
     """
     nvrtc = _nvrtc()
-    flags = [f"--gpu-architecture={arch}", *options]
+    flags = list(cupy_options(options, arch))
     if verbose:
         flags += ["-Xptxas", "-v"]
     program = nvrtc.createProgram(source, filename, [], [])
