@@ -371,6 +371,43 @@ def test_an_edited_header_rebuilds_the_module(tmp_path, monkeypatch):
         validate(out, np.array([value]), "a value from an included header")
 
 
+# ---- float modes -------------------------------------------------------------------------------
+
+TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32: below it, subnormals
+
+
+def flushed(a):
+    """float32 ``a`` with its subnormals replaced by a zero of their sign, as -ftz=true does."""
+    a = np.asarray(a, np.float32)
+    return np.where(np.abs(a) < TINY, np.copysign(np.float32(0), a), a).astype(np.float32)
+
+
+def test_subnormals_are_flushed_as_cupys_ftz_does():
+    g = rng()
+    subnormal = (g.uniform(0.1, 0.9, 8) * TINY * np.where(g.random(8) < 0.5, -1, 1)).astype(np.float32)
+    x = np.concatenate([subnormal, (g.uniform(1, 2, 8) * 2 * TINY).astype(np.float32),
+                        g.standard_normal(16).astype(np.float32)])
+    assert np.count_nonzero(np.abs(x) < TINY) == 8 and np.all(x != 0)
+    for s, what in ((np.float32(1.0), "subnormal inputs"), (np.float32(0.3), "subnormal results")):
+        y = np.full_like(x, np.nan)
+        kernel("subnormal.cu", "scale")((1,), (32,), (x, s, y, np.int32(x.size)))
+        expected = flushed(flushed(x) * s)
+        assert not np.array_equal(expected.view(np.int32), (x * s).view(np.int32)), f"no {what} to flush"
+        np.testing.assert_array_equal(y.view(np.int32), expected.view(np.int32), err_msg=what)
+    # the host's own arithmetic is untouched, after a launch that faults too
+    with pytest.raises(emu.KernelError, match="segmentation fault|fault"):
+        kernel("subnormal.cu", "scale_then_fault")((1,), (32,), (x, np.float32(1.0), y, np.int32(x.size)))
+    assert np.array_equal(x * np.float32(1.0), x) and np.count_nonzero(x[:8] * np.float32(1.0)) == 8
+
+
+def test_nvrtc_compiles_with_cupys_flush_to_zero():
+    reason = nvrtc.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    ptx = nvrtc.compile((KERNELS / "subnormal.cu").read_text(), "sm_90").ptx
+    assert "mul.ftz.f32" in ptx and "mul.f32" not in ptx
+
+
 # ---- the same sources through NVRTC --------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -588,6 +588,25 @@ extern "C" void* emu_module_load(const char* path, char* err, std::size_t errlen
 
 extern "C" void* emu_module_symbol(Module* m, const char* name) { return dlsym(m->handle, name); }
 
+// CuPy compiles every kernel with -ftz=true: single-precision subnormal inputs and results are
+// flushed to zero. While a grid runs, the CPU does the same (MXCSR's FTZ and DAZ bits on x86-64,
+// FPCR.FZ on AArch64), which there also flushes double precision; the caller's mode comes back after.
+class FlushSubnormals {
+#if defined(__x86_64__)
+    unsigned saved_ = __builtin_ia32_stmxcsr();
+  public:
+    FlushSubnormals() { __builtin_ia32_ldmxcsr(saved_ | 0x8040u); }
+    ~FlushSubnormals() { __builtin_ia32_ldmxcsr(saved_); }
+#elif defined(__aarch64__)
+    std::uint64_t saved_ = __builtin_aarch64_get_fpcr64();
+  public:
+    FlushSubnormals() { __builtin_aarch64_set_fpcr64(saved_ | (std::uint64_t(1) << 24)); }
+    ~FlushSubnormals() { __builtin_aarch64_set_fpcr64(saved_); }
+#else
+#error "the emulator flushes subnormals on x86-64 and AArch64 only"
+#endif
+};
+
 // Runs a grid. Returns 0, or 1 with a message in err (and, after a fault, its address).
 extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const unsigned* grid,
                           const unsigned* block, std::size_t dynamic_bytes, int descending,
@@ -629,6 +648,7 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
     g_fault = Fault{0, 0, -1};
     {
         FaultHandlers handlers;
+        FlushSubnormals flush;  // outside sigsetjmp's branch: restored after a fault too
         if (sigsetjmp(g_fault_jump, 1) == 0) {
             const long long blocks = (long long)grid[0] * grid[1] * grid[2];
             for (long long k = 0; k < blocks && !g.failed; ++k) {
