@@ -16,6 +16,7 @@
 """
 import functools
 import inspect
+import mmap
 
 import numpy as np
 import pytest
@@ -417,6 +418,35 @@ def test_float64_arrays_are_a_type_error():
         be.images_to_float(np.zeros((1, 4, 4), np.float32))
     with pytest.raises(TypeError, match="integer"):
         be.softmax_cross_entropy_forward(np.zeros((2, 3), np.float32), np.zeros(2, np.float32))
+
+
+def test_arrays_a_grid_stride_loop_cannot_index_are_refused():
+    """A grid-stride loop's int index reaches the last element plus one stride of 4096 blocks of
+    256 threads: past 2**31 - 2**20 elements it would overflow."""
+    be = kernels._device_backend("emu")
+    limit = 2**31 - cuda_launch.ELEMENTWISE_BLOCKS * cuda_launch.THREADS
+    too_long = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (limit + 1,), (0,))  # no memory
+    with pytest.raises(ValueError, match=r"relu_forward: arrays of more than 2146435072 \(2\*\*31 - 2\*\*20\)"):
+        be.relu_forward(too_long)
+    # uint8 images, contiguous, in memory that is reserved but never touched
+    memory = mmap.mmap(-1, limit + 1)
+    images = np.frombuffer(memory, np.uint8)
+    assert cuda_launch.typed(be, "images_to_float", images[:limit], np.uint8) is not None
+    with pytest.raises(ValueError, match=r"images_to_float: arrays of more than 2146435072"):
+        cuda_launch.typed(be, "images_to_float", images, np.uint8)
+    del images
+    memory.close()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emu"])
+@pytest.mark.parametrize("shape", [(4, 0), (0, 10)])
+def test_cross_entropy_without_classes_or_examples_is_refused(backend, shape):
+    ops = K if backend == "cpu" else kernels._device_backend("emu")
+    logits, labels = np.zeros(shape, np.float32), np.zeros(shape[0], np.int32)
+    with pytest.raises(ValueError, match=r"at least one example and one class, got logits of shape"):
+        ops.softmax_cross_entropy_forward(logits, labels)
+    with pytest.raises(ValueError, match=r"at least one example and one class"):
+        ops.count_correct(logits, labels)
 
 
 def test_in_place_updates_need_contiguous_buffers():

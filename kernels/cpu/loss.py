@@ -30,6 +30,8 @@ def _check(logits, labels):
     if logits.ndim != 2 or labels.shape != (logits.shape[0],):
         raise ValueError(f"cross entropy expects logits (N, K) and labels (N,), "
                          f"got {logits.shape} and {labels.shape}")
+    if 0 in logits.shape:
+        raise ValueError(f"cross entropy needs at least one example and one class, got logits of shape {logits.shape}")
     # Negative labels would silently index from the end.
     if labels.size and (labels.min() < 0 or labels.max() >= logits.shape[1]):
         raise ValueError(f"labels must lie in [0, {logits.shape[1]}), "

@@ -15,7 +15,10 @@ ELEMENTWISE_BLOCKS = 4096  # grid-stride kernels: at most this many blocks, each
 # but no split shorter than MIN_SPLIT_LENGTH elements.
 TARGET_BLOCKS = 512
 MIN_SPLIT_LENGTH = 4096
-_INDEX_LIMIT = 2**31  # kernels index with int
+_INT_LIMIT = 2**31  # kernels take their sizes as int
+# ... and index with int: a grid-stride loop's index reaches the last element plus one stride of
+# ELEMENTWISE_BLOCKS * THREADS, which must still fit
+_ELEMENT_LIMIT = _INT_LIMIT - ELEMENTWISE_BLOCKS * THREADS
 
 C_TYPES = {np.dtype(np.uint8): "unsigned char", np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 
@@ -75,9 +78,9 @@ def typed(be, op, a, dtype):
 
 
 def _contiguous(be, op, a):
-    if a.size >= _INDEX_LIMIT:
-        raise ValueError(f"{op}: arrays of {_INDEX_LIMIT} elements or more are not supported, "
-                         f"got shape {a.shape}")
+    if a.size > _ELEMENT_LIMIT:
+        raise ValueError(f"{op}: arrays of more than {_ELEMENT_LIMIT} (2**31 - 2**20) elements are not supported "
+                         f"(the kernels index with int), got shape {a.shape} of {a.size} elements")
     return a if a.flags.c_contiguous else be.xp.ascontiguousarray(a)
 
 
@@ -97,7 +100,7 @@ def _typed(arg):
     if isinstance(arg, (bool, np.bool_)):
         raise TypeError("kernels take int flags, not bool")
     if isinstance(arg, int):
-        if not -_INDEX_LIMIT <= arg < _INDEX_LIMIT:
+        if not -_INT_LIMIT <= arg < _INT_LIMIT:
             raise ValueError(f"kernel argument {arg} does not fit in an int")
         return np.int32(arg)
     if isinstance(arg, float):

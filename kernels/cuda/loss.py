@@ -51,4 +51,6 @@ def count_correct(be, logits, labels):
 def _sizes(logits, labels):
     if logits.ndim != 2 or labels.shape != (logits.shape[0],):
         raise ValueError(f"cross entropy expects logits (N, K) and labels (N,), got {logits.shape} and {labels.shape}")
+    if 0 in logits.shape:
+        raise ValueError(f"cross entropy needs at least one example and one class, got logits of shape {logits.shape}")
     return logits.shape
