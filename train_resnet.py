@@ -127,13 +127,21 @@ def main(argv=None):
     profile_steps = args.profile_steps if args.profile else None
     if profile_steps is not None and profile_steps < 1:
         usage_error(parser, f"--profile-steps must be at least 1, got {profile_steps}")
-    if args.gpus > kernels.gpu_count():
-        usage_error(parser, f"--gpus {args.gpus}: this machine has {kernels.gpu_count()} GPU(s) that CuPy can use")
-    if args.gpus > 1 and launch.mpi_world() is None:
-        return train_on_gpus(parser, given, args.watchdog, profile_steps)
+    if args.gpus > 0:
+        try:
+            kernels.cupy_module()
+        except kernels.DeviceError as e:
+            usage_error(parser, f"--gpus {args.gpus}: {e}")
+        # under mpiexec, --gpus counts the node's GPUs, and a rank may see only its own (kernels.local_gpu)
+        mpi = launch.mpi_world() is not None
+        if kernels.gpu_count() < (1 if mpi else args.gpus):
+            usage_error(parser, f"--gpus {args.gpus}: this machine has {kernels.gpu_count()} GPU(s) that CuPy can use")
+        if args.gpus > 1 and not mpi:
+            return train_on_gpus(parser, given, args.watchdog, profile_steps)
     comm = communicators.SingleProcess()
     try:
-        comm = communicators.for_training(args.gpus)
+        comm = communicators.from_environment()
+        comm = communicators.for_training(args.gpus, comm)
         train.train_or_profile(given, comm, profile_steps)
         return 0
     except (train.ConfigError, checkpoint.CheckpointError, data.DataError) as e:
@@ -142,7 +150,7 @@ def main(argv=None):
             parser.error(str(e))
     except (train.NonFiniteLoss, train.OutOfMemory) as e:
         code, message = 1, f"error: {e}"
-    except launch.LaunchError as e:
+    except (launch.LaunchError, kernels.DeviceError) as e:
         code, message = 2, f"{parser.prog}: error: {e}"
     except KeyboardInterrupt:
         code, message = 130, ("\ninterrupted: the files of the last finished epoch are kept; --resume "

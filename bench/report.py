@@ -55,19 +55,18 @@ def environment():
 
 
 def _cupy():
+    """The installed CuPy and the GPUs it sees: the machine's, whatever KERNELS_SIMULATED_GPUS says."""
     import cupy
-    from kernels import gpu_count
     runtime = cupy.cuda.runtime
-    info = {"cupy": cupy.__version__, "gpu_count": gpu_count()}
+    info = {"cupy": cupy.__version__, "gpu_count": 0}
+    try:
+        info["gpu_count"] = runtime.getDeviceCount()
+    except Exception as e:  # no driver or no device: why there is no GPU
+        info["gpu_error"] = f"{type(e).__name__}: {e}"
     info["cuda_runtime"] = runtime.runtimeGetVersion()
     info["cuda_driver_api"] = runtime.driverGetVersion()
     info["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
     info["gpus"] = [_name(runtime.getDeviceProperties(i)) for i in range(info["gpu_count"])]
-    if not info["gpus"]:
-        try:
-            runtime.getDeviceCount()
-        except Exception as e:  # gpu_count() says 0; this says why
-            info["gpu_error"] = f"{type(e).__name__}: {e}"
     return info
 
 

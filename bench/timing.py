@@ -21,8 +21,8 @@ class WallClock:
 
 class CupyEvents:
     def __init__(self):
-        import cupy
-        self.cupy = cupy
+        from kernels import cupy_module
+        self.cupy = cupy_module()
 
     def mark(self):
         event = self.cupy.cuda.Event()

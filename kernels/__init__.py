@@ -5,9 +5,15 @@ array: a CuPy array goes to ``cuda``; a NumPy array goes to ``cpu``, or to ``emu
 (the CUDA kernels on the CPU emulator) inside ``with emulate():``, as tests ask.
 Nothing else in the project asks what kind of array it holds; it asks
 ``get_array_module(x)`` for allocation and ``backend_of`` for arithmetic.
+
+``cupy_module()`` is the one place that imports CuPy: every GPU path gets CuPy from it, which
+is how ``KERNELS_SIMULATED_GPUS=N`` puts simulated GPUs (kernels/simulated) under all of them.
+Device selection never happens as a side effect: ``array_module_for('cuda')`` leaves the
+current GPU as it is, and ``local_gpu`` says which GPU a rank takes.
 """
 import contextlib
-import importlib
+import os
+import re
 
 import numpy as np
 
@@ -18,10 +24,14 @@ _device_backends = {}
 
 
 def get_array_module(x):
-    """numpy for host arrays and scalars; for a device array, the package it came from."""
-    if isinstance(x, (np.ndarray, np.generic, int, float)):
-        return np
-    return importlib.import_module(type(x).__module__.split(".")[0])
+    """CuPy (``cupy_module()``) for a device array; numpy for anything else."""
+    return cupy_module() if _is_device_array(x) else np
+
+
+def _is_device_array(x):
+    module = type(x).__module__
+    return (module.startswith("cupy") or module.startswith(f"{__name__}.simulated")) and \
+        isinstance(x, cupy_module().ndarray)
 
 
 @contextlib.contextmanager
@@ -36,47 +46,91 @@ def emulate():
 
 
 class DeviceError(RuntimeError):
-    """The requested device cannot be used: no CuPy, no GPU, or too few GPUs."""
+    """The requested device cannot be used: no CuPy, a CuPy too old, no GPU, or too few GPUs."""
 
 
-def gpu_count():
-    """GPUs that CuPy sees; 0 when CuPy or a driver is missing."""
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # no CuPy, no driver, no device: all mean no GPU here
-        return 0
+SIMULATED_GPUS = "KERNELS_SIMULATED_GPUS"
+MINIMUM_CUPY = (14, 2)  # 13.x passes None kernel arguments as garbage, not null pointers (cupy#9046)
 
 
-def array_module_for(device):
-    """numpy for 'cpu', cupy for 'cuda' (or 'cuda:N', which also selects GPU N)."""
-    if device == "cpu":
-        return np
-    if not device.startswith("cuda"):
-        raise DeviceError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'")
+def cupy_module():
+    """CuPy, through which every GPU path of the project reaches the GPU; under
+    ``KERNELS_SIMULATED_GPUS=N``, the simulated GPUs' stand-in for it (kernels/simulated).
+    DeviceError when CuPy is missing or older than 14.2."""
+    if os.environ.get(SIMULATED_GPUS):
+        from . import simulated
+        return simulated
     try:
         import cupy
     except ImportError:
         raise DeviceError("CuPy is not installed: pip install -e '.[cuda13]' (or '.[cuda12]')") from None
+    version = tuple(int(v) for v in re.findall(r"\d+", cupy.__version__)[:2])
+    if version < MINIMUM_CUPY:
+        raise DeviceError(f"CuPy {cupy.__version__} is installed; this project needs CuPy "
+                          f"{'.'.join(map(str, MINIMUM_CUPY))} or newer (older ones pass None kernel arguments "
+                          f"as garbage, not as null pointers): pip install -e '.[cuda13]' (or '.[cuda12]')")
+    return cupy
+
+
+def nccl_module():
+    """cupy.cuda.nccl (or the simulated GPUs' own); its ``available`` says whether NCCL loads."""
+    cupy = cupy_module()
+    if cupy.__name__ != "cupy":
+        return cupy.cuda.nccl
+    from cupy.cuda import nccl
+    return nccl
+
+
+def gpu_count():
+    """GPUs that CuPy sees; 0 when CuPy or a driver is missing, or CuPy is too old."""
+    try:
+        return cupy_module().cuda.runtime.getDeviceCount()
+    except Exception:  # no CuPy, no driver, no device: all mean no GPU here
+        return 0
+
+
+def local_gpu(local_rank, local_size):
+    """The GPU of the rank ``local_rank`` of ``local_size`` ranks on this machine: the one of its
+    index when the rank sees them all, the only one when the scheduler made one GPU visible per rank
+    (CUDA_VISIBLE_DEVICES, as Slurm does); DeviceError otherwise."""
+    visible = gpu_count()
+    if visible >= local_size:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise DeviceError(f"local rank {local_rank} of {local_size} sees {visible} GPU(s): each rank needs its own GPU "
+                      f"(all of the machine's, or exactly one of them through CUDA_VISIBLE_DEVICES)")
+
+
+def array_module_for(device):
+    """numpy for 'cpu'; CuPy (``cupy_module()``) for 'cuda', which leaves the current GPU as it
+    is, or for 'cuda:N', which makes GPU N the current one (kernels run on the current GPU)."""
+    if device == "cpu":
+        return np
+    if not device.startswith("cuda"):
+        raise DeviceError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'")
+    cupy = cupy_module()
     index = int(device.partition(":")[2] or 0)
     if index >= gpu_count():
         raise DeviceError(f"{device} asked for, but this machine has {gpu_count()} GPU(s) visible to CuPy")
-    cupy.cuda.Device(index).use()
+    if device != "cuda":
+        cupy.cuda.Device(index).use()
     return cupy
 
 
 def _device_backend(name):
     """The CUDA launchers bound to CuPy (``cuda``) or to NumPy and the emulator (``emu``)."""
-    if name not in _device_backends:
+    key = (name, os.environ.get(SIMULATED_GPUS) if name == "cuda" else None)
+    if key not in _device_backends:
         from . import cuda
-        _device_backends[name] = cuda.make_backend(name)
-    return _device_backends[name]
+        _device_backends[key] = cuda.make_backend(name)
+    return _device_backends[key]
 
 
 def backend_of(x):
     """The backend whose kernels run ops on arrays like ``x``."""
     if isinstance(x, np.ndarray):
         return _device_backend("emu") if _emulating else cpu
-    if type(x).__module__.startswith("cupy"):
+    if _is_device_array(x):
         return _device_backend("cuda")
     raise TypeError(f"no backend for arrays of type {type(x).__name__}")

@@ -196,8 +196,9 @@ class Module:
                 p.zero_grad()
 
     def to(self, target):
-        """A dtype casts parameters and floating buffers; a device ('cpu', 'cuda',
-        'cuda:N') moves them. Flat buffers are rebuilt: build the optimizer after this."""
+        """A dtype casts parameters and floating buffers; a device moves them: 'cpu', 'cuda' (the
+        current GPU) or 'cuda:N' (which makes GPU N the current one). Flat buffers are rebuilt:
+        build the optimizer after this."""
         if isinstance(target, str):
             xp = array_module_for(target)
             convert = xp.asarray if xp is not np else lambda a: a.get() if hasattr(a, "get") else a

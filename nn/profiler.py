@@ -72,7 +72,7 @@ import numpy as np
 
 import kernels
 import kernels.cpu
-from kernels import backend_of, get_array_module
+from kernels import backend_of, cupy_module, get_array_module
 from . import checkpoint, costs, data, hooks
 from .functional import cross_entropy
 from .init import manual_seed
@@ -212,9 +212,7 @@ class Nvtx:
     """NVTX ranges where CuPy has NVTX (on the GPU), so that Nsight shows the rows' names."""
 
     def __init__(self, enabled):
-        nvtx = None
-        if enabled:
-            from cupy.cuda import nvtx
+        nvtx = cupy_module().cuda.nvtx if enabled else None
         usable = nvtx is not None and nvtx.available
         self.push = nvtx.RangePush if usable else lambda message: None
         self.pop = nvtx.RangePop if usable else lambda: None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels import DeviceError, array_module_for, backend_of, get_array_module
+from kernels import DeviceError, array_module_for, backend_of, cupy_module, get_array_module, local_gpu
 from parallel.comm import NCCLCommunicator, SingleProcess
 from parallel.ddp import DEFAULT_BUCKET_MB, DataParallel, shard_bounds
 from . import checkpoint, data, init
@@ -413,8 +413,7 @@ def train_or_profile(given, comm, profile_steps=None):
 
 
 def gpu_worker(rank, world_size, given, unique_id, profile_steps=None):
-    """One worker process of ``--gpus N`` on one node: it trains (or profiles) on GPU
-    ``rank`` and sums gradients with the others over NCCL (``unique_id`` from the parent)."""
-    import cupy
-    cupy.cuda.Device(rank).use()
+    """One worker process of ``--gpus N`` on one node: it trains (or profiles) on its GPU (see
+    kernels.local_gpu) and sums gradients with the others over NCCL (``unique_id`` from the parent)."""
+    cupy_module().cuda.Device(local_gpu(rank, world_size)).use()
     train_or_profile(given, NCCLCommunicator(rank, world_size, unique_id), profile_steps)

@@ -23,6 +23,7 @@ import sys
 
 import numpy as np
 
+from kernels import cupy_module, local_gpu, nccl_module
 from . import launch
 from .launch import mpi_world
 
@@ -135,11 +136,7 @@ class NCCLCommunicator(Communicator):
     collective that waits for a peer that is gone."""
 
     def __init__(self, rank, world_size, unique_id, local_rank=None):
-        import cupy
-        from cupy.cuda import nccl
-        if not nccl.available:
-            raise RuntimeError("CuPy cannot load NCCL: pip install '.[cuda13]' (or '.[cuda12]'), "
-                               "which brings nvidia-nccl")
+        cupy, nccl = cupy_module(), _nccl()
         self._cupy, self._nccl = cupy, nccl
         self.xp = cupy
         self.rank, self.world_size = rank, world_size
@@ -155,8 +152,7 @@ class NCCLCommunicator(Communicator):
     @staticmethod
     def unique_id():
         """A new NCCL id, for the process that starts the others to hand to each."""
-        from cupy.cuda import nccl
-        return nccl.get_unique_id()
+        return _nccl().get_unique_id()
 
     def _args(self, array):
         if not isinstance(array, self._cupy.ndarray) or not array.flags.c_contiguous:
@@ -196,6 +192,13 @@ class NCCLCommunicator(Communicator):
         os._exit(code)
 
 
+def _nccl():
+    nccl = nccl_module()
+    if not nccl.available:
+        raise RuntimeError("CuPy cannot load NCCL: pip install '.[cuda13]' (or '.[cuda12]'), which brings nvidia-nccl")
+    return nccl
+
+
 def _untimed(stream):
     return contextlib.nullcontext()
 
@@ -208,20 +211,21 @@ def from_environment():
     return _mpi(world)
 
 
-def for_training(gpus):
+def for_training(gpus, comm=None):
     """This process's communicator for ``--gpus``: under mpiexec, MPI between CPU ranks
-    (gpus 0), or NCCL between GPU ranks (one GPU per rank, the rank's local rank; the
-    NCCL id goes from rank 0 to the others over MPI); else a world of one."""
+    (gpus 0), or NCCL between GPU ranks (one GPU per rank: see kernels.local_gpu; the NCCL id
+    goes from rank 0 to the others over MPI); else a world of one. ``comm``: this process's
+    ``from_environment()``, made by the caller first, so that it can end the whole job when
+    this fails on one rank."""
     world = mpi_world()
+    comm = from_environment() if comm is None else comm
     if world is None or world.size == 1 or not gpus:
-        return from_environment()
+        return comm
     if world.local_size != gpus:
         raise launch.LaunchError(f"--gpus {gpus} is the GPUs per node, but mpiexec started {world.local_size} "
-                         f"ranks on this node: start one rank per GPU (e.g. mpiexec -N {gpus})")
-    mpi = _mpi(world)
-    import cupy
-    cupy.cuda.Device(world.local_rank).use()
-    unique_id = mpi.comm.bcast(NCCLCommunicator.unique_id() if world.rank == 0 else None, root=0)
+                                 f"ranks on this node: start one rank per GPU (e.g. mpiexec -N {gpus})")
+    cupy_module().cuda.Device(local_gpu(world.local_rank, world.local_size)).use()
+    unique_id = comm.comm.bcast(NCCLCommunicator.unique_id() if world.rank == 0 else None, root=0)
     return NCCLCommunicator(world.rank, world.size, unique_id, world.local_rank)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kernels
 import train_resnet
 from helpers import write_fashion_mnist
 from nn import checkpoint, train
@@ -177,26 +178,17 @@ def test_profile_steps_must_be_positive(data_dir, tmp_path, capsys):
     assert "--profile-steps must be at least 1, got 0" in capsys.readouterr().err
 
 
-def nccl_loads():
-    try:
-        from cupy.cuda import nccl
-        return nccl.available
-    except Exception:  # no CuPy, or its NCCL module fails: NCCL does not load
-        return False
-
-
-@pytest.mark.filterwarnings("ignore:(?s).*nccl library could not be loaded:UserWarning")
 @pytest.mark.parametrize("flags,message", [
     (["--lr", "0"], "learning rate must be positive"),
-    ([], "--gpus 2: NCCL is unavailable"),
+    ([], "--gpus 2: NCCL is unavailable (RuntimeError: CuPy cannot load NCCL"),
 ])
 def test_several_gpus_check_the_flags_and_nccl_before_any_worker_starts(data_dir, tmp_path, capsys, monkeypatch,
                                                                         flags, message):
-    """As on a machine with two GPUs: the parent's own checks, before it starts workers."""
-    from parallel import launch
-    if not flags and nccl_loads():
-        pytest.skip("NCCL loads here: the parent would go on to start workers")
-    monkeypatch.setattr(train_resnet.kernels, "gpu_count", lambda: 2)
+    """On two simulated GPUs whose NCCL does not load: the parent's own checks, before it starts workers."""
+    import types
+    from parallel import comm, launch
+    monkeypatch.setenv(kernels.SIMULATED_GPUS, "2")
+    monkeypatch.setattr(comm, "nccl_module", lambda: types.SimpleNamespace(available=False))
     monkeypatch.setattr(launch, "run_workers", lambda *a, **k: pytest.fail("a worker was started"))
     with pytest.raises(SystemExit) as e:
         run(data_dir, tmp_path / "run", "--gpus", "2", *flags)

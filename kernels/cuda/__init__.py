@@ -5,8 +5,10 @@ launcher takes the backend as its first argument, ``conv2d_forward(be, x, w, b, 
 padding)``, and gets its array module (``be.xp``) and its compiled kernels
 (``be.function(family, name)``) from it, so one launcher code serves two backends:
 
-- ``cuda``: CuPy arrays; kernels compiled by NVRTC through ``cupy.RawModule`` (CuPy caches
-  the binaries on disk across runs);
+- ``cuda``: CuPy arrays; kernels compiled by NVRTC through ``cupy.RawModule`` (CuPy 14.2 and
+  newer keep modules compiled with name expressions in their disk cache across runs; older
+  ones, which the project refuses, recompile them in every process). Under
+  ``KERNELS_SIMULATED_GPUS``, the simulated GPUs' arrays and RawModule (kernels/simulated);
 - ``emu``: NumPy arrays; the same sources compiled by g++ and run by the CPU emulator's
   ``kernels.emu.RawModule`` (cached by source hash as well).
 
@@ -74,10 +76,7 @@ def make_backend(name):
         from kernels.emu import RawModule
         return Backend("emu", np, RawModule)
     if name == "cuda":
-        try:
-            import cupy
-        except ImportError as e:
-            raise ImportError("the cuda backend needs CuPy: install this project with the cuda12 or "
-                              "cuda13 extra (pip install -e '.[cuda13]')") from e
+        from kernels import cupy_module
+        cupy = cupy_module()
         return Backend("cuda", cupy, cupy.RawModule)
     raise ValueError(f"unknown device backend {name!r}: 'cuda' or 'emu'")

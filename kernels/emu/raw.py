@@ -88,6 +88,11 @@ class RawKernel:
                             for i, spec in enumerate(entry["signature"])]
 
     @property
+    def parameters(self):
+        """The kernel's parameters (arguments.Parameter), each of which can label itself in a message."""
+        return tuple(self._parameters)
+
+    @property
     def max_threads_per_block(self):
         return self._entry["launch_bounds"] or MAX_THREADS_PER_BLOCK
 

@@ -1,0 +1,30 @@
+"""Simulated GPUs: a test instrument, not a backend.
+
+``KERNELS_SIMULATED_GPUS=N`` in the environment makes a machine without a GPU look like one
+with N GPUs to this project's code, as JAX's ``--xla_force_host_platform_device_count`` does for
+JAX: ``kernels.cupy_module()`` then returns this package instead of CuPy, and everything above
+it runs unchanged (the ``--gpus N`` launcher and its worker processes, the NCCL communicator,
+streams, events, device selection, ``model.to("cuda")``, the CUDA launchers). Only this bottom
+layer is simulated, and only the part of CuPy 14.2 that the project uses, with CuPy's
+signatures (tests/test_simulated_gpus.py checks them against the installed CuPy):
+
+- ``arrays``: device arrays in host memory that remember their device; ``RawModule`` runs the
+  kernels on the CPU emulator (kernels/emu).
+- ``cuda``: devices, streams, events, ``runtime``, ``nvtx``; ``CUDA_VISIBLE_DEVICES`` applies.
+- ``nccl``: the collectives between the worker processes, through files.
+
+It refuses what a GPU punishes, with an error naming the call: an array of another device than
+the current one in a kernel or operation, a buffer of another device than the communicator's,
+an event recorded on another device's stream, a host NumPy array where a device array is
+needed, an NCCL call that differs between ranks, two ranks on one GPU. What it cannot show:
+speed, overlap (work runs at once, in program order), the real NCCL transport, and the GPU's
+rounding (the emulator's is the CPU's, with subnormals flushed as ``-ftz=true`` does).
+"""
+from . import cuda, nccl
+from .arrays import (RawModule, __version__, arange, asarray, ascontiguousarray, empty, empty_like, ndarray,
+                     ones_like, zeros, zeros_like)
+
+cuda.nccl = nccl
+
+__all__ = ["ndarray", "asarray", "ascontiguousarray", "empty", "empty_like", "zeros", "zeros_like", "ones_like",
+           "arange", "RawModule", "cuda", "__version__"]

@@ -1,0 +1,29 @@
+"""Worker functions for the simulated-GPU tests: target(rank, world_size, ...), as ``--gpus N``
+runs ``nn.train.gpu_worker``. A module of their own, so that a spawned worker imports little."""
+import json
+import os
+import signal
+from pathlib import Path
+
+
+def placement(rank, world_size, given, unique_id, out):
+    """gpu_worker, then what this process allocated and launched on each device."""
+    from kernels.simulated import cuda
+    from nn import train
+    train.gpu_worker(rank, world_size, given, unique_id)
+    ledger = {what: {str(device): n for device, n in counts.items()} for what, counts in cuda.ledger.items()}
+    (Path(out) / f"ledger{rank}.json").write_text(json.dumps(ledger))
+
+
+def fails_in_backward(rank, world_size, given, unique_id, bad, how):
+    """gpu_worker, where rank ``bad`` raises (how="raise") or is killed (how="kill") in its first
+    backward, while the others wait for it in the gradient all-reduce."""
+    from nn import train
+    from parallel import ddp
+    if rank == bad:
+        def backward(self, loss):
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"a fault in the backward of rank {rank}")
+        ddp.DataParallel.backward = backward
+    train.gpu_worker(rank, world_size, given, unique_id)
