@@ -23,7 +23,7 @@ def header(summary):
     gpus = ", ".join(env.get("gpus") or []) or "no GPU"
     parts = [f"{gpus} (driver {env.get('driver')})", f"CUDA runtime {env.get('cuda_runtime')}",
              f"CuPy {env.get('cupy')}", f"PyTorch {env.get('torch')}", f"cuDNN {env.get('cudnn')}"]
-    kind = " (dry run, CPU)" if summary.get("dry_run") else ""
+    kind = " (dry run: CPU and simulated GPUs)" if summary.get("dry_run") else ""
     lines = [f"bench/gpu_check{kind}: " + ", ".join(parts),
              f"{summary.get('seconds', 0):.0f} s of the {summary['budget_s']:.0f} s budget; "
              f"results in {summary['out']}"]

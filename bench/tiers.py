@@ -41,6 +41,7 @@ from pathlib import Path
 
 from bench import report
 from bench.summary import summary_lines
+from kernels import SIMULATED_GPUS
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -51,8 +52,9 @@ TEN_EPOCHS = ("PYTHONPATH=. python3 train_resnet.py --gpus 1 --epochs 10 --batch
 EPILOG = f"""The 10-epoch run on one GPU is a separate command (not part of this check):
   {TEN_EPOCHS}
 
---dry-run runs tiers c, d, e and f on the CPU with tiny shapes and the NumPy backend through the same
-code (wall-clock timing), to check the check without a GPU."""
+--dry-run checks the check without a GPU, through the same code with tiny shapes: tiers c and d on
+the NumPy backend, and tiers e, f and g on simulated GPUs (KERNELS_SIMULATED_GPUS, kernels/simulated):
+the epoch through --gpus 2, the profile on one, and the NCCL tests on two."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Tier:
     estimate_s: float    # about what it takes on one H200: it starts only if this much is left
     limit_s: float       # its own timeout
     run: object          # run(Run) -> a dict of results
-    dry_run: bool        # whether --dry-run runs it (on the CPU)
+    dry_run: bool        # whether --dry-run runs it (on the CPU, or on simulated GPUs)
 
 
 class Run:
@@ -79,27 +81,29 @@ class Run:
     def path(self, name):
         return self.args.out / f"tier_{self.tier.key}_{name}"
 
-    def command(self, name, argv, limit=None):
+    def command(self, name, argv, limit=None, simulated_gpus=0):
         """Run argv from the repository root, its output in tier_<t>_<name>.log, within `limit`
-        seconds and the tier's deadline."""
+        seconds and the tier's deadline; on that many simulated GPUs when a dry run asks for them."""
         timeout = min(limit or float("inf"), self.left())
         if timeout < MIN_COMMAND_S:
             result = {"name": name, "argv": [str(a) for a in argv], "status": "skipped",
                       "reason": "no time left in the tier"}
         else:
-            result = {"name": name, **run_command(argv, self.path(f"{name}.log"), timeout)}
+            env = {SIMULATED_GPUS: str(simulated_gpus)} if simulated_gpus and self.args.dry_run else {}
+            result = {"name": name, **run_command(argv, self.path(f"{name}.log"), timeout, env)}
         self.commands.append(result)
         return result
 
 
-def run_command(argv, log, timeout):
+def run_command(argv, log, timeout, env=None):
     """{argv, log, rc, seconds, timed_out}: argv run in its own session (so that its children go
-    with it), killed when `timeout` seconds have passed."""
+    with it), killed when `timeout` seconds have passed; ``env``: more environment variables."""
+    extra = env or {}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **extra}
     began = time.monotonic()
     with open(log, "w") as out:
-        out.write("$ " + " ".join(map(str, argv)) + "\n")
+        out.write("$ " + "".join(f"{k}={v} " for k, v in extra.items()) + " ".join(map(str, argv)) + "\n")
         out.flush()
         process = subprocess.Popen([str(a) for a in argv], cwd=ROOT, env=env, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
@@ -111,7 +115,7 @@ def run_command(argv, log, timeout):
         except BaseException:   # Ctrl-C: a child in its own session does not get it from the terminal
             _stop(process)
             raise
-    return {"argv": [str(a) for a in argv], "log": log.name, "rc": rc, "seconds": round(time.monotonic() - began, 1),
+    return {"argv": [str(a) for a in argv], **({"env": extra} if extra else {}), "log": log.name, "rc": rc, "seconds": round(time.monotonic() - began, 1),
             "timed_out": timed_out}
 
 
@@ -131,11 +135,11 @@ def _stop(process):
 
 # ---- the tiers ---------------------------------------------------------------------------------
 
-def pytest_gpu(run, name, path, limit=None):
+def pytest_gpu(run, name, path, limit=None, simulated_gpus=0):
     """pytest -m gpu on one file, with its junit XML; the counts read back from it."""
     xml = run.path(f"{name}.xml")
     result = run.command(name, [PYTHON, "-m", "pytest", path, "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
-                                f"--junitxml={xml}"], limit)
+                                f"--junitxml={xml}"], limit, simulated_gpus)
     result["tests"] = junit_counts(xml)
     return result
 
@@ -209,25 +213,26 @@ def epoch(run):
         return {"status": "skipped", "reason": f"Fashion-MNIST is not in {folder} (missing {', '.join(missing)}): "
                                                f"give its folder with --data-dir"}
     out = run.path("epoch")
-    # the dry run: the same command on the CPU, on a few images of a narrow model
-    device = ["--gpus", "0", "--limit", "64", "--test-limit", "64", "--width", "4", "--batch-size", "32"] \
+    # the dry run: on two simulated GPUs, through the launcher and NCCL, a few images of a narrow model
+    device = ["--gpus", "2", "--limit", "32", "--test-limit", "32", "--width", "2", "--batch-size", "16"] \
         if run.args.dry_run else ["--gpus", "1"]
-    run.command("train", [PYTHON, "train_resnet.py", *device, "--epochs", "1", "--data-dir", folder, "--out", out])
+    run.command("train", [PYTHON, "train_resnet.py", *device, "--epochs", "1", "--data-dir", folder, "--out", out],
+                simulated_gpus=2)
     metrics = report.read_json(out / "metrics.json")
     return {"epoch": metrics[-1] if metrics else None}
 
 
 def nccl_tests(run):
-    return {"pytest": pytest_gpu(run, "pytest", "tests/test_gpu_nccl.py", limit=55)}
+    return {"pytest": pytest_gpu(run, "pytest", "tests/test_gpu_nccl.py", limit=55, simulated_gpus=2)}
 
 
 def layer_profile(run):
     results = {} if run.args.dry_run else {"pytest": pytest_gpu(run, "pytest", "tests/test_profiler.py", limit=40)}
     out = run.path("profile")
-    # the dry run: the same command on the CPU, on a narrow model and a small batch
-    shape = ["--device", "cpu", "--width", "4", "--batch-size", "8", "--steps", "2", "--warmup", "1"] \
-        if run.args.dry_run else ["--device", "cuda", "--batch-size", "256", "--steps", "20", "--warmup", "3"]
-    run.command("profile", [PYTHON, "-m", "nn.profiler", *shape, "--out", out])
+    # the dry run: the same command on a simulated GPU, on a narrow model and a small batch
+    shape = ["--width", "2", "--batch-size", "8", "--steps", "2", "--warmup", "1"] \
+        if run.args.dry_run else ["--batch-size", "256", "--steps", "20", "--warmup", "3"]
+    run.command("profile", [PYTHON, "-m", "nn.profiler", "--device", "cuda", *shape, "--out", out], simulated_gpus=1)
     results["profile"] = report.read_json(out / "profile.json")
     return results
 
@@ -240,7 +245,7 @@ TIERS = (
     Tier("e", "one epoch on the full data, train_resnet.py --gpus 1", 45, 120, epoch, True),
     Tier("f", "per-layer profile of a training step at batch 256, nn/profiler.py", 25, 75, layer_profile, True),
     Tier("g", "NCCL data parallelism: world of one through the trainer; two GPUs where present", 15, 60,
-         nccl_tests, False),
+         nccl_tests, True),
 )
 
 
@@ -250,7 +255,7 @@ def run_tier(tier, args, left):
     """The tier's result: its own (or why it was skipped), with its status, time and commands."""
     head = {"tier": tier.key, "title": tier.title}
     if args.dry_run and not tier.dry_run:
-        return {**head, "status": "not run", "reason": "needs a GPU: a dry run covers tiers c, d, e and f"}
+        return {**head, "status": "not run", "reason": "needs a GPU: a dry run covers tiers c, d, e, f and g"}
     if left < tier.estimate_s:
         return {**head, "status": "skipped",
                 "reason": f"{max(left, 0):.0f} s of the {args.budget_seconds:.0f} s budget left; this tier takes "
@@ -317,7 +322,8 @@ def parse_args(argv):
     p.add_argument("--budget-seconds", type=float, default=280, metavar="S",
                    help="total time for all tiers; a tier that would not fit is skipped (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true",
-                   help="tiers c, d, e and f on the CPU, tiny, through the same code: checks the check")
+                   help="tiers c, d (NumPy backend), e, f and g (simulated GPUs), tiny, through the same code: "
+                        "checks the check")
     args = p.parse_args(argv)
     keys = [k.strip() for k in args.tiers.split(",") if k.strip()]
     unknown = sorted(set(keys) - {t.key for t in TIERS})

@@ -1,7 +1,7 @@
 """bench/gpu_check without a GPU: its command line, its exit without a GPU, its budget and timeouts, the
 cost formulas of nn/costs.py, the layer list of bench/layers.py against the model, the checks of
-tests/test_gpu_full.py run small on the CPU, and a dry run of tiers c, d, e and f on the NumPy backend
-through the same code as on the GPU."""
+tests/test_gpu_full.py run small on the CPU, and a dry run of tiers c and d on the NumPy backend and e,
+f and g on simulated GPUs, through the same code as on the GPU."""
 import argparse
 import inspect
 import json
@@ -57,13 +57,13 @@ def test_without_a_gpu_nothing_runs_and_the_summary_says_so(tmp_path):
     assert "NOTHING RAN" in (tmp_path / "summary.txt").read_text() and "NOTHING RAN" in done.stdout
 
 
-def test_a_dry_run_runs_tiers_c_to_f_through_the_same_code(tmp_path):
+def test_a_dry_run_runs_tiers_c_to_g_through_the_same_code(tmp_path):
     data = write_fashion_mnist(tmp_path / "data", n_train=64, n_test=64)
     done = gpu_check("--dry-run", "--out", tmp_path / "out", "--data-dir", data)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert {k: t["status"] for k, t in summary["tiers"].items()} == {
-        "a": "not run", "b": "not run", "c": "passed", "d": "passed", "e": "passed", "f": "passed", "g": "not run"}
+        "a": "not run", "b": "not run", "c": "passed", "d": "passed", "e": "passed", "f": "passed", "g": "passed"}
     ops = json.loads((tmp_path / "out" / "tier_c_ops.json").read_text())
     assert [row["layer"] for row in ops["rows"]] == [layer.label for layer, _ in distinct(resnet18_layers(2, 4))]
     assert all(row["forward"]["ours"]["ms"] > 0 for row in ops["rows"])
@@ -72,9 +72,13 @@ def test_a_dry_run_runs_tiers_c_to_f_through_the_same_code(tmp_path):
     if ops["torch"] == "compared":
         assert set(training["runs"]) == {"ours", "torch_fp32", "torch_default"}
         assert all("torch_fp32" in row["forward"] for row in ops["rows"])
-    assert 0 <= summary["tiers"]["e"]["epoch"]["test_acc"] <= 1
+    # tiers e, f and g on simulated GPUs: two through the launcher and NCCL, one for the profile
+    assert 0 <= summary["tiers"]["e"]["epoch"]["test_acc"] <= 1 and summary["tiers"]["e"]["epoch"]["world_size"] == 2
     profile = summary["tiers"]["f"]["profile"]
     assert profile["config"]["batch_size"] == 8 and any(r["name"] == "fc.1" for r in profile["rows"])
+    assert profile["config"]["backend"] == "cuda"
+    nccl = summary["tiers"]["g"]["pytest"]["tests"]
+    assert nccl["passed"] == nccl["tests"] == 3, nccl  # two GPUs: not one of them skipped
     assert (tmp_path / "out" / "tier_f_profile" / "profile.png").exists()
     assert done.stdout.endswith((tmp_path / "out" / "summary.txt").read_text())
     assert "sec/epoch" in done.stdout and "test acc" in done.stdout

@@ -1,5 +1,7 @@
 """NCCL data parallelism on GPUs, marked ``gpu`` (bench/gpu_check runs them; skipped here
-with the reason where there is no GPU or CuPy cannot load NCCL).
+with the reason where there is no GPU or CuPy cannot load NCCL). They reach CuPy through
+kernels.cupy_module(), so they run on simulated GPUs too (KERNELS_SIMULATED_GPUS=2, as
+bench/gpu_check --dry-run does).
 
 - The NCCL communicator's collectives in a world of one, the overlapped all-reduce included.
 - The whole trainer through NCCL in a world of one equals the trainer without it, bit for bit.
@@ -23,8 +25,7 @@ pytestmark = pytest.mark.gpu
 def nccl_unavailable_reason():
     if kernels.gpu_count() == 0:
         return "no CUDA device visible to CuPy"
-    from cupy.cuda import nccl
-    if not nccl.available:
+    if not kernels.nccl_module().available:
         return "CuPy cannot load NCCL (pip install '.[cuda13]')"
     return None
 
@@ -34,13 +35,12 @@ def world_of_one():
     reason = nccl_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    import cupy
-    cupy.cuda.Device(0).use()
+    kernels.cupy_module().cuda.Device(0).use()
     return NCCLCommunicator(0, 1, NCCLCommunicator.unique_id())
 
 
 def test_collectives_in_a_world_of_one(world_of_one):
-    import cupy
+    cupy = kernels.cupy_module()
     comm = world_of_one
     a = cupy.asarray(np.random.default_rng().standard_normal(1000).astype(np.float32))
     before = a.get()
@@ -56,13 +56,13 @@ def test_collectives_in_a_world_of_one(world_of_one):
         comm.all_reduce(np.zeros(3, np.float32))
 
 
-FLAGS = {"gpus": 1, "width": 8, "batch_size": 32, "limit": 96, "test_limit": 40, "epochs": 2,
+FLAGS = {"gpus": 1, "width": 2, "batch_size": 16, "limit": 32, "test_limit": 16, "epochs": 2,
          "momentum": 0.9, "weight_decay": 1e-4, "seed": 3}
 
 
 @pytest.fixture
 def data_dir(tmp_path):
-    write_fashion_mnist(tmp_path / "data", 96, 40)
+    write_fashion_mnist(tmp_path / "data", 32, 16)
     return tmp_path / "data"
 
 
@@ -79,8 +79,7 @@ def test_the_trainer_through_nccl_equals_the_trainer_without_it(world_of_one, da
 
 
 def sync_bn_worker(rank, world_size, flags, unique_id):
-    import cupy
-    cupy.cuda.Device(rank).use()
+    kernels.cupy_module().cuda.Device(rank).use()
     train.run(flags, NCCLCommunicator(rank, world_size, unique_id), log=lambda *a: None)
 
 
@@ -89,10 +88,12 @@ def test_two_gpus_with_sync_bn_equal_one_gpu_with_the_whole_batch(data_dir, tmp_
     reason = nccl_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    flags = {**FLAGS, "data_dir": str(data_dir), "sync_bn": True, "epochs": 1}
+    # one step: training this small network is chaotic (a relative change of 1e-7 in the weights
+    # grows to about 5e-3 in three steps, in float64 as in float32), so later steps amplify rounding
+    flags = {**FLAGS, "data_dir": str(data_dir), "sync_bn": True, "epochs": 1, "limit": FLAGS["batch_size"]}
     train.run({**flags, "out": str(tmp_path / "one")}, SingleProcess(), log=lambda *a: None)
     launch.run_workers(2, sync_bn_worker, ({**flags, "out": str(tmp_path / "two")}, NCCLCommunicator.unique_id()))
     one, two = (checkpoint.load(tmp_path / name)[0]["params"] for name in ("one", "two"))
     # float32, sums split differently over the two GPUs: equal to rounding, not bit for bit
-    assert np.max(np.abs(one - two)) / np.max(np.abs(one)) < 1e-4
+    assert np.max(np.abs(one - two)) / np.max(np.abs(one)) < 1e-5
     assert json.loads((tmp_path / "two" / "metrics.json").read_text())[0]["world_size"] == 2
