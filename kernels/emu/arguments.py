@@ -1,7 +1,8 @@
 """Kernel arguments: CuPy's conversion of Python values, the check against the kernel's
 declared parameters, and the guarded copies of the arrays that the kernel works on.
 
-CuPy's rules (cupy/cuda/function.pyx, cupy/_core/_scalar.pyx): None is a null pointer; a
+CuPy's rules, as of CuPy 14.2, the oldest the project accepts (kernels.MINIMUM_CUPY;
+cupy/cuda/function.pyx, cupy/_core/_scalar.pyx): None is a null pointer (13.x passed garbage); a
 device array is its data pointer (here a NumPy array stands for the device array); a NumPy
 scalar goes by its dtype; a Python bool as bool, a float as double (8 bytes), an int as int64
 (uint64 from 2**63). A GPU reads each parameter's declared size from what it was given, so
