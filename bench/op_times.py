@@ -10,7 +10,7 @@ holding the same values; its backward is torch.autograd.grad over a graph kept f
 repetitions. A batch-norm forward includes the update of the running statistics, as PyTorch's
 does in the same call; SGD is one step over every parameter (PyTorch: one tensor per parameter,
 as in its training). Times are medians (bench/timing.py), with TFLOP/s and GB/s from
-nn/costs.py. Each layer's row is written to the JSON file as soon as it is timed.
+profiler/costs.py. Each layer's row is written to the JSON file as soon as it is timed.
 """
 import argparse
 import contextlib
@@ -20,7 +20,7 @@ import numpy as np
 
 import kernels
 from bench import layers, report, timing
-from nn import costs
+from profiler import costs
 
 EPS, MOMENTUM = 1e-5, 0.1            # batch norm
 LR, SGD_MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4

@@ -12,7 +12,7 @@ results written to --out as soon as it ends, so that a run cut off early still l
      (bench/train_times.py)
   e  one epoch on the full data: train_resnet.py --gpus 1 --epochs 1, and its test accuracy
   f  the per-layer profile: the profiler's GPU test (pytest -m gpu tests/test_profiler.py), then
-     python -m nn.profiler at batch 256 (20 steps): profile.json, profile.csv and profile.png
+     python -m profiler at batch 256 (20 steps): profile.json, profile.csv and profile.png
   g  NCCL data parallelism: the communicator, the trainer through NCCL in a world of one against the
      trainer without it, and two GPUs against one where there are two (tests/test_gpu_nccl.py)
 
@@ -206,9 +206,9 @@ def train_times(run):
 
 
 def epoch(run):
-    from nn import data
+    from training import fashion_mnist
     folder = Path(run.args.data_dir)
-    missing = [name for pair in data.FILES.values() for name in pair if not (folder / name).exists()]
+    missing = [name for pair in fashion_mnist.FILES.values() for name in pair if not (folder / name).exists()]
     if missing:
         return {"status": "skipped", "reason": f"Fashion-MNIST is not in {folder} (missing {', '.join(missing)}): "
                                                f"give its folder with --data-dir"}
@@ -232,7 +232,7 @@ def layer_profile(run):
     # the dry run: the same command on a simulated GPU, on a narrow model and a small batch
     shape = ["--width", "2", "--batch-size", "8", "--steps", "2", "--warmup", "1"] \
         if run.args.dry_run else ["--batch-size", "256", "--steps", "20", "--warmup", "3"]
-    run.command("profile", [PYTHON, "-m", "nn.profiler", "--device", "cuda", *shape, "--out", out], simulated_gpus=1)
+    run.command("profile", [PYTHON, "-m", "profiler", "--device", "cuda", *shape, "--out", out], simulated_gpus=1)
     results["profile"] = report.read_json(out / "profile.json")
     return results
 
@@ -243,7 +243,7 @@ TIERS = (
     Tier("c", "each op at every ResNet-18 layer shape, batch 256, beside PyTorch", 35, 80, op_times, True),
     Tier("d", "100 training steps at batch 256, beside PyTorch eager", 40, 90, train_times, True),
     Tier("e", "one epoch on the full data, train_resnet.py --gpus 1", 45, 120, epoch, True),
-    Tier("f", "per-layer profile of a training step at batch 256, nn/profiler.py", 25, 75, layer_profile, True),
+    Tier("f", "per-layer profile of a training step at batch 256, python -m profiler", 25, 75, layer_profile, True),
     Tier("g", "NCCL data parallelism: world of one through the trainer; two GPUs where present", 15, 60,
          nccl_tests, True),
 )
@@ -308,7 +308,7 @@ def no_gpu_reason(env):
 
 
 def parse_args(argv):
-    from nn.data import resolve_dir
+    from training.fashion_mnist import resolve_dir
     p = argparse.ArgumentParser(prog="bench/gpu_check", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=str(resolve_dir()), metavar="DIR",

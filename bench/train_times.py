@@ -5,7 +5,7 @@ one process; sec/epoch is the time of 60000 images at the median step time.
   PYTHONPATH=. python -m bench.train_times --out training.json              # 100 steps each
   PYTHONPATH=. python -m bench.train_times --dry-run --out training.json    # tiny, on the CPU
 
-A step is what nn/train.py's epoch loop does, with the trainer's default hyperparameters: gather
+A step is what training/loop.py's epoch loop does, with the trainer's default hyperparameters: gather
 the batch from uint8 images on the device, convert it to float, forward, cross-entropy, backward,
 SGD. The images are random: the time does not depend on them. Steps run in chunks of 10 between
 two clock marks (CUDA events), with no host synchronisation inside a chunk; the median chunk
@@ -40,13 +40,13 @@ def random_data(config):
 
 
 def hyperparameters():
-    from nn.train import Config
+    from training.config import Config
     d = Config()
     return {"lr": d.lr, "momentum": d.momentum, "weight_decay": d.weight_decay}
 
 
 def ours_step(config, images, labels):
-    """A closure that runs one training step of our ResNet-18, as nn/train.py's loop does."""
+    """A closure that runs one training step of our ResNet-18, as training/loop.py's loop does."""
     import nn
     from nn import data
     xp = kernels.array_module_for(config["device"])

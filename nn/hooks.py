@@ -15,18 +15,20 @@ _path = ()  # modules whose forward is running now, outermost first
 
 
 class HookHandle:
-    def __init__(self, fn):
-        self.fn = fn
+    """What a hook's registration returns: ``remove()`` takes ``fn`` out of ``registry`` again."""
+
+    def __init__(self, registry, fn):
+        self.registry, self.fn = registry, fn
+        registry.append(fn)
 
     def remove(self):
-        if self.fn in _hooks:
-            _hooks.remove(self.fn)
+        if self.fn in self.registry:
+            self.registry.remove(self.fn)
 
 
 def register_module_hook(fn):
     """Call ``fn(module, event)`` around every module's forward and backward."""
-    _hooks.append(fn)
-    return HookHandle(fn)
+    return HookHandle(_hooks, fn)
 
 
 def current_path():

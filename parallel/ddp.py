@@ -24,17 +24,27 @@
   checkpoint). ``sync_bn=True`` normalises over the whole batch instead (see
   nn.functional.synchronised_batch_norm), with this object as the group.
 """
+import contextlib
 import functools
 import zlib
 
 import numpy as np
 
 from kernels import get_array_module
-from nn import profiler
+from nn.hooks import HookHandle
 from nn.modules import synchronise_batch_norm
 from . import launch
 
 DEFAULT_BUCKET_MB = 25.0
+_all_reduce_hooks = []
+
+
+def register_all_reduce_hook(fn):
+    """Call ``fn(name, stream)`` for each gradient bucket's all-reduce; it returns a context manager
+    that is entered while the all-reduce is queued (``stream``: the CUDA stream it runs on, beside
+    the backward; None when it blocks). The profiler subscribes to time the buckets. Returns a
+    handle whose ``remove()`` unsubscribes."""
+    return HookHandle(_all_reduce_hooks, fn)
 
 
 class OutOfSync(RuntimeError):
@@ -176,13 +186,16 @@ class DataParallel:
     def _reduce_ready(self):
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
-            self.comm.start_all_reduce(self.flat.grad[bucket.lo:bucket.hi], functools.partial(_span, bucket))
+            self.comm.start_all_reduce(self.flat.grad[bucket.lo:bucket.hi], functools.partial(_observed, bucket))
             self.reduced.append((bucket.lo, bucket.hi))
             self._next += 1
 
 
-def _span(bucket, stream):
-    """The profiler's span of a bucket's all-reduce: beside the step when it runs on a stream
-    of its own, else a row of the backward, which it blocks."""
+@contextlib.contextmanager
+def _observed(bucket, stream):
+    """The all-reduce hooks around a bucket's all-reduce."""
     name = f"all-reduce bucket {bucket.index} ({bucket.nbytes / 2 ** 20:.1f} MB)"
-    return profiler.span(name, "allreduce", "backward", concurrent=stream is not None, stream=stream)
+    with contextlib.ExitStack() as hooks:
+        for fn in list(_all_reduce_hooks):
+            hooks.enter_context(fn(name, stream))
+        yield

@@ -2,7 +2,7 @@
 
   ddp_worker.py equivalence OUT    DataParallel runs beside single-process references;
                                    each rank writes OUT/rank<r>.npz
-  ddp_worker.py cli FAULT ARGS...  train_resnet.main(ARGS) with a fault injected:
+  ddp_worker.py cli FAULT ARGS...  train_resnet.py's main(ARGS) with a fault injected:
                                    raise:R:K  rank R raises at its step K
                                    diverge:R:K  rank R perturbs its weights after step K
 """
@@ -18,11 +18,13 @@ from parallel import launch  # noqa: E402
 launch.limit_threads()
 
 import nn  # noqa: E402
-from nn import init, train  # noqa: E402
+from nn import init  # noqa: E402
 from nn.functional import cross_entropy  # noqa: E402
 from nn.tensor import Tensor  # noqa: E402
 from parallel.comm import MPICommunicator  # noqa: E402
 from parallel.ddp import DataParallel, shard_bounds  # noqa: E402
+from training import cli as training_cli  # noqa: E402
+from training import loop  # noqa: E402
 
 WIDTH, SIZE, EPS = 8, 12, 1e-5
 UNEVEN = (8, 7, 5)      # global batches; 7 and 5 do not divide by 2 ranks
@@ -100,19 +102,18 @@ def equivalence(out):
     model.to(np.float32)  # the trainer evaluates float32 images
     g = np.random.default_rng(7)
     images, labels = g.integers(0, 256, (41, SIZE, SIZE), dtype=np.uint8), g.integers(0, 10, 41).astype(np.int32)
-    results["evaluation"] = np.array(train.evaluate(model, images, labels, 2, comm))
+    results["evaluation"] = np.array(loop.evaluate(model, images, labels, 2, comm))
     if comm.rank == 0:
-        results["evaluation_one_process"] = np.array(train.evaluate(model, images, labels, 2))
+        results["evaluation_one_process"] = np.array(loop.evaluate(model, images, labels, 2))
         results["reference_sync_bn"] = whole_batch_reference(UNEVEN)
         results["reference_per_replica"] = averaged_shards_reference(EVEN, comm.world_size)
     np.savez(Path(out) / f"rank{comm.rank}.npz", **results)
 
 
 def cli(fault, argv):
-    """train_resnet's main with rank R raising at (or diverging after) its step K."""
+    """train_resnet.py's main with rank R raising at (or diverging after) its step K."""
     kind, rank, at = fault.split(":")
     rank, at = int(rank), int(at)
-    import train_resnet
     world = launch.mpi_world()
     if world.rank == rank:
         real_step, count = nn.SGD.step, [0]
@@ -125,7 +126,7 @@ def cli(fault, argv):
             if count[0] == at and kind == "diverge":
                 opt.flat.data[0] += 1e-3
         nn.SGD.step = faulty_step
-    return train_resnet.main(argv)
+    return training_cli.main(argv)
 
 
 if __name__ == "__main__":

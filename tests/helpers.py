@@ -206,7 +206,7 @@ def write_idx(path, array):
 def write_fashion_mnist(folder, n_train, n_test, seed=0):
     """Four IDX files of random images whose class shows in their brightness, so that
     a network can learn something from a few dozen of them."""
-    from nn import data
+    from training import fashion_mnist as data
     gen = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", n_train), ("test", n_test)):

@@ -1,5 +1,5 @@
 """Worker functions for the simulated-GPU tests: target(rank, world_size, ...), as ``--gpus N``
-runs ``nn.train.gpu_worker``. A module of their own, so that a spawned worker imports little."""
+runs ``training.loop.gpu_worker``. A module of their own, so that a spawned worker imports little."""
 import json
 import os
 import signal
@@ -9,8 +9,8 @@ from pathlib import Path
 def placement(rank, world_size, given, unique_id, out):
     """gpu_worker, then what this process allocated and launched on each device."""
     from kernels.simulated import cuda
-    from nn import train
-    train.gpu_worker(rank, world_size, given, unique_id)
+    from training import loop
+    loop.gpu_worker(rank, world_size, given, unique_id)
     ledger = {what: {str(device): n for device, n in counts.items()} for what, counts in cuda.ledger.items()}
     (Path(out) / f"ledger{rank}.json").write_text(json.dumps(ledger))
 
@@ -18,12 +18,12 @@ def placement(rank, world_size, given, unique_id, out):
 def fails_in_backward(rank, world_size, given, unique_id, bad, how):
     """gpu_worker, where rank ``bad`` raises (how="raise") or is killed (how="kill") in its first
     backward, while the others wait for it in the gradient all-reduce."""
-    from nn import train
     from parallel import ddp
+    from training import loop
     if rank == bad:
         def backward(self, loss):
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"a fault in the backward of rank {rank}")
         ddp.DataParallel.backward = backward
-    train.gpu_worker(rank, world_size, given, unique_id)
+    loop.gpu_worker(rank, world_size, given, unique_id)

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import kernels
-import train_resnet
 from helpers import write_fashion_mnist
-from nn import checkpoint, train
+from training import checkpoint, cli, loop
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--width", "2", "--batch-size", "16", "--limit", "40", "--test-limit", "20"]
@@ -22,7 +21,7 @@ def data_dir(tmp_path_factory):
 
 
 def run(data_dir, out, *flags):
-    return train_resnet.main(["--data-dir", str(data_dir), "--out", str(out), *SMALL, *flags])
+    return cli.main(["--data-dir", str(data_dir), "--out", str(out), *SMALL, *flags])
 
 
 def test_one_epoch_from_the_command_line(data_dir, tmp_path):
@@ -52,18 +51,18 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(data_dir, tmp_p
              "--seed", "5"]
     assert run(data_dir, tmp_path / "straight", *flags) == 0
 
-    real_epoch = train.train_epoch
+    real_epoch = loop.train_epoch
 
     def interrupted_in_epoch_2(model, opt, schedule, images, labels, cfg, epoch, **kw):
         if epoch == 1:
             raise KeyboardInterrupt
         return real_epoch(model, opt, schedule, images, labels, cfg, epoch, **kw)
-    monkeypatch.setattr(train, "train_epoch", interrupted_in_epoch_2)
+    monkeypatch.setattr(loop, "train_epoch", interrupted_in_epoch_2)
     assert run(data_dir, tmp_path / "resumed", *flags) == 130
     assert checkpoint.load(tmp_path / "resumed")[1]["epoch"] == 1, "the finished epoch's checkpoint is kept"
-    monkeypatch.setattr(train, "train_epoch", real_epoch)
+    monkeypatch.setattr(loop, "train_epoch", real_epoch)
 
-    assert train_resnet.main(["--resume", str(tmp_path / "resumed"), "--epochs", "3"]) == 0
+    assert cli.main(["--resume", str(tmp_path / "resumed"), "--epochs", "3"]) == 0
     a, record_a = checkpoint.load(tmp_path / "straight")
     b, record_b = checkpoint.load(tmp_path / "resumed")
     assert record_b["epoch"] == 3 and [m["epoch"] for m in record_b["metrics"]] == [1, 2, 3]
@@ -74,13 +73,13 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(data_dir, tmp_p
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
-    real_loss, calls = train.cross_entropy, []
+    real_loss, calls = loop.cross_entropy, []
 
     def poisoned_in_epoch_2(logits, labels):  # 3 training steps per epoch, then evaluation
         loss = real_loss(logits, labels)
         calls.append(1)
         return loss * float("nan") if len(calls) == 3 + 2 + 2 else loss
-    monkeypatch.setattr(train, "cross_entropy", poisoned_in_epoch_2)
+    monkeypatch.setattr(loop, "cross_entropy", poisoned_in_epoch_2)
     assert run(data_dir, tmp_path / "run", "--epochs", "3") == 1
     err = capsys.readouterr().err
     assert "loss is nan at epoch 2, step 2" in err and "last good checkpoint (epoch 1)" in err, err
@@ -112,23 +111,23 @@ def test_resuming_with_another_width_is_an_error(data_dir, tmp_path, capsys):
     assert run(data_dir, tmp_path / "run", "--epochs", "1") == 0
     capsys.readouterr()
     with pytest.raises(SystemExit):
-        train_resnet.main(["--resume", str(tmp_path / "run"), "--epochs", "2", "--width", "4"])
+        cli.main(["--resume", str(tmp_path / "run"), "--epochs", "2", "--width", "4"])
     assert "--width 4 does not match the checkpoint's 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        train_resnet.main(["--resume", str(tmp_path / "run"), "--epochs", "1"])
+        cli.main(["--resume", str(tmp_path / "run"), "--epochs", "1"])
     assert "finished 1 epochs already" in capsys.readouterr().err
 
 
 def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "checkpoint.npz").write_bytes(b"PK\x03\x04 not really a zip")
     with pytest.raises(SystemExit):
-        train_resnet.main(["--resume", str(tmp_path)])
+        cli.main(["--resume", str(tmp_path)])
     assert "is not a readable checkpoint" in capsys.readouterr().err
 
 
 def test_help_explains_the_flags(capsys):
     with pytest.raises(SystemExit) as e:
-        train_resnet.main(["--help"])
+        cli.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--gpus", "--epochs", "--batch-size", "--lr", "--momentum", "--weight-decay", "--schedule",
@@ -139,7 +138,7 @@ def test_help_explains_the_flags(capsys):
 def test_running_out_of_memory_names_the_batch_size(data_dir, tmp_path, monkeypatch, capsys):
     def exhausted(*args, **kwargs):
         raise MemoryError("out of memory allocating 1,073,741,824 bytes")
-    monkeypatch.setattr(train, "train_epoch", exhausted)
+    monkeypatch.setattr(loop, "train_epoch", exhausted)
     assert run(data_dir, tmp_path / "run", "--epochs", "1") == 1
     err = capsys.readouterr().err
     assert "out of cpu memory at batch size 16: try a smaller --batch-size" in err, err
@@ -152,9 +151,9 @@ def test_training_through_the_cuda_kernels_on_the_emulator(data_dir, tmp_path):
     import kernels
     flags = ["--width", "2", "--batch-size", "8", "--limit", "16", "--test-limit", "8", "--epochs", "1"]
     with kernels.emulate():
-        emulated = train_resnet.main(["--data-dir", str(data_dir), "--out", str(tmp_path / "emu"), *flags])
+        emulated = cli.main(["--data-dir", str(data_dir), "--out", str(tmp_path / "emu"), *flags])
     assert emulated == 0
-    assert train_resnet.main(["--data-dir", str(data_dir), "--out", str(tmp_path / "cpu"), *flags]) == 0
+    assert cli.main(["--data-dir", str(data_dir), "--out", str(tmp_path / "cpu"), *flags]) == 0
     (emu,), (cpu,) = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("emu", "cpu"))
     assert abs(emu["train_loss"] - cpu["train_loss"]) <= 1e-4 * cpu["train_loss"]
     assert emu["train_acc"] == cpu["train_acc"] and emu["test_acc"] == cpu["test_acc"]

@@ -1,5 +1,5 @@
 """bench/gpu_check without a GPU: its command line, its exit without a GPU, its budget and timeouts, the
-cost formulas of nn/costs.py, the layer list of bench/layers.py against the model, the checks of
+cost formulas of profiler/costs.py, the layer list of bench/layers.py against the model, the checks of
 tests/test_gpu_full.py run small on the CPU, and a dry run of tiers c and d on the NumPy backend and e,
 f and g on simulated GPUs, through the same code as on the GPU."""
 import argparse
@@ -17,7 +17,7 @@ import kernels
 import kernels.cpu as K
 from bench import tiers
 from bench.layers import distinct, parameter_count, resnet18_layers
-from nn import costs
+from profiler import costs
 from helpers import write_fashion_mnist
 
 ROOT = Path(__file__).resolve().parent.parent

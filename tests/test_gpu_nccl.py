@@ -15,9 +15,10 @@ import pytest
 
 import kernels
 from helpers import write_fashion_mnist
-from nn import checkpoint, train
 from parallel import launch
 from parallel.comm import NCCLCommunicator, SingleProcess
+from training import checkpoint
+from training import loop
 
 pytestmark = pytest.mark.gpu
 
@@ -69,7 +70,7 @@ def data_dir(tmp_path):
 def test_the_trainer_through_nccl_equals_the_trainer_without_it(world_of_one, data_dir, tmp_path):
     results = []
     for name, comm in (("plain", SingleProcess()), ("nccl", world_of_one)):
-        metrics = train.run({**FLAGS, "data_dir": str(data_dir), "out": str(tmp_path / name)}, comm,
+        metrics = loop.run({**FLAGS, "data_dir": str(data_dir), "out": str(tmp_path / name)}, comm,
                             log=lambda *a: None)
         results.append((metrics, checkpoint.load(tmp_path / name)[0]["params"]))
     (plain, plain_params), (nccl, nccl_params) = results
@@ -80,7 +81,7 @@ def test_the_trainer_through_nccl_equals_the_trainer_without_it(world_of_one, da
 
 def sync_bn_worker(rank, world_size, flags, unique_id):
     kernels.cupy_module().cuda.Device(rank).use()
-    train.run(flags, NCCLCommunicator(rank, world_size, unique_id), log=lambda *a: None)
+    loop.run(flags, NCCLCommunicator(rank, world_size, unique_id), log=lambda *a: None)
 
 
 @pytest.mark.skipif(kernels.gpu_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one GPU")
@@ -91,7 +92,7 @@ def test_two_gpus_with_sync_bn_equal_one_gpu_with_the_whole_batch(data_dir, tmp_
     # one step: training this small network is chaotic (a relative change of 1e-7 in the weights
     # grows to about 5e-3 in three steps, in float64 as in float32), so later steps amplify rounding
     flags = {**FLAGS, "data_dir": str(data_dir), "sync_bn": True, "epochs": 1, "limit": FLAGS["batch_size"]}
-    train.run({**flags, "out": str(tmp_path / "one")}, SingleProcess(), log=lambda *a: None)
+    loop.run({**flags, "out": str(tmp_path / "one")}, SingleProcess(), log=lambda *a: None)
     launch.run_workers(2, sync_bn_worker, ({**flags, "out": str(tmp_path / "two")}, NCCLCommunicator.unique_id()))
     one, two = (checkpoint.load(tmp_path / name)[0]["params"] for name in ("one", "two"))
     # float32, sums split differently over the two GPUs: equal to rounding, not bit for bit

@@ -1,4 +1,4 @@
-"""nn/profiler.py on the CPU backend: an entry for every layer, rows that add up to the step, FLOP
+"""The profiler package on the CPU backend: an entry for every layer, rows that add up to the step, FLOP
 counts against hand arithmetic, the files, the spans other code records, the CUDA kernel names
 (through the emulator), the command line; and, marked ``gpu``, ResNet-18 at batch 256 on CUDA."""
 import contextlib
@@ -14,7 +14,8 @@ import pytest
 import kernels
 import nn
 from helpers import rng
-from nn import profiler
+import profiler
+from profiler import cli as command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -237,7 +238,7 @@ def test_bad_inputs_are_refused_with_the_reason():
 # ---- the command -------------------------------------------------------------------------------
 
 def cli(*flags):
-    return subprocess.run([sys.executable, "-m", "nn.profiler", *map(str, flags)], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "profiler", *map(str, flags)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -266,14 +267,14 @@ def test_a_tiny_run_writes_its_files(tmp_path):
 ])
 def test_bad_arguments_are_refused(flags, message, capsys):
     with pytest.raises(SystemExit):
-        profiler.parse_args(flags)
+        command.parse_args(flags)
     assert message in capsys.readouterr().err
 
 
 @pytest.mark.skipif(kernels.gpu_count() > 0, reason="this machine has a GPU")
 def test_cuda_without_a_gpu_says_so(capsys):
     with pytest.raises(SystemExit):
-        profiler.parse_args(["--device", "cuda"])
+        command.parse_args(["--device", "cuda"])
     assert "--device cuda:" in capsys.readouterr().err
 
 

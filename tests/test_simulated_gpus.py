@@ -31,9 +31,9 @@ import sim_targets
 from helpers import rng, write_fashion_mnist
 from kernels.simulated import cuda as sim_cuda
 from kernels.simulated import nccl as sim_nccl
-from nn import checkpoint
 from parallel import launch
 from parallel.comm import NCCLCommunicator
+from training import checkpoint
 from test_ddp import MPIEXEC, mpi_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,33 +6,23 @@ files of the output folder rewritten atomically: ``checkpoint.npz``,
 checkpoint computes the same weights, bit for bit, as one that was never stopped:
 batch order depends only on (seed, epoch) and everything else is in the checkpoint.
 """
-import csv
 import dataclasses
-import io
-import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from kernels import DeviceError, array_module_for, backend_of, cupy_module, get_array_module, local_gpu
+from nn import data, init
+from nn.functional import cross_entropy
+from nn.optim import SGD, CosineAnnealingLR
+from nn.resnet import resnet18
+from nn.tensor import Tensor, no_grad
 from parallel.comm import NCCLCommunicator, SingleProcess
-from parallel.ddp import DEFAULT_BUCKET_MB, DataParallel, shard_bounds
-from . import checkpoint, data, init
-from .functional import cross_entropy
-from .optim import SGD, CosineAnnealingLR
-from .resnet import resnet18
-from .tensor import Tensor, no_grad
-
-SCHEDULES = ("constant", "cosine")
-# flags that must agree between a checkpoint and the run that resumes it
-RUN_DEFINING = ("width", "batch_size", "lr", "momentum", "weight_decay", "schedule", "seed",
-                "limit", "test_limit", "init")
-
-
-class ConfigError(ValueError):
-    """A flag or flag combination that cannot work; raised before any training."""
+from parallel.ddp import DataParallel, shard_bounds
+from . import checkpoint, fashion_mnist
+from .config import Config, ConfigError, merge_resumed
+from .reports import Progress, write_reports
 
 
 class NonFiniteLoss(RuntimeError):
@@ -43,75 +33,6 @@ class OutOfMemory(RuntimeError):
     pass
 
 
-@dataclasses.dataclass
-class Config:
-    epochs: int = 10
-    batch_size: int = 256
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    schedule: str = "constant"
-    width: int = 64
-    seed: int = 0
-    init: str = "normal"
-    limit: int = None
-    test_limit: int = None
-    data_dir: str = None
-    out: str = None
-    resume: str = None
-    gpus: int = 0
-    sync_bn: bool = False
-    check_sync: int = 0
-    bucket_mb: float = DEFAULT_BUCKET_MB
-    scale_lr: bool = False
-
-    @property
-    def device(self):
-        return "cuda" if self.gpus else "cpu"
-
-    def check(self):
-        positive = {"epochs": self.epochs, "batch size": self.batch_size, "width": self.width}
-        for name, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"{name} must be at least 1, got {value}")
-        if not self.lr > 0:
-            raise ConfigError(f"learning rate must be positive, got {self.lr}")
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise ConfigError(f"momentum and weight decay must be >= 0, got {self.momentum}, "
-                              f"{self.weight_decay}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}: choose one of {SCHEDULES}")
-        if self.init not in init.SCHEMES:
-            raise ConfigError(f"unknown init {self.init!r}: choose one of {init.SCHEMES}")
-        if self.gpus < 0:
-            raise ConfigError(f"--gpus must be 0 or more, got {self.gpus}")
-        for name in ("limit", "test_limit"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        if self.check_sync < 0:
-            raise ConfigError(f"--check-sync must be 0 (only at the start) or more, got {self.check_sync}")
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
-
-    def check_world(self, world_size):
-        """What only the launch decides: the number of ranks against the flags."""
-        if self.batch_size < world_size:
-            raise ConfigError(f"--batch-size {self.batch_size} is smaller than the {world_size} ranks: "
-                              f"every rank needs at least one image per step")
-
-
-def merge_resumed(given, saved):
-    """The configuration of a resumed run: the checkpoint's, except where a flag was
-    given; a given run-defining flag that disagrees with the checkpoint is an error.
-    ``given`` holds only the flags on the command line."""
-    for name in RUN_DEFINING:
-        if name in given and given[name] != saved[name]:
-            raise ConfigError(f"--{name.replace('_', '-')} {given[name]} does not match the "
-                              f"checkpoint's {saved[name]}")
-    return Config(**{**saved, **given})
-
-
 def _limited(split, limit, name):
     images, labels = split
     if limit is None:
@@ -119,30 +40,6 @@ def _limited(split, limit, name):
     if limit > len(images):
         raise ConfigError(f"--{name} {limit} is larger than the split, which has {len(images)} images")
     return images[:limit], labels[:limit]
-
-
-class Progress:
-    """A one-line progress bar on a terminal; on a pipe, a line every tenth of the epoch."""
-
-    def __init__(self, total, label, stream=sys.stderr):
-        self.total, self.label, self.stream = total, label, stream
-        self.tty = stream.isatty()
-        self.next_line = 0.1
-
-    def update(self, done, loss):
-        fraction = done / self.total
-        if self.tty:
-            bar = "#" * int(30 * fraction)
-            self.stream.write(f"\r{self.label} [{bar:<30}] {done}/{self.total} loss {loss:.4f}")
-        elif fraction >= self.next_line:
-            self.stream.write(f"{self.label} {done}/{self.total} loss {loss:.4f}\n")
-            self.next_line = (int(fraction * 10) + 1) / 10
-        self.stream.flush()
-
-    def close(self):
-        if self.tty:
-            self.stream.write("\r" + " " * (len(self.label) + 60) + "\r")
-            self.stream.flush()
 
 
 class _Window:
@@ -239,39 +136,6 @@ def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, log_secon
     return loss, correct / trained
 
 
-def write_reports(out, metrics):
-    """metrics.json, metrics.csv and training.png, each replaced atomically."""
-    with checkpoint.atomic_write(out / "metrics.json", "w") as f:
-        json.dump(metrics, f, indent=1)
-    with checkpoint.atomic_write(out / "metrics.csv", "w") as f:
-        writer = csv.DictWriter(f, fieldnames=list(metrics[0]))
-        writer.writeheader()
-        writer.writerows(metrics)
-    with checkpoint.atomic_write(out / "training.png") as f:
-        f.write(plot(metrics))
-
-
-def plot(metrics):
-    """PNG bytes: train loss, train accuracy and test accuracy against epoch, as d2l draws them."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    epochs = [m["epoch"] for m in metrics]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(epochs, [m["train_loss"] for m in metrics], "o-", ms=3, label="train loss")
-    ax.plot(epochs, [m["train_acc"] for m in metrics], "o--", ms=3, label="train acc")
-    ax.plot(epochs, [m["test_acc"] for m in metrics], "o-.", ms=3, label="test acc")
-    ax.set_xlabel("epoch")
-    ax.set_xlim(1, max(epochs[-1], 2))
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
-
-
 def default_out():
     return Path("runs") / time.strftime("resnet18-%Y%m%d-%H%M%S")
 
@@ -297,7 +161,7 @@ def prepare(given, log=print, world_size=1):
     if record is not None and record["epoch"] >= cfg.epochs:
         raise ConfigError(f"the checkpoint has finished {record['epoch']} epochs already; "
                           f"ask for more with --epochs")
-    splits = data.load_fashion_mnist(cfg.data_dir, log=log)
+    splits = fashion_mnist.load_fashion_mnist(cfg.data_dir, log=log)
     # the whole split goes to the device once, as uint8; batches are gathered there
     train, test = (tuple(xp.asarray(a) for a in (images, labels.astype(np.int32)))
                    for images, labels in (_limited(splits["train"], cfg.limit, "limit"),
@@ -305,7 +169,7 @@ def prepare(given, log=print, world_size=1):
     if len(train[0]) < world_size:
         raise ConfigError(f"{len(train[0])} training images cannot be shared by {world_size} ranks")
     init.manual_seed(cfg.seed)
-    model = resnet18(num_classes=data.NUM_CLASSES, in_channels=1, width=cfg.width, init=cfg.init)
+    model = resnet18(num_classes=fashion_mnist.NUM_CLASSES, in_channels=1, width=cfg.width, init=cfg.init)
     model.to(cfg.device)
     opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if saved_arrays is not None:
@@ -341,9 +205,9 @@ def _replicated(given, comm, log):
 
 def run_profile(given, comm=None, steps=20, warmup=3, log=lambda *a: print(*a, flush=True)):
     """``--profile``: instead of training, profile ``steps`` training steps of the configured
-    model, data and ranks (nn/profiler.py); rank 0 prints the table and writes profile.json,
+    model, data and ranks (the profiler package); rank 0 prints the table and writes profile.json,
     profile.csv and profile.png to the output folder. Returns rank 0's report."""
-    from . import profiler
+    import profiler
     comm = comm or SingleProcess()
     log = log if comm.rank == 0 else (lambda *a: None)
     cfg, (x_train, y_train), _, model, opt, _, ddp = _replicated(given, comm, log)

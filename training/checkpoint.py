@@ -1,14 +1,13 @@
 """Checkpoints: one .npz (no pickles) holding the flat parameters, the batch-norm
 buffers, the optimizer's velocity and a JSON record of everything else (epoch,
 configuration, metrics, RNG state). Files are written atomically."""
-import contextlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from kernels import get_array_module
+from nn.serialization import atomic_write
 
 FILENAME = "checkpoint.npz"
 _BUFFER = "buffer/"
@@ -16,20 +15,6 @@ _BUFFER = "buffer/"
 
 class CheckpointError(Exception):
     """A checkpoint is missing, unreadable or does not fit the model."""
-
-
-@contextlib.contextmanager
-def atomic_write(path, mode="wb"):
-    """Write to a temporary file beside ``path`` and rename it over ``path`` only
-    when the writing finished, so an interruption leaves the old file intact."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, mode) as f:
-            yield f
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _host(array):

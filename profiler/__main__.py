@@ -1,0 +1,6 @@
+"""python -m profiler: see profiler/cli.py."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""python -m profiler: the per-layer profile of ResNet-18 training steps on random images of
+Fashion-MNIST's shape (28 x 28, 10 classes); the package's docstring is its --help."""
+import argparse
+import functools
+import time
+
+import numpy as np
+
+import kernels
+import profiler
+from nn.init import manual_seed
+from nn.optim import SGD
+from nn.resnet import resnet18
+from .steps import profile
+
+CLASSES = 10
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m profiler", description=profiler.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=256, help="images per step (default %(default)s)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="profiled steps; each row is their median (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default %(default)s)")
+    p.add_argument("--width", type=int, default=64,
+                   help="channels of the first stage; 64 is ResNet-18 (default %(default)s)")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="where to run (default: cuda where CuPy sees a GPU, else cpu)")
+    p.add_argument("--out", metavar="DIR", help="folder for profile.json, profile.csv and profile.png "
+                                                "(default runs/profile-<date>-<time>)")
+    p.add_argument("--json", metavar="FILE", help="the JSON file (default DIR/profile.json)")
+    p.add_argument("--csv", metavar="FILE", help="the CSV file (default DIR/profile.csv)")
+    p.add_argument("--png", metavar="FILE", help="the chart (default DIR/profile.png)")
+    p.add_argument("--top", type=int, default=15, help="rows in the terminal table (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights and the random images (default %(default)s)")
+    args = p.parse_args(argv)
+    for name in ("batch_size", "steps", "width", "top"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be 0 or more, got {args.warmup}")
+    args.device = args.device or ("cuda" if kernels.gpu_count() else "cpu")
+    try:
+        args.xp = kernels.array_module_for(args.device)
+    except kernels.DeviceError as e:
+        p.error(f"--device {args.device}: {e}")
+    args.out = args.out or time.strftime("runs/profile-%Y%m%d-%H%M%S")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    manual_seed(args.seed)
+    model = resnet18(num_classes=CLASSES, width=args.width).to(args.device)
+    optimizer = SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    # random images: a step's cost depends on the shapes, not on what the pixels show
+    rng = np.random.default_rng(args.seed)
+    count = 4 * args.batch_size
+    images = args.xp.asarray(rng.integers(0, 256, (count, 28, 28), dtype=np.uint8))
+    labels = args.xp.asarray(rng.integers(0, CLASSES, count).astype(np.int32))
+    log = functools.partial(print, flush=True)
+    report = profile(model, optimizer, images, labels, args.batch_size, args.steps, args.warmup, log=log,
+                     title=f"ResNet-18 (width {args.width})")
+    print(report.table(args.top))
+    paths = report.write(args.out, args.json, args.csv, args.png)
+    print("written: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+

@@ -1,0 +1,293 @@
+"""Measuring a step: marks at every begin and end of the model's modules and of the spans, read
+after the step, and each interval given to the innermost row open during it (see the package's
+docstring); one extra step records every op and kernel launch against the row that ran it."""
+import collections
+import contextlib
+import dataclasses
+import functools
+import inspect
+import time
+
+import numpy as np
+
+import kernels.cpu
+from kernels import cupy_module
+from nn import hooks
+from parallel import ddp
+
+PHASES = ("forward", "backward", "other")
+UNTRACKED = ("(between spans)", "untracked")    # the step's own key: Python between the spans
+# From the model's backward end to the next mark: backward() returning, which drops the tape and
+# with it the step's activations (NumPy hands large arrays back to the OS right there)
+TAPE_RELEASE = (("release of the tape", "autograd"), "backward")
+CONTRACT = tuple(name for name, fn in vars(kernels.cpu).items()
+                 if inspect.isfunction(fn) and not name.startswith("_"))
+
+_active = None
+
+
+def current():
+    """The Profiler recording now, or None."""
+    return _active
+
+
+def span(name, category="other", phase="other", concurrent=False, stream=None):
+    """A span of the running profile (see Profiler.span); nothing when no profile runs."""
+    return contextlib.nullcontext() if _active is None else _active.span(name, category, phase, concurrent, stream)
+
+
+
+# ---- clocks and NVTX ---------------------------------------------------------------------------
+
+class WallClock:
+    """The CPU backend's clock: NumPy returns when its work is done, so a mark is the time now."""
+    name = "wall clock"
+
+    def mark(self, stream=None):
+        return time.perf_counter()
+
+    def resolve(self, marks):
+        """Milliseconds of every mark since the first."""
+        return [(m - marks[0]) * 1e3 for m in marks]
+
+
+class EventClock:
+    """The GPU's: a CUDA event recorded at each mark, on the current stream or the one given;
+    read after the step, once the device has finished it."""
+    name = "CUDA events"
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+
+    def mark(self, stream=None):
+        event = self.cupy.cuda.Event()
+        event.record(stream)
+        return event
+
+    def resolve(self, marks):
+        self.cupy.cuda.Device().synchronize()    # every stream: concurrent spans end on theirs
+        return [self.cupy.cuda.get_elapsed_time(marks[0], m) for m in marks]
+
+
+def clock_for(xp):
+    return WallClock() if xp is np else EventClock(xp)
+
+
+class Nvtx:
+    """NVTX ranges where CuPy has NVTX (on the GPU), so that Nsight shows the rows' names."""
+
+    def __init__(self, enabled):
+        nvtx = cupy_module().cuda.nvtx if enabled else None
+        usable = nvtx is not None and nvtx.available
+        self.push = nvtx.RangePush if usable else lambda message: None
+        self.pop = nvtx.RangePop if usable else lambda: None
+
+
+# ---- the profiler --------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class StepTimes:
+    """One profiled step: milliseconds by (row key, phase), its total, and its concurrent spans
+    as (key, ms, ms overlapping the model's backward)."""
+    exclusive: dict
+    total_ms: float
+    concurrent: list
+
+    @property
+    def covered_ms(self):
+        """The part of the step inside its layers and spans: all but the Python between the spans."""
+        return self.total_ms - self.exclusive.get((UNTRACKED, "other"), 0.0)
+
+
+class Profiler:
+    """The timeline of a step: a mark at every begin and end of the model's modules and of the
+    spans, resolved after the step into each row's own time per phase."""
+
+    def __init__(self, model, clock, nvtx):
+        self.clock, self.nvtx = clock, nvtx
+        self.keys = {id(m): (name, "layer" if not m.children() else "block") for name, m in model.named_modules()}
+        self.kinds = {self.keys[id(m)]: type(m).__name__ for m in model.modules()}
+        self.root = self.keys[id(model)]
+        self.marks, self.timeline, self.concurrent, self.open = [], [], [], []
+
+    @contextlib.contextmanager
+    def active(self):
+        """While inside: the module hook and the all-reduce hook are on, and current() is this profiler."""
+        global _active
+        if _active is not None:
+            raise RuntimeError("a profile is running already")
+        handles = [hooks.register_module_hook(self._on_module), ddp.register_all_reduce_hook(self._all_reduce)]
+        _active = self
+        try:
+            yield self
+        finally:
+            _active = None
+            for handle in handles:
+                handle.remove()
+
+    def _all_reduce(self, name, stream):
+        """A bucket's all-reduce: beside the step when it runs on a stream of its own, else a row of
+        the backward, which it blocks."""
+        return self.span(name, "allreduce", "backward", concurrent=stream is not None, stream=stream)
+
+    def _on_module(self, module, event):
+        key = self.keys.get(id(module))
+        if key is None:     # modules of another model are not ours to time
+            return
+        phase, edge = event.split("_")
+        self._edge(edge, key, phase)
+        if key == self.root and event == "backward_end":
+            self._edge("begin", *TAPE_RELEASE)
+
+    def _mark(self, stream=None):
+        self.marks.append(self.clock.mark(stream))
+        return len(self.marks) - 1
+
+    def _edge(self, edge, key, phase):
+        if self.open and self.open[-1] == TAPE_RELEASE and (key, phase) != TAPE_RELEASE:
+            self._edge("end", *TAPE_RELEASE)    # the tape's release lasts until the next mark
+        if edge == "begin":
+            self.nvtx.push(f"{key[0] or 'model'} {phase}")
+            self.timeline.append((self._mark(), edge, key, phase))
+            self.open.append((key, phase))
+            return
+        if not self.open or self.open[-1] != (key, phase):
+            raise RuntimeError(f"{key[0]} {phase} ended while {self.open[-1:]} was open: spans must nest")
+        self.timeline.append((self._mark(), edge, key, phase))
+        self.open.pop()
+        self.nvtx.pop()
+
+    @contextlib.contextmanager
+    def span(self, name, category="other", phase="other", concurrent=False, stream=None):
+        """A row `name` of `category` (data, loss, optimizer, allreduce, ...) timed in `phase`.
+
+        A nested span (the default) takes its time from the module or span around it. A
+        concurrent one is work that runs beside the step (on `stream`, for CUDA): it takes no
+        time from the rows and is reported apart, with its overlap with the model's backward."""
+        key = (name, category)
+        # no `finally`: an exception inside leaves the timeline unfinished, and it is not read
+        if concurrent:
+            begin = self._mark(stream)
+            yield
+            self.concurrent.append((key, begin, self._mark(stream)))
+            return
+        self._edge("begin", key, phase)
+        yield
+        self._edge("end", key, phase)
+
+    def step(self, fn, *args):
+        """Run fn(*args) as one profiled step; its StepTimes."""
+        self.marks, self.timeline, self.concurrent, self.open = [], [], [], []
+        with self.active(), self.span(*UNTRACKED):
+            fn(*args)
+        times = self.clock.resolve(self.marks)
+        backward = self._window(times, self.root, "backward")
+        concurrent = [(key, times[end] - times[begin], _overlap((times[begin], times[end]), backward))
+                      for key, begin, end in self.concurrent]
+        step = times[self.timeline[-1][0]] - times[self.timeline[0][0]]
+        return StepTimes(self._exclusive(times), step, concurrent)
+
+    def _exclusive(self, times):
+        """Each interval between two marks goes to the innermost row open during it."""
+        owned, open_rows = collections.defaultdict(float), []
+        for (index, edge, key, phase), (following, *_) in zip(self.timeline, self.timeline[1:]):
+            if edge == "begin":
+                open_rows.append((key, phase))
+            else:
+                open_rows.pop()
+            owned[open_rows[-1]] += times[following] - times[index]
+        return dict(owned)
+
+    def _window(self, times, key, phase):
+        """(first begin, last end) of a row's phase in this step, or None."""
+        marks = [times[index] for index, _, k, p in self.timeline if (k, p) == (key, phase)]
+        return (marks[0], marks[-1]) if marks else None
+
+    def inspect(self, backend, model, fn, *args):
+        """Run fn(*args) once with every op of the contract and every CUDA kernel launch recorded
+        against the row and phase that ran it, and every module's output shape: (ops by (key,
+        phase): [(op, argument shapes)], kernels by (key, phase): Counter of names, output shape
+        by key, keys in the order they first ran with the step's own key last)."""
+        ops, launches, shapes = collections.defaultdict(list), collections.defaultdict(collections.Counter), {}
+        names_kernels = hasattr(backend, "function")    # the CUDA launchers name their kernels
+
+        def on_op(op, args):
+            ops[self.open[-1]].append((op, tuple(_shape(a) for a in args)))
+            if not names_kernels:
+                launches[self.open[-1]][op] += 1
+
+        def on_launch(name):
+            launches[self.open[-1]][name] += 1
+        recording = _recording_ops(backend, on_op, on_launch if names_kernels else None)
+        with recording, _output_shapes(model, self.keys, shapes):
+            self.step(fn, *args)
+        order = [key for key in dict.fromkeys(key for _, _, key, _ in self.timeline) if key != UNTRACKED]
+        return ops, launches, shapes, order + [UNTRACKED]
+
+
+def _overlap(interval, window):
+    if window is None:
+        return 0.0
+    return max(0.0, min(interval[1], window[1]) - max(interval[0], window[0]))
+
+
+def _shape(a):
+    return tuple(a.shape) if hasattr(a, "shape") else a
+
+
+@contextlib.contextmanager
+def _recording_ops(backend, on_op, on_launch):
+    """The backend's contract ops call on_op(op, args) first, outermost calls only; with
+    `on_launch`, each kernel launch calls on_launch(name) (the CUDA backend's be.function)."""
+    depth = [0]
+
+    def recorded(op, fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if depth[0] == 0:
+                on_op(op, args)     # keyword arguments (add's out) change no cost
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+    originals = {op: getattr(backend, op) for op in CONTRACT if hasattr(backend, op)}
+    for op, fn in originals.items():
+        setattr(backend, op, recorded(op, fn))
+    if on_launch is not None:
+        function = backend.function
+
+        def launched(family, name):
+            on_launch(name)
+            return function(family, name)
+        backend.function = launched
+    try:
+        yield
+    finally:
+        for op, fn in originals.items():
+            setattr(backend, op, fn)
+        if on_launch is not None:
+            del backend.function        # the class's method again
+
+
+@contextlib.contextmanager
+def _output_shapes(model, keys, shapes):
+    """Each module's forward also stores its output's shape in shapes[key]."""
+    modules = model.modules()
+
+    def recorded(module):
+        forward = module.forward
+
+        def call(*args):
+            out = forward(*args)
+            shapes[keys[id(module)]] = getattr(out, "shape", None)
+            return out
+        return call
+    for m in modules:
+        object.__setattr__(m, "forward", recorded(m))     # an instance attribute hides the method
+    try:
+        yield
+    finally:
+        for m in modules:
+            del m.__dict__["forward"]

@@ -1,0 +1,78 @@
+"""The roofs of the device a profile runs on: a GPU's from NVIDIA's datasheets (PEAKS), the CPU's
+measured once per process, against which each row's FLOPs and bytes are placed."""
+import dataclasses
+import functools
+import os
+import platform
+import time
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    device: str
+    tflops: float       # float32 without tensor cores: every kernel of this project is SIMT
+    gbs: float
+    source: str
+
+    @property
+    def ridge(self):
+        """FLOPs per byte at which the two roofs meet."""
+        return self.tflops * 1e3 / self.gbs
+
+
+# (name as CUDA reports it contains, fp32 TFLOP/s, GB/s): first match wins, so a specific name
+# comes before the family's. From NVIDIA's datasheets: H200 (SXM 67 TFLOP/s, NVL 60; HBM3e
+# 4.8 TB/s both), H100 (SXM 67 TFLOP/s with HBM3 3.35 TB/s, NVL 60 with 3.9, PCIe 51 with 2.0),
+# A100 (19.5 TFLOP/s; 40 GB 1,555 GB/s, 80 GB PCIe 1,935, 80 GB SXM 2,039).
+PEAKS = (
+    ("H200 NVL", 60.0, 4800.0), ("H200", 67.0, 4800.0),
+    ("H100 NVL", 60.0, 3900.0), ("H100 PCIe", 51.0, 2000.0), ("H100", 67.0, 3350.0),
+    ("A100 80GB PCIe", 19.5, 1935.0), ("A100-SXM4-80GB", 19.5, 2039.0), ("A100", 19.5, 1555.0),
+)
+MATMUL_SIZE, COPY_BYTES = 2048, 1 << 26
+
+
+def gpu_peak(name):
+    """The datasheet roofs of the GPU called `name`, or None for one not in PEAKS."""
+    for pattern, tflops, gbs in PEAKS:
+        if pattern in name:
+            return Peak(name, tflops, gbs, f"NVIDIA datasheet figures for '{pattern}' (profiler/roofs.py PEAKS)")
+    return None
+
+
+@functools.cache
+def measured_cpu_peak():
+    """The CPU's roofs, measured once per process: the best of a few float32 matrix products
+    (NumPy's BLAS on all the cores it uses) and of a few 64 MB copies (read + write). What the
+    NumPy backend can reach is what its BLAS and memory copies reach, not a datasheet figure."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.random((MATMUL_SIZE, MATMUL_SIZE), dtype=np.float32) for _ in range(2))
+    source = np.ones(COPY_BYTES // 4, np.float32)
+    target = np.empty_like(source)
+    product = _best_seconds(lambda: a @ b)
+    copy = _best_seconds(lambda: np.copyto(target, source))
+    return Peak(f"CPU {platform.machine()}, {os.cpu_count()} cores", 2 * MATMUL_SIZE**3 / product / 1e12,
+                2 * COPY_BYTES / copy / 1e9,
+                f"measured: float32 {MATMUL_SIZE}x{MATMUL_SIZE} matrix product and {COPY_BYTES >> 20} MB copy, "
+                f"best of 3")
+
+
+def _best_seconds(fn, repeats=3):
+    fn()    # first touch of the memory, BLAS start-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def device_peak(xp):
+    """The roofs of the device that arrays of `xp` live on; None for a GPU not in PEAKS."""
+    if xp is np:
+        return measured_cpu_peak()
+    properties = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)
+    name = properties["name"]
+    return gpu_peak(name.decode() if isinstance(name, bytes) else name)

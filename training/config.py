@@ -1,0 +1,84 @@
+"""The configuration of a training run: its flags with their defaults and checks, and how a
+resumed run merges the flags given with its checkpoint's."""
+import dataclasses
+
+from nn import init
+from parallel.ddp import DEFAULT_BUCKET_MB
+
+SCHEDULES = ("constant", "cosine")
+# flags that must agree between a checkpoint and the run that resumes it
+RUN_DEFINING = ("width", "batch_size", "lr", "momentum", "weight_decay", "schedule", "seed",
+                "limit", "test_limit", "init")
+
+
+class ConfigError(ValueError):
+    """A flag or flag combination that cannot work; raised before any training."""
+
+
+@dataclasses.dataclass
+class Config:
+    epochs: int = 10
+    batch_size: int = 256
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    schedule: str = "constant"
+    width: int = 64
+    seed: int = 0
+    init: str = "normal"
+    limit: int = None
+    test_limit: int = None
+    data_dir: str = None
+    out: str = None
+    resume: str = None
+    gpus: int = 0
+    sync_bn: bool = False
+    check_sync: int = 0
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    scale_lr: bool = False
+
+    @property
+    def device(self):
+        return "cuda" if self.gpus else "cpu"
+
+    def check(self):
+        positive = {"epochs": self.epochs, "batch size": self.batch_size, "width": self.width}
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        if not self.lr > 0:
+            raise ConfigError(f"learning rate must be positive, got {self.lr}")
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise ConfigError(f"momentum and weight decay must be >= 0, got {self.momentum}, "
+                              f"{self.weight_decay}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}: choose one of {SCHEDULES}")
+        if self.init not in init.SCHEMES:
+            raise ConfigError(f"unknown init {self.init!r}: choose one of {init.SCHEMES}")
+        if self.gpus < 0:
+            raise ConfigError(f"--gpus must be 0 or more, got {self.gpus}")
+        for name in ("limit", "test_limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.check_sync < 0:
+            raise ConfigError(f"--check-sync must be 0 (only at the start) or more, got {self.check_sync}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+
+    def check_world(self, world_size):
+        """What only the launch decides: the number of ranks against the flags."""
+        if self.batch_size < world_size:
+            raise ConfigError(f"--batch-size {self.batch_size} is smaller than the {world_size} ranks: "
+                              f"every rank needs at least one image per step")
+
+
+def merge_resumed(given, saved):
+    """The configuration of a resumed run: the checkpoint's, except where a flag was
+    given; a given run-defining flag that disagrees with the checkpoint is an error.
+    ``given`` holds only the flags on the command line."""
+    for name in RUN_DEFINING:
+        if name in given and given[name] != saved[name]:
+            raise ConfigError(f"--{name.replace('_', '-')} {given[name]} does not match the "
+                              f"checkpoint's {saved[name]}")
+    return Config(**{**saved, **given})
