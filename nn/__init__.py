@@ -6,4 +6,5 @@ from .modules import (AdaptiveAvgPool2d, BatchNorm2d, Conv2d, FlatParameters, Fl
                       MaxPool2d, Module, Parameter, ReLU, Sequential)
 from .optim import SGD, CosineAnnealingLR
 from .resnet import Residual, resnet18
+from .serialization import SerializationError, load_safetensors, save_safetensors
 from .tensor import Tensor, is_grad_enabled, no_grad

@@ -160,3 +160,44 @@ def test_training_steps_match_pytorch(dtype):
     with torch.no_grad():
         compare(ours(nn.Tensor(x.astype(dtype))).data, truth(torch.from_numpy(x)),
                 peer(torch.from_numpy(x).float()), "eval-mode logits")
+
+
+def test_weights_go_to_pytorch_and_back_through_safetensors(tmp_path):
+    """The file of --export (nn.save_safetensors) loads into d2l's PyTorch ResNet-18 with
+    strict=True and gives our outputs; a file PyTorch wrote of its state dict loads into ours
+    (nn.load_safetensors, what --init-from does) and gives PyTorch's. Eval mode, so that the
+    running statistics and every buffer take part."""
+    from safetensors.torch import load_file, save_file
+    x = rng().random((5, 1, 28, 28), dtype=np.float32)
+
+    def ours_out(model):
+        model.eval()
+        with nn.no_grad():
+            return model(nn.Tensor(x)).data
+
+    def theirs_out(net):
+        net.eval()
+        with torch.no_grad():
+            return net(torch.from_numpy(x)).numpy()
+
+    ours = nn.resnet18(width=4, init="pytorch")
+    for name, value in ours.state_dict().items():     # every entry away from its initial value
+        if value.dtype == np.float32:
+            value[...] = np.abs(value + 0.1 * rng().standard_normal(value.shape)) if "running_var" in name \
+                else value + 0.1 * rng().standard_normal(value.shape)
+        else:
+            value[...] = 7
+    nn.save_safetensors(ours, tmp_path / "ours.safetensors")
+    theirs = torch_resnet18(10, 1, 4)
+    theirs.load_state_dict(load_file(tmp_path / "ours.safetensors"), strict=True)
+    assert int(theirs.state_dict()["1.num_batches_tracked"]) == 7
+    validate(theirs_out(theirs), ours_out(ours), "PyTorch's logits from our exported weights")
+
+    torch.manual_seed(int(rng().integers(2**31)))
+    trained = torch_resnet18(10, 1, 4)
+    trained(torch.from_numpy(rng().random((8, 1, 28, 28), dtype=np.float32)))   # moves its running statistics
+    save_file(trained.state_dict(), tmp_path / "theirs.safetensors")
+    back = nn.resnet18(width=4)
+    nn.load_safetensors(back, tmp_path / "theirs.safetensors")
+    assert int(back.state_dict()["1.num_batches_tracked"]) == 1
+    validate(ours_out(back), theirs_out(trained), "our logits from PyTorch's weights")

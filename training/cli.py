@@ -3,11 +3,14 @@
   python train_resnet.py --epochs 10 --batch-size 256 --lr 0.1
   python train_resnet.py --limit 3000 --test-limit 1000 --epochs 3 --batch-size 64
   python train_resnet.py --resume runs/resnet18-20261129-120000 --epochs 20
+  python train_resnet.py --epochs 10 --export resnet18.safetensors   # weights for PyTorch
   mpiexec -n 2 python train_resnet.py --gpus 0 --batch-size 128   # two CPU ranks
 
 Each epoch prints one line and rewrites, in the --out folder, checkpoint.npz,
 metrics.json, metrics.csv and training.png. Ctrl-C stops after keeping the last
-finished epoch's files; --resume continues from them.
+finished epoch's files; --resume continues from them. --export writes the trained
+weights as safetensors that d2l's PyTorch ResNet-18 loads; --init-from starts from
+such a file, whichever framework wrote it.
 
 Data parallelism: under mpiexec every rank trains a replica on its share of each
 global batch of --batch-size images and the gradients are summed over ranks; rank 0
@@ -54,6 +57,14 @@ def parse_args(argv):
     p.add_argument("--out", help="output folder (default runs/resnet18-<date>-<time>; "
                                  "when resuming, the checkpoint's folder)")
     p.add_argument("--resume", help="a checkpoint.npz, or an output folder holding one")
+    p.add_argument("--init-from", metavar="FILE",
+                   help="start from the weights and batch-norm statistics in FILE, a safetensors file of this "
+                        "model's state dict (from --export, or from d2l's PyTorch ResNet-18: "
+                        "safetensors.torch.save_file(net.state_dict(), FILE)); the optimizer starts afresh")
+    p.add_argument("--export", metavar="FILE",
+                   help="after the last epoch, write the trained weights to FILE as safetensors under the keys of "
+                        "d2l's PyTorch ResNet-18, so that net.load_state_dict(safetensors.torch.load_file(FILE)) "
+                        "loads them (with --resume of a finished run: export only)")
     p.add_argument("--profile", action="store_true",
                    help="instead of training, time every layer's forward and backward, the loss, the "
                         "optimizer step, the batch gather and (with several ranks) each all-reduce bucket "

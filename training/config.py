@@ -1,6 +1,7 @@
 """The configuration of a training run: its flags with their defaults and checks, and how a
 resumed run merges the flags given with its checkpoint's."""
 import dataclasses
+from pathlib import Path
 
 from nn import init
 from parallel.ddp import DEFAULT_BUCKET_MB
@@ -36,6 +37,8 @@ class Config:
     check_sync: int = 0
     bucket_mb: float = DEFAULT_BUCKET_MB
     scale_lr: bool = False
+    init_from: str = None     # a safetensors file of the model's weights to start from
+    export: str = None        # where to write the trained weights as safetensors
 
     @property
     def device(self):
@@ -65,6 +68,8 @@ class Config:
             raise ConfigError(f"--check-sync must be 0 (only at the start) or more, got {self.check_sync}")
         if not self.bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        if self.export is not None and not Path(self.export).resolve().parent.is_dir():
+            raise ConfigError(f"--export {self.export}: the folder {Path(self.export).resolve().parent} does not exist")
 
     def check_world(self, world_size):
         """What only the launch decides: the number of ranks against the flags."""

@@ -17,6 +17,7 @@ from nn import data, init
 from nn.functional import cross_entropy
 from nn.optim import SGD, CosineAnnealingLR
 from nn.resnet import resnet18
+from nn.serialization import SerializationError, load_safetensors, save_safetensors
 from nn.tensor import Tensor, no_grad
 from parallel.comm import NCCLCommunicator, SingleProcess
 from parallel.ddp import DataParallel, shard_bounds
@@ -145,6 +146,9 @@ def prepare(given, log=print, world_size=1):
     (merged with the checkpoint's when resuming) for ``world_size`` ranks, the data and
     the model."""
     saved_arrays = record = None
+    if given.get("resume") and given.get("init_from"):
+        raise ConfigError("--init-from starts a new run from a weights file and --resume continues a run from "
+                          "its checkpoint: give one of them")
     if given.get("resume"):
         saved_arrays, record = checkpoint.load(given["resume"])
         # without --out, a resumed run writes beside its checkpoint, wherever that now is
@@ -158,9 +162,9 @@ def prepare(given, log=print, world_size=1):
         xp = array_module_for(cfg.device)
     except DeviceError as e:
         raise ConfigError(f"--gpus {cfg.gpus}: {e}") from None
-    if record is not None and record["epoch"] >= cfg.epochs:
+    if record is not None and record["epoch"] >= cfg.epochs and not given.get("export"):
         raise ConfigError(f"the checkpoint has finished {record['epoch']} epochs already; "
-                          f"ask for more with --epochs")
+                          f"ask for more with --epochs (or only --export its weights)")
     splits = fashion_mnist.load_fashion_mnist(cfg.data_dir, log=log)
     # the whole split goes to the device once, as uint8; batches are gathered there
     train, test = (tuple(xp.asarray(a) for a in (images, labels.astype(np.int32)))
@@ -175,6 +179,12 @@ def prepare(given, log=print, world_size=1):
     if saved_arrays is not None:
         checkpoint.restore(saved_arrays, model, opt)
         init.set_rng_state(record["rng_state"])
+    elif cfg.init_from:
+        try:
+            load_safetensors(model, cfg.init_from)
+        except SerializationError as e:
+            raise ConfigError(f"--init-from: {e}") from None
+        log(f"weights and batch-norm statistics from {cfg.init_from}")
     return cfg, train, test, model, opt, record
 
 
@@ -263,6 +273,9 @@ def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
             write_reports(out, metrics)
         log(f"epoch {epoch + 1}/{cfg.epochs}: loss {train_loss:.4f}, train acc {train_acc:.3f}, "
             f"test acc {test_acc:.3f}, {seconds:.1f} s, {metrics[-1]['images_per_sec']:.1f} images/s")
+    if lead and cfg.export:
+        save_safetensors(model, cfg.export)
+        log(f"weights of epoch {len(metrics)} exported to {cfg.export} (safetensors, d2l's PyTorch keys)")
     mean_seconds = sum(m["seconds"] for m in metrics) / len(metrics)
     log(f"test acc: {metrics[-1]['test_acc']:.2f}, {mean_seconds:.1f} sec/epoch on {backend_of(x_train).name}"
         + (f", {comm.world_size} ranks" if comm.world_size > 1 else ""))
