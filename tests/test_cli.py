@@ -1,13 +1,17 @@
 """train_resnet.py end to end on a few dozen generated images at width 2."""
+import io
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import kernels
+import nn
 from helpers import write_fashion_mnist
 from training import checkpoint, cli, loop
 
@@ -21,7 +25,7 @@ def data_dir(tmp_path_factory):
 
 
 def run(data_dir, out, *flags):
-    return cli.main(["--data-dir", str(data_dir), "--out", str(out), *SMALL, *flags])
+    return cli.main(["--data-dir", str(data_dir), "--out", str(out), *SMALL, *map(str, flags)])
 
 
 def test_one_epoch_from_the_command_line(data_dir, tmp_path):
@@ -118,6 +122,48 @@ def test_resuming_with_another_width_is_an_error(data_dir, tmp_path, capsys):
     assert "finished 1 epochs already" in capsys.readouterr().err
 
 
+def test_export_writes_the_trained_weights_and_init_from_starts_from_them(data_dir, tmp_path, monkeypatch, capsys):
+    weights = tmp_path / "w.safetensors"
+    assert run(data_dir, tmp_path / "first", "--epochs", "1", "--export", weights) == 0
+    assert f"exported to {weights}" in capsys.readouterr().out
+    arrays, _ = checkpoint.load(tmp_path / "first")
+    model = nn.resnet18(width=2)
+    nn.load_safetensors(model, weights)
+    np.testing.assert_array_equal(model.flat_parameters().data, arrays["params"])
+    np.testing.assert_array_equal(model.state_dict()["1.running_var"], arrays["buffer/1.running_var"])
+
+    started_from = []
+    real_epoch = loop.train_epoch
+
+    def first_epoch(model, opt, *args, **kwargs):
+        started_from.append(opt.flat.data.copy())
+        return real_epoch(model, opt, *args, **kwargs)
+    monkeypatch.setattr(loop, "train_epoch", first_epoch)
+    assert run(data_dir, tmp_path / "second", "--epochs", "1", "--seed", "9", "--init-from", weights) == 0
+    np.testing.assert_array_equal(started_from[0], arrays["params"])
+
+    # a finished run, resumed with --export only: the same weights again, no epoch more
+    assert cli.main(["--resume", str(tmp_path / "first"), "--export", str(tmp_path / "again.safetensors")]) == 0
+    assert (tmp_path / "again.safetensors").read_bytes() == weights.read_bytes()
+    assert checkpoint.load(tmp_path / "first")[1]["epoch"] == 1
+
+
+def test_weights_that_do_not_fit_are_a_clear_error(data_dir, tmp_path, capsys):
+    weights = tmp_path / "wide.safetensors"
+    nn.save_safetensors(nn.resnet18(width=4), weights)
+    for flags, message in (
+            (["--init-from", weights], "--init-from: " + str(weights) + ": 0.weight is float32 of shape (4, 1, 3, 3), "
+                                       "the model's is float32 of shape (2, 1, 3, 3)"),
+            (["--init-from", tmp_path / "none.safetensors"], "none.safetensors: no such file"),
+            (["--init-from", weights, "--resume", tmp_path], "--init-from starts a new run"),
+            (["--export", tmp_path / "no" / "such" / "w.safetensors"], "--export " + str(tmp_path) + "/no/such/"
+                                                                          "w.safetensors: the folder")):
+        with pytest.raises(SystemExit) as e:
+            run(data_dir, tmp_path / "run", *map(str, flags))
+        assert e.value.code == 2 and message in capsys.readouterr().err, flags
+        assert not (tmp_path / "run" / "checkpoint.npz").exists(), "nothing ran"
+
+
 def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "checkpoint.npz").write_bytes(b"PK\x03\x04 not really a zip")
     with pytest.raises(SystemExit):
@@ -193,3 +239,25 @@ def test_several_gpus_check_the_flags_and_nccl_before_any_worker_starts(data_dir
         run(data_dir, tmp_path / "run", "--gpus", "2", *flags)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_shows_images_per_second_and_time_left():
+    from training.reports import Progress
+    terminal, pipe = Terminal(), io.StringIO()
+    for stream in (terminal, pipe):
+        progress = Progress(640, "epoch 2/5", stream)
+        for done in (64, 320):
+            time.sleep(0.05)
+            progress.update(done, 2.25)
+        progress.close()
+    bar = terminal.getvalue()
+    assert "epoch 2/5" in bar and "320/640" in bar and "img/s" in bar and "loss=2.2500" in bar, bar
+    assert re.search(r"\d\d:\d\d<\d\d:\d\d", bar), "elapsed<remaining"
+    lines = pipe.getvalue().splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"epoch 2/5: 320/640 images in [\d.]+ s, [\d.]+ images/s, loss 2\.2500",
+                                            lines[0]), lines

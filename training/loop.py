@@ -107,7 +107,7 @@ def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, log_secon
     K, xp = backend_of(images), get_array_module(images)
     order = xp.asarray(data.epoch_order(len(images), cfg.seed, epoch))
     batches = data.batch_indices(order, cfg.batch_size)
-    progress = Progress(len(batches), f"epoch {epoch + 1}/{cfg.epochs}") if show else None
+    progress = Progress(len(images), f"epoch {epoch + 1}/{cfg.epochs}") if show else None
     window, last_read, trained = _Window(), time.perf_counter(), 0
     for step, idx in enumerate(batches):
         local = ddp.scatter(idx)
@@ -128,7 +128,7 @@ def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, log_secon
         if time.perf_counter() - last_read >= log_seconds or step == len(batches) - 1:
             window.flush(epoch + 1, step + 1 - len(window.losses))
             if progress:
-                progress.update(step + 1, window.local_loss_sum / window.steps)
+                progress.update(trained, window.local_loss_sum / window.steps)
             last_read = time.perf_counter()
     window.flush(epoch + 1, len(batches) - len(window.losses))
     if progress:

@@ -4,31 +4,38 @@ import csv
 import io
 import json
 import sys
+import time
+
+from tqdm import tqdm
 
 from nn.serialization import atomic_write
 
 
 class Progress:
-    """A one-line progress bar on a terminal; on a pipe, a line every tenth of the epoch."""
+    """An epoch's progress. On a terminal, tqdm's bar: images done, images/s, elapsed and remaining
+    time, and the running loss (this rank's); elsewhere (a pipe, a log file) one line with the
+    same figures when the epoch ends."""
 
-    def __init__(self, total, label, stream=sys.stderr):
-        self.total, self.label, self.stream = total, label, stream
-        self.tty = stream.isatty()
-        self.next_line = 0.1
+    def __init__(self, images, label, stream=sys.stderr):
+        self.images, self.label, self.stream = images, label, stream
+        self.began, self.done, self.loss = time.perf_counter(), 0, None
+        self.bar = tqdm(total=images, desc=label, unit="img", file=stream, leave=False, dynamic_ncols=True) \
+            if stream.isatty() else None
 
     def update(self, done, loss):
-        fraction = done / self.total
-        if self.tty:
-            bar = "#" * int(30 * fraction)
-            self.stream.write(f"\r{self.label} [{bar:<30}] {done}/{self.total} loss {loss:.4f}")
-        elif fraction >= self.next_line:
-            self.stream.write(f"{self.label} {done}/{self.total} loss {loss:.4f}\n")
-            self.next_line = (int(fraction * 10) + 1) / 10
-        self.stream.flush()
+        """``done`` images of the epoch trained so far (over all ranks); ``loss`` the running mean."""
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self.bar.update(done - self.done)
+        self.done, self.loss = done, loss
 
     def close(self):
-        if self.tty:
-            self.stream.write("\r" + " " * (len(self.label) + 60) + "\r")
+        if self.bar is not None:
+            self.bar.close()
+        elif self.done:
+            seconds = time.perf_counter() - self.began
+            self.stream.write(f"{self.label}: {self.done}/{self.images} images in {seconds:.1f} s, "
+                              f"{self.done / seconds:.1f} images/s, loss {self.loss:.4f}\n")
             self.stream.flush()
 
 
