@@ -12,7 +12,8 @@ results written to --out as soon as it ends, so that a run cut off early still l
      (bench/train_times.py)
   e  one epoch on the full data: train_resnet.py --gpus 1 --epochs 1, and its test accuracy
   f  the per-layer profile: the profiler's GPU test (pytest -m gpu tests/test_profiler.py), then
-     python -m profiler at batch 256 (20 steps): profile.json, profile.csv and profile.png
+     python -m profiler at batch 256 (20 steps): profile.json, profile.csv, profile.png and the
+     timeline profile.trace.json
   g  NCCL data parallelism: the communicator, the trainer through NCCL in a world of one against the
      trainer without it, and two GPUs against one where there are two (tests/test_gpu_nccl.py)
 

@@ -9,6 +9,8 @@
     barrier()
     abort(code)                        end every rank of the job now
     all_reduce_values(values)          a few Python numbers summed over ranks
+    all_gather_scalar(value)           [value of rank 0, value of rank 1, ...]
+    all_gather_bytes(data)             [bytes of rank 0, bytes of rank 1, ...], of any lengths
 
 Arrays are contiguous, of the communicator's array module ``xp``; every rank passes
 the same shape and dtype, and every rank calls the same collectives in the same order.
@@ -70,6 +72,18 @@ class Communicator:
         slots = [0.0] * self.world_size
         slots[self.rank] = value
         return self.all_reduce_values(slots)
+
+    def all_gather_bytes(self, data):
+        """[data of rank 0, data of rank 1, ...] on every rank, bytes of any length: the lengths
+        first, then one zeroed uint8 array in which each rank fills its own slice, summed over
+        ranks (exact: at each position only one rank's byte is not zero)."""
+        ends = np.cumsum([int(n) for n in self.all_gather_scalar(len(data))]).tolist()
+        starts = [0] + ends[:-1]
+        gathered = self.xp.zeros(ends[-1], np.uint8)
+        gathered[starts[self.rank]:ends[self.rank]] = self.xp.asarray(np.frombuffer(data, np.uint8))
+        self.all_reduce(gathered)
+        host = gathered if self.xp is np else gathered.get()
+        return [host[lo:hi].tobytes() for lo, hi in zip(starts, ends)]
 
     def __repr__(self):
         return f"{type(self).__name__}(rank {self.rank} of {self.world_size})"
@@ -146,7 +160,8 @@ class NCCLCommunicator(Communicator):
         # recorded again at every use: no event is created inside the training step
         self._ready, self._done = (cupy.cuda.Event(disable_timing=True) for _ in range(2))
         self._types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
-                       np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.int32): nccl.NCCL_INT32}
+                       np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.int32): nccl.NCCL_INT32,
+                       np.dtype(np.uint8): nccl.NCCL_UINT8}
         launch.on_stop(self.comm.abort)
 
     @staticmethod

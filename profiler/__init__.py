@@ -6,13 +6,14 @@
 The command trains ResNet-18 (nn.resnet18, --width channels in the first stage; SGD with lr 0.1,
 momentum 0.9, weight decay 5e-4) on random Fashion-MNIST-shaped images: warm-up steps first, then
 --steps profiled steps, each beside one plain step. It prints a table sorted by cost and writes
-profile.json, profile.csv and profile.png (time per layer, forward and backward stacked) to --out.
+profile.json, profile.csv, profile.png (time per layer, forward and backward stacked) and
+profile.trace.json (the timeline of the profiled steps) to --out.
 
 From Python, on any model and SGD optimizer (train_resnet.py --profile):
 
     report = profile(model, optimizer, images, labels, batch_size, steps, warmup=3, log=print, title=None)
     print(report.table())
-    report.write(out_dir)          # -> {'json': path, 'csv': path, 'png': path}
+    report.write(out_dir)          # -> {'json': path, 'csv': path, 'png': path, 'trace': path}
 
 ``images`` are uint8 (N, H, W) and ``labels`` int32 (N,), on the model's device, N >= batch_size;
 ``title`` names the model in the report (default: its class and parameter count);
@@ -50,9 +51,17 @@ parallelism does not import the profiler: a running profile subscribes to its al
 (parallel.ddp.register_all_reduce_hook), and each gradient bucket's all-reduce becomes a span,
 concurrent on a GPU (on its own stream), nested in the backward on the CPU, where it blocks.
 
+The timeline, profile.trace.json: Chrome's trace-event format; drag it into https://ui.perfetto.dev
+or load it in chrome://tracing. Each rank is a process ('rank 0 (cuda:0)'); on its first track each
+profiled step is a span 'step N' holding every module's forward and backward and every span above,
+nested, at the times of their marks (CUDA events on the GPU), from an origin taken before the first
+profiled step; concurrent spans (a bucket's all-reduce on a GPU) lie on a track of their stream's,
+where their overlap with the backward shows. With several ranks, every rank takes that origin right
+after a barrier and rank 0's file holds all of them, on one timeline.
+
 Layout: measure.py (clocks, marks, the Profiler), steps.py (the training step and profile()),
-report.py (rows, table, JSON, CSV, chart), roofs.py (the devices' roofs), costs.py (FLOPs and
-bytes of each op), cli.py (``python -m profiler``).
+report.py (rows, table, JSON, CSV, chart), trace.py (the timeline), roofs.py (the devices' roofs),
+costs.py (FLOPs and bytes of each op), cli.py (``python -m profiler``).
 
 NVTX ranges (CuPy with NVTX) name every profiled step, module phase and nested span, for Nsight
 Systems or ``ncu --nvtx``; on the CPU there are none.

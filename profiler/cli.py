@@ -27,11 +27,13 @@ def parse_args(argv):
                    help="channels of the first stage; 64 is ResNet-18 (default %(default)s)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="where to run (default: cuda where CuPy sees a GPU, else cpu)")
-    p.add_argument("--out", metavar="DIR", help="folder for profile.json, profile.csv and profile.png "
-                                                "(default runs/profile-<date>-<time>)")
+    p.add_argument("--out", metavar="DIR", help="folder for profile.json, profile.csv, profile.png and "
+                                                "profile.trace.json (default runs/profile-<date>-<time>)")
     p.add_argument("--json", metavar="FILE", help="the JSON file (default DIR/profile.json)")
     p.add_argument("--csv", metavar="FILE", help="the CSV file (default DIR/profile.csv)")
     p.add_argument("--png", metavar="FILE", help="the chart (default DIR/profile.png)")
+    p.add_argument("--trace", metavar="FILE", help="the timeline, for Perfetto or chrome://tracing "
+                                                   "(default DIR/profile.trace.json)")
     p.add_argument("--top", type=int, default=15, help="rows in the terminal table (default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the weights and the random images (default %(default)s)")
@@ -64,7 +66,7 @@ def main(argv=None):
     report = profile(model, optimizer, images, labels, args.batch_size, args.steps, args.warmup, log=log,
                      title=f"ResNet-18 (width {args.width})")
     print(report.table(args.top))
-    paths = report.write(args.out, args.json, args.csv, args.png)
+    paths = report.write(args.out, args.json, args.csv, args.png, args.trace)
     print("written: " + ", ".join(str(p) for p in paths.values()))
     return 0
 

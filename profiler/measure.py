@@ -31,6 +31,11 @@ def current():
     return _active
 
 
+def label(name):
+    """A row's name as reports show it: the module's dotted name, '(model)' for the model itself."""
+    return name or "(model)"
+
+
 def span(name, category="other", phase="other", concurrent=False, stream=None):
     """A span of the running profile (see Profiler.span); nothing when no profile runs."""
     return contextlib.nullcontext() if _active is None else _active.span(name, category, phase, concurrent, stream)
@@ -46,9 +51,10 @@ class WallClock:
     def mark(self, stream=None):
         return time.perf_counter()
 
-    def resolve(self, marks):
-        """Milliseconds of every mark since the first."""
-        return [(m - marks[0]) * 1e3 for m in marks]
+    def resolve(self, marks, origin=None):
+        """Milliseconds of every mark since `origin`, a mark taken before them (default: the first)."""
+        origin = marks[0] if origin is None else origin
+        return [(m - origin) * 1e3 for m in marks]
 
 
 class EventClock:
@@ -64,9 +70,11 @@ class EventClock:
         event.record(stream)
         return event
 
-    def resolve(self, marks):
+    def resolve(self, marks, origin=None):
+        """As WallClock.resolve; an origin of an earlier step works too (events of one device)."""
         self.cupy.cuda.Device().synchronize()    # every stream: concurrent spans end on theirs
-        return [self.cupy.cuda.get_elapsed_time(marks[0], m) for m in marks]
+        origin = marks[0] if origin is None else origin
+        return [self.cupy.cuda.get_elapsed_time(origin, m) for m in marks]
 
 
 def clock_for(xp):
@@ -85,13 +93,27 @@ class Nvtx:
 
 # ---- the profiler --------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """A row's phase in one step, from begin to end in ms since the origin of the profile's
+    timeline (Profiler.start_timeline). The step's own spans nest; a concurrent one ran beside
+    them, on the stream of handle `stream` (None where it was given none)."""
+    key: tuple
+    phase: str
+    begin_ms: float
+    end_ms: float
+    concurrent: bool = False
+    stream: int = None
+
+
 @dataclasses.dataclass
 class StepTimes:
-    """One profiled step: milliseconds by (row key, phase), its total, and its concurrent spans
-    as (key, ms, ms overlapping the model's backward)."""
+    """One profiled step: milliseconds by (row key, phase), its total, its concurrent spans as
+    (key, ms, ms overlapping the model's backward), and all its spans on the timeline (Span)."""
     exclusive: dict
     total_ms: float
     concurrent: list
+    spans: list
 
     @property
     def covered_ms(self):
@@ -109,6 +131,12 @@ class Profiler:
         self.kinds = {self.keys[id(m)]: type(m).__name__ for m in model.modules()}
         self.root = self.keys[id(model)]
         self.marks, self.timeline, self.concurrent, self.open = [], [], [], []
+        self.origin = None      # until start_timeline(), a step's spans are timed from its own start
+
+    def start_timeline(self):
+        """Take the origin mark of the profile's timeline: the spans of every later step are timed
+        from it, so that the steps lie one after the other."""
+        self.origin = self.clock.mark()
 
     @contextlib.contextmanager
     def active(self):
@@ -169,7 +197,7 @@ class Profiler:
         if concurrent:
             begin = self._mark(stream)
             yield
-            self.concurrent.append((key, begin, self._mark(stream)))
+            self.concurrent.append((key, phase, begin, self._mark(stream), None if stream is None else stream.ptr))
             return
         self._edge("begin", key, phase)
         yield
@@ -183,9 +211,22 @@ class Profiler:
         times = self.clock.resolve(self.marks)
         backward = self._window(times, self.root, "backward")
         concurrent = [(key, times[end] - times[begin], _overlap((times[begin], times[end]), backward))
-                      for key, begin, end in self.concurrent]
+                      for key, _, begin, end, _ in self.concurrent]
         step = times[self.timeline[-1][0]] - times[self.timeline[0][0]]
-        return StepTimes(self._exclusive(times), step, concurrent)
+        # the step's times stay its own (from its first mark); shifted by its start, on the timeline
+        start = self.clock.resolve(self.marks[:1], self.origin)[0]
+        return StepTimes(self._exclusive(times), step, concurrent, self._spans([start + t for t in times]))
+
+    def _spans(self, times):
+        """The step's Spans: each begin paired with its end (they nest), then the concurrent ones."""
+        spans, begins = [], []
+        for index, edge, key, phase in self.timeline:
+            if edge == "begin":
+                begins.append(times[index])
+            else:
+                spans.append(Span(key, phase, begins.pop(), times[index]))
+        return spans + [Span(key, phase, times[begin], times[end], concurrent=True, stream=stream)
+                        for key, phase, begin, end, stream in self.concurrent]
 
     def _exclusive(self, times):
         """Each interval between two marks goes to the innermost row open during it."""

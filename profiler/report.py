@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from nn.serialization import atomic_write
-from . import costs
-from .measure import PHASES, UNTRACKED
+from . import costs, trace
+from .measure import PHASES, UNTRACKED, label
 from .roofs import Peak
 
 
@@ -35,7 +35,7 @@ class Row:
 
     @property
     def label(self):
-        return self.name or "(model)"
+        return label(self.name)
 
     def metrics(self, peak, step_ms):
         """The row's figures: times, share, FLOPs, bytes, rates, and its place under the roofs."""
@@ -58,8 +58,9 @@ class Row:
         return out
 
 
-def build_report(config, peak, kinds, inspection, profiled, plain):
-    """The Report from the inspection step, the profiled steps' StepTimes and the plain steps' ms."""
+def build_report(config, peak, kinds, inspection, profiled, plain, timeline):
+    """The Report from the inspection step, the profiled steps' StepTimes, the plain steps' ms and
+    the trace events of every rank (profiler/trace.py)."""
     ops, launches, shapes, order = inspection
     keys = order + [k for s in profiled for k, _ in s.exclusive if k not in order]
     rows = [_row(key, kinds, shapes, ops, launches, profiled) for key in dict.fromkeys(keys)]
@@ -69,14 +70,15 @@ def build_report(config, peak, kinds, inspection, profiled, plain):
             concurrent[key].append((ms, overlap))
     steps = [{"profiled_ms": s.total_ms, "covered_ms": s.covered_ms, "plain_ms": ms} for s, ms in zip(profiled, plain)]
     return Report(config, peak, rows, steps,
-                  {key: tuple(statistics.median(v) for v in zip(*times)) for key, times in concurrent.items()})
+                  {key: tuple(statistics.median(v) for v in zip(*times)) for key, times in concurrent.items()},
+                  timeline)
 
 
 def _row(key, kinds, shapes, ops, launches, profiled):
     name, category = key
     stage = block = category
     if key in kinds:     # a module: grouped by the containers its dotted name passes through
-        stage = name.split(".")[0] or "(model)"
+        stage = label(name.split(".")[0])
         second = ".".join(name.split(".")[:2])
         block = second if name and (second, "block") in kinds and second != stage else stage
     kind = kinds.get(key, category) + (" own ops" if category == "block" else "")
@@ -98,6 +100,7 @@ class Report:
     rows: list              # in the order they first ran
     steps: list             # per profiled step: {profiled_ms, covered_ms, plain_ms} (its plain neighbour)
     concurrent: dict        # (name, category) -> (median ms, median ms overlapping backward)
+    timeline: list          # the trace events of every rank's profiled steps (profiler/trace.py)
 
     @property
     def step_ms(self):
@@ -181,13 +184,14 @@ class Report:
                       for (n, c), (ms, overlap) in self.concurrent.items()]
         return "\n".join(lines)
 
-    def write(self, out_dir=None, json_path=None, csv_path=None, png_path=None):
-        """profile.json, profile.csv and profile.png in `out_dir` (or at the paths given), each
-        replaced atomically; {'json': path, 'csv': path, 'png': path}."""
-        paths = {kind: Path(given) if given else Path(out_dir) / f"profile.{kind}"
-                 for kind, given in (("json", json_path), ("csv", csv_path), ("png", png_path))}
-        if any(not given for given in (json_path, csv_path, png_path)) and out_dir is None:
+    def write(self, out_dir=None, json_path=None, csv_path=None, png_path=None, trace_path=None):
+        """profile.json, profile.csv, profile.png and the timeline profile.trace.json in `out_dir`
+        (or at the paths given), each replaced atomically; {'json': path, 'csv': path, 'png': path,
+        'trace': path}."""
+        given = {"json": json_path, "csv": csv_path, "png": png_path, "trace": trace_path}
+        if not all(given.values()) and out_dir is None:
             raise ValueError("write() needs an output folder for the files without a path")
+        paths = {kind: Path(given[kind]) if given[kind] else Path(out_dir) / name for kind, name in FILES.items()}
         for path in paths.values():
             path.parent.mkdir(parents=True, exist_ok=True)
         document = self.to_json()
@@ -197,6 +201,8 @@ class Report:
             write_csv(f, document["rows"])
         with atomic_write(paths["png"]) as f:
             f.write(self.chart())
+        with atomic_write(paths["trace"], "w") as f:
+            json.dump(trace.document(self.timeline), f)
         return paths
 
     def chart(self):
@@ -227,6 +233,7 @@ class Report:
         return buf.getvalue()
 
 
+FILES = {"json": "profile.json", "csv": "profile.csv", "png": "profile.png", "trace": "profile.trace.json"}
 PHASE_HEADS = ("fwd ms", "bwd ms", "other ms")
 LABEL_WIDTH = 34 + 1 + 14 + 1 + 10     # the layer, type and output columns
 TABLE_HEADER = (f"{'layer':34s} {'type':14s} {'output':>10s} " + " ".join(f"{h:>8s}" for h in PHASE_HEADS)

@@ -9,6 +9,7 @@ from kernels import backend_of, get_array_module
 from nn import data
 from nn.functional import cross_entropy
 from nn.tensor import Tensor
+from . import trace
 from .measure import Nvtx, Profiler, clock_for, span
 from .report import build_report
 from .roofs import device_peak
@@ -73,7 +74,8 @@ def _state_kept(model, optimizer):
 
 def profile(model, optimizer, images, labels, batch_size, steps, warmup=3, log=print, title=None, ddp=None):
     """The Report of `steps` profiled steps after `warmup` plain ones (see the module's docstring);
-    with ``ddp``, of this rank's data-parallel steps on its shards of global batches."""
+    with ``ddp``, of this rank's data-parallel steps on its shards of global batches, and with the
+    timeline of every rank."""
     check_inputs(images, labels, batch_size, steps, warmup)
     xp, backend = get_array_module(images), backend_of(images)
     order = xp.asarray(data.epoch_order(len(images), seed=0, epoch=0))
@@ -89,6 +91,9 @@ def profile(model, optimizer, images, labels, batch_size, steps, warmup=3, log=p
         for i in range(warmup):
             step(batches[i % len(batches)])
         inspection = profiler.inspect(backend, model, step, batches[warmup % len(batches)])
+        if ddp is not None:
+            ddp.comm.barrier()     # every rank's origin at once: one timeline for all ranks
+        profiler.start_timeline()
         plain, profiled = [], []
         for i in range(steps):
             batch = batches[(warmup + 1 + i) % len(batches)]
@@ -96,7 +101,11 @@ def profile(model, optimizer, images, labels, batch_size, steps, warmup=3, log=p
             profiler.nvtx.push(f"profiled step {i}")
             profiled.append(profiler.step(step, batch))
             profiler.nvtx.pop()
+    device = "cpu" if xp is np else f"cuda:{images.device.id}"
+    timeline = trace.rank_events(profiled, profiler.kinds, 0 if ddp is None else ddp.rank, device)
+    if ddp is not None:
+        timeline = trace.gathered(timeline, ddp.comm)
     config = {"model": title or f"{type(model).__name__} of {sum(p.size for p in model.parameters()):,} parameters",
               "batch_size": batch_size, "steps": steps, "warmup": warmup, "backend": backend.name,
               "clock": clock.name, "world_size": 1 if ddp is None else ddp.world_size}
-    return build_report(config, peak, profiler.kinds, inspection, profiled, plain)
+    return build_report(config, peak, profiler.kinds, inspection, profiled, plain, timeline)

@@ -14,10 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import nn
 from helpers import write_fashion_mnist
 from parallel import launch
 from parallel.comm import SingleProcess, from_environment
 from parallel.ddp import plan_buckets, shard_bounds
+from test_profiler import check_timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("ddp_worker.py")
@@ -99,6 +101,7 @@ def test_a_world_of_one_needs_no_mpi(monkeypatch):
     a = np.arange(3.0)
     assert comm.all_reduce(a, average=True) is a and list(a) == [0, 1, 2]
     assert comm.all_gather_scalar(5) == [5.0]
+    assert comm.all_gather_bytes(b"\x00\xffrank 0") == [b"\x00\xffrank 0"]
     with pytest.raises(ValueError, match="root 1"):
         comm.broadcast(a, root=1)
 
@@ -230,3 +233,11 @@ def test_profile_of_two_ranks_has_a_row_for_each_all_reduce_bucket(data_dir, tmp
     buckets = [row for row in document["rows"] if row["category"] == "allreduce"]
     assert len(buckets) >= 2 and all(row["name"].startswith("all-reduce bucket ") for row in buckets)
     assert all(row["backward_ms"] > 0 for row in buckets)
+    # both ranks' timelines, gathered to rank 0: each all-reduce blocks, nested in the backward
+    events = json.loads((tmp_path / "profile.trace.json").read_text())["traceEvents"]
+    check_timeline(events, [name for name, _ in nn.resnet18(width=2).named_modules()], steps=2, ranks=(0, 1))
+    for rank in (0, 1):
+        spans = [e for e in events if e["pid"] == rank and e.get("cat") == "allreduce"]
+        per_step = sorted(f"{row['name']} backward" for row in buckets)
+        assert sorted(e["name"] for e in spans) == sorted(per_step * 2)
+        assert {e["tid"] for e in spans} == {0}

@@ -1,9 +1,12 @@
 """The profiler package on the CPU backend: an entry for every layer, rows that add up to the step, FLOP
-counts against hand arithmetic, the files, the spans other code records, the CUDA kernel names
-(through the emulator), the command line; and, marked ``gpu``, ResNet-18 at batch 256 on CUDA."""
+counts against hand arithmetic, the files, the timeline (profile.trace.json), the spans other code
+records, the CUDA kernel names (through the emulator), the command line; and, marked ``gpu``, ResNet-18
+at batch 256 on CUDA."""
+import collections
 import contextlib
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,8 +50,66 @@ def resnet():
     return model, run_profile(model, images, labels, batch_size=8)
 
 
+@pytest.fixture(scope="module")
+def written(resnet, tmp_path_factory):
+    """The files of the ResNet-18 profile: {'json': path, 'csv': path, 'png': path, 'trace': path}."""
+    return resnet[1].write(tmp_path_factory.mktemp("profile") / "out")
+
+
 def rows_by_name(report):
     return {(r.name, r.category): r for r in report.rows}
+
+
+# ---- the timeline's checks, for every test that reads a profile.trace.json ----------------------
+
+NANOSECOND = 1e-3   # in the trace's microseconds: the rounding of its times
+
+
+def trace_problems(events):
+    """What keeps `events` from being a trace that Perfetto and chrome://tracing show as recorded:
+    [] when every event has a name, ph, ts, pid and tid, every complete event ("X") a dur >= 0, and
+    the complete events of each track (pid, tid) nest: one that begins inside another ends inside it."""
+    problems, tracks = [], collections.defaultdict(list)
+    for i, event in enumerate(events):
+        missing = [field for field in ("name", "ph", "ts", "pid", "tid") if field not in event]
+        if missing:
+            problems.append(f"event {i} has no {', '.join(missing)}: {event}")
+        elif event["ph"] == "X" and not event.get("dur", -1) >= 0:
+            problems.append(f"event {i} ({event['name']}) has dur {event.get('dur')}")
+        elif event["ph"] == "X":
+            tracks[event["pid"], event["tid"]].append(event)
+    for track, spans in tracks.items():
+        enclosing = []      # the spans open at the current one's begin, innermost last
+        for span in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+            while enclosing and enclosing[-1]["ts"] + enclosing[-1]["dur"] <= span["ts"] + NANOSECOND:
+                enclosing.pop()
+            if enclosing and span["ts"] + span["dur"] > enclosing[-1]["ts"] + enclosing[-1]["dur"] + NANOSECOND:
+                problems.append(f"on track {track}, {span['name']} begins inside {enclosing[-1]['name']} "
+                                f"and ends after it")
+            enclosing.append(span)
+    return problems
+
+
+def check_timeline(events, modules, steps, ranks=(0,)):
+    """`events` (profile.trace.json's) are a sound trace (trace_problems) of `steps` profiled steps on
+    each of `ranks`: on a rank's first track the steps, 'step 0', 'step 1', ..., one after the other,
+    each holding one forward and one backward span of every module named in `modules` (as
+    model.named_modules() names them) and one span of each part of the training step."""
+    assert trace_problems(events) == []
+    assert {e["pid"] for e in events} == set(ranks)
+    parts = ["batch gather", "zero_grad", "loss forward", "loss backward", "optimizer step"]
+    expected = [f"{name or '(model)'} {phase}" for name in modules for phase in ("forward", "backward")] + parts
+    for rank in ranks:
+        ours = [e for e in events if e["pid"] == rank and e["ph"] == "X"]
+        roots = sorted((e for e in ours if e["cat"] == "step"), key=lambda e: e["ts"])
+        assert [e["name"] for e in roots] == [f"step {i}" for i in range(steps)], f"rank {rank}"
+        assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(roots, roots[1:])), f"rank {rank}: steps overlap"
+        for i, root in enumerate(roots):
+            inside = [e for e in ours if e["args"]["step"] == i and e["tid"] == root["tid"]]
+            assert all(root["ts"] <= e["ts"] and e["ts"] + e["dur"] <= root["ts"] + root["dur"] + NANOSECOND
+                       for e in inside), f"rank {rank}: a span of step {i} lies outside it"
+            count = collections.Counter(e["name"] for e in inside)
+            assert {name: count[name] for name in expected} == dict.fromkeys(expected, 1), f"rank {rank}, step {i}"
 
 
 def test_every_layer_has_an_entry_with_its_shape_and_kernels(resnet):
@@ -103,14 +164,15 @@ class ScriptedClock:
     def mark(self, stream=None):
         return next(self.times)
 
-    def resolve(self, marks):
-        return [m - marks[0] for m in marks]
+    def resolve(self, marks, origin=None):
+        return [m - (marks[0] if origin is None else origin) for m in marks]
 
 
 def test_each_interval_belongs_to_the_innermost_row_open_during_it():
-    """Marks: step begins at 0, A at 1, B (inside A) at 3, B ends at 6, A at 10, the step at 12;
-    a concurrent span C runs from 4 to 11, beside them."""
-    p = profiler.Profiler(tiny_net(), ScriptedClock([0, 1, 3, 4, 6, 10, 11, 12]), profiler.Nvtx(enabled=False))
+    """Marks: the timeline's origin at -5; step begins at 0, A at 1, B (inside A) at 3, B ends at 6,
+    A at 10, the step at 12; a concurrent span C runs from 4 to 11, beside them."""
+    p = profiler.Profiler(tiny_net(), ScriptedClock([-5, 0, 1, 3, 4, 6, 10, 11, 12]), profiler.Nvtx(enabled=False))
+    p.start_timeline()
 
     def step():
         with contextlib.ExitStack() as beside:      # C begins inside B and ends after A
@@ -122,6 +184,9 @@ def test_each_interval_belongs_to_the_innermost_row_open_during_it():
                                (("B", "x"), "forward"): 3}
     assert times.total_ms == 12 and times.covered_ms == 9
     assert times.concurrent == [(("C", "allreduce"), 7, 0.0)]     # no model backward ran
+    # on the timeline, from the origin
+    assert {(s.key[0], s.concurrent): (s.begin_ms, s.end_ms) for s in times.spans} == {
+        ("A", False): (6, 15), ("B", False): (8, 11), (profiler.UNTRACKED[0], False): (5, 17), ("C", True): (9, 16)}
 
 
 def test_flop_counts_equal_the_hand_computed_ones():
@@ -158,24 +223,61 @@ def test_profiling_leaves_the_model_and_optimizer_as_it_found_them():
     assert not model.training and np.all(optimizer.velocity == 0.5)
 
 
-def test_the_json_csv_and_chart_are_written_and_read_back(resnet, tmp_path):
+def test_the_json_csv_and_chart_are_written_and_read_back(resnet, written):
     _, report = resnet
-    paths = report.write(tmp_path / "out")
-    document = json.loads(paths["json"].read_text())
+    document = json.loads(written["json"].read_text())
     assert len(document["rows"]) == len(report.rows)
     assert document["step"]["overhead_ms"] == pytest.approx(report.overhead_ms)
     conv = next(r for r in document["rows"] if r["name"] == "resnet_block1.0.conv1")
     assert conv["flops"] > 0 and conv["bound"] in ("compute", "memory") and 0 < conv["peak_fraction"]
     assert conv["roofline_ms"] == pytest.approx(conv["peak_fraction"] * conv["total_ms"])
     assert {g["group"] for g in document["groups"]} >= {"resnet_block1", "resnet_block1.0", "resnet_block4.1"}
-    with open(paths["csv"], newline="") as f:
+    with open(written["csv"], newline="") as f:
         table = list(csv.DictReader(f))
     assert [r["name"] for r in table] == [r["name"] for r in document["rows"]]
     assert float(next(r for r in table if r["name"] == "fc.1")["forward_ms"]) > 0
     import matplotlib.pyplot as plt
-    assert plt.imread(paths["png"]).ndim == 3
+    assert plt.imread(written["png"]).ndim == 3
     text = report.table(top=5)
     assert "total of all" in text and "profiler overhead" in text and "resnet_block1.0" in text
+
+
+def test_the_timeline_has_every_module_and_part_of_the_step_once_per_step(resnet, written):
+    model, report = resnet
+    document = json.loads(written["trace"].read_text())
+    assert written["trace"].name == "profile.trace.json" and document["displayTimeUnit"] == "ms"
+    events = document["traceEvents"]
+    check_timeline(events, [name for name, _ in model.named_modules()], report.config["steps"])
+    labels = {(e["name"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert labels == {("process_name", 0): "rank 0 (cpu)", ("thread_name", 0): "training step"}
+    # each step as long as the profile measured it, on one timeline: later steps begin later
+    roots = [e for e in events if e.get("cat") == "step"]
+    assert [r["dur"] / 1e3 for r in roots] == pytest.approx([s["profiled_ms"] for s in report.steps], abs=1e-5)
+    conv = [e for e in events if e["name"] == "resnet_block2.0.conv1 backward"]
+    assert [e["args"] for e in conv] == [{"step": i, "phase": "backward", "type": "Conv2d"}
+                                         for i in range(report.config["steps"])]
+    assert conv[0]["cat"] == "layer" and 0 < conv[0]["ts"] < conv[1]["ts"] < roots[-1]["ts"]
+
+
+@pytest.mark.parametrize("events, problem", [
+    ([{"name": "a", "ph": "X", "ts": 0, "dur": 1, "tid": 0}], "event 0 has no pid"),
+    ([{"name": "a", "ph": "X", "ts": 0, "dur": -1, "pid": 0, "tid": 0}], r"event 0 \(a\) has dur -1"),
+    ([{"name": "a", "ph": "X", "ts": 0, "pid": 0, "tid": 0}], r"event 0 \(a\) has dur None"),
+    ([{"name": "a", "ph": "X", "ts": 0, "dur": 10, "pid": 0, "tid": 0},
+      {"name": "b", "ph": "X", "ts": 5, "dur": 10, "pid": 0, "tid": 0}], r"on track \(0, 0\), b begins inside a"),
+    ([{"name": "a", "ph": "X", "ts": 0, "dur": 10, "pid": 0, "tid": 0},
+      {"name": "b", "ph": "X", "ts": 2, "dur": 3, "pid": 0, "tid": 0},
+      {"name": "c", "ph": "X", "ts": 4, "dur": 2, "pid": 0, "tid": 0}], "c begins inside b and ends after it"),
+])
+def test_the_timeline_check_rejects_a_broken_trace(events, problem):
+    problems = trace_problems(events)
+    assert len(problems) == 1 and re.search(problem, problems[0]), problems
+    # the same spans on a track each, or one inside the other, are sound
+    apart = [{**e, "dur": abs(e.get("dur", 1)), "pid": 0, "tid": i} for i, e in enumerate(events)]
+    assert trace_problems(apart) == []
+    assert trace_problems([{"name": "a", "ph": "X", "ts": 0, "dur": 10, "pid": 0, "tid": 0},
+                           {"name": "b", "ph": "X", "ts": 2, "dur": 8, "pid": 0, "tid": 0},
+                           {"name": "c", "ph": "X", "ts": 10, "dur": 0, "pid": 0, "tid": 0}]) == []
 
 
 def test_spans_from_other_code_nested_and_concurrent():
@@ -255,6 +357,9 @@ def test_a_tiny_run_writes_its_files(tmp_path):
                "--out", tmp_path, "--png", tmp_path / "chart.png")
     assert done.returncode == 0, done.stderr
     assert "profiler overhead" in done.stdout and "resnet_block4" in done.stdout
+    assert f"{tmp_path / 'profile.trace.json'}" in done.stdout
+    check_timeline(json.loads((tmp_path / "profile.trace.json").read_text())["traceEvents"],
+                   [name for name, _ in nn.resnet18(width=2).named_modules()], steps=2)
     assert json.loads((tmp_path / "profile.json").read_text())["config"]["batch_size"] == 4
     assert (tmp_path / "profile.csv").exists() and (tmp_path / "chart.png").stat().st_size > 0
 
@@ -300,3 +405,5 @@ def test_resnet18_at_batch_256_on_the_gpu(tmp_path):
     assert abs(report.rows_ms() - report.step_ms) <= max(0.15 * report.step_ms, 2.0)
     paths = report.write(tmp_path)
     assert json.loads(paths["json"].read_text())["rows"][0]["total_ms"] >= 0
+    check_timeline(json.loads(paths["trace"].read_text())["traceEvents"],
+                   [name for name, _ in model.named_modules()], steps=3)

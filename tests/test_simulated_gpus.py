@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import kernels
+import nn
 import sim_targets
 from helpers import rng, write_fashion_mnist
 from kernels.simulated import cuda as sim_cuda
@@ -35,6 +36,7 @@ from parallel import launch
 from parallel.comm import NCCLCommunicator
 from training import checkpoint
 from test_ddp import MPIEXEC, mpi_unavailable_reason
+from test_profiler import check_timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--width", "2", "--batch-size", "16", "--limit", "32", "--test-limit", "16", "--epochs", "1"]
@@ -322,6 +324,13 @@ def test_nccl_collectives_have_nccls_semantics(gpus):
         np.testing.assert_array_equal(root, values[1])
 
 
+def test_all_gather_bytes_gives_every_rank_the_bytes_of_each(gpus):
+    """Through a uint8 all-reduce on the GPUs; bytes of different lengths, none at all included."""
+    data = [bytes(range(256)) * 3, b""]
+    results = run_ranks(gpus, lambda rank, comm: comm.all_gather_bytes(data[rank]))
+    assert results == [data, data]
+
+
 def test_an_nccl_call_that_differs_between_ranks_is_an_error_on_every_rank(gpus):
     def body(rank, comm):
         comm.all_reduce(gpus.zeros(100 + rank, np.float32))
@@ -421,6 +430,8 @@ def test_a_worker_that_raises_or_dies_ends_the_job_naming_it(gpus, data_dir, tmp
 
 @pytest.mark.slow
 def test_profile_with_two_gpus_has_a_span_per_gradient_bucket(data_dir, tmp_path):
+    """And the timeline of both ranks in rank 0's profile.trace.json: each bucket's all-reduce on a
+    track of its own (its stream's), beside the step's."""
     done = train_resnet(2, data_dir, tmp_path / "profile", "--gpus", "2", "--profile", "--profile-steps", "1",
                         "--bucket-mb", "0.01", "--batch-size", "4")
     assert done.returncode == 0, done.stderr
@@ -429,6 +440,17 @@ def test_profile_with_two_gpus_has_a_span_per_gradient_bucket(data_dir, tmp_path
     names = [span["name"] for span in document["concurrent"]]
     indices = sorted(int(re.fullmatch(r"all-reduce bucket (\d+) \([\d.]+ MB\)", name).group(1)) for name in names)
     assert len(indices) >= 2 and indices == list(range(len(indices))), names
+    assert str(tmp_path / "profile" / "profile.trace.json") in done.stdout
+    events = json.loads((tmp_path / "profile" / "profile.trace.json").read_text())["traceEvents"]
+    check_timeline(events, [name for name, _ in nn.resnet18(width=2).named_modules()], steps=1, ranks=(0, 1))
+    labels = {(e["pid"], e["tid"], e["name"]): e["args"]["name"] for e in events if e["ph"] == "M"}
+    for rank in (0, 1):
+        assert labels[rank, 0, "process_name"] == f"rank {rank} (cuda:{rank})"
+        step = next(e for e in events if e["pid"] == rank and e["name"] == "step 0")
+        buckets = [e for e in events if e["pid"] == rank and e.get("cat") == "allreduce"]
+        assert sorted(e["name"] for e in buckets) == sorted(f"{name} backward" for name in names)
+        assert step["tid"] == 0 and {e["tid"] for e in buckets} == {1}     # a track of their own
+        assert labels[rank, 1, "thread_name"] == "allreduce stream"
 
 
 @pytest.mark.slow
