@@ -11,6 +11,7 @@
     all_reduce_values(values)          a few Python numbers summed over ranks
     all_gather_scalar(value)           [value of rank 0, value of rank 1, ...]
     all_gather_bytes(data)             [bytes of rank 0, bytes of rank 1, ...], of any lengths
+    broadcast_object(value, root=0)    root's JSON value everywhere
 
 Arrays are contiguous, of the communicator's array module ``xp``; every rank passes
 the same shape and dtype, and every rank calls the same collectives in the same order.
@@ -20,8 +21,8 @@ moves CuPy arrays between GPUs. ``for_training(gpus)`` picks one from how the pr
 was launched.
 """
 import contextlib
+import json
 import os
-import sys
 
 import numpy as np
 
@@ -73,6 +74,11 @@ class Communicator:
         slots[self.rank] = value
         return self.all_reduce_values(slots)
 
+    def broadcast_object(self, value, root=0):
+        """``root``'s ``value`` (a few JSON values: a folder's name, say) on every rank."""
+        parts = self.all_gather_bytes(json.dumps(value).encode() if self.rank == root else b"")
+        return json.loads(parts[root])
+
     def all_gather_bytes(self, data):
         """[data of rank 0, data of rank 1, ...] on every rank, bytes of any length: the lengths
         first, then one zeroed uint8 array in which each rank fills its own slice, summed over
@@ -103,7 +109,7 @@ class SingleProcess(Communicator):
         pass
 
     def abort(self, code=1):
-        sys.stderr.flush()
+        launch.flush_quietly()
         os._exit(code)
 
 
@@ -135,8 +141,7 @@ class MPICommunicator(Communicator):
         self.comm.Barrier()
 
     def abort(self, code=1):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        launch.flush_quietly()
         self.comm.Abort(code)
 
 
@@ -201,8 +206,7 @@ class NCCLCommunicator(Communicator):
         self._cupy.cuda.get_current_stream().synchronize()
 
     def abort(self, code=1):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        launch.flush_quietly()
         self.comm.abort()
         os._exit(code)
 

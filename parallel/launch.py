@@ -69,14 +69,33 @@ def limit_threads(environ=None):
     return threads
 
 
+def flush_quietly():
+    """stdout and stderr flushed, as far as they can be: nothing on the way to stopping a job may
+    depend on them being writable (a closed pipe, say)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or file
+            pass
+
+
+def say(message):
+    """``message`` on stderr, after what stdout holds; never raises (see flush_quietly)."""
+    flush_quietly()
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def fail(comm, code, message):
     """End this process with ``code`` after printing ``message``: in a world of several
     ranks, the message names the rank and the whole job is aborted, since the others would
     wait for this one in their next collective forever; returns ``code`` otherwise."""
     if comm.world_size > 1:
-        print(f"rank {comm.rank} of {comm.world_size}: {message.strip()}", file=sys.stderr, flush=True)
+        say(f"rank {comm.rank} of {comm.world_size}: {message.strip()}")
         comm.abort(code)
-    print(message, file=sys.stderr)
+    say(message)
     return code
 
 
@@ -119,9 +138,12 @@ def _watchdog(parent):
     while not _stop.value and os.getppid() == parent:
         time.sleep(0.1)
     for fn in _on_stop:
-        fn()
+        try:
+            fn()
+        except Exception:  # one callback's failure must not keep the others, or the exit, from running
+            pass
     if os.getppid() != parent:
-        print(f"worker of parent {parent}: the parent is gone; ending", file=sys.stderr, flush=True)
+        say(f"worker of parent {parent}: the parent is gone; ending")
         os._exit(1)
 
 

@@ -21,6 +21,23 @@ def short_grace(monkeypatch):
     monkeypatch.setattr(launch, "GRACE_SECONDS", 1.0)
 
 
+@pytest.fixture(autouse=True)
+def no_strays(tmp_path):
+    """Whatever a test started, it does not outlive the test, passed or failed: the workers
+    that recorded their pid in its folder, and the parents it started."""
+    parents = []
+    yield parents
+    for parent in parents:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    for pid_file in tmp_path.glob("pid*"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -66,14 +83,18 @@ def test_a_worker_that_hangs_past_the_watchdog_is_named(tmp_path):
     assert_all_ended(tmp_path, 2)
 
 
-def start_parent(out):
-    """A parent process running two busy workers; returns it once both have started."""
+def start_parent(out, parents):
+    """A parent process running two busy workers; returns it once both have started. It gets
+    Ctrl-C's default handling whatever pytest was started with (a shell starts a background job
+    with SIGINT ignored, and a child would inherit that)."""
     script = (f"import sys; sys.path[:0] = {[str(ROOT), str(ROOT / 'tests')]!r}\n"
               "import launch_targets\nfrom parallel import launch\nlaunch.GRACE_SECONDS = 1.0\n"
               "try:\n"
               f"    launch.run_workers(2, launch_targets.all_busy, ({str(out)!r},))\n"
               "except KeyboardInterrupt:\n    sys.exit(130)\n")
-    parent = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    parents.append(parent)
     deadline = time.monotonic() + 30
     while len(list(out.glob("pid*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -88,15 +109,30 @@ def wait_until_ended(out, world_size, seconds):
     assert_all_ended(out, world_size)
 
 
-def test_ctrl_c_in_the_parent_stops_every_worker(tmp_path):
-    parent = start_parent(tmp_path)
+def test_ctrl_c_in_the_parent_stops_every_worker(tmp_path, no_strays):
+    parent = start_parent(tmp_path, no_strays)
     parent.send_signal(signal.SIGINT)
     assert parent.wait(timeout=30) == 130
     assert_all_ended(tmp_path, 2)
 
 
-def test_workers_end_when_their_parent_is_killed(tmp_path):
-    parent = start_parent(tmp_path)
+def test_ctrl_c_works_however_pytest_was_started(tmp_path, no_strays):
+    """As under `pytest &` or nohup: SIGINT ignored in this process while the parent starts."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        parent = start_parent(tmp_path, no_strays)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    parent.send_signal(signal.SIGINT)
+    assert parent.wait(timeout=30) == 130
+    assert_all_ended(tmp_path, 2)
+
+
+@pytest.mark.parametrize("stderr", ["open", "a closed pipe"])
+def test_workers_end_when_their_parent_is_killed(tmp_path, no_strays, stderr):
+    parent = start_parent(tmp_path, no_strays)
+    if stderr == "a closed pipe":   # the workers' "parent is gone" message then cannot be written
+        parent.stderr.close()
     parent.kill()
     parent.wait(timeout=30)
     wait_until_ended(tmp_path, 2, seconds=10)
