@@ -24,11 +24,13 @@ def atomic_write(path, mode="wb"):
     """Write to a temporary file beside ``path`` and rename it over ``path`` only
     when the writing finished, so an interruption leaves the old file intact."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share one
     try:
         with open(tmp, mode) as f:
             yield f
         os.replace(tmp, path)
+    except OSError as e:  # a full disk, say: the error names the file meant, not the temporary one
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     finally:
         tmp.unlink(missing_ok=True)
 

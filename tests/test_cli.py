@@ -86,7 +86,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     monkeypatch.setattr(loop, "cross_entropy", poisoned_in_epoch_2)
     assert run(data_dir, tmp_path / "run", "--epochs", "3") == 1
     err = capsys.readouterr().err
-    assert "loss is nan at epoch 2, step 2" in err and "last good checkpoint (epoch 1)" in err, err
+    assert "loss is nan at epoch 2, step 2" in err and "last good checkpoint, of epoch 1, is intact" in err, err
     assert checkpoint.load(tmp_path / "run")[1]["epoch"] == 1
 
 
@@ -168,7 +168,7 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "checkpoint.npz").write_bytes(b"PK\x03\x04 not really a zip")
     with pytest.raises(SystemExit):
         cli.main(["--resume", str(tmp_path)])
-    assert "is not a readable checkpoint" in capsys.readouterr().err
+    assert f"not a checkpoint of this program, or corrupt: {tmp_path / 'checkpoint.npz'}" in capsys.readouterr().err
 
 
 def test_help_explains_the_flags(capsys):

@@ -39,10 +39,10 @@ def mpi_unavailable_reason():
 needs_mpi = pytest.mark.skipif(mpi_unavailable_reason() is not None, reason=str(mpi_unavailable_reason()))
 
 
-def mpirun(ranks, *args, timeout=120):
-    """``mpiexec -n ranks python args...`` from the repository root; CompletedProcess."""
+def mpirun(ranks, *args, timeout=120, cwd=ROOT):
+    """``mpiexec -n ranks python args...`` from the repository root (or ``cwd``); CompletedProcess."""
     command = [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", str(ranks), sys.executable, *map(str, args)]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def relative_error(a, b):
@@ -204,6 +204,16 @@ def test_check_sync_stops_when_the_replicas_diverge(data_dir, tmp_path):
                   "--check-sync", "1", *SMALL, timeout=60)
     assert done.returncode != 0
     assert "parameters differ across ranks after epoch 1, step 2: rank(s) [1] disagree with rank 0" in done.stderr
+
+
+@needs_mpi
+def test_ranks_without_out_share_one_new_folder(data_dir, tmp_path):
+    """rank 0 makes the default folder and tells the others its name."""
+    done = mpirun(2, ROOT / "train_resnet.py", "--data-dir", data_dir, *SMALL, "--epochs", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    made = list((tmp_path / "runs").iterdir())
+    assert len(made) == 1 and made[0].name.startswith("resnet18-"), made
+    assert json.loads((made[0] / "metrics.json").read_text())[0]["world_size"] == 2
 
 
 def test_gpus_per_node_must_match_the_ranks_mpiexec_started_here(monkeypatch):

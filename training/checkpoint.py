@@ -17,17 +17,27 @@ class CheckpointError(Exception):
     """A checkpoint is missing, unreadable or does not fit the model."""
 
 
+class NotFinite(CheckpointError):
+    """The model or the optimizer holds NaN or infinity: such a state is never written."""
+
+
 def _host(array):
     return array if isinstance(array, np.ndarray) else array.get()
 
 
 def save(path, model, optimizer, record):
-    """``record``: a JSON-serialisable dict (epoch, config, metrics, RNG state...)."""
-    arrays = {"params": _host(optimizer.flat.data), "record": np.array(json.dumps(record))}
+    """``record``: a JSON-serialisable dict (epoch, config, metrics, RNG state...). NotFinite,
+    and nothing written, when a parameter, the velocity or a buffer is NaN or infinite."""
+    arrays = {"params": _host(optimizer.flat.data), "record": np.array(json.dumps(record, allow_nan=False))}
     if optimizer.velocity is not None:
         arrays["velocity"] = _host(optimizer.velocity)
     for name, buf in model.named_buffers():
         arrays[_BUFFER + name] = _host(buf)
+    spoiled = {name: int(np.count_nonzero(~np.isfinite(a))) for name, a in arrays.items() if a.dtype.kind == "f"}
+    spoiled = {name: n for name, n in spoiled.items() if n}
+    if spoiled:
+        raise NotFinite("not finite: " + ", ".join(f"{n} of {arrays[name].size} elements of {name}"
+                                                   for name, n in spoiled.items()))
     with atomic_write(path) as f:
         np.savez(f, **arrays)
 
@@ -42,6 +52,9 @@ def resolve(path):
     return path
 
 
+RECORD_KEYS = ("epoch", "config", "metrics", "rng_state")
+
+
 def load(path):
     """(arrays, record) of the checkpoint at ``path`` (a file or an output folder)."""
     path = resolve(path)
@@ -49,8 +62,12 @@ def load(path):
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
         record = json.loads(str(arrays.pop("record")))
-    except Exception as e:  # a damaged zip, a missing key, bad JSON: all the same to the user
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from None
+        missing = [k for k in RECORD_KEYS if k not in record] + ["params"] * ("params" not in arrays)
+        if missing:
+            raise KeyError(f"no {', '.join(missing)}")
+    except Exception as e:  # a damaged zip, a .npy, missing keys, bad JSON: all the same to the user
+        raise CheckpointError(f"not a checkpoint of this program, or corrupt: {path} ({type(e).__name__}: "
+                              f"{e})") from None
     return arrays, record
 
 

@@ -18,6 +18,7 @@ prints and writes the files. --lr is the learning rate of the global batch (add
 --scale-lr to multiply it by the number of ranks). An error on any rank ends the job.
 """
 import argparse
+import signal
 import sys
 import time
 import traceback
@@ -25,7 +26,7 @@ import traceback
 import kernels
 from parallel import comm as communicators
 from parallel import launch
-from . import checkpoint, config, fashion_mnist, loop
+from . import checkpoint, config, fashion_mnist, loop, output
 
 D = config.Config()
 WATCHDOG_SECONDS = 600.0
@@ -57,6 +58,8 @@ def parse_args(argv):
     p.add_argument("--out", help="output folder (default runs/resnet18-<date>-<time>; "
                                  "when resuming, the checkpoint's folder)")
     p.add_argument("--resume", help="a checkpoint.npz, or an output folder holding one")
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="let a new run replace the run whose files --out holds (without it, that is an error)")
     p.add_argument("--init-from", metavar="FILE",
                    help="start from the weights and batch-norm statistics in FILE, a safetensors file of this "
                         "model's state dict (from --export, or from d2l's PyTorch ResNet-18: "
@@ -69,7 +72,8 @@ def parse_args(argv):
                    help="instead of training, time every layer's forward and backward, the loss, the "
                         "optimizer step, the batch gather and (with several ranks) each all-reduce bucket "
                         "over --profile-steps steps of this configuration; prints a table sorted by cost "
-                        "and writes profile.json, profile.csv and profile.png to --out (see the profiler package)")
+                        "and writes profile.json, profile.csv, profile.png and the timeline profile.trace.json (for "
+                        "Perfetto) to --out (see the profiler package)")
     p.add_argument("--profile-steps", type=int, default=20, metavar="N",
                    help="steps to profile, after 3 warm-up steps (default 20)")
     ddp = p.add_argument_group("data parallelism (under mpiexec)")
@@ -102,12 +106,15 @@ def usage_error(parser, message):
 
 
 def train_on_gpus(parser, given, watchdog, profile_steps):
-    """--gpus N on one node: one worker process per GPU; this process waits for them."""
-    if "resume" not in given:  # the flags' faults, said once, before any worker starts
-        try:
+    """--gpus N on one node: one worker process per GPU; this process waits for them. The flags
+    and the output folder are checked here, once, before any worker starts."""
+    try:
+        if "resume" not in given:
             config.Config(**given).check()
-        except config.ConfigError as e:
-            parser.error(str(e))
+            given = {**given, "out": given.get("out") or str(output.fresh_default())}
+            output.claim(given["out"], continues=profile_steps is not None, overwrite=given.get("overwrite")).release()
+    except config.ConfigError as e:
+        parser.error(str(e))
     try:
         unique_id = communicators.NCCLCommunicator.unique_id()
     except Exception as e:
@@ -120,14 +127,39 @@ def train_on_gpus(parser, given, watchdog, profile_steps):
             print(e.trace.rstrip(), file=sys.stderr)
         print(f"error: {e} (GPU {e.rank}); every worker was stopped", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted: every worker was stopped; the files of the last finished epoch are kept, "
-              "and --resume continues from them", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        out = given.get("out") or checkpoint.resolve(given["resume"]).parent
+        print(f"\n{_stopped_by(e)}: every worker was stopped; {output.kept(out)}", file=sys.stderr)
+        return _exit_code(e)
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, what schedulers and kill send: treated as Ctrl-C is."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
+def _stopped_by(interrupt):
+    return "terminated (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted"
+
+
+def _exit_code(interrupt):
+    return 128 + (signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT)
+
+
 def main(argv=None):
+    """The command; SIGTERM stops it as Ctrl-C does, keeping the last finished epoch."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv):
     parser, args = parse_args(argv)
     modes = ("watchdog", "profile", "profile_steps")
     given = {k: v for k, v in vars(args).items() if v is not None and k not in modes}
@@ -148,6 +180,9 @@ def main(argv=None):
     comm = communicators.SingleProcess()
     try:
         comm = communicators.from_environment()
+        if comm.world_size > 1 and not given.get("out") and not given.get("resume"):
+            config.Config(**given).check()   # before a folder is made for nothing
+            given["out"] = comm.broadcast_object(str(output.fresh_default()) if comm.rank == 0 else None)
         comm = communicators.for_training(args.gpus, comm)
         loop.train_or_profile(given, comm, profile_steps)
         return 0
@@ -155,13 +190,13 @@ def main(argv=None):
         code, message = 2, f"{parser.prog}: error: {e}"
         if comm.world_size == 1:
             parser.error(str(e))
-    except (loop.NonFiniteLoss, loop.OutOfMemory) as e:
+    except (loop.NonFiniteLoss, loop.OutOfMemory, loop.OutputError) as e:
         code, message = 1, f"error: {e}"
     except (launch.LaunchError, kernels.DeviceError) as e:
         code, message = 2, f"{parser.prog}: error: {e}"
-    except KeyboardInterrupt:
-        code, message = 130, ("\ninterrupted: the files of the last finished epoch are kept; --resume "
-                              "continues from them")
+    except KeyboardInterrupt as e:
+        kept = getattr(e, "kept", "it stopped before training: nothing was written")
+        code, message = _exit_code(e), f"\n{_stopped_by(e)}: {kept}"
     except Exception as e:
         if comm.world_size == 1:
             raise

@@ -1,6 +1,7 @@
 """The configuration of a training run: its flags with their defaults and checks, and how a
 resumed run merges the flags given with its checkpoint's."""
 import dataclasses
+import math
 from pathlib import Path
 
 from nn import init
@@ -37,6 +38,7 @@ class Config:
     check_sync: int = 0
     bucket_mb: float = DEFAULT_BUCKET_MB
     scale_lr: bool = False
+    overwrite: bool = False   # a new run may replace the run whose files --out holds
     init_from: str = None     # a safetensors file of the model's weights to start from
     export: str = None        # where to write the trained weights as safetensors
 
@@ -49,11 +51,14 @@ class Config:
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
-        if not self.lr > 0:
-            raise ConfigError(f"learning rate must be positive, got {self.lr}")
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise ConfigError(f"momentum and weight decay must be >= 0, got {self.momentum}, "
-                              f"{self.weight_decay}")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"learning rate must be positive and finite, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"--momentum must be at least 0 and below 1, got {self.momentum}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError(f"--weight-decay must be 0 or more and finite, got {self.weight_decay}")
+        if self.seed < 0:
+            raise ConfigError(f"--seed must be 0 or more, got {self.seed}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}: choose one of {SCHEDULES}")
         if self.init not in init.SCHEMES:
@@ -66,8 +71,8 @@ class Config:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.check_sync < 0:
             raise ConfigError(f"--check-sync must be 0 (only at the start) or more, got {self.check_sync}")
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        if not 0 < self.bucket_mb < math.inf:
+            raise ConfigError(f"--bucket-mb must be positive and finite, got {self.bucket_mb}")
         if self.export is not None and not Path(self.export).resolve().parent.is_dir():
             raise ConfigError(f"--export {self.export}: the folder {Path(self.export).resolve().parent} does not exist")
 

@@ -99,7 +99,13 @@ def _download(name, folder, mirror):
 def ensure_files(folder, mirror=None, log=print):
     """Download whichever of the four files are missing from ``folder``."""
     folder, mirror = Path(folder), mirror or MIRROR
-    missing = [name for pair in FILES.values() for name in pair if not (folder / name).exists()]
+    try:
+        if folder.exists() and not folder.is_dir():
+            raise DataError(f"{folder} is a file, not a folder: point --data-dir (or FASHION_MNIST_DIR) at the "
+                            f"folder of the four .gz files")
+        missing = [name for pair in FILES.values() for name in pair if not (folder / name).exists()]
+    except OSError as e:   # a folder that may not be read
+        raise DataError(f"{folder}: cannot be read ({e.strerror})") from None
     if not missing:
         return
     log(f"Fashion-MNIST: downloading {len(missing)} missing file(s) to {folder}")
@@ -119,4 +125,10 @@ def load_fashion_mnist(data_dir=None, download=True, log=print):
     folder = resolve_dir(data_dir)
     if download:
         ensure_files(folder, log=log)
-    return {split: load_split(folder, split) for split in FILES}
+    splits = {split: load_split(folder, split) for split in FILES}
+    sizes = {split: images.shape[1:] for split, (images, _) in splits.items()}
+    if sizes["train"] != sizes["test"]:
+        raise DataError(f"{folder / FILES['test'][0]} holds images of {sizes['test'][0]}x{sizes['test'][1]} pixels, "
+                        f"{folder / FILES['train'][0]} of {sizes['train'][0]}x{sizes['train'][1]}: a model trained on "
+                        f"the one cannot be tested on the other")
+    return splits

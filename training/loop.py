@@ -6,6 +6,7 @@ files of the output folder rewritten atomically: ``checkpoint.npz``,
 checkpoint computes the same weights, bit for bit, as one that was never stopped:
 batch order depends only on (seed, epoch) and everything else is in the checkpoint.
 """
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -21,9 +22,9 @@ from nn.serialization import SerializationError, load_safetensors, save_safetens
 from nn.tensor import Tensor, no_grad
 from parallel.comm import NCCLCommunicator, SingleProcess
 from parallel.ddp import DataParallel, shard_bounds
-from . import checkpoint, fashion_mnist
+from . import checkpoint, fashion_mnist, output
 from .config import Config, ConfigError, merge_resumed
-from .reports import Progress, write_reports
+from .reports import Progress, finite_or_none, write_reports
 
 
 class NonFiniteLoss(RuntimeError):
@@ -32,6 +33,10 @@ class NonFiniteLoss(RuntimeError):
 
 class OutOfMemory(RuntimeError):
     pass
+
+
+class OutputError(RuntimeError):
+    """A file of the run could not be written (a full disk, say); the message says which."""
 
 
 def _limited(split, limit, name):
@@ -80,7 +85,25 @@ class _Window:
 def _kept(out, epoch):
     if not epoch:
         return "no checkpoint was written"
-    return f"the last good checkpoint (epoch {epoch}) is {out / checkpoint.FILENAME}"
+    return f"the last good checkpoint, of epoch {epoch}, is intact: {out / checkpoint.FILENAME}"
+
+
+def _write_epoch(out, model, opt, record):
+    """The checkpoint of the epoch just finished, then the reports; the checkpoint before it stays
+    when the model has diverged or the disk is full."""
+    epoch = record["epoch"]
+    try:
+        checkpoint.save(out / checkpoint.FILENAME, model, opt, record)
+    except checkpoint.NotFinite as e:
+        raise NonFiniteLoss(f"the model after epoch {epoch} is {e} (its last steps diverged); its checkpoint was "
+                            f"not written: {_kept(out, epoch - 1)}") from None
+    except OSError as e:
+        raise OutputError(f"could not write {e.filename} ({e.strerror}); {_kept(out, epoch - 1)}") from None
+    try:
+        write_reports(out, record["metrics"])
+    except OSError as e:
+        raise OutputError(f"could not write {e.filename} ({e.strerror}); the checkpoint of epoch {epoch} was "
+                          f"written") from None
 
 
 def evaluate(model, images, labels, batch_size, comm=SingleProcess()):
@@ -137,18 +160,16 @@ def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, log_secon
     return loss, correct / trained
 
 
-def default_out():
-    return Path("runs") / time.strftime("resnet18-%Y%m%d-%H%M%S")
-
-
-def prepare(given, log=print, world_size=1):
-    """Everything that can fail before training, checked first: the configuration
-    (merged with the checkpoint's when resuming) for ``world_size`` ranks, the data and
-    the model."""
+def prepare(given, log=print, world_size=1, lead=True, profiling=False):
+    """Everything that can fail before training, checked first: the configuration (merged
+    with the checkpoint's when resuming) for ``world_size`` ranks, the output folder (made and
+    claimed by the ``lead`` rank: see training/output.py; a profile writes its own files beside
+    a run's), the data and the model. (cfg, train, test, model, opt, record, claim)."""
     saved_arrays = record = None
-    if given.get("resume") and given.get("init_from"):
-        raise ConfigError("--init-from starts a new run from a weights file and --resume continues a run from "
-                          "its checkpoint: give one of them")
+    for other in ("init_from", "overwrite"):
+        if given.get("resume") and given.get(other):
+            raise ConfigError(f"--{other.replace('_', '-')} starts a new run and --resume continues one: give "
+                              f"one of them")
     if given.get("resume"):
         saved_arrays, record = checkpoint.load(given["resume"])
         # without --out, a resumed run writes beside its checkpoint, wherever that now is
@@ -165,6 +186,23 @@ def prepare(given, log=print, world_size=1):
     if record is not None and record["epoch"] >= cfg.epochs and not given.get("export"):
         raise ConfigError(f"the checkpoint has finished {record['epoch']} epochs already; "
                           f"ask for more with --epochs (or only --export its weights)")
+    if lead:
+        cfg.out = str(cfg.out or output.fresh_default())
+        held = output.claim(cfg.out, continues=record is not None or profiling, overwrite=cfg.overwrite)
+    elif cfg.out is None:
+        raise ConfigError("every rank needs the output folder: rank 0 decides it before the others start")
+    else:
+        held = contextlib.nullcontext()
+    try:
+        return (cfg, *_data_and_model(cfg, xp, world_size, saved_arrays, record, log), record, held)
+    except BaseException:
+        if lead:
+            held.release()
+        raise
+
+
+def _data_and_model(cfg, xp, world_size, saved_arrays, record, log):
+    """The second half of prepare(): (train, test, model, opt)."""
     splits = fashion_mnist.load_fashion_mnist(cfg.data_dir, log=log)
     # the whole split goes to the device once, as uint8; batches are gathered there
     train, test = (tuple(xp.asarray(a) for a in (images, labels.astype(np.int32)))
@@ -185,7 +223,16 @@ def prepare(given, log=print, world_size=1):
         except SerializationError as e:
             raise ConfigError(f"--init-from: {e}") from None
         log(f"weights and batch-norm statistics from {cfg.init_from}")
-    return cfg, train, test, model, opt, record
+    return train, test, model, opt
+
+
+def _stretched(schedule, before, now, step):
+    """What --epochs changed on resuming a cosine schedule, in words: the schedule is the one of a
+    run started with the new --epochs, so the learning rate moves to it at once."""
+    earlier = CosineAnnealingLR(schedule.optimizer, schedule.T_max * before // now)
+    return (f"the cosine schedule now spans {now} epochs, not {before}: from here the learning rate is that of a "
+            f"run started with --epochs {now}, {schedule.lr_at(step):g} at the next step (the {before}-epoch "
+            f"schedule was at {earlier.lr_at(step):g})")
 
 
 def _world_line(cfg, ddp, lr):
@@ -199,35 +246,32 @@ def _world_line(cfg, ddp, lr):
             f"~{cfg.bucket_mb:g} MB")
 
 
-def _replicated(given, comm, log):
-    """prepare() as one rank of ``comm``: the output folder made (by rank 0), the learning
-    rate scaled if asked, and the model replicated; (cfg, train, test, model, opt, record, ddp)."""
-    cfg, train, test, model, opt, record = prepare(given, log, comm.world_size)
-    out = Path(cfg.out or default_out())
-    if comm.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    cfg.out = str(out)
+def _replicated(given, comm, log, profiling=False):
+    """prepare() as one rank of ``comm``, the learning rate scaled if asked, and the model
+    replicated; (cfg, train, test, model, opt, record, ddp, claim of the output folder)."""
+    cfg, train, test, model, opt, record, held = prepare(given, log, comm.world_size, comm.rank == 0, profiling)
     if cfg.scale_lr:
         opt.lr = cfg.lr * comm.world_size
     ddp = DataParallel(model, comm, cfg.bucket_mb, cfg.sync_bn, state=(opt.velocity,))
-    return cfg, train, test, model, opt, record, ddp
+    return cfg, train, test, model, opt, record, ddp, held
 
 
 def run_profile(given, comm=None, steps=20, warmup=3, log=lambda *a: print(*a, flush=True)):
     """``--profile``: instead of training, profile ``steps`` training steps of the configured
     model, data and ranks (the profiler package); rank 0 prints the table and writes profile.json,
-    profile.csv and profile.png to the output folder. Returns rank 0's report."""
+    profile.csv, profile.png and profile.trace.json to the output folder. Returns rank 0's report."""
     import profiler
     comm = comm or SingleProcess()
     log = log if comm.rank == 0 else (lambda *a: None)
-    cfg, (x_train, y_train), _, model, opt, _, ddp = _replicated(given, comm, log)
-    title = f"ResNet-18 width {cfg.width}, {comm.world_size} rank(s), batch {cfg.batch_size} global"
-    report = profiler.profile(model, opt, x_train, y_train, cfg.batch_size, steps, warmup, log=log,
-                              title=title, ddp=ddp)
-    if comm.rank == 0:
-        log(report.table())
-        paths = report.write(cfg.out)
-        log("profile written: " + ", ".join(str(p) for p in paths.values()))
+    cfg, (x_train, y_train), _, model, opt, _, ddp, held = _replicated(given, comm, log, profiling=True)
+    with held:
+        title = f"ResNet-18 width {cfg.width}, {comm.world_size} rank(s), batch {cfg.batch_size} global"
+        report = profiler.profile(model, opt, x_train, y_train, cfg.batch_size, steps, warmup, log=log,
+                                  title=title, ddp=ddp)
+        if comm.rank == 0:
+            log(report.table())
+            paths = report.write(cfg.out)
+            log("profile written: " + ", ".join(str(p) for p in paths.values()))
     return report
 
 
@@ -235,9 +279,18 @@ def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
     """Train with the flags in ``given`` (a dict of Config fields) as one rank of ``comm``
     (default: a world of one); returns the metrics. Only rank 0 logs and writes files."""
     comm = comm or SingleProcess()
-    lead = comm.rank == 0
-    log = log if lead else (lambda *a: None)
-    cfg, (x_train, y_train), (x_test, y_test), model, opt, record, ddp = _replicated(given, comm, log)
+    log = log if comm.rank == 0 else (lambda *a: None)
+    *prepared, held = _replicated(given, comm, log)
+    with held:     # the output folder is this run's until it ends
+        try:
+            return _train(comm, log, *prepared)
+        except KeyboardInterrupt as e:    # Ctrl-C, or SIGTERM: what is on disk, for the last message
+            e.kept = output.kept(prepared[0].out)
+            raise
+
+
+def _train(comm, log, cfg, train, test, model, opt, record, ddp):
+    (x_train, y_train), (x_test, y_test), lead = train, test, comm.rank == 0
     out = Path(cfg.out)
     steps_per_epoch = -(-len(x_train) // cfg.batch_size)
     schedule = CosineAnnealingLR(opt, cfg.epochs * steps_per_epoch) if cfg.schedule == "cosine" else None
@@ -246,6 +299,8 @@ def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
     log(f"ResNet-18 (width {cfg.width}, {len(opt.flat):,} parameters) on {len(x_train)} training and "
         f"{len(x_test)} test images, batch {cfg.batch_size}, lr {opt.lr:g}, {cfg.schedule} schedule; "
         f"output in {out}" + (f"; resuming after epoch {start}" if start else ""))
+    if schedule is not None and record is not None and record["config"]["epochs"] != cfg.epochs:
+        log(_stretched(schedule, record["config"]["epochs"], cfg.epochs, start * steps_per_epoch))
     if comm.world_size > 1:
         log(_world_line(cfg, ddp, opt.lr))
     for epoch in range(start, cfg.epochs):
@@ -263,18 +318,20 @@ def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
         ddp.average_buffers()
         test_loss, test_acc = evaluate(model, x_test, y_test, cfg.batch_size, comm)
         seconds = time.perf_counter() - began
-        metrics.append({"epoch": epoch + 1, "lr": opt.lr, "train_loss": train_loss, "train_acc": train_acc,
-                        "test_loss": test_loss, "test_acc": test_acc, "seconds": seconds,
-                        "images_per_sec": len(x_train) / train_seconds, "world_size": comm.world_size})
+        metrics.append(finite_or_none({
+            "epoch": epoch + 1, "lr": opt.lr, "train_loss": train_loss, "train_acc": train_acc,
+            "test_loss": test_loss, "test_acc": test_acc, "seconds": seconds,
+            "images_per_sec": len(x_train) / train_seconds, "world_size": comm.world_size}))
         if lead:
-            checkpoint.save(out / checkpoint.FILENAME, model, opt, {
-                "epoch": epoch + 1, "config": dataclasses.asdict(cfg), "metrics": metrics,
-                "rng_state": init.get_rng_state()})
-            write_reports(out, metrics)
+            _write_epoch(out, model, opt, {"epoch": epoch + 1, "config": dataclasses.asdict(cfg), "metrics": metrics,
+                                           "rng_state": init.get_rng_state()})
         log(f"epoch {epoch + 1}/{cfg.epochs}: loss {train_loss:.4f}, train acc {train_acc:.3f}, "
             f"test acc {test_acc:.3f}, {seconds:.1f} s, {metrics[-1]['images_per_sec']:.1f} images/s")
     if lead and cfg.export:
-        save_safetensors(model, cfg.export)
+        try:
+            save_safetensors(model, cfg.export)
+        except OSError as e:
+            raise OutputError(f"could not write {e.filename} ({e.strerror}); {_kept(out, len(metrics))}") from None
         log(f"weights of epoch {len(metrics)} exported to {cfg.export} (safetensors, d2l's PyTorch keys)")
     mean_seconds = sum(m["seconds"] for m in metrics) / len(metrics)
     log(f"test acc: {metrics[-1]['test_acc']:.2f}, {mean_seconds:.1f} sec/epoch on {backend_of(x_train).name}"

@@ -3,6 +3,7 @@ training.png in the output folder."""
 import csv
 import io
 import json
+import math
 import sys
 import time
 
@@ -39,10 +40,16 @@ class Progress:
             self.stream.flush()
 
 
+def finite_or_none(entry):
+    """A metrics entry with every non-finite number (a test loss that overflowed) as None, so
+    that metrics.json and the checkpoint's record stay strict JSON."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in entry.items()}
+
+
 def write_reports(out, metrics):
     """metrics.json, metrics.csv and training.png, each replaced atomically."""
     with atomic_write(out / "metrics.json", "w") as f:
-        json.dump(metrics, f, indent=1)
+        json.dump(metrics, f, indent=1, allow_nan=False)
     with atomic_write(out / "metrics.csv", "w") as f:
         writer = csv.DictWriter(f, fieldnames=list(metrics[0]))
         writer.writeheader()
