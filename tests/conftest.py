@@ -1,6 +1,6 @@
-"""Puts the repository root on sys.path (for `kernels`, `nn`, `parallel` under plain `pytest`),
-prints the session's random seed in the header so any failure can be replayed, and offers the
-`poisoned_empty` fixture."""
+"""Puts the repository root on sys.path (for the project's packages under plain `pytest`), prints
+the session's random seed in the header and at the end (also under -q), adds the command that
+replays it to every failure's report, and offers the `poisoned_empty` fixture."""
 import os
 import sys
 
@@ -14,6 +14,18 @@ import helpers  # noqa: E402  (pytest puts tests/ on sys.path before importing t
 
 def pytest_report_header(config):
     return f"random inputs: TEST_SEED={helpers.SESSION_SEED}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"random inputs: TEST_SEED={helpers.SESSION_SEED} (set it to draw them again)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed:
+        report.sections.append(("random inputs", f"reproduce with: TEST_SEED={helpers.SESSION_SEED} "
+                                                 f"python -m pytest '{item.nodeid}'"))
 
 
 @pytest.fixture
