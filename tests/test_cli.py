@@ -102,6 +102,14 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     (["--gpus", "2"], "--gpus 2: this machine has 0 GPU(s)"),
     (["--gpus", "-1"], "--gpus must be 0 or more"),
     (["--schedule", "linear"], "invalid choice"),
+    (["--lr", "inf"], "learning rate must be positive and finite, got inf"),
+    (["--lr", "nan"], "learning rate must be positive and finite, got nan"),
+    (["--momentum", "nan"], "--momentum must be at least 0 and below 1, got nan"),
+    (["--momentum", "1"], "--momentum must be at least 0 and below 1, got 1.0"),
+    (["--weight-decay", "nan"], "--weight-decay must be 0 or more and finite, got nan"),
+    (["--weight-decay", "inf"], "--weight-decay must be 0 or more and finite, got inf"),
+    (["--bucket-mb", "inf"], "--bucket-mb must be positive and finite, got inf"),
+    (["--seed", "-1"], "--seed must be 0 or more, got -1"),
 ])
 def test_bad_flags_are_clear_errors(data_dir, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as e:

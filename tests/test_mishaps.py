@@ -15,7 +15,7 @@ import pytest
 
 import nn
 from helpers import write_fashion_mnist, write_idx
-from training import checkpoint, cli, fashion_mnist, loop, output
+from training import checkpoint, cli, fashion_mnist, loop, output, reports
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--width", "2", "--batch-size", "16", "--limit", "40", "--test-limit", "20"]
@@ -100,21 +100,6 @@ def test_a_model_that_diverged_in_the_last_step_of_an_epoch_is_never_saved(data_
     assert record["epoch"] == 1 and np.isfinite(arrays["params"]).all()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--lr", "inf"], "learning rate must be positive and finite, got inf"),
-    (["--lr", "nan"], "learning rate must be positive and finite, got nan"),
-    (["--momentum", "nan"], "--momentum must be at least 0 and below 1, got nan"),
-    (["--momentum", "1"], "--momentum must be at least 0 and below 1, got 1.0"),
-    (["--weight-decay", "nan"], "--weight-decay must be 0 or more and finite, got nan"),
-    (["--weight-decay", "inf"], "--weight-decay must be 0 or more and finite, got inf"),
-    (["--bucket-mb", "inf"], "--bucket-mb must be positive and finite, got inf"),
-    (["--seed", "-1"], "--seed must be 0 or more, got -1"),
-])
-def test_flags_out_of_range_are_usage_errors(data_dir, tmp_path, capsys, flags, message):
-    assert message in usage_error(capsys, data_dir, tmp_path / "run", *flags)
-    assert not (tmp_path / "run").exists()
-
-
 def test_metrics_stay_strict_json(data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "evaluate", lambda *a, **k: (float("inf"), 0.1))   # a test loss that overflowed
     assert run(data_dir, tmp_path / "run", "--epochs", "1") == 0
@@ -140,24 +125,18 @@ def full_disk_at(monkeypatch, module, name, call):
     monkeypatch.setattr(module, name, fill)
 
 
-def test_a_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch, capsys):
-    full_disk_at(monkeypatch, np, "savez", call=2)
+@pytest.mark.parametrize("while_writing, module, name, call, then", [
+    ("checkpoint.npz", np, "savez", 2, "the last good checkpoint, of epoch 1, is intact"),   # epoch 2's checkpoint
+    ("training.png", reports, "plot", 1, "the checkpoint of epoch 1 was written"),         # epoch 1's chart
+])
+def test_a_full_disk_says_which_file_and_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch, capsys,
+                                                                   while_writing, module, name, call, then):
+    full_disk_at(monkeypatch, module, name, call)
     assert run(data_dir, tmp_path / "run", "--epochs", "3") == 1
     err = capsys.readouterr().err
-    assert f"could not write {tmp_path / 'run' / 'checkpoint.npz'} (No space left on device); the last good " \
-           f"checkpoint, of epoch 1, is intact" in err, err
+    assert f"could not write {tmp_path / 'run' / while_writing} (No space left on device); {then}" in err, err
     assert checkpoint.load(tmp_path / "run")[1]["epoch"] == 1
     assert not list((tmp_path / "run").glob(".*.tmp"))
-
-
-def test_a_full_disk_while_writing_a_report_says_which_file(data_dir, tmp_path, monkeypatch, capsys):
-    from training import reports
-    full_disk_at(monkeypatch, reports, "plot", call=1)
-    assert run(data_dir, tmp_path / "run", "--epochs", "2") == 1
-    err = capsys.readouterr().err
-    assert f"could not write {tmp_path / 'run' / 'training.png'} (No space left on device); the checkpoint of " \
-           f"epoch 1 was written" in err, err
-    assert checkpoint.load(tmp_path / "run")[1]["epoch"] == 1
 
 
 # ---- checkpoints and data that are not what they should be ----------------------------------
