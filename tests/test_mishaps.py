@@ -1,6 +1,7 @@
 """What a new user runs into, each a clear error with no work lost: an output folder that holds an
 earlier run, or another run's, or cannot be written; a model that diverged in an epoch's last
-steps; flags out of range; a full disk; damaged checkpoints and odd data; SIGTERM and Ctrl-C."""
+steps; a full disk; damaged checkpoints and odd data; SIGTERM and Ctrl-C; resuming with more
+epochs; the test seed. (Flags out of range: tests/test_cli.py.)"""
 import errno
 import json
 import os
