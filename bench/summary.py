@@ -45,10 +45,11 @@ def outcome(t):
     if "reason" in t:
         return t["reason"]
     parts = []
-    if "pytest" in t:
-        counts = t["pytest"].get("tests")
-        parts.append("pytest: " + (", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped"))
-                                   if counts else f"no junit XML, see {t['pytest'].get('log')}"))
+    for run in ("wrappers", "pytest"):
+        if run in t:
+            counts = t[run].get("tests")
+            parts.append(f"{run}: " + (", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped"))
+                                       if counts else f"no junit XML, see {t[run].get('log')}"))
     if "sanitizer" in t:
         parts.append(t["sanitizer"])
     for tool in ("memcheck", "racecheck"):

@@ -1,9 +1,11 @@
 """The GPU check of this project in one command: within 5 minutes on one H200, in tiers, each tier's
 results written to --out as soon as it ends, so that a run cut off early still leaves results.
 
-  a  the GPU tests on small shapes (pytest -m gpu tests/test_kernels_cuda.py), then compute-sanitizer
-     memcheck and racecheck over one small training step (bench/sanitizer_step.py), where
-     compute-sanitizer is on PATH or in $CUDA_HOME/bin
+  a  first the tensor-core wrappers on the GPU against their emulation, fragment by fragment
+     (pytest -m gpu tests/test_tensor_core.py: it proves the PTX strings mean what the emulator runs),
+     then the GPU tests on small shapes (pytest -m gpu tests/test_kernels_cuda.py), then
+     compute-sanitizer memcheck and racecheck over one small training step (bench/sanitizer_step.py),
+     where compute-sanitizer is on PATH or in $CUDA_HOME/bin
   b  the full-shape GPU tests: every op at every ResNet-18 layer shape at batch 256, and odd shapes,
      against PyTorch float64 (tests/test_gpu_full.py)
   c  each op forward and backward at every ResNet-18 layer shape at batch 256, beside PyTorch with
@@ -159,7 +161,8 @@ def junit_counts(xml):
 
 
 def small_tests(run):
-    results = {"pytest": pytest_gpu(run, "pytest", "tests/test_kernels_cuda.py", limit=90)}
+    results = {"wrappers": pytest_gpu(run, "wrappers", "tests/test_tensor_core.py", limit=30),
+               "pytest": pytest_gpu(run, "pytest", "tests/test_kernels_cuda.py", limit=90)}
     sanitizer = report.compute_sanitizer()
     if sanitizer is None:
         results["sanitizer"] = ("compute-sanitizer is not on PATH nor in $CUDA_HOME/bin: memcheck and racecheck "

@@ -11,8 +11,13 @@ directly, with the very options CuPy gives NVRTC for a ``cupy.RawModule`` (``cup
     result.ptx, result.cubin, result.log, result.lowered_names["axpy<float>"]
     result.resources()["_Z4axpyIfEvT_PKS0_PS0_i"].registers
 """
+import os
 import re
+import shutil
+import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class NvrtcError(Exception):
@@ -63,6 +68,10 @@ class Compiled:
     def resources(self):
         """{kernel's (mangled) name: Resources}, from a log compiled with verbose=True."""
         return parse_ptxas_log(self.log)
+
+    def sass(self):
+        """{kernel's (mangled) name: its SASS instructions}: the cubin disassembled by cuobjdump."""
+        return disassemble(self.cubin)
 
 
 def cupy_options(options=(), arch="sm_90"):
@@ -138,3 +147,49 @@ def parse_ptxas_log(log):
             current.barriers = int(m.group(2) or 0)
             current.shared_bytes = int(m.group(4) or 0)
     return kernels
+
+
+# ---- SASS -------------------------------------------------------------------------------------------
+
+def cuobjdump():
+    """The path of cuobjdump (which runs nvdisasm beside it): on PATH, or from the
+    nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels; None without one."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return Path(found)
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in map(Path, nvidia.__path__):
+        for candidate in sorted(root.glob("*/bin/cuobjdump")):
+            if (candidate.parent / "nvdisasm").exists():
+                return candidate
+    return None
+
+
+_FUNCTION = re.compile(r"^\s*Function : (\S+)")
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.+?)\s*;")
+
+
+def disassemble(cubin):
+    """{kernel's (mangled) name: [SASS instruction, ...]} of a cubin (sm_XX), by cuobjdump -sass.
+    NVRTC's CUBIN comes one byte short of its ELF size; cuobjdump reads it with a zero byte added."""
+    tool = cuobjdump()
+    if tool is None:
+        raise FileNotFoundError("cuobjdump is neither on PATH nor installed: pip install nvidia-cuda-cuobjdump "
+                                "nvidia-cuda-nvdisasm")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "module.cubin"
+        path.write_bytes(cubin + b"\0")
+        env = {**os.environ, "PATH": f"{tool.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        done = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise NvrtcError(f"cuobjdump -sass failed: {done.stderr.strip()}", done.stderr)
+    functions, current = {}, None
+    for line in done.stdout.splitlines():
+        if m := _FUNCTION.match(line):
+            current = functions.setdefault(m.group(1), [])
+        elif current is not None and (m := _INSTRUCTION.search(line)):
+            current.append(m.group(1))
+    return functions

@@ -16,7 +16,8 @@ from helpers import rng, validate
 from kernels import emu, nvrtc
 
 KERNELS = Path(__file__).parent / "emu_kernels"
-OPTIONS = {"elementwise.cu": (f"-I{KERNELS}", "-DSCALE=2.0f")}
+OPTIONS = {"elementwise.cu": (f"-I{KERNELS}", "-DSCALE=2.0f"),
+           "tensor_core.cu": (f"-I{KERNELS.parents[1] / 'kernels' / 'cuda'}",)}
 NAME_EXPRESSIONS = {"templates.cu": ("scaled_block_sum<float, 128>", "scaled_block_sum<double, 256>")}
 
 

@@ -230,6 +230,12 @@ class StagedArguments:
             for param, _, address in region.arrays:
                 self.pointers[param.index] = region.pointer(address)
 
+    def ranges(self):
+        """[start, end, start, end, ...] of the argument buffers as the kernel sees them: the global
+        memory it may read (canaries and fences left out)."""
+        return [bound for region in self.regions
+                for bound in (region.address + region.offset, region.address + region.offset + region.size)]
+
     def region_near(self, address):
         """Describes an address that faulted in terms of the nearest argument."""
         best = None

@@ -33,11 +33,15 @@ struct emu_thread {
     dim3 grid_dim;
 };
 
-// The warp-level operations that need a rendezvous of the lanes named in a mask.
+// The warp-level operations that need a rendezvous of the lanes named in a mask; EMU_ALIGNED
+// is a warp-wide .aligned instruction (mma.sync, ldmatrix), see emu_warp_aligned.
 enum emu_warp_op : int {
     EMU_SHFL_IDX, EMU_SHFL_UP, EMU_SHFL_DOWN, EMU_SHFL_XOR,
-    EMU_BALLOT, EMU_ANY, EMU_ALL, EMU_SYNCWARP,
+    EMU_BALLOT, EMU_ANY, EMU_ALL, EMU_SYNCWARP, EMU_ALIGNED,
 };
+
+// The most bytes a lane hands to a warp-wide instruction's emulation.
+constexpr int kEmuAlignedBytes = 64;
 
 // Dynamic shared memory: one buffer per module and OS thread, as large as the largest opt-in
 // a GPU of the project allows (sm_90: 227 KiB), plus room for a canary after what a launch
@@ -49,6 +53,20 @@ extern "C" {
 void emu_syncthreads(void);
 int emu_syncthreads_reduce(int predicate, int how);   // how: 0 count, 1 and, 2 or
 std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, int arg, int width);
+// A warp-wide .aligned instruction named `what`, called at file:line: returns when all 32 lanes
+// of the warp have reached this very call, each lane's `bytes` at `in` gathered, lane by lane,
+// into every lane's `out` (32 * bytes). Lanes at another call, or returned, are an error.
+void emu_warp_aligned(const char* what, const char* file, int line, const void* in, int bytes, void* out);
+// An error unless [p, p + bytes) lies in the block's shared memory and p is a multiple of `align`.
+void emu_check_shared(const void* p, std::size_t bytes, std::size_t align, const char* what, const char* file,
+                      int line);
+// cp.async of `bytes` (4, 8 or 16) from global `src` to shared `dst`, of which the first
+// `src_bytes` are read and the rest zero-filled; `dst` reads as NaN until the wait that covers
+// its group. `cache_global`: the .cg variant (16 bytes only).
+void emu_cp_async(void* dst, const void* src, int bytes, int src_bytes, int cache_global, const char* file,
+                  int line);
+void emu_cp_async_commit(void);
+void emu_cp_async_wait(int pending_groups);
 [[noreturn]] void emu_trap(const char* what);
 [[noreturn]] void emu_assert_fail(const char* expr, const char* file, int line, const char* function);
 }

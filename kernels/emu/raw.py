@@ -129,9 +129,12 @@ class RawKernel:
                 pointers[i] = ctypes.cast(ctypes.pointer(value), ctypes.c_void_p)
             err = ctypes.create_string_buffer(4096)
             fault = ctypes.c_uint64(0)
+            ranges = staged.ranges()
             failed = runtime().emu_launch(self.module._module.handle, self._entry["address"], pointers,
                                           (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                                          int(_order[-1] == "descending"), ctypes.byref(fault), err, len(err))
+                                          int(_order[-1] == "descending"),
+                                          (ctypes.c_uint64 * max(1, len(ranges)))(*ranges), len(ranges) // 2,
+                                          ctypes.byref(fault), err, len(err))
             problems = staged.finish()
             if failed:
                 near = staged.region_near(fault.value) if fault.value else ""

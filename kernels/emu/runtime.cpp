@@ -53,6 +53,31 @@ struct Warp {
     unsigned mask[32];
     int op[32], arg[32], width[32];
     std::uint64_t value[32], result[32];
+    // a warp-wide .aligned instruction: its name and call site, what each lane hands in, where
+    // each lane takes everyone's
+    const char* what[32];
+    const char* file[32];
+    int line[32], bytes[32];
+    const void* in[32];
+    void* out[32];
+};
+
+// A cp.async in flight: the bytes it read at issue, written to `dst` by the wait that covers it.
+struct AsyncCopy {
+    unsigned char* dst;
+    int bytes, src_bytes;
+    unsigned char data[16];
+};
+
+// A thread's cp.async copies: those not yet committed, and the committed groups, oldest first.
+struct AsyncCopies {
+    std::vector<AsyncCopy> open;
+    std::vector<std::vector<AsyncCopy>> groups;
+    std::size_t pending() const {
+        std::size_t n = open.size();
+        for (const auto& group : groups) n += group.size();
+        return n;
+    }
 };
 
 struct Module {
@@ -86,6 +111,9 @@ struct Launch {
     std::size_t tls_bytes;
     unsigned char* dynamic;
     std::size_t dynamic_bytes;
+    // the kernel's argument buffers, [start, end): the global memory a cp.async may read
+    std::vector<std::pair<std::uintptr_t, std::uintptr_t>> regions;
+    std::vector<AsyncCopies> async;  // of each thread
 };
 
 Launch* g_launch = nullptr;
@@ -243,9 +271,15 @@ void fail(std::string message) {
 
 // ---- warps -------------------------------------------------------------------------------------
 const char* warp_op_name(int op) {
-    static const char* const names[] = {"__shfl_sync",   "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
-                                        "__ballot_sync", "__any_sync",     "__all_sync",       "__syncwarp"};
+    static const char* const names[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
+                                        "__ballot_sync", "__any_sync", "__all_sync", "__syncwarp", "an .aligned instruction"};
     return names[op];
+}
+
+// What a lane waits in, for a message: the operation, and for an .aligned one its call site.
+std::string waits_in(const Warp& w, int lane) {
+    if (w.op[lane] != EMU_ALIGNED) return format("%s(mask 0x%08x)", warp_op_name(w.op[lane]), w.mask[lane]);
+    return format("%s at %s:%d", w.what[lane], w.file[lane], w.line[lane]);
 }
 
 // A lane's result under PTX's shfl.sync rules: CUDA's width w becomes the segment mask
@@ -299,9 +333,40 @@ void try_complete_warp(int wi, unsigned mask) {
     w.waiting &= ~group;
 }
 
-// A returned lane no longer holds anyone up: retry every group waiting in its warp.
+std::string lane_list(unsigned lanes);
+
+// A warp-wide .aligned instruction completes when all 32 lanes wait in it, at one call site:
+// each lane's input is gathered into every lane's output.
+void try_complete_aligned(int wi) {
+    Launch& g = *g_launch;
+    Warp& w = g.warps[wi];
+    if (w.waiting != ~0u) return;
+    for (int lane = 1; lane < 32; ++lane) {
+        if (w.op[lane] != w.op[0] || w.file[lane] != w.file[0] || w.line[lane] != w.line[0]) {
+            fail(format("warp %d diverged: lane 0 waits in %s, lane %d in %s: a warp-wide .aligned instruction "
+                        "needs all 32 lanes at the same call", wi, waits_in(w, 0).c_str(), lane,
+                        waits_in(w, lane).c_str()));
+            return;
+        }
+    }
+    const int bytes = w.bytes[0];
+    for (int lane = 0; lane < 32; ++lane)
+        for (int src = 0; src < 32; ++src)
+            std::memcpy(static_cast<unsigned char*>(w.out[lane]) + src * bytes, w.in[src], bytes);
+    for (int lane = 0; lane < 32; ++lane) g.state[wi * 32 + lane] = RUNNABLE;
+    w.waiting = 0;
+}
+
+// A returned lane no longer holds anyone up: retry every group waiting in its warp; but lanes
+// that wait in a warp-wide .aligned instruction now wait for ever.
 void release_warp_after_return(int wi) {
     const Warp& w = g_launch->warps[wi];
+    if (w.waiting && w.op[__builtin_ctz(w.waiting)] == EMU_ALIGNED) {
+        const int lane = __builtin_ctz(w.waiting);
+        fail(format("warp %d: lanes %s returned while lanes %s wait in %s, which all 32 lanes must execute", wi,
+                    lane_list(w.returned).c_str(), lane_list(w.waiting).c_str(), waits_in(w, lane).c_str()));
+        return;
+    }
     unsigned untried = w.waiting;
     while (untried) {
         const unsigned mask = w.mask[__builtin_ctz(untried)];
@@ -336,9 +401,8 @@ std::string describe_deadlock() {
         const Warp& w = g.warps[wi];
         if (!w.waiting) continue;
         const int first = __builtin_ctz(w.waiting);
-        s += format("; warp %zu: lanes %s wait in %s(mask 0x%08x) for lanes %s", wi, lane_list(w.waiting).c_str(),
-                    warp_op_name(w.op[first]), w.mask[first],
-                    lane_list(w.mask[first] & ~w.waiting & ~w.returned).c_str());
+        s += format("; warp %zu: lanes %s wait in %s for lanes %s", wi, lane_list(w.waiting).c_str(),
+                    waits_in(w, first).c_str(), lane_list(w.mask[first] & ~w.waiting & ~w.returned).c_str());
     }
     return s;
 }
@@ -500,6 +564,9 @@ extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(std::uintpt
     Launch& g = *g_launch;
     const int i = int(index);
     g.entry(g.args);
+    if (const std::size_t n = g.async[i].pending())
+        fail_in_fiber(format("returned with %zu cp.async cop%s not waited for (cp.async.wait_group)", n,
+                             n == 1 ? "y" : "ies"));
     g.state[i] = RETURNED;
     --g.live;
     g.warps[i / 32].returned |= 1u << (i % 32);
@@ -542,6 +609,96 @@ extern "C" std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, in
     try_complete_warp(i / 32, mask);
     switch_to_scheduler(i);
     return w.result[lane];
+}
+
+extern "C" void emu_warp_aligned(const char* what, const char* file, int line, const void* in, int bytes,
+                                 void* out) {
+    Launch& g = *g_launch;
+    const int i = g.current, lane = i % 32;
+    Warp& w = g.warps[i / 32];
+    if (w.returned)
+        fail_in_fiber(format("%s at %s:%d with lanes %s of its warp returned or not there: all 32 lanes must "
+                             "execute it", what, file, line, lane_list(w.returned).c_str()));
+    if (bytes < 0 || bytes > kEmuAlignedBytes) fail_in_fiber(format("%s: %d bytes a lane", what, bytes));
+    for (unsigned rest = w.waiting; rest; rest &= rest - 1) {
+        const int other = __builtin_ctz(rest);
+        if (w.op[other] == EMU_ALIGNED && (w.file[other] != file || w.line[other] != line))
+            fail_in_fiber(format("reached %s at %s:%d while lane %d waits in %s: a warp-wide .aligned "
+                                 "instruction needs all 32 lanes at the same call", what, file, line, other,
+                                 waits_in(w, other).c_str()));
+    }
+    g.state[i] = AT_WARP;
+    w.waiting |= 1u << lane;
+    w.op[lane] = EMU_ALIGNED;
+    w.mask[lane] = ~0u;
+    w.what[lane] = what;
+    w.file[lane] = file;
+    w.line[lane] = line;
+    w.in[lane] = in;
+    w.bytes[lane] = bytes;
+    w.out[lane] = out;
+    try_complete_aligned(i / 32);
+    switch_to_scheduler(i);
+}
+
+namespace {
+bool in_shared(const void* p, std::size_t bytes) {
+    const auto* c = static_cast<const unsigned char*>(p);
+    return c >= g_launch->tls && c + bytes <= g_launch->tls + g_launch->tls_bytes;
+}
+
+bool in_argument(const void* p, std::size_t bytes) {
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    for (const auto& [start, end] : g_launch->regions)
+        if (a >= start && a + bytes <= end) return true;
+    return false;
+}
+}  // namespace
+
+extern "C" void emu_check_shared(const void* p, std::size_t bytes, std::size_t align, const char* what,
+                                 const char* file, int line) {
+    if (!in_shared(p, bytes))
+        fail_in_fiber(format("%s at %s:%d: %zu bytes at %p are not in the block's shared memory", what, file, line,
+                             bytes, p));
+    if (reinterpret_cast<std::uintptr_t>(p) % align)
+        fail_in_fiber(format("%s at %s:%d: address %p is not a multiple of %zu bytes", what, file, line, p, align));
+}
+
+extern "C" void emu_cp_async(void* dst, const void* src, int bytes, int src_bytes, int cache_global,
+                             const char* file, int line) {
+    const char* what = cache_global ? "cp.async.cg" : "cp.async.ca";
+    if (!(bytes == 4 || bytes == 8 || bytes == 16) || (cache_global && bytes != 16))
+        fail_in_fiber(format("%s at %s:%d copies %d bytes: .ca takes 4, 8 or 16, .cg 16", what, file, line, bytes));
+    if (src_bytes < 0 || src_bytes > bytes)
+        fail_in_fiber(format("%s at %s:%d: source size %d outside 0..%d", what, file, line, src_bytes, bytes));
+    emu_check_shared(dst, std::size_t(bytes), std::size_t(bytes), what, file, line);
+    if (reinterpret_cast<std::uintptr_t>(src) % unsigned(bytes))
+        fail_in_fiber(format("%s at %s:%d: source %p is not a multiple of %d bytes", what, file, line, src, bytes));
+    if (src_bytes && !in_argument(src, std::size_t(src_bytes)))
+        fail_in_fiber(format("%s at %s:%d reads %d bytes at %p, outside the kernel's argument buffers (global "
+                             "memory)", what, file, line, src_bytes, src));
+    AsyncCopy copy{static_cast<unsigned char*>(dst), bytes, src_bytes, {}};
+    std::memcpy(copy.data, src, std::size_t(src_bytes));
+    std::memset(dst, 0xff, std::size_t(bytes));  // NaN until the wait that covers it
+    g_launch->async[g_launch->current].open.push_back(copy);
+}
+
+extern "C" void emu_cp_async_commit(void) {
+    AsyncCopies& a = g_launch->async[g_launch->current];
+    a.groups.push_back(std::move(a.open));
+    a.open.clear();
+}
+
+extern "C" void emu_cp_async_wait(int pending_groups) {
+    AsyncCopies& a = g_launch->async[g_launch->current];
+    const std::size_t keep = std::size_t(pending_groups < 0 ? 0 : pending_groups);
+    while (a.groups.size() > keep) {
+        for (const AsyncCopy& c : a.groups.front()) {
+            std::memcpy(c.dst, c.data, std::size_t(c.src_bytes));
+            std::memset(c.dst + c.src_bytes, 0, std::size_t(c.bytes - c.src_bytes));
+        }
+        a.groups.erase(a.groups.begin());
+    }
 }
 
 extern "C" void emu_trap(const char* what) { fail_in_fiber(what); }
@@ -608,13 +765,16 @@ class FlushSubnormals {
 };
 
 // Runs a grid. Returns 0, or 1 with a message in err (and, after a fault, its address).
+// `regions`: [start, end) of each argument buffer, `nregions` pairs.
 extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const unsigned* grid,
                           const unsigned* block, std::size_t dynamic_bytes, int descending,
+                          const std::uint64_t* regions, int nregions,
                           std::uint64_t* fault_address, char* err, std::size_t errlen) {
     std::lock_guard<std::mutex> lock(g_launch_mutex);
     Launch g{};
     g.entry = entry;
     g.args = args;
+    for (int r = 0; r < nregions; ++r) g.regions.emplace_back(regions[2 * r], regions[2 * r + 1]);
     g.grid = dim3(grid[0], grid[1], grid[2]);
     g.block = dim3(block[0], block[1], block[2]);
     g.threads = int(block[0] * block[1] * block[2]);
@@ -626,6 +786,7 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
     g.how.assign(g.threads, 0);
     g.barrier_result.assign(g.threads, 0);
     g.warps.resize((g.threads + 31) / 32);
+    g.async.assign(std::size_t(g.threads), AsyncCopies{});
     g.descending = descending != 0;
     g.dynamic_bytes = dynamic_bytes;
     g.dynamic = static_cast<unsigned char*>(m->dynamic_shared());  // allocates this thread's copy

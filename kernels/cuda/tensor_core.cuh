@@ -1,0 +1,202 @@
+// tensor_core.cuh: the warp-level instructions of the tensor-core kernels, each behind a small
+// __device__ wrapper, the only way a kernel reaches them: inline PTX on the GPU; under the CPU
+// emulator (__CUDA_EMU__), an exact emulation that also checks what the hardware assumes and
+// punishes (kernels/emu/README.md). tests/test_tensor_core.py holds each wrapper to a NumPy model
+// of its fragment layout on the emulator, and, marked gpu, the GPU to the emulator.
+//
+//   tf32_round(x)                 cvt.rna.tf32.f32: x rounded to TF32 (10 mantissa bits), to
+//                                 nearest, ties away from zero; the low 13 bits of the result are 0
+//   mma_tf32(d, a, b, c)          mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: d = a b + c for
+//                                 a warp's 16x8 A (row), 8x8 B (col), 16x8 C and D; with g = lane / 4,
+//                                 t = lane % 4, a lane holds A[g][t], A[g+8][t], A[g][t+4],
+//                                 A[g+8][t+4]; B[t][g], B[t+4][g]; C[g][2t], C[g][2t+1], C[g+8][2t],
+//                                 C[g+8][2t+1]. The tensor core reads the top 19 bits of each input.
+//   ldmatrix_x1/x2/x4[_trans]     ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16: lanes
+//                                 8j..8j+7 give the 16-byte rows of matrix j; register j of lane l
+//                                 holds row l/4, b16 elements 2(l%4), 2(l%4)+1 of matrix j (.trans:
+//                                 rows 2(l%4), 2(l%4)+1 of column l/4). For 32-bit data (TF32), a
+//                                 register is the element (row l/4, column l%4) of an 8x4 matrix.
+//   cp_async_ca<B>(dst, src, n)   cp.async.ca.shared.global of B bytes (4, 8, 16), the first n read
+//   cp_async_cg(dst, src, n)      from src and the rest zero-filled; .cg: 16 bytes, past L1
+//   cp_async_commit()             cp.async.commit_group
+//   cp_async_wait<N>()            cp.async.wait_group N: all but the N most recent groups have landed
+//
+// Every lane of a warp must call mma_tf32 and ldmatrix together, at the same call; the emulator
+// says which call a divergent lane reached instead. A cp.async destination reads as NaN there
+// until the wait that covers it, and its source must lie in one of the kernel's arguments.
+#pragma once
+
+#ifdef __CUDA_EMU__
+// the call site of a wrapper, which the emulator checks all lanes agree on and names in errors
+#define TC_CALL_SITE , const char *call_file = __builtin_FILE(), int call_line = __builtin_LINE()
+#else
+#define TC_CALL_SITE
+#endif
+
+__device__ __forceinline__ unsigned tf32_round(float x) {
+#ifdef __CUDA_EMU__
+    unsigned bits;
+    memcpy(&bits, &x, 4);
+    if ((bits & 0x7f800000u) == 0x7f800000u) return bits;  // infinity and NaN stay as they are
+    return (bits + 0x1000u) & 0xffffe000u;  // half a TF32 unit added to the magnitude: ties away
+#else
+    unsigned bits;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
+    return bits;
+#endif
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                         const float (&c)[4] TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    struct Fragments { unsigned a[4], b[2]; } mine, all[32];
+    for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
+    mine.b[0] = b[0];
+    mine.b[1] = b[1];
+    emu_warp_aligned("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", call_file, call_line, &mine,
+                     sizeof mine, all);
+    const auto tf32 = [](unsigned bits) {
+        bits &= 0xffffe000u;  // what the tensor core reads
+        float v;
+        memcpy(&v, &bits, 4);
+        return double(v);
+    };
+    // A[row][k] and B[k][col] from the lanes that hold them
+    const auto A = [&](int row, int k) { return tf32(all[(row % 8) * 4 + k % 4].a[(row >= 8) + 2 * (k >= 4)]); };
+    const auto B = [&](int k, int col) { return tf32(all[col * 4 + k % 4].b[k >= 4]); };
+    const int lane = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32;
+    const int g = lane / 4, t = lane % 4;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        double sum = c[i];  // products of TF32 values are exact; one rounding of the whole sum
+        for (int k = 0; k < 8; ++k) sum += A(row, k) * B(k, col);
+        out[i] = float(sum);
+    }
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+#else
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%10, %11, %12, %13};"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+                   "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#endif
+}
+
+#ifdef __CUDA_EMU__
+// ldmatrix of M matrices: lanes 0..8M-1 give the rows; each lane gets register j of matrix j
+template <int M, bool TRANS>
+inline void emu_ldmatrix(unsigned (&r)[M], const void* row, const char* call_file, int call_line) {
+    static const char* const names[2][3] = {
+        {"ldmatrix.sync.aligned.m8n8.x1.shared.b16", "ldmatrix.sync.aligned.m8n8.x2.shared.b16",
+         "ldmatrix.sync.aligned.m8n8.x4.shared.b16"},
+        {"ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16", "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16",
+         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"}};
+    const char* what = names[TRANS][M / 2];
+    const int lane = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32;
+    if (lane < 8 * M) emu_check_shared(row, 16, 16, what, call_file, call_line);
+    const unsigned char* rows[32];
+    emu_warp_aligned(what, call_file, call_line, &row, sizeof row, rows);
+    for (int j = 0; j < M; ++j) {
+        unsigned short half[2];
+        for (int h = 0; h < 2; ++h) {
+            const int r8 = TRANS ? 2 * (lane % 4) + h : lane / 4;   // the row of matrix j read
+            const int c8 = TRANS ? lane / 4 : 2 * (lane % 4) + h;   // and its b16 column
+            memcpy(&half[h], rows[8 * j + r8] + 2 * c8, 2);
+        }
+        r[j] = unsigned(half[0]) | unsigned(half[1]) << 16;
+    }
+}
+#define TC_LDMATRIX(M, TRANS) emu_ldmatrix<M, TRANS>(r, row, call_file, call_line)
+#endif
+
+__device__ __forceinline__ void ldmatrix_x1(unsigned (&r)[1], const void* row TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    TC_LDMATRIX(1, false);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];"
+                 : "=r"(r[0]) : "r"(unsigned(__cvta_generic_to_shared(row))));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x1_trans(unsigned (&r)[1], const void* row TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    TC_LDMATRIX(1, true);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];"
+                 : "=r"(r[0]) : "r"(unsigned(__cvta_generic_to_shared(row))));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    TC_LDMATRIX(2, false);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(unsigned(__cvta_generic_to_shared(row))));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* row TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    TC_LDMATRIX(2, true);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(unsigned(__cvta_generic_to_shared(row))));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    TC_LDMATRIX(4, false);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(unsigned(__cvta_generic_to_shared(row))));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    TC_LDMATRIX(4, true);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(unsigned(__cvta_generic_to_shared(row))));
+#endif
+}
+
+template <int BYTES>
+__device__ __forceinline__ void cp_async_ca(void* dst, const void* src, int src_bytes TC_CALL_SITE) {
+    static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async.ca copies 4, 8 or 16 bytes");
+#ifdef __CUDA_EMU__
+    emu_cp_async(dst, src, BYTES, src_bytes, 0, call_file, call_line);
+#else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+                 :: "r"(unsigned(__cvta_generic_to_shared(dst))), "l"(src), "n"(BYTES), "r"(src_bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_cg(void* dst, const void* src, int src_bytes TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    emu_cp_async(dst, src, 16, src_bytes, 1, call_file, call_line);
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(unsigned(__cvta_generic_to_shared(dst))), "l"(src), "r"(src_bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDA_EMU__
+    emu_cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef __CUDA_EMU__
+    emu_cp_async_wait(N);
+#else
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}

@@ -1,0 +1,253 @@
+"""The tensor-core wrappers of kernels/cuda/tensor_core.cuh (tests/emu_kernels/tensor_core.cu).
+
+- On the emulator, in both thread orders: each wrapper against a NumPy model of its fragment
+  layout, written from the PTX ISA's tables, on random data: cvt.rna.tf32.f32 (ties too),
+  mma.sync m16n8k8 TF32 (two warps of a block apart), ldmatrix x1/x2/x4 with and without .trans
+  from rows scattered in shared memory, cp.async of 4, 8 and 16 bytes with zero-fill, in two
+  groups, reading NaN until the wait that covers it.
+- What the emulation refuses, each naming the call: a divergent mma, an mma after lanes
+  returned, a misaligned ldmatrix, an ldmatrix of global memory, a cp.async source outside the
+  kernel's arguments, copies never waited for.
+- Marked gpu: the same kernels on a GPU against the emulator, fragment by fragment: bit for bit
+  for cvt, ldmatrix and cp.async, within accumulation rounding for mma. This proves that the
+  PTX strings mean what their emulation does; bench/gpu_check runs it first.
+"""
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import rng
+from kernels import emu
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = Path(__file__).parent / "emu_kernels" / "tensor_core.cu"
+OPTIONS = (f"-I{ROOT / 'kernels' / 'cuda'}",)
+
+
+@functools.cache
+def module():
+    return emu.RawModule(code=SOURCE.read_text(), options=OPTIONS)
+
+
+def launch(name, grid, block, *args):
+    module().get_function(name)(grid, block, args)
+
+
+@pytest.fixture(params=emu.ORDERS)
+def order(request):
+    with emu.thread_order(request.param):
+        yield request.param
+
+
+# ---- NumPy models, from the PTX ISA's fragment tables --------------------------------------------
+
+def tf32_model(x):
+    """x rounded to 11 significant bits, to nearest, ties away from zero; inf and NaN kept."""
+    x = np.asarray(x, np.float32)
+    out = x.astype(np.float64)
+    finite = np.isfinite(x) & (x != 0)
+    _, e = np.frexp(out[finite])
+    scale = np.ldexp(1.0, e - 11)
+    q = out[finite] / scale
+    out[finite] = np.sign(q) * np.floor(np.abs(q) + 0.5) * scale
+    with np.errstate(over="ignore"):
+        return out.astype(np.float32)
+
+
+def fragment_places(lane):
+    """{(matrix, index in the lane's fragment): (row, column)} of mma.m16n8k8 .tf32/.f32."""
+    g, t = lane // 4, lane % 4
+    return {**{("a", i): (g + 8 * (i % 2), t + 4 * (i // 2)) for i in range(4)},
+            **{("b", i): (t + 4 * i, g) for i in range(2)},
+            **{("c", i): (g + 8 * (i // 2), 2 * t + i % 2) for i in range(4)}}
+
+
+def mma_model(a, b, c):
+    """(32, 4) D fragments of one warp from its (32, 4) A, (32, 2) B (uint32 bits) and (32, 4) C
+    fragments: the matrices assembled, TF32 inputs read as their top 19 bits, D = A B + C."""
+    A, B, C = np.zeros((16, 8)), np.zeros((8, 8)), np.zeros((16, 8))
+    top19 = lambda bits: (bits & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)  # noqa: E731
+    for lane in range(32):
+        for (name, i), (r, col) in fragment_places(lane).items():
+            matrix, fragment = {"a": (A, top19(a)), "b": (B, top19(b)), "c": (C, c.astype(np.float64))}[name]
+            matrix[r, col] = fragment[lane, i]
+    D = A @ B + C
+    return np.array([[D[fragment_places(lane)["c", i]] for i in range(4)] for lane in range(32)], np.float32)
+
+
+def ldmatrix_model(m, count, trans):
+    """(32, 4) registers of ldmatrix .x{count}[.trans] of the (4, 8, 8) uint16 matrices m."""
+    out = np.zeros((32, 4), np.uint32)
+    for lane in range(32):
+        for j in range(count):
+            if trans:
+                halves = m[j, 2 * (lane % 4), lane // 4], m[j, 2 * (lane % 4) + 1, lane // 4]
+            else:
+                halves = m[j, lane // 4, 2 * (lane % 4)], m[j, lane // 4, 2 * (lane % 4) + 1]
+            out[lane, j] = np.uint32(halves[0]) | np.uint32(halves[1]) << np.uint32(16)
+    return out
+
+
+def ulps(a, b):
+    """The distance between float32 arrays in units in the last place."""
+    ia, ib = (np.asarray(v, np.float32).view(np.int32).astype(np.int64) for v in (a, b))
+    ia, ib = (np.where(i < 0, -(i & 0x7FFFFFFF), i) for i in (ia, ib))
+    return np.abs(ia - ib)
+
+
+# ---- each wrapper against its model ----------------------------------------------------------------
+
+def test_tf32_rounding(order):
+    g = rng()
+    x = np.concatenate([g.standard_normal(200) * 10.0 ** g.integers(-30, 30, 200),
+                        [0.0, -0.0, np.inf, -np.inf, 3.4028235e38, 1.0 + 2.0 ** -11, -(1.0 + 2.0 ** -11),
+                         1.0 + 2.0 ** -11 - 2.0 ** -23, 1.0 + 3 * 2.0 ** -11]]).astype(np.float32)
+    y = np.full(x.size, 0xDEADBEEF, np.uint32)
+    launch("round_tf32", (2,), (128,), x, y, np.int32(x.size))
+    np.testing.assert_array_equal(y, tf32_model(x).view(np.uint32))
+    assert (y & 0x1FFF == 0).all(), "the low 13 bits of a TF32 value are 0"
+    nan = np.full(1, 0xDEADBEEF, np.uint32)
+    launch("round_tf32", (1,), (32,), np.array([np.nan], np.float32), nan, np.int32(1))
+    assert np.isnan(nan.view(np.float32)).all()
+
+
+def test_mma_of_two_warps(order):
+    g = rng()
+    a = g.standard_normal((64, 4)).astype(np.float32).view(np.uint32)     # raw floats: the top 19 bits count
+    b = g.standard_normal((64, 2)).astype(np.float32).view(np.uint32)
+    c = g.standard_normal((64, 4)).astype(np.float32)
+    d = np.full((64, 4), np.nan, np.float32)
+    launch("mma_fragments", (1,), (64,), a, b, c, d)
+    for warp in (slice(0, 32), slice(32, 64)):
+        expected = mma_model(a[warp], b[warp], c[warp])
+        assert ulps(d[warp], expected).max() <= 1, (d[warp], expected)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix(order, count, trans):
+    g = rng()
+    m = g.integers(0, 2**16, (4, 8, 8)).astype(np.uint16)
+    slot = g.permutation(32).astype(np.int32)
+    out = np.full((32, 4), 0xDEADBEEF, np.uint32)
+    launch("ldmatrix_fragments", (1,), (32,), m, slot, out, np.int32(count), np.int32(trans))
+    np.testing.assert_array_equal(out, ldmatrix_model(m, count, trans))
+
+
+@pytest.mark.parametrize("bytes_, src_bytes, cg", [(4, 4, 0), (8, 8, 0), (8, 4, 0), (16, 16, 0), (16, 12, 0),
+                                                   (16, 0, 0), (16, 16, 1), (16, 8, 1)])
+def test_cp_async_lands_at_the_wait_that_covers_it(order, bytes_, src_bytes, cg):
+    per = bytes_ // 4
+    src = rng().standard_normal(64 * per).astype(np.float32)
+    early, middle, late = (np.full(64 * per, 7.0, np.float32) for _ in range(3))
+    launch("cp_async_groups", (1,), (64,), src, early, middle, late, np.int32(bytes_), np.int32(src_bytes),
+           np.int32(cg))
+    landed = src.reshape(64, per).copy()
+    landed[:, src_bytes // 4:] = 0.0     # zero-filled past the source size
+    landed = landed.ravel()
+    assert np.isnan(early).all(), "before any wait every destination reads NaN"
+    first = 32 * per   # the chunks of threads 0-31: the first group
+    np.testing.assert_array_equal(middle[:first], landed[:first])
+    assert np.isnan(middle[first:]).all(), "the second group has not landed after wait_group 1"
+    np.testing.assert_array_equal(late, landed)
+
+
+# ---- what the emulation refuses -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel, args, message", [
+    ("divergent_mma", lambda: (np.zeros(32, np.float32),),
+     r"reached mma\.sync\.aligned\.m16n8k8\.row\.col\.f32\.tf32\.tf32\.f32 at \S+:\d+ while lane \d+ waits in "
+     r"mma\.sync\S+ at \S+:\d+: a warp-wide \.aligned instruction needs all 32 lanes at the same call"),
+    ("mma_after_half_the_warp_returned", lambda: (np.zeros(32, np.float32),),
+     # lanes 0-15 wait when 16 returns (ascending order), or find 16-31 returned (descending)
+     r"(lanes 16 returned while lanes 0-15 wait in mma\.sync\S+ at \S+:\d+, which all 32 lanes must execute|"
+     r"mma\.sync\S+ at \S+:\d+ with lanes 16-31 of its warp returned or not there: all 32 lanes must execute it)"),
+    ("misaligned_ldmatrix", lambda: (np.zeros(32, np.uint32),),
+     r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16 at \S+:\d+: address 0x[0-9a-f]+ is not a multiple of 16"),
+    ("ldmatrix_from_global", lambda: (np.zeros(64, np.uint16), np.zeros(32, np.uint32)),
+     r"ldmatrix\.sync\.aligned\.m8n8\.x1\.shared\.b16 at \S+:\d+: 16 bytes at 0x[0-9a-f]+ are not in the "
+     r"block's shared memory"),
+    ("cp_async_past_the_end", lambda: (np.ones(9, np.float32), np.zeros(1, np.float32), np.int32(9)),
+     r"cp\.async\.ca at \S+:\d+ reads 8 bytes at 0x[0-9a-f]+, outside the kernel's argument buffers"),
+    ("cp_async_never_waited", lambda: (np.ones(4, np.float32), np.zeros(1, np.float32)),
+     r"thread \(\d+,0,0\) of block \(0,0,0\): returned with 1 cp\.async copy not waited for"),
+])
+def test_what_the_hardware_punishes_is_an_error_naming_the_call(order, kernel, args, message):
+    with pytest.raises(emu.KernelError, match=rf"kernel '{kernel}' failed: .*{message}"):
+        launch(kernel, (1,), (32,), *args())
+
+
+# ---- what NVRTC makes of the PTX strings ----------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_wrappers_compile_to_tensor_core_instructions(arch):
+    """The SASS of the test kernels holds the instructions the wrappers stand for."""
+    from kernels import nvrtc
+    reason = nvrtc.unavailable_reason() or (None if nvrtc.cuobjdump() else
+                                            "cuobjdump is not installed (the test extra brings it)")
+    if reason:
+        pytest.skip(reason)
+    sass = nvrtc.compile(SOURCE.read_text(), arch, OPTIONS).sass()
+    joined = {name: " ; ".join(instructions) for name, instructions in sass.items()}
+    assert "HMMA.1688.F32.TF32" in joined["mma_fragments"]
+    for form in ("LDSM.16.M88 ", "LDSM.16.M88.2", "LDSM.16.M88.4", "LDSM.16.MT88 ", "LDSM.16.MT88.2",
+                 "LDSM.16.MT88.4"):
+        assert form in joined["ldmatrix_fragments"], form
+    for form in ("LDGSTS.E.ZFILL", "LDGSTS.E.64.ZFILL", "LDGSTS.E.128.ZFILL", "LDGSTS.E.BYPASS.128.ZFILL",
+                 "LDGDEPBAR", "DEPBAR"):
+        assert form in joined["cp_async_groups"], form
+
+
+# ---- the GPU against the emulator -----------------------------------------------------------------
+
+def gpu_module():
+    """The kernels compiled by CuPy for the GPU, or a skip with the reason."""
+    import kernels
+    if kernels.gpu_count() == 0 or kernels.cupy_module().__name__ != "cupy":
+        pytest.skip("needs a CUDA GPU (a real one: this compares the GPU with the emulator)")
+    cupy = kernels.cupy_module()
+    return cupy, cupy.RawModule(code=SOURCE.read_text(), options=("--std=c++17", *OPTIONS))
+
+
+def on_both(name, grid, block, *args):
+    """The outputs of one launch on the emulator and on the GPU: (emulator's, GPU's) per array."""
+    cupy, gpu = gpu_module()
+    host = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    device = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+    launch(name, grid, block, *host)
+    gpu.get_function(name)(grid, block, tuple(device))
+    return [(h, d.get()) for h, d in zip(host, device) if isinstance(h, np.ndarray)]
+
+
+@pytest.mark.gpu
+def test_the_gpu_computes_what_the_emulation_does():
+    g = rng()
+    x = (g.standard_normal(1000) * 10.0 ** g.integers(-20, 20, 1000)).astype(np.float32)
+    _, (emulated, real) = on_both("round_tf32", (8,), (128,), x, np.zeros(1000, np.uint32), np.int32(1000))
+    np.testing.assert_array_equal(real, emulated, err_msg="cvt.rna.tf32.f32")
+
+    a = g.standard_normal((32, 4)).astype(np.float32).view(np.uint32)
+    b = g.standard_normal((32, 2)).astype(np.float32).view(np.uint32)
+    c = g.standard_normal((32, 4)).astype(np.float32)
+    *_, (emulated, real) = on_both("mma_fragments", (1,), (32,), a, b, c, np.zeros((32, 4), np.float32))
+    # the tensor core's accumulation is not one IEEE rounding of the exact sum: a few units apart
+    assert ulps(real, emulated).max() <= 8, ulps(real, emulated).max()
+
+    for count in (1, 2, 4):
+        for trans in (0, 1):
+            m = g.integers(0, 2**16, (4, 8, 8)).astype(np.uint16)
+            slot = g.permutation(32).astype(np.int32)
+            *_, (emulated, real) = on_both("ldmatrix_fragments", (1,), (32,), m, slot, np.zeros((32, 4), np.uint32),
+                                           np.int32(count), np.int32(trans))
+            np.testing.assert_array_equal(real, emulated, err_msg=f"ldmatrix x{count} trans={trans}")
+
+    for bytes_, src_bytes, cg in ((4, 4, 0), (8, 4, 0), (16, 12, 0), (16, 16, 1)):
+        src = g.standard_normal(64 * 4).astype(np.float32)
+        _, _, middle, late = on_both("cp_async_groups", (1,), (64,), src, *(np.zeros(64 * 4, np.float32) for _ in range(3)),
+                                     np.int32(bytes_), np.int32(src_bytes), np.int32(cg))
+        # before a wait the GPU's shared memory holds anything: only what has landed is compared
+        first = 32 * bytes_ // 4
+        np.testing.assert_array_equal(middle[1][:first], middle[0][:first], err_msg=f"cp.async {bytes_}, group 0")
+        np.testing.assert_array_equal(late[1], late[0], err_msg=f"cp.async {bytes_} bytes, {src_bytes} read")
