@@ -458,8 +458,54 @@ def test_in_place_updates_need_contiguous_buffers():
 
 def test_non_contiguous_inputs_are_copied():
     be = kernels._device_backend("emu")
-    x = rng().standard_normal((2, 5, 4, 3)).astype(np.float32).transpose(0, 3, 1, 2)   # channels-last
-    validate(be.relu_forward(x), R.relu_forward(x), "relu of a channels-last array")
+    x = rng().standard_normal((2, 5, 4, 3)).astype(np.float32).transpose(0, 2, 1, 3)   # neither layout
+    validate(be.relu_forward(x), R.relu_forward(x), "relu of a strided array")
+
+
+def channels_last(shape):
+    """Random float32 values, channels-last: an NCHW view of NHWC memory."""
+    n, c, h, w = shape
+    return rng().standard_normal((n, h, w, c)).astype(np.float32).transpose(0, 3, 1, 2)
+
+
+# op: (4-D arguments, per-channel arguments) -> outputs; each call made once with channels-last
+# 4-D arguments, once with the first one channels-last and the others NCHW
+LAYOUT_OPS = {
+    "relu": lambda m, x, y: m.relu_forward(x),
+    "relu backward": lambda m, x, y: m.relu_backward(x, y),
+    "add": lambda m, x, y: m.add(x, y),
+    "add relu": lambda m, x, y: m.add_relu_forward(x, y),
+    "batch norm": lambda m, x, y, g, b: m.batch_norm_forward(x, g, b, EPS),
+    "batch norm backward": lambda m, x, y, g, b: m.batch_norm_backward(y, x, g, *m.batch_norm_forward(x, g, b, EPS)[1:]),
+    "batch norm inference": lambda m, x, y, g, b: m.batch_norm_inference(x, g, b, b, g * g + 0.5, EPS),
+    "batch norm inference backward": lambda m, x, y, g, b: m.batch_norm_inference_backward(y, x, g, b, g * g + 0.5, EPS),
+    "global average pool": lambda m, x, y: m.global_avg_pool_forward(x),
+}
+
+
+@pytest.mark.parametrize("others", ["channels-last", "NCHW"])
+@pytest.mark.parametrize("name", LAYOUT_OPS)
+def test_channels_last_arrays_stay_channels_last(name, others):
+    """What the tensor-core convolutions produce: each op takes it as it is, gives its 4-D results
+    in its layout, and computes what kernels.cpu does."""
+    be, op = kernels._device_backend("emu"), LAYOUT_OPS[name]
+    shape = (3, 6, 5, 4)
+    x = channels_last(shape)
+    y = channels_last(shape) if others == "channels-last" else rng().standard_normal(shape).astype(np.float32)
+    per_channel = [rng().standard_normal(shape[1]).astype(np.float32) for _ in range(2)]
+    arguments = (x, y, *per_channel)[:len(inspect.signature(op).parameters) - 1]
+    ours, theirs = _outputs(op(be, *arguments)), _outputs(op(K, *(a.copy() for a in arguments)))
+    for i, (o, t) in enumerate(zip(ours, theirs)):
+        validate(o, t, f"{name} output {i}")
+        if o.ndim == 4:
+            assert cuda_launch.is_channels_last(o), f"{name} output {i} is not channels-last: strides {o.strides}"
+
+
+def test_global_average_pool_backward_is_channels_last():
+    be, dy = kernels._device_backend("emu"), rng().standard_normal((3, 6)).astype(np.float32)
+    dx = be.global_avg_pool_backward(dy, (3, 6, 5, 4))
+    assert cuda_launch.is_channels_last(dx)
+    validate(dx, K.global_avg_pool_backward(dy, (3, 6, 5, 4)), "global average pool backward")
 
 
 # ---- GPU only ----------------------------------------------------------------------------

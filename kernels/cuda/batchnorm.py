@@ -1,8 +1,12 @@
-"""Launchers of batchnorm.cu: batch normalisation per channel of NCHW float32 arrays, in
-training and inference, with per-block partial sums added in a fixed order."""
+"""Launchers of batchnorm.cu: batch normalisation per channel of float32 arrays, NCHW or
+channels-last, in training and inference, with per-block partial sums added in a fixed order.
+
+The kernels see an array as (N, C, plane): a channels-last array (N, C, H, W) is, in memory, the
+NCHW array (N*H*W, C, 1, 1), so the same kernels serve both layouts; dy and the results take x's."""
 import numpy as np
 
-from .launch import THREADS, blocks, cdiv, float32, in_place, launch, split, sum_partials
+from .launch import THREADS, blocks, cdiv, dense, float32, in_place, is_channels_last, launch, like, split, \
+    sum_partials
 
 OPS = ("batch_norm_forward", "batch_norm_backward", "batch_norm_update_running", "batch_norm_inference",
        "batch_norm_inference_backward", "batch_norm_sums", "batch_norm_stats", "batch_norm_apply",
@@ -12,7 +16,7 @@ KERNELS = ("bn_stats_partials", "bn_stats_finish", "bn_apply<false>", "bn_apply<
 
 
 def batch_norm_forward(be, x, gamma, beta, eps):
-    x, gamma, beta = float32(be, "batch_norm_forward", x, gamma, beta)
+    x, (gamma, beta) = dense(be, "batch_norm_forward", x), float32(be, "batch_norm_forward", gamma, beta)
     n, c, plane = _sizes(x, gamma)
     # a sample of each channel (image 0, pixel 0) centres its sums
     shift = be.xp.ascontiguousarray(x[0, :, 0, 0])
@@ -22,7 +26,7 @@ def batch_norm_forward(be, x, gamma, beta, eps):
 
 
 def batch_norm_sums(be, x, shift):
-    x, shift = float32(be, "batch_norm_sums", x, shift)
+    x, (shift,) = dense(be, "batch_norm_sums", x), float32(be, "batch_norm_sums", shift)
     _sizes(x, shift)
     partial, splits = _stats_partials(be, x, shift)
     return _added(be, partial, splits)
@@ -36,7 +40,8 @@ def batch_norm_stats(be, sums, shift, count, eps):
 
 
 def batch_norm_apply(be, x, gamma, beta, mean, invstd):
-    x, gamma, beta, mean, invstd = float32(be, "batch_norm_apply", x, gamma, beta, mean, invstd)
+    x = dense(be, "batch_norm_apply", x)
+    gamma, beta, mean, invstd = float32(be, "batch_norm_apply", gamma, beta, mean, invstd)
     return apply(be, x, gamma, beta, mean, invstd)
 
 
@@ -56,13 +61,17 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd):
 
 
 def batch_norm_backward_sums(be, dy, x, mean, invstd):
-    dy, x, mean, invstd = float32(be, "batch_norm_backward_sums", dy, x, mean, invstd)
+    x = dense(be, "batch_norm_backward_sums", x)
+    (dy,), (mean, invstd) = like(be, "batch_norm_backward_sums", x, dy), float32(be, "batch_norm_backward_sums",
+                                                                                  mean, invstd)
     _sizes(x, mean, dy)
     return _affine_grads(be, dy, x, mean, invstd)
 
 
 def batch_norm_backward_dx(be, dy, x, gamma, mean, invstd, sums, count):
-    dy, x, gamma, mean, invstd, sums = float32(be, "batch_norm_backward_dx", dy, x, gamma, mean, invstd, sums)
+    x = dense(be, "batch_norm_backward_dx", x)
+    (dy,) = like(be, "batch_norm_backward_dx", x, dy)
+    gamma, mean, invstd, sums = float32(be, "batch_norm_backward_dx", gamma, mean, invstd, sums)
     n, c, plane = _sizes(x, gamma, dy)
     dx = be.xp.empty_like(x)
     launch(be, "batchnorm", "bn_backward_dx", blocks(x.size),
@@ -80,15 +89,18 @@ def batch_norm_update_running(be, running_mean, running_var, mean, invstd, count
 
 
 def batch_norm_inference(be, x, gamma, beta, running_mean, running_var, eps):
-    x, gamma, beta, running_mean, running_var = float32(be, "batch_norm_inference", x, gamma, beta,
-                                                        running_mean, running_var)
+    x = dense(be, "batch_norm_inference", x)
+    gamma, beta, running_mean, running_var = float32(be, "batch_norm_inference", gamma, beta, running_mean,
+                                                     running_var)
     _sizes(x, gamma)
     return apply(be, x, gamma, beta, running_mean, _invstd(be, running_var, eps))
 
 
 def batch_norm_inference_backward(be, dy, x, gamma, running_mean, running_var, eps):
-    dy, x, gamma, running_mean, running_var = float32(be, "batch_norm_inference_backward", dy, x, gamma,
-                                                      running_mean, running_var)
+    x = dense(be, "batch_norm_inference_backward", x)
+    (dy,) = like(be, "batch_norm_inference_backward", x, dy)
+    gamma, running_mean, running_var = float32(be, "batch_norm_inference_backward", gamma, running_mean,
+                                               running_var)
     n, c, plane = _sizes(x, gamma, dy)
     invstd = _invstd(be, running_var, eps)
     grads = _affine_grads(be, dy, x, running_mean, invstd)
@@ -99,7 +111,7 @@ def batch_norm_inference_backward(be, dy, x, gamma, running_mean, running_var, e
 
 def _stats_partials(be, x, shift):
     """(partial (splits, 2, C) of bn_stats_partials, splits)."""
-    n, c, plane = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
+    n, c, plane = _sizes(x, shift)
     splits, chunk = split(n * plane, c)
     partial = be.xp.empty((splits, 2, c), np.float32)
     launch(be, "batchnorm", "bn_stats_partials", (c, splits), (x, shift, n, c, plane, chunk, partial))
@@ -116,10 +128,10 @@ def _stats_finish(be, partial, splits, shift, count, eps):
 
 def _affine_grads(be, dy, x, mean, invstd):
     """[dgamma; dbeta] (2, C): sums of dy * xhat and of dy per channel."""
-    n, c, h, w = x.shape
-    splits, chunk = split(n * h * w, c)
+    n, c, plane = _sizes(x, mean, dy)
+    splits, chunk = split(n * plane, c)
     partial = be.xp.empty((splits, 2, c), np.float32)
-    launch(be, "batchnorm", "bn_backward_partials", (c, splits), (dy, x, mean, invstd, n, c, h * w, chunk, partial))
+    launch(be, "batchnorm", "bn_backward_partials", (c, splits), (dy, x, mean, invstd, n, c, plane, chunk, partial))
     return _added(be, partial, splits)
 
 
@@ -139,11 +151,12 @@ def _invstd(be, var, eps):
 
 
 def _sizes(x, gamma, dy=None):
-    """(N, C, H*W) after checking the shapes."""
+    """(N, C, H*W) as the kernels see x, after checking the shapes: (N*H*W, C, 1) when it is
+    channels-last (see the module's docstring)."""
     if x.ndim != 4 or gamma.shape != (x.shape[1],):
         raise ValueError(f"batch norm expects x (N, C, H, W) and per-channel parameters (C,), "
                          f"got x {x.shape} and gamma {gamma.shape}")
     if dy is not None and dy.shape != x.shape:
         raise ValueError(f"batch norm dy shape {dy.shape} differs from x {x.shape}")
     n, c, h, w = x.shape
-    return n, c, h * w
+    return (n * h * w, c, 1) if is_channels_last(x) else (n, c, h * w)

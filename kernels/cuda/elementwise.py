@@ -1,7 +1,7 @@
 """Launchers of elementwise.cu: a + b, relu, relu's backward, relu(a + b) and uint8 images to float."""
 import numpy as np
 
-from .launch import blocks, float32, in_place, launch, typed
+from .launch import blocks, dense, in_place, launch, like, typed
 
 OPS = ("add", "relu_forward", "relu_backward", "add_relu_forward", "images_to_float")
 KERNELS = OPS
@@ -24,12 +24,15 @@ def add_relu_forward(be, a, b):
 
 
 def _elementwise(be, kernel, *operands, out=None):
-    """One launch of a float32 kernel(operands..., total, out) over operands of one shape."""
-    operands = float32(be, kernel, *operands)
+    """One launch of a float32 kernel(operands..., total, out) over operands of one shape, element
+    by element of their memory: every operand in the layout (NCHW or channels-last) of the first
+    one, or of `out` when given (which must then be C-contiguous); the result in that layout."""
+    first = dense(be, kernel, operands[0])
     if out is None:
-        out = be.xp.empty_like(operands[0])
+        out = be.xp.empty_like(first)
     else:
         in_place(be, kernel, out)
+    operands = like(be, kernel, out, first, *operands[1:])
     for other in (*operands[1:], out):
         _same_shape(kernel, operands[0], other)
     launch(be, "elementwise", kernel, blocks(out.size), (*operands, out.size, out))

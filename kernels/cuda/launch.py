@@ -47,6 +47,51 @@ def float32(be, op, *arrays):
     return tuple(None if a is None else typed(be, op, a, np.float32) for a in arrays)
 
 
+# ---- layouts: NCHW, or channels-last (an NCHW view of NHWC memory, as PyTorch's channels_last) --
+
+def is_channels_last(a):
+    """Whether a 4-D array is an NCHW view of dense NHWC memory and not C-contiguous too (with one
+    channel, or one pixel, the two layouts are the same memory)."""
+    if a.ndim != 4 or a.flags.c_contiguous:
+        return False
+    n, c, h, w = a.shape
+    nhwc = tuple(s * a.itemsize for s in (h * w * c, 1, w * c, c))
+    return all(size == 1 or got == want for size, got, want in zip(a.shape, a.strides, nhwc))
+
+
+def to_channels_last(be, a):
+    """A channels-last copy of a 4-D array, or the array when it is one already."""
+    if is_channels_last(a):
+        return a
+    return be.xp.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
+def dense(be, op, a):
+    """A float32 array as it is when its memory is dense (C-contiguous or channels-last), else a
+    C-contiguous copy."""
+    if a is not None and isinstance(a, be.xp.ndarray) and a.dtype == np.float32 and is_channels_last(a):
+        _check_size(op, a)
+        return a
+    return None if a is None else typed(be, op, a, np.float32)
+
+
+def like(be, op, reference, *arrays):
+    """The float32 arrays in the memory layout of `reference` (a dense array), copied if need be."""
+    out = []
+    for a in arrays:
+        a = dense(be, op, a)
+        if a is not None and is_channels_last(reference) != is_channels_last(a):
+            a = to_channels_last(be, a) if is_channels_last(reference) else be.xp.ascontiguousarray(a)
+        out.append(a)
+    return tuple(out)
+
+
+def memory(a):
+    """The C-contiguous view of a dense array's memory, what a kernel's pointer walks: the array
+    itself, or the NHWC view of a channels-last one (launch() passes every array so)."""
+    return a.transpose(0, 2, 3, 1) if is_channels_last(a) else a
+
+
 def integers(be, op, a):
     """An integer array (labels) as a C-contiguous array of a dtype the kernels are built for."""
     if not isinstance(a, be.xp.ndarray) or a.dtype not in C_TYPES:
@@ -78,10 +123,14 @@ def typed(be, op, a, dtype):
 
 
 def _contiguous(be, op, a):
+    _check_size(op, a)
+    return a if a.flags.c_contiguous else be.xp.ascontiguousarray(a)
+
+
+def _check_size(op, a):
     if a.size > _ELEMENT_LIMIT:
         raise ValueError(f"{op}: arrays of more than {_ELEMENT_LIMIT} (2**31 - 2**20) elements are not supported "
                          f"(the kernels index with int), got shape {a.shape} of {a.size} elements")
-    return a if a.flags.c_contiguous else be.xp.ascontiguousarray(a)
 
 
 def _describe(a):
@@ -97,6 +146,8 @@ def launch(be, family, kernel, grid, args, block=(THREADS,)):
 
 
 def _typed(arg):
+    if hasattr(arg, "ndim") and is_channels_last(arg):
+        return memory(arg)   # the kernel gets the pointer: the memory's own C-contiguous view
     if isinstance(arg, (bool, np.bool_)):
         raise TypeError("kernels take int flags, not bool")
     if isinstance(arg, int):

@@ -1,6 +1,6 @@
-// pool.cu: max pooling with argmax indices, and global average pooling, on NCHW float32
-// arrays. Launched by kernels/cuda/pool.py; checked by tests/test_kernels_cuda.py against
-// tests/reference.py and kernels/cpu/pool.py.
+// pool.cu: max pooling with argmax indices on NCHW float32 arrays, and global average pooling
+// of NCHW or channels-last ones. Launched by kernels/cuda/pool.py; checked by
+// tests/test_kernels_cuda.py against tests/reference.py and kernels/cpu/pool.py.
 //
 // The argmax of an output is the flat index h * W + w into its (unpadded) input plane; ties
 // go to the first cell in row-major window order, and a NaN wins over numbers (the first
@@ -48,22 +48,26 @@ max_pool2d_backward(const float* __restrict__ dy, const long long* __restrict__ 
     }
 }
 
-// y = the mean of each plane of x (planes, plane): one warp per plane, its lanes over the
-// plane's cells, warp_sum; 8 warps (planes) per 256-thread block.
+// y (N*C) = the mean of each plane (image, channel) of x, (N, C, plane) or, channels-last,
+// (N, plane, C): one warp per plane, its lanes over the plane's cells, warp_sum; 8 warps
+// (planes) per 256-thread block.
 extern "C" __global__ void __launch_bounds__(256)
-global_avg_pool_forward(const float* __restrict__ x, int planes, int plane, float* __restrict__ y) {
+global_avg_pool_forward(const float* __restrict__ x, int planes, int plane, int channels, int channels_last,
+                        float* __restrict__ y) {
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= planes) return;  // the whole warp: no lane is left out of the shuffles
+    const int image = row / channels, c = row - image * channels;
     float total = 0.0f;
-    for (int j = lane; j < plane; j += 32) total += x[row * plane + j];
+    for (int j = lane; j < plane; j += 32)
+        total += x[channels_last ? (image * plane + j) * channels + c : row * plane + j];
     total = warp_sum(total);
     if (lane == 0) y[row] = total / float(plane);
 }
 
-// dx = dy / plane broadcast over each plane of dx (planes, plane): threads over dx's
-// elements, grid-stride.
+// dx (N, plane, C), channels-last = dy (N, C) / plane broadcast over each plane: threads over
+// dx's elements, grid-stride.
 extern "C" __global__ void __launch_bounds__(256)
-global_avg_pool_backward(const float* __restrict__ dy, int total, int plane, float* __restrict__ dx) {
+global_avg_pool_backward(const float* __restrict__ dy, int total, int plane, int channels, float* __restrict__ dx) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x)
-        dx[i] = dy[i / plane] / float(plane);
+        dx[i] = dy[i / (plane * channels) * channels + i % channels] / float(plane);
 }

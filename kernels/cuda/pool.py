@@ -1,9 +1,11 @@
-"""Launchers of pool.cu: max pooling with int64 argmax, and global average pooling."""
+"""Launchers of pool.cu: max pooling with int64 argmax (NCHW: a channels-last input is copied to
+NCHW first; no ResNet of this project max-pools), and global average pooling of NCHW or
+channels-last arrays, whose gradient is channels-last, as the CPU backend's is."""
 import numpy as np
 
 from kernels.cpu._util import output_size, pair
 
-from .launch import blocks, cdiv, float32, launch, typed
+from .launch import blocks, cdiv, dense, float32, is_channels_last, launch, typed
 
 OPS = ("max_pool2d_forward", "max_pool2d_backward", "global_avg_pool_forward", "global_avg_pool_backward")
 KERNELS = ("max_pool2d_forward", "max_pool2d_backward", "global_avg_pool_forward", "global_avg_pool_backward")
@@ -40,12 +42,13 @@ def max_pool2d_backward(be, dy, argmax, x_shape):
 
 
 def global_avg_pool_forward(be, x):
-    (x,) = float32(be, "global_avg_pool_forward", x)
+    x = dense(be, "global_avg_pool_forward", x)
     if x.ndim != 4:
         raise ValueError(f"global_avg_pool expects x (N, C, H, W), got {x.shape}")
     n, c, h, w = x.shape
     y = be.xp.empty((n, c), np.float32)
-    launch(be, "pool", "global_avg_pool_forward", (cdiv(n * c, WARPS_PER_BLOCK),), (x, n * c, h * w, y))
+    launch(be, "pool", "global_avg_pool_forward", (cdiv(n * c, WARPS_PER_BLOCK),),
+           (x, n * c, h * w, c, int(is_channels_last(x)), y))
     return y
 
 
@@ -54,6 +57,6 @@ def global_avg_pool_backward(be, dy, x_shape):
     n, c, h, w = x_shape
     if dy.shape != (n, c):
         raise ValueError(f"global_avg_pool_backward: dy {dy.shape} does not fit x {tuple(x_shape)}")
-    dx = be.xp.empty((n, c, h, w), np.float32)
-    launch(be, "pool", "global_avg_pool_backward", blocks(dx.size), (dy, dx.size, h * w, dx))
+    dx = be.xp.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2)
+    launch(be, "pool", "global_avg_pool_backward", blocks(dx.size), (dy, dx.size, h * w, c, dx))
     return dx

@@ -301,7 +301,12 @@ def zeros(shape, dtype=float, order="C"):
 
 
 def _like(a, dtype, shape, fill=None):
-    result = empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+    """A new array like `a`: its shape and, as CuPy's order='K', its memory layout."""
+    if shape is None:
+        array = np.empty_like(a._array if isinstance(a, ndarray) else a, dtype=dtype)
+        array[...] = _poisoned(array.shape, array.dtype) if fill is None else fill
+        return _new(array)
+    result = empty(shape, a.dtype if dtype is None else dtype)
     if fill is not None:
         result._array.fill(fill)
     return result
