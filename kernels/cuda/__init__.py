@@ -16,6 +16,7 @@ padding)``, and gets its array module (``be.xp``) and its compiled kernels
 Each family is compiled once per process, on its first launch.
 """
 import importlib
+import re
 import types
 from pathlib import Path
 
@@ -24,14 +25,23 @@ import numpy as np
 FAMILIES = ("conv", "batchnorm", "elementwise", "pool", "linear", "loss", "optim")
 OPTIONS = ("--std=c++17",)
 HERE = Path(__file__).resolve().parent
-_SHARED_HEADER = '#include "common.cuh"'
+_LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"[ \t]*$', re.MULTILINE)
 
 
 def source(family):
-    """The CUDA C source of a family with common.cuh pasted in place of its #include, so that
-    the text handed to the compiler, and hence its cache key, covers the header too."""
-    text = (HERE / f"{family}.cu").read_text()
-    return text.replace(_SHARED_HEADER, (HERE / "common.cuh").read_text(), 1)
+    """The CUDA C source of a family with each header of this folder it includes
+    (``#include "common.cuh"``, ...) pasted in place of its first #include and dropped from
+    the later ones, so that the text handed to the compiler, and hence its cache key, covers
+    the headers too."""
+    pasted = set()
+
+    def paste(match):
+        name = match.group(1)
+        if name in pasted:
+            return ""
+        pasted.add(name)
+        return _LOCAL_INCLUDE.sub(paste, (HERE / name).read_text())
+    return _LOCAL_INCLUDE.sub(paste, (HERE / f"{family}.cu").read_text())
 
 
 def launcher(family):

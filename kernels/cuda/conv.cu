@@ -18,29 +18,7 @@
 // backward-data, on the kernel size (KH, KW), 0 meaning "given at run time": the 3x3 and 1x1
 // instantiations divide by constants.
 #include "common.cuh"
-
-// Sizes of one convolution; the kernel size is a template constant when KH, KW are not 0.
-template <int KH, int KW>
-struct Geometry {
-    int n, c, h, w, o, kh_run, kw_run, sh, sw, ph, pw, oh, ow;
-    __device__ int kh() const { return KH ? KH : kh_run; }
-    __device__ int kw() const { return KW ? KW : kw_run; }
-    __device__ int taps() const { return kh() * kw(); }
-    __device__ int out_plane() const { return oh * ow; }
-
-    // im2col(x)[(ci, r, s), (img, p, q)] for the window at (h0, w0) = (p*sh - ph, q*sw - pw)
-    // of the image x_img: zero in the padding
-    __device__ float im2col(const float* x_img, int crs, int h0, int w0) const {
-        const int ci = crs / taps(), rs = crs - ci * taps(), r = rs / kw(), s = rs - r * kw();
-        const int hh = h0 + r, ww = w0 + s;
-        return unsigned(hh) < unsigned(h) && unsigned(ww) < unsigned(w) ? x_img[(ci * h + hh) * w + ww] : 0.0f;
-    }
-};
-
-// The kernels' size parameters, named apart from the Geometry fields they initialise.
-#define CONV_PARAMS \
-    int n_, int c_, int h_, int w_, int o_, int kh_, int kw_, int sh_, int sw_, int ph_, int pw_, int oh_, int ow_
-#define CONV_GEOMETRY {n_, c_, h_, w_, o_, kh_, kw_, sh_, sw_, ph_, pw_, oh_, ow_}
+#include "conv_geometry.cuh"
 
 // Forward B(k, n) = x[img, ci, p*sh - ph + r, q*sw - pw + s] for k = (ci, r, s), n = (img, p, q):
 // each thread keeps one column n across the K loop, so its window origin is computed once.
@@ -95,45 +73,6 @@ conv2d_forward(const float* __restrict__ x, const float* __restrict__ weight, co
             if (m < g.o) y[(img * g.o + m) * plane + pq] = bias ? acc[i][j] + bias[m] : acc[i][j];
         }
     }
-}
-
-// Backward-data works on one stride phase at a time: the input cells (h, w) with
-// (h + ph) % sh = a and (w + pw) % sw = b, which only the kernel taps r = a + sh*i,
-// s = b + sw*j reach, from the outputs p = t_h + u - i, q = t_w + v - j for the phase's cell
-// (u, v) = ((h - h_first) / sh, (w - w_first) / sw). Each phase is a dense GEMM, with no
-// multiply by a tap that misses; at stride 1 there is one phase, and all taps.
-struct Phase {
-    int a, b;              // the phase
-    int h_first, w_first;  // its first input cell
-    int rows, cols;        // its number of cells along each axis
-    int t_h, t_w;          // output offsets: p = t_h + u - i, q = t_w + v - j
-    int taps_h, taps_w;    // kernel rows and columns that reach it
-
-    __device__ int cells() const { return rows * cols; }
-    __device__ int taps() const { return taps_h * taps_w; }
-};
-
-// The phase of grid.z = a * sw + b.
-template <int KH, int KW>
-__device__ Phase stride_phase(const Geometry<KH, KW>& g, int z) {
-    Phase f;
-    f.a = z / g.sw;
-    f.b = z - f.a * g.sw;
-    f.h_first = ((f.a - g.ph) % g.sh + g.sh) % g.sh;
-    f.w_first = ((f.b - g.pw) % g.sw + g.sw) % g.sw;
-    f.rows = g.h > f.h_first ? (g.h - f.h_first + g.sh - 1) / g.sh : 0;
-    f.cols = g.w > f.w_first ? (g.w - f.w_first + g.sw - 1) / g.sw : 0;
-    f.t_h = (f.h_first + g.ph - f.a) / g.sh;  // exact, and >= 0
-    f.t_w = (f.w_first + g.pw - f.b) / g.sw;
-    f.taps_h = g.kh() > f.a ? (g.kh() - f.a + g.sh - 1) / g.sh : 0;
-    f.taps_w = g.kw() > f.b ? (g.kw() - f.b + g.sw - 1) / g.sw : 0;
-    return f;
-}
-
-// The single phase of a stride-1 convolution, its kernel size a template constant if given.
-template <int KH, int KW>
-__device__ Phase unit_stride_phase(const Geometry<KH, KW>& g) {
-    return Phase{0, 0, 0, 0, g.h, g.w, g.ph, g.pw, g.kh(), g.kw()};
 }
 
 // Backward-data A(m, k) = w[co, m, a + sh*i, b + sw*j] for input channel m, k = (co, i, j).
