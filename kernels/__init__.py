@@ -45,6 +45,37 @@ def emulate():
         _emulating = previous
 
 
+PRECISIONS = ("tf32", "fp32")
+_precision = "tf32"
+
+
+def precision():
+    """The precision of the CUDA backend's convolutions and linear layers: "tf32" (the default, as
+    PyTorch's for convolutions): float32 in and out, the products on TF32 tensor cores (inputs
+    rounded to 10 mantissa bits, sums in float32); "fp32": float32 FMA throughout. The NumPy
+    backend computes in float32 either way."""
+    return _precision
+
+
+def set_precision(name):
+    """Make `name` (one of PRECISIONS) the precision of the CUDA backend's products from now on."""
+    global _precision
+    if name not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r}: use one of {', '.join(PRECISIONS)}")
+    _precision = name
+
+
+@contextlib.contextmanager
+def use_precision(name):
+    """set_precision(name) for the duration of the block."""
+    previous = _precision
+    set_precision(name)
+    try:
+        yield
+    finally:
+        set_precision(previous)
+
+
 class DeviceError(RuntimeError):
     """The requested device cannot be used: no CuPy, a CuPy too old, no GPU, or too few GPUs."""
 

@@ -193,6 +193,22 @@ def gradcheck(fn, arrays, name, atol=1e-6, rtol=1e-5):
     gradcheck_leaves(lambda: (fn(*leaves) * projection).sum(), leaves, name, atol, rtol)
 
 
+# Convolutions (x shape, w shape, stride, padding, bias) whose GEMMs leave partial tiles on every
+# side, for the CUDA backend's kernels of either precision.
+CONV_SHAPES = [
+    ((2, 3, 8, 8), (4, 3, 3, 3), 1, 1, True),          # the ResNet 3x3 conv
+    ((2, 3, 9, 9), (5, 3, 3, 3), 2, 1, True),          # downsampling 3x3 on an odd size
+    ((2, 4, 7, 7), (6, 4, 1, 1), 2, 0, True),          # 1x1 projection on an odd size
+    ((3, 1, 5, 6), (4, 1, 3, 3), 1, 0, False),         # one input channel, no padding
+    ((1, 2, 9, 7), (3, 2, 5, 5), 1, 2, False),         # batch 1, 5x5 (the run-time kernel size)
+    ((2, 3, 6, 9), (2, 3, 2, 3), (2, 1), (0, 1), True),   # asymmetric kernel, stride, padding
+    ((1, 17, 9, 9), (70, 17, 3, 3), 2, 1, True),       # two tiles of output channels, K over 9 tiles
+    ((2, 5, 1, 1), (3, 5, 1, 1), 1, 0, True),          # 1x1 spatial
+    ((2, 3, 5, 4), (4, 3, 2, 2), 3, 1, True),          # stride 3 over a 2x2 kernel: taps skip cells
+    ((1, 2, 2, 7), (3, 2, 1, 3), (3, 2), (0, 1), False),   # fewer rows than the stride: empty phases
+]
+
+
 def write_idx(path, array):
     """A gzip-compressed IDX file of a uint8 array, as Fashion-MNIST ships them."""
     import gzip

@@ -1,4 +1,5 @@
-"""The CUDA backend's kernels, with and without a GPU.
+"""The CUDA backend's kernels, with and without a GPU, under the fp32 precision (the tensor-core
+convolutions of the tf32 precision are tests/test_conv_tc.py's).
 
 - Every family's source compiles with NVRTC for sm_80 and sm_90, cleanly (needs only the
   NVRTC library; skipped with the reason when it is missing).
@@ -24,13 +25,20 @@ import pytest
 import kernels
 import kernels.cpu as K
 import reference as R
-from helpers import batch_norm_over_replicas, check_op, reproduce_hint, rng, validate
+from helpers import CONV_SHAPES, batch_norm_over_replicas, check_op, reproduce_hint, rng, validate
 from kernels import cuda, nvrtc
 from kernels.cuda import conv as cuda_conv
 from kernels.cuda import launch as cuda_launch
 
 EPS = 1e-5
-pytestmark = pytest.mark.usefixtures("poisoned_empty")
+pytestmark = pytest.mark.usefixtures("poisoned_empty", "fp32")
+
+
+@pytest.fixture
+def fp32():
+    """The FP32 kernels throughout: the tensor-core ones (the tf32 precision) are tests/test_conv_tc.py's."""
+    with kernels.use_precision("fp32"):
+        yield
 
 
 # ---- backends ----------------------------------------------------------------------------
@@ -177,21 +185,7 @@ def test_the_device_backends_offer_the_whole_contract():
 
 # ---- convolution -------------------------------------------------------------------------
 
-CONVS = [
-    ((2, 3, 8, 8), (4, 3, 3, 3), 1, 1, True),          # the ResNet 3x3 conv
-    ((2, 3, 9, 9), (5, 3, 3, 3), 2, 1, True),          # downsampling 3x3 on an odd size
-    ((2, 4, 7, 7), (6, 4, 1, 1), 2, 0, True),          # 1x1 projection on an odd size
-    ((3, 1, 5, 6), (4, 1, 3, 3), 1, 0, False),         # one input channel, no padding
-    ((1, 2, 9, 7), (3, 2, 5, 5), 1, 2, False),         # batch 1, 5x5 (the run-time kernel size)
-    ((2, 3, 6, 9), (2, 3, 2, 3), (2, 1), (0, 1), True),   # asymmetric kernel, stride, padding
-    ((1, 17, 9, 9), (70, 17, 3, 3), 2, 1, True),       # two tiles of output channels, K over 9 tiles
-    ((2, 5, 1, 1), (3, 5, 1, 1), 1, 0, True),          # 1x1 spatial
-    ((2, 3, 5, 4), (4, 3, 2, 2), 3, 1, True),          # stride 3 over a 2x2 kernel: taps skip cells
-    ((1, 2, 2, 7), (3, 2, 1, 3), (3, 2), (0, 1), False),   # fewer rows than the stride: empty phases
-]
-
-
-@pytest.mark.parametrize("x_shape, w_shape, stride, padding, bias", CONVS)
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, bias", CONV_SHAPES)
 def test_conv2d(ours, variant, x_shape, w_shape, stride, padding, bias):
     check(ours, [x_shape, w_shape, (w_shape[0],) if bias else None],
           lambda m, x, w, b: m.conv2d_forward(x, w, b, stride, padding),

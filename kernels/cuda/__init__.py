@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("conv", "batchnorm", "elementwise", "pool", "linear", "loss", "optim")
+FAMILIES = ("conv", "conv_tc", "batchnorm", "elementwise", "pool", "linear", "loss", "optim")
 OPTIONS = ("--std=c++17",)
 HERE = Path(__file__).resolve().parent
 _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"[ \t]*$', re.MULTILINE)

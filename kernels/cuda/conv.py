@@ -1,10 +1,14 @@
-"""Launchers of conv.cu: convolution forward, backward-data, backward-weight and the bias
-gradient, as implicit GEMMs on NCHW float32 arrays (see the header of conv.cu)."""
+"""The convolution ops: under the tf32 precision (kernels.precision(), the default), the
+tensor-core GEMMs of conv_tc.cu on channels-last memory, whose outputs and dx are channels-last;
+under fp32, the launchers of conv.cu: forward, backward-data, backward-weight and the bias
+gradient as FP32 implicit GEMMs on NCHW float32 arrays (see the header of conv.cu)."""
 import numpy as np
 
+import kernels
 from kernels.cpu._util import output_size, pair
 
-from .launch import cdiv, float32, launch, split, sum_partials
+from . import conv_tc
+from .launch import cdiv, dense, float32, launch, split, sum_partials
 
 OPS = ("conv2d_forward", "conv2d_backward")
 
@@ -33,6 +37,11 @@ def choose_tile(rows, columns):
 
 
 def conv2d_forward(be, x, w, b, stride, padding):
+    if kernels.precision() == "tf32":
+        x, (w, b) = dense(be, "conv2d_forward", x), float32(be, "conv2d_forward", w, b)
+        geometry = _geometry(x, w, stride, padding, b)
+        krsc = be.xp.ascontiguousarray(w.transpose(0, 2, 3, 1))
+        return conv_tc.forward(be, nhwc(be, x), krsc, b, geometry).transpose(0, 3, 1, 2)
     x, w, b = float32(be, "conv2d_forward", x, w, b)
     geometry = _geometry(x, w, stride, padding, b)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
@@ -44,12 +53,29 @@ def conv2d_forward(be, x, w, b, stride, padding):
 
 
 def conv2d_backward(be, dy, x, w, stride, padding):
-    dy, x, w = float32(be, "conv2d_backward", dy, x, w)
+    if kernels.precision() == "tf32":
+        dy, x, (w,) = dense(be, "conv2d_backward", dy), dense(be, "conv2d_backward", x), \
+            float32(be, "conv2d_backward", w)
+    else:
+        dy, x, w = float32(be, "conv2d_backward", dy, x, w)
     geometry = _geometry(x, w, stride, padding)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if dy.shape != (n, o, oh, ow):
         raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output {(n, o, oh, ow)}")
-    return _backward_data(be, dy, w, geometry), _backward_weight(be, dy, x, geometry), _bias_grad(be, dy)
+    if kernels.precision() == "tf32":
+        dy, x = nhwc(be, dy), nhwc(be, x)
+        rsco = be.xp.ascontiguousarray(w.transpose(2, 3, 1, 0))
+        dx = conv_tc.backward_data(be, dy, rsco, geometry).transpose(0, 3, 1, 2)
+        dw = be.xp.ascontiguousarray(conv_tc.backward_weight(be, dy, x, geometry).transpose(0, 3, 1, 2))
+        return dx, dw, bias_grad(be, "conv_tc", dy.reshape(-1, o, 1))
+    return _backward_data(be, dy, w, geometry), _backward_weight(be, dy, x, geometry), \
+        bias_grad(be, "conv", dy.reshape(n, o, -1))
+
+
+def nhwc(be, x):
+    """The C-contiguous NHWC array of a 4-D array: the memory of a channels-last one (or of one
+    with a single channel) as it is, else a copy."""
+    return be.xp.ascontiguousarray(x.transpose(0, 2, 3, 1))
 
 
 def _backward_data(be, dy, w, geometry):
@@ -81,14 +107,16 @@ def _backward_weight(be, dy, x, geometry):
     return dw
 
 
-def _bias_grad(be, dy):
-    n, o, oh, ow = dy.shape
-    splits, chunk = split(n * oh * ow, o)
+def bias_grad(be, family, dy):
+    """The per-channel sums of dy (N, O, P) by bias_grad.cuh's kernels compiled in `family`: an
+    NCHW dy is (N, O, OH*OW), a channels-last one (N*OH*OW, O, 1)."""
+    n, o, plane = dy.shape
+    splits, chunk = split(n * plane, o)
     db = be.xp.empty((o,), np.float32)
     partial = db if splits == 1 else be.xp.empty((splits, o), np.float32)
-    launch(be, "conv", "bias_grad_partials", (o, splits), (dy, n, o, oh * ow, chunk, partial))
+    launch(be, family, "bias_grad_partials", (o, splits), (dy, n, o, plane, chunk, partial))
     if splits > 1:
-        sum_partials(be, "conv", partial, splits, db)
+        sum_partials(be, family, partial, splits, db)
     return db
 
 

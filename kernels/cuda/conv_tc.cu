@@ -1,0 +1,340 @@
+// conv_tc.cu: 2-D convolution on TF32 tensor cores, as implicit GEMMs on channels-last (NHWC)
+// float32 activations. Launched by kernels/cuda/conv_tc.py (the convolutions and the linear
+// layer under the tf32 precision); checked by tests/test_conv_tc.py against the float64
+// reference of TF32-rounded and of raw inputs, on the CPU emulator in CI and on a GPU under
+// `pytest -m gpu`.
+//
+//   conv_tc_forward  y (N*OH*OW x O)  = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b
+//   conv_tc_dgrad    dx (cells x C)   = dy gathered (cells x taps*O) . w_rsco (taps*O x C), one GEMM
+//                                       per stride phase of the input cells (grid.z, conv_geometry.cuh)
+//   conv_tc_wgrad    dw_krsc (O x KH*KW*C) = dy^T (O x N*OH*OW) . im2col(x) (N*OH*OW x KH*KW*C),
+//                                       split over K = N*OH*OW into per-split partials (grid.z)
+//                                       that sum_partials adds in order
+//   bias_grad_partials  per-channel sums of dy (bias_grad.cuh), finished by sum_partials
+//
+// The weights come in the layouts their GEMM reads along k: w_krsc (O, KH, KW, C) for the
+// forward, w_rsco (KH, KW, C, O) for backward-data; the launcher makes them from (O, C, KH, KW).
+//
+// A block of 4 warps (2 x 2) computes a BM x BN tile of the output, each warp (BM/2) x (BN/2) as
+// m16n8k8 mma.sync tiles (tensor_core.cuh). K advances BK = 16 at a time through a STAGES-deep
+// ring of shared-memory tiles filled by cp.async: while stage s is multiplied, the copies of the
+// next STAGES - 1 stages are in flight. An operand whose global rows run along k (K_MAJOR: the
+// forward's and backward-data's) sits in shared memory as [row][BK + 4], read by ldmatrix.x4 as
+// 8x4 TF32 matrices, without bank conflicts (a row is 20 words); one whose rows run along m or n
+// (backward-weight's, whose k is the pixel) sits as [k][W + 8] and is read a word per lane, the
+// 32 lanes (t, g) at t * (W + 8) + g, in 32 banks. Fragments are rounded to TF32 (cvt.rna) before
+// the mma, so that the product is that of the TF32-rounded inputs, summed in float32.
+//
+// VEC = 4 copies 16-byte chunks (4 channels), for channel counts that are multiples of 4;
+// VEC = 1 copies single elements (the first convolution, C = 1). Results are deterministic:
+// every output element is one thread's sum in a fixed order, and split-K partials are added in
+// split order.
+#include "common.cuh"
+#include "conv_geometry.cuh"
+#include "bias_grad.cuh"
+#include "tensor_core.cuh"
+
+constexpr int TC_BK = 16, TC_STAGES = 3, TC_THREADS = 128;
+
+// The tile of a block: BM x BN outputs, 2 x 2 warps, each MI x NI mma tiles of 16 x 8.
+template <int BM_, int BN_>
+struct TcTile {
+    static constexpr int BM = BM_, BN = BN_, WARP_M = BM / 2, WARP_N = BN / 2;
+    static constexpr int MI = WARP_M / 16, NI = WARP_N / 8;
+    static_assert(WARP_M % 16 == 0 && NI % 2 == 0, "warp tiles of whole m16 x n16 pieces");
+};
+struct Tc128x64 : TcTile<128, 64> {};
+struct Tc64x64 : TcTile<64, 64> {};
+
+// One stage of one operand in shared memory, W rows (m or n) by TC_BK k; K_MAJOR: [W][BK + 4],
+// else [BK][W + 8] (see the header).
+template <int W, bool K_MAJOR>
+struct TcStage {
+    static constexpr int PITCH = K_MAJOR ? TC_BK + 4 : W + 8;
+    static constexpr int SIZE = (K_MAJOR ? W : TC_BK) * PITCH;
+    __device__ static int offset(int row, int k) { return K_MAJOR ? row * PITCH + k : k * PITCH + row; }
+};
+
+// Copies one stage of an operand: W x BK elements (row, k0 + k) of `source` into `tile`, VEC at a
+// time, the chunks running along k (K_MAJOR) or along the rows. source.at(row, k) is the address
+// of the VEC elements (row, k..k+VEC-1), or null where they are zero (padding, past the edge);
+// rows past the matrix and k >= k_end are zero too. A zero chunk copies nothing from `base`, a
+// valid address that keeps the instruction well formed.
+template <int W, bool K_MAJOR, int VEC, class Source>
+__device__ __forceinline__ void tc_load_stage(float* tile, const Source& source, int row0, int k0, int k_end,
+                                              const float* base) {
+    constexpr int LINE = (K_MAJOR ? TC_BK : W) / VEC;  // chunks per shared-memory line
+    constexpr int CHUNKS = W * TC_BK / VEC;
+    static_assert(CHUNKS % TC_THREADS == 0, "whole chunks per thread");
+#pragma unroll
+    for (int i = 0; i < CHUNKS / TC_THREADS; ++i) {
+        const int idx = i * TC_THREADS + int(threadIdx.x);
+        const int line = idx / LINE, along = (idx % LINE) * VEC;
+        const int row = K_MAJOR ? line : along, k = K_MAJOR ? along : line;
+        const float* src = k0 + k < k_end ? source.at(row0 + row, k0 + k) : nullptr;
+        float* dst = tile + TcStage<W, K_MAJOR>::offset(row, k);
+        if (VEC == 4)
+            cp_async_cg(dst, src ? src : base, src ? 16 : 0);
+        else
+            cp_async_ca<4>(dst, src ? src : base, src ? 4 : 0);
+    }
+}
+
+// The A fragment of mma tile (row0.., k..k+7) for this lane (tensor_core.cuh's layout).
+template <int W, bool K_MAJOR>
+__device__ __forceinline__ void tc_fragment_a(unsigned (&a)[4], const float* tile, int row0, int k) {
+    const int lane = int(threadIdx.x) % 32;
+    if (K_MAJOR) {
+        // matrices: rows 0-7 and 8-15 at k..k+3, then at k+4..k+7
+        ldmatrix_x4(a, tile + TcStage<W, true>::offset(row0 + lane % 8 + (lane / 8 % 2) * 8, k + lane / 16 * 4));
+    } else {
+        const int g = lane / 4, t = lane % 4;
+        const auto at = [&](int r, int c) { return __float_as_uint(tile[TcStage<W, false>::offset(row0 + r, k + c)]); };
+        a[0] = at(g, t);
+        a[1] = at(g + 8, t);
+        a[2] = at(g, t + 4);
+        a[3] = at(g + 8, t + 4);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = tf32_round(__uint_as_float(a[i]));
+}
+
+// The B fragments of two mma tiles side by side, columns col0..col0+7 and col0+8..col0+15.
+template <int W, bool K_MAJOR>
+__device__ __forceinline__ void tc_fragments_b(unsigned (&b)[2][2], const float* tile, int col0, int k) {
+    const int lane = int(threadIdx.x) % 32;
+    if (K_MAJOR) {
+        // matrices: columns 0-7 at k..k+3 and k+4..k+7, then columns 8-15
+        unsigned r[4];
+        ldmatrix_x4(r, tile + TcStage<W, true>::offset(col0 + lane % 8 + lane / 16 * 8, k + (lane / 8 % 2) * 4));
+        b[0][0] = r[0];
+        b[0][1] = r[1];
+        b[1][0] = r[2];
+        b[1][1] = r[3];
+    } else {
+        const int g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            b[j][0] = __float_as_uint(tile[TcStage<W, false>::offset(col0 + 8 * j + g, k + t)]);
+            b[j][1] = __float_as_uint(tile[TcStage<W, false>::offset(col0 + 8 * j + g, k + t + 4)]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) b[j][i] = tf32_round(__uint_as_float(b[j][i]));
+}
+
+// acc += A (m0.., k) . B (k, n0..) over k in [k_begin, k_end) for this warp's part of the block's
+// tile: acc[i][j] is mma tile (i, j) of the warp, in the C layout of tensor_core.cuh. Every
+// thread of the block must call it (it synchronises the block).
+template <class T, int VEC, bool A_K_MAJOR, bool B_K_MAJOR, class SourceA, class SourceB>
+__device__ __forceinline__ void tc_gemm(const SourceA& a, const SourceB& b, const float* a_base, const float* b_base,
+                                        int m0, int n0, int k_begin, int k_end, float (&acc)[T::MI][T::NI][4]) {
+    using StageA = TcStage<T::BM, A_K_MAJOR>;
+    using StageB = TcStage<T::BN, B_K_MAJOR>;
+    __shared__ __align__(16) float As[TC_STAGES][StageA::SIZE];
+    __shared__ __align__(16) float Bs[TC_STAGES][StageB::SIZE];
+    const int warp = int(threadIdx.x) / 32, wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    const int tiles = (k_end - k_begin + TC_BK - 1) / TC_BK;
+    const auto load = [&](int tile) {
+        if (tile < tiles) {
+            const int k0 = k_begin + tile * TC_BK, stage = tile % TC_STAGES;
+            tc_load_stage<T::BM, A_K_MAJOR, VEC>(As[stage], a, m0, k0, k_end, a_base);
+            tc_load_stage<T::BN, B_K_MAJOR, VEC>(Bs[stage], b, n0, k0, k_end, b_base);
+        }
+        cp_async_commit();  // one group per tile, empty past the end, so that the waits count tiles
+    };
+#pragma unroll
+    for (int s = 0; s < TC_STAGES - 1; ++s) load(s);
+    for (int tile = 0; tile < tiles; ++tile) {
+        cp_async_wait<TC_STAGES - 2>();  // this thread's copies of `tile` have landed
+        __syncthreads();                 // everyone's have, and everyone is done with tile - 1
+        load(tile + TC_STAGES - 1);      // into the stage of tile - 1
+        const float* as = As[tile % TC_STAGES];
+        const float* bs = Bs[tile % TC_STAGES];
+#pragma unroll
+        for (int k = 0; k < TC_BK; k += 8) {
+            unsigned fa[T::MI][4], fb[T::NI / 2][2][2];
+#pragma unroll
+            for (int i = 0; i < T::MI; ++i) tc_fragment_a<T::BM, A_K_MAJOR>(fa[i], as, wm + 16 * i, k);
+#pragma unroll
+            for (int j = 0; j < T::NI / 2; ++j) tc_fragments_b<T::BN, B_K_MAJOR>(fb[j], bs, wn + 16 * j, k);
+#pragma unroll
+            for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+                for (int j = 0; j < T::NI; ++j) mma_tf32(acc[i][j], fa[i], fb[j / 2][j % 2], acc[i][j]);
+        }
+    }
+    cp_async_wait<0>();  // the empty groups: nothing may be pending when the thread exits
+}
+
+// Writes the warp's accumulators: out.row(m) is the address of output row m (null past the end),
+// whose element n is row[n] for n < columns; bias[n] is added when bias is not null.
+template <class T, class Out>
+__device__ __forceinline__ void tc_store(const Out& out, int m0, int n0, int columns, const float* bias,
+                                         const float (&acc)[T::MI][T::NI][4]) {
+    const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+    const int wm = m0 + (warp / 2) * T::WARP_M + lane / 4, wn = n0 + (warp % 2) * T::WARP_N + 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float* row = out.row(wm + 16 * i + 8 * h);
+            if (!row) continue;
+#pragma unroll
+            for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int n = wn + 8 * j + e;
+                    if (n < columns) row[n] = acc[i][j][2 * h + e] + (bias ? bias[n] : 0.0f);
+                }
+        }
+}
+
+// ---- forward ----------------------------------------------------------------------------
+
+// A(m, k) = x[img, p*sh - ph + r, q*sw - pw + s, ci] for the output pixel m = (img, p, q) and
+// k = (r, s, ci): im2col of the NHWC image, read along the channels.
+struct ImageRows {
+    Geometry<0, 0> g;
+    const float* x;
+    __device__ const float* at(int m, int k) const {
+        if (m >= g.n * g.out_plane()) return nullptr;
+        const int img = m / g.out_plane(), pq = m - img * g.out_plane(), p = pq / g.ow, q = pq - p * g.ow;
+        const int tap = k / g.c, ci = k - tap * g.c, r = tap / g.kw(), s = tap - r * g.kw();
+        const int hh = p * g.sh - g.ph + r, ww = q * g.sw - g.pw + s;
+        if (unsigned(hh) >= unsigned(g.h) || unsigned(ww) >= unsigned(g.w)) return nullptr;
+        return x + ((img * g.h + hh) * g.w + ww) * g.c + ci;
+    }
+};
+
+// Row `row` of a row-major (rows x ld) matrix, read along k.
+struct MatrixRows {
+    const float* p;
+    int rows, ld;
+    __device__ const float* at(int row, int k) const { return row < rows ? p + row * ld + k : nullptr; }
+};
+
+// Output rows of a row-major (rows x ld) matrix.
+struct RowsOut {
+    float* p;
+    int rows, ld;
+    __device__ float* row(int m) const { return m < rows ? p + m * ld : nullptr; }
+};
+
+// y (N*OH*OW x O, NHWC) = im2col(x) . w_krsc^T + bias (bias may be null): block (x, y) computes
+// output pixels [x * BM, ...) by channels [y * BN, ...).
+template <class T, int VEC>
+__global__ void __launch_bounds__(TC_THREADS)
+conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
+                float* __restrict__ y, CONV_PARAMS) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, depth = g.taps() * g.c, pixels = g.n * g.out_plane();
+    float acc[T::MI][T::NI][4];
+    tc_gemm<T, VEC, true, true>(ImageRows{g, x}, MatrixRows{w_krsc, g.o, depth}, x, w_krsc, m0, n0, 0, depth, acc);
+    tc_store<T>(RowsOut{y, pixels, g.o}, m0, n0, g.o, bias, acc);
+}
+
+// ---- backward-data ----------------------------------------------------------------------
+
+// A(m, k) = dy[img, t_h + u - i, t_w + v - j, co] for the phase's cell m = (img, u, v) and
+// k = (i, j, co), zero where that falls outside the output.
+struct GradientRows {
+    Geometry<0, 0> g;
+    Phase f;
+    const float* dy;
+    __device__ const float* at(int m, int k) const {
+        if (m >= g.n * f.cells()) return nullptr;
+        const int img = m / f.cells(), uv = m - img * f.cells(), u = uv / f.cols, v = uv - u * f.cols;
+        const int tap = k / g.o, co = k - tap * g.o, i = tap / f.taps_w, j = tap - i * f.taps_w;
+        const int p = f.t_h + u - i, q = f.t_w + v - j;
+        if (unsigned(p) >= unsigned(g.oh) || unsigned(q) >= unsigned(g.ow)) return nullptr;
+        return dy + ((img * g.oh + p) * g.ow + q) * g.o + co;
+    }
+};
+
+// B(k, n)^T = w_rsco[a + sh*i, b + sw*j, ci, co] for the input channel n = ci and k = (i, j, co).
+struct WeightColumns {
+    Geometry<0, 0> g;
+    Phase f;
+    const float* w_rsco;
+    __device__ const float* at(int ci, int k) const {
+        if (ci >= g.c) return nullptr;
+        const int tap = k / g.o, co = k - tap * g.o, i = tap / f.taps_w, j = tap - i * f.taps_w;
+        return w_rsco + (((f.a + g.sh * i) * g.kw() + f.b + g.sw * j) * g.c + ci) * g.o + co;
+    }
+};
+
+// The dx rows (NHWC) of the phase's cells.
+struct PhaseRowsOut {
+    Geometry<0, 0> g;
+    Phase f;
+    float* dx;
+    __device__ float* row(int m) const {
+        if (m >= g.n * f.cells()) return nullptr;
+        const int img = m / f.cells(), uv = m - img * f.cells(), u = uv / f.cols, v = uv - u * f.cols;
+        return dx + ((img * g.h + f.h_first + g.sh * u) * g.w + f.w_first + g.sw * v) * g.c;
+    }
+};
+
+// dx (N*H*W x C, NHWC) of stride phase blockIdx.z: block (x, y) computes the phase's cells
+// [x * BM, ...) by input channels [y * BN, ...); blocks past the phase's cells (phases differ in
+// size by a row or column) leave at once. A phase that no tap reaches gets zeros.
+template <class T, int VEC>
+__global__ void __launch_bounds__(TC_THREADS)
+conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_rsco, float* __restrict__ dx, CONV_PARAMS) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const Phase f = stride_phase(g, blockIdx.z);
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN;
+    if (m0 >= g.n * f.cells()) return;  // the same for the whole block
+    float acc[T::MI][T::NI][4];
+    tc_gemm<T, VEC, true, true>(GradientRows{g, f, dy}, WeightColumns{g, f, w_rsco}, dy, w_rsco, m0, n0, 0,
+                                f.taps() * g.o, acc);
+    tc_store<T>(PhaseRowsOut{g, f, dx}, m0, n0, g.c, nullptr, acc);
+}
+
+// ---- backward-weight --------------------------------------------------------------------
+
+// A(m, k) = dy[k, m]: the output channel m of the pixel k, read along the channels.
+struct ChannelsOfPixels {
+    const float* p;
+    int channels;
+    __device__ const float* at(int m, int k) const { return m < channels ? p + k * channels + m : nullptr; }
+};
+
+// B(k, n) = x[img, p*sh - ph + r, q*sw - pw + s, ci] for the pixel k = (img, p, q) and
+// n = (r, s, ci), read along the channels.
+struct ImageColumns {
+    Geometry<0, 0> g;
+    const float* x;
+    __device__ const float* at(int n, int k) const {
+        if (n >= g.taps() * g.c) return nullptr;
+        const int img = k / g.out_plane(), pq = k - img * g.out_plane(), p = pq / g.ow, q = pq - p * g.ow;
+        const int tap = n / g.c, ci = n - tap * g.c, r = tap / g.kw(), s = tap - r * g.kw();
+        const int hh = p * g.sh - g.ph + r, ww = q * g.sw - g.pw + s;
+        if (unsigned(hh) >= unsigned(g.h) || unsigned(ww) >= unsigned(g.w)) return nullptr;
+        return x + ((img * g.h + hh) * g.w + ww) * g.c + ci;
+    }
+};
+
+// partial[z] (O x KH*KW*C) = the sum over the pixels k in [z * k_chunk, (z + 1) * k_chunk) of
+// dy[k, m] im2col(x)[k, n]: block (x, y, z) computes output channels [x * BM, ...) by columns
+// (r, s, ci) [y * BN, ...).
+template <class T, int VEC>
+__global__ void __launch_bounds__(TC_THREADS)
+conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ partial, CONV_PARAMS,
+              int k_chunk) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, columns = g.taps() * g.c;
+    const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
+    float acc[T::MI][T::NI][4];
+    tc_gemm<T, VEC, false, false>(ChannelsOfPixels{dy, g.o}, ImageColumns{g, x}, dy, x, m0, n0, k_begin, k_end, acc);
+    tc_store<T>(RowsOut{partial + blockIdx.z * g.o * columns, g.o, columns}, m0, n0, columns, nullptr, acc);
+}

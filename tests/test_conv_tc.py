@@ -1,0 +1,275 @@
+"""The tf32 precision: the tensor-core convolutions and linear layer of conv_tc.cu.
+
+- On the CPU emulator, every output (y, dx, dw, db) at odd shapes and at every convolution of
+  ResNet-18 (width 8), against two float64 references:
+  - of the TF32-rounded inputs (rounded here by frexp, independently of the kernels), within
+    the float32 rounding of a K-term sum: |ours - ref| <= (K + 16) 2^-24 (|A| |B|), where
+    |A| |B| is the same product of the inputs' magnitudes (elementwise);
+  - of the raw inputs, within that plus TF32's rounding of both factors of every product,
+    2 * 2^-11 (|A| |B|) (10 explicit mantissa bits, rounded to nearest).
+  New arrays start as NaN (conftest's poisoned_empty), so an element a kernel forgets to write
+  fails; the emulator runs its threads in ascending and in descending order, with the large
+  tile and with split-K forced on small shapes too.
+- The layouts: NCHW and channels-last inputs give the same results; outputs and dx are
+  channels-last.
+- A training step of the whole ResNet-18 (width 8) on the emulator against NumPy in float32.
+- The SASS of every tensor-core kernel, for sm_80 and sm_90, holds HMMA.1688.F32.TF32.
+- Marked gpu: the same references on a GPU, and PyTorch (cuDNN with TF32, its default) beside.
+"""
+import numpy as np
+import pytest
+
+import kernels
+import reference as R
+from bench.layers import distinct, resnet18_layers
+from helpers import CONV_SHAPES, reproduce_hint, rng, validate
+from kernels import nvrtc
+from kernels.cuda import conv_tc
+from kernels.cuda import launch as cuda_launch
+from test_kernels_cuda import OnDevice, gpu_unavailable_reason, poisoned_device_empty, resnet_step  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("poisoned_empty", "tf32")
+UNIT32, UNIT_TF32 = 2.0**-24, 2.0**-11   # unit roundoff of float32 and of TF32
+
+
+@pytest.fixture
+def tf32():
+    with kernels.use_precision("tf32"):
+        yield
+
+
+def tf32_rounded(a):
+    """float64 values of `a` rounded to TF32: 11 significant bits, to nearest, ties away from zero."""
+    mantissa, exponent = np.frexp(np.asarray(a, np.float64))
+    return np.ldexp(np.sign(mantissa) * np.floor(np.abs(mantissa) * 2**11 + 0.5) / 2**11, exponent)
+
+
+def check_products(name, ours, inputs, op, terms, added=None):
+    """ours (a tuple of outputs) against op(*inputs, added) in float64 on TF32-rounded and on raw
+    inputs; terms: the length of each output's dot products; added (a bias, or None) is added
+    in float32 by the kernels, not multiplied, and is never rounded."""
+    rounded, raw = op(*map(tf32_rounded, inputs), added), op(*inputs, added)
+    magnitude = op(*(np.abs(tf32_rounded(a)) for a in inputs), None if added is None else np.abs(added))
+    for i, (got, tight, loose, size, mag) in enumerate(zip(ours, rounded, raw, terms, magnitude)):
+        got = np.asarray(got, np.float64)
+        assert got.shape == tight.shape, f"{name} output {i}: shape {got.shape}, expected {tight.shape}"
+        assert np.isfinite(got).all(), f"{name} output {i}: {np.count_nonzero(~np.isfinite(got))} elements " \
+                                       f"not finite (unwritten, or read before its copy landed)\n{reproduce_hint()}"
+        accumulation = (size + 16) * UNIT32 * mag
+        for ref, bound, against in ((tight, accumulation, "TF32-rounded"),
+                                    (loose, accumulation + (2 * UNIT_TF32 + UNIT_TF32**2) * mag, "raw")):
+            excess = np.abs(got - ref) - bound
+            worst = np.unravel_index(np.argmax(excess), excess.shape)
+            assert excess[worst] <= 0, (
+                f"{name} output {i} against float64 of the {against} inputs: {np.count_nonzero(excess > 0)} of "
+                f"{got.size} elements beyond the bound; worst at {tuple(map(int, worst))}: ours {got[worst]!r}, "
+                f"ref {ref[worst]!r}, bound {bound[worst]:.3g}\n{reproduce_hint()}")
+
+
+def draw(*shapes):
+    g = rng()
+    return [g.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def check_conv(be, x_shape, w_shape, stride, padding, bias=True, channels_last=False):
+    """conv2d_forward and conv2d_backward of `be` under tf32 against the float64 references."""
+    x, w, b = draw(x_shape, w_shape, (w_shape[0],))
+    b = b if bias else None
+    if channels_last:
+        x = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    y = be.conv2d_forward(x, w, b, stride, padding)
+    (dy,) = draw(y.shape)
+    dx, dw, db = be.conv2d_backward(dy, x, w, stride, padding)
+    n, c, kh, kw, o = x_shape[0], x_shape[1], w_shape[2], w_shape[3], w_shape[0]
+    pixels = n * y.shape[2] * y.shape[3]
+    name = f"conv {x_shape} * {w_shape} stride {stride} padding {padding}"
+    check_products(name + " forward", (y,), [x, w], lambda x, w, b: (R.conv2d_forward(x, w, b, stride, padding),),
+                   (c * kh * kw,), b)
+    check_products(name + " backward", (dx, dw), [dy, x, w],
+                   lambda dy, x, w, _: R.conv2d_backward(dy, x, w, stride, padding)[:2], (o * kh * kw, pixels))
+    validate(db, R.conv2d_backward(dy, x, w, stride, padding)[2], name + " bias gradient")
+    for array, what in ((y, "y"), (dx, "dx")):   # NCHW views of NHWC memory
+        assert array.transpose(0, 2, 3, 1).flags.c_contiguous, f"{name}: {what} has strides {array.strides}"
+    assert dw.flags.c_contiguous and db.flags.c_contiguous
+
+
+@pytest.fixture(params=["ascending", "descending"])
+def emu(request):
+    """The emu backend, its threads in one order."""
+    from kernels.emu import thread_order
+    with thread_order(request.param):
+        yield kernels._device_backend("emu")
+
+
+VARIANTS = ("default", "large tile", "split")
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, monkeypatch):
+    """The launchers' choices, or the large tile (where the copies allow it) or many-way split-K
+    forced, so that small shapes exercise those code paths too."""
+    if request.param == "large tile":
+        monkeypatch.setattr(conv_tc, "choose_tile", lambda rows, columns, vec: "Tc128x64" if vec == 4 else "Tc64x64")
+    elif request.param == "split":
+        monkeypatch.setattr(cuda_launch, "MIN_SPLIT_LENGTH", 16)
+    return request.param
+
+
+# Beyond CONV_SHAPES (mostly channel counts off the 16-byte copies): channel counts that are
+# multiples of 4, with partial tiles on every side.
+VECTOR_SHAPES = [
+    ((2, 12, 9, 7), (20, 12, 3, 3), 2, 1, True),
+    ((3, 8, 6, 5), (68, 8, 3, 3), 1, 1, True),
+    ((1, 4, 5, 5), (4, 4, 1, 1), 2, 0, False),
+    ((2, 16, 3, 3), (8, 16, 3, 3), 3, 1, True),   # stride 3 at 3x3: every phase one tap
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, bias", CONV_SHAPES + VECTOR_SHAPES)
+def test_conv_at_odd_shapes(emu, variant, x_shape, w_shape, stride, padding, bias):
+    check_conv(emu, x_shape, w_shape, stride, padding, bias)
+
+
+def resnet18_convolutions(batch, width):
+    """(x shape, w shape, stride, padding) of every distinct convolution of nn.resnet18."""
+    return [(layer.x, layer.w, layer.stride, layer.padding) for layer, _ in distinct(resnet18_layers(batch, width))
+            if layer.op == "conv2d"]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=2, width=8))
+def test_conv_at_the_shapes_of_resnet18(x_shape, w_shape, stride, padding):
+    check_conv(kernels._device_backend("emu"), x_shape, w_shape, stride, padding)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", [((2, 8, 7, 6), (12, 8, 3, 3), 2, 1),
+                                                               ((3, 1, 5, 5), (4, 1, 3, 3), 1, 1)])
+def test_channels_last_inputs_give_the_same_results(x_shape, w_shape, stride, padding):
+    be = kernels._device_backend("emu")
+    x, w, b = draw(x_shape, w_shape, (w_shape[0],))
+    x_last = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    y, y_last = be.conv2d_forward(x, w, b, stride, padding), be.conv2d_forward(x_last, w, b, stride, padding)
+    assert np.array_equal(y, y_last)
+    (dy,) = draw(y.shape)
+    dy_last = np.ascontiguousarray(dy.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    for a, b_, what in zip(be.conv2d_backward(dy, x, w, stride, padding),
+                           be.conv2d_backward(dy_last, x_last, w, stride, padding), ("dx", "dw", "db")):
+        assert np.array_equal(a, b_), what
+
+
+LINEARS = [(4, 5, 3), (6, 16, 12), (70, 33, 65), (3, 512, 10)]
+
+
+@pytest.mark.parametrize("n, i, o", LINEARS)
+def test_linear(emu, variant, n, i, o):
+    x, w, b = draw((n, i), (o, i), (o,))
+    y = emu.linear_forward(x, w, b)
+    (dy,) = draw(y.shape)
+    dx, dw, db = emu.linear_backward(dy, x, w)
+    name = f"linear {n} x {i} -> {o}"
+    check_products(name + " forward", (y,), [x, w], lambda x, w, b: (R.linear_forward(x, w, b),), (i,), b)
+    check_products(name + " backward", (dx, dw), [dy, x, w], lambda dy, x, w, _: R.linear_backward(dy, x, w)[:2],
+                   (o, n))
+    validate(db, R.linear_backward(dy, x, w)[2], name + " bias gradient")
+
+
+def test_the_precision_is_a_setting_with_tf32_the_default():
+    assert kernels.PRECISIONS == ("tf32", "fp32")
+    with kernels.use_precision("fp32"):
+        assert kernels.precision() == "fp32"
+        with pytest.raises(ValueError, match="unknown precision 'bf16'"):
+            kernels.set_precision("bf16")
+        assert kernels.precision() == "fp32"
+    assert kernels.precision() == "tf32"
+
+
+def test_fp32_runs_the_fp32_kernels_and_tf32_the_tensor_cores(monkeypatch):
+    be, launched = kernels._device_backend("emu"), []
+    launch = be.function
+    monkeypatch.setattr(be, "function", lambda family, name: launched.append(name) or launch(family, name))
+    x, w, b = draw((2, 4, 5, 5), (8, 4, 3, 3), (8,))
+    for precision in kernels.PRECISIONS:
+        launched.clear()
+        with kernels.use_precision(precision):
+            y = be.conv2d_forward(x, w, b, 1, 1)
+            be.conv2d_backward(y, x, w, 1, 1)
+            be.linear_backward(*draw((3, 6), (3, 5), (6, 5)))
+        tensor_core = [name for name in launched if name.startswith("conv_tc_")]
+        if precision == "tf32":
+            assert {name.partition("<")[0] for name in tensor_core} == set(conv_tc.GEMMS), launched
+            assert not any(name.startswith(("conv2d_", "matmul")) for name in launched), launched
+        else:
+            assert not tensor_core and any(name.startswith("matmul") for name in launched), launched
+
+
+# ---- the whole network ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_resnet18_training_step_on_the_emulator_in_tf32():
+    """One SGD step of ResNet-18 (width 8, batch 2) with the tensor-core kernels against NumPy in
+    float32. The network magnifies any rounding of its convolutions' inputs: NumPy alone, with
+    those inputs rounded to TF32, moves this gradient by about 13% (measured at batches 2, 4 and
+    16), so the bounds here are TF32's for the loss and that magnification's for the gradients;
+    the kernels themselves are held to the tight bounds above."""
+    loss, grad, params, stats = resnet_step(emulated=True)
+    ref_loss, ref_grad, _, ref_stats = resnet_step()
+    assert abs(loss - ref_loss) <= 4 * UNIT_TF32 * abs(ref_loss), (loss, ref_loss)
+    error = np.linalg.norm(grad - ref_grad) / np.linalg.norm(ref_grad)
+    assert error <= 0.3, f"gradient off by {error:.3g} of its norm\n{reproduce_hint()}"
+    cosine = grad @ ref_grad / (np.linalg.norm(grad) * np.linalg.norm(ref_grad))
+    assert cosine >= 0.95, cosine
+    validate(stats, ref_stats, "batch-norm running statistics", rtol=1e-2)
+
+
+# ---- the instructions ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_tensor_core_kernel_runs_hmma(arch):
+    reason = nvrtc.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    if nvrtc.cuobjdump() is None:
+        pytest.skip("cuobjdump is not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    from kernels.cuda.ptxas_report import compile_family
+    compiled = compile_family("conv_tc", arch)
+    sass = compiled.sass()
+    gemms = [name for name in conv_tc.KERNELS if name.startswith("conv_tc_")]
+    assert len(gemms) == 9
+    for name in gemms:
+        instructions = sass[compiled.lowered_names[name]]
+        assert any(i.startswith("HMMA.1688.F32.TF32") for i in instructions), f"{name} for {arch}: no HMMA"
+        assert any("LDGSTS" in i for i in instructions), f"{name} for {arch}: no cp.async (LDGSTS)"
+
+
+# ---- GPU -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def gpu_backend(request):
+    reason = gpu_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    request.getfixturevalue("poisoned_device_empty")
+    return OnDevice(kernels._device_backend("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=4, width=64)
+                         + [s[:4] for s in CONV_SHAPES])
+def test_gpu_conv_against_the_tf32_references(gpu_backend, x_shape, w_shape, stride, padding):
+    check_conv(gpu_backend, x_shape, w_shape, stride, padding)
+
+
+@pytest.mark.gpu
+def test_gpu_conv_beside_cudnn_tf32(gpu_backend):
+    """Our TF32 convolution and cuDNN's (PyTorch's default, allow_tf32) are both within TF32's
+    error of float64, on a ResNet-18 stage-3 shape."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    x, w = draw((16, 128, 14, 14), (256, 128, 3, 3))
+    ours = gpu_backend.conv2d_forward(x, w, None, 2, 1)
+    ref = R.conv2d_forward(x, w, None, 2, 1)
+    torch.backends.cudnn.allow_tf32 = True
+    theirs = torch.nn.functional.conv2d(torch.tensor(x, device="cuda"), torch.tensor(w, device="cuda"), stride=2,
+                                        padding=1).cpu().numpy()
+    error = [np.linalg.norm(a - ref) / np.linalg.norm(ref) for a in (ours, theirs)]
+    assert error[0] <= 2e-3 and error[0] <= 2 * error[1] + 1e-6, f"ours {error[0]:.3g}, cuDNN TF32 {error[1]:.3g}"
