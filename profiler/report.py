@@ -13,7 +13,7 @@ import numpy as np
 from nn.serialization import atomic_write
 from . import costs, trace
 from .measure import PHASES, UNTRACKED, label
-from .roofs import Peak
+from .roofs import TENSOR_CORE_KINDS, Peak
 
 
 @dataclasses.dataclass
@@ -130,7 +130,7 @@ class Report:
         return sorted(self.rows, key=lambda r: -r.total_ms)
 
     def to_json(self):
-        metrics = [r.metrics(self.peak, self.step_ms) for r in self.rows]
+        metrics = [r.metrics(self.roofs(r), self.step_ms) for r in self.rows]
         return {"config": self.config,
                 "device": {"peak": dataclasses.asdict(self.peak) if self.peak else None,
                            "ridge_flops_per_byte": self.peak.ridge if self.peak else None},
@@ -142,6 +142,11 @@ class Report:
                 "concurrent": [{"name": n, "category": c, "ms": ms, "overlap_backward_ms": overlap,
                                 "overlap_fraction": overlap / ms if ms > 0 else None}
                                for (n, c), (ms, overlap) in self.concurrent.items()]}
+
+    def roofs(self, row):
+        """The roofs of a row: the device's, with the tensor cores' compute roof for the products
+        that run on them (roofs.Peak.of); None for a GPU without figures."""
+        return self.peak.of(row.kind, self.config.get("precision")) if self.peak else None
 
     def groups(self):
         """Medians added up by stage and by residual block: [{group, level, forward_ms, ...}]."""
@@ -161,9 +166,11 @@ class Report:
         roof = (f"{peak.device}: {peak.tflops:.3g} TFLOP/s, {peak.gbs:.4g} GB/s, ridge {peak.ridge:.1f} FLOP/B "
                 f"({peak.source})") if peak else "roofs unknown for this GPU: add it to PEAKS in profiler/roofs.py"
         rows = self.by_cost()
-        lines = [f"{c['model']}, batch {c['batch_size']}, {c['backend']} backend ({c['clock']}): medians of "
-                 f"{c['steps']} steps after {c['warmup']} warm-up", roof, "", TABLE_HEADER]
-        lines += [_table_line(r.metrics(peak, self.step_ms), self.step_ms) for r in rows[:top]]
+        lines = [f"{c['model']}, batch {c['batch_size']}, {c['backend']} backend, {c['precision']} ({c['clock']}): "
+                 f"medians of {c['steps']} steps after {c['warmup']} warm-up", roof, "", TABLE_HEADER]
+        if peak and peak.tensor_tflops and c.get("precision") == "tf32":
+            roof += f"; {', '.join(TENSOR_CORE_KINDS)}: TF32 tensor cores, {peak.tensor_tflops:.4g} TFLOP/s"
+        lines += [_table_line(r.metrics(self.roofs(r), self.step_ms), self.step_ms) for r in rows[:top]]
         if rows[top:]:
             lines.append(_times_line(f"... {len(rows[top:])} more rows", rows[top:], self.step_ms))
         lines += [_times_line(f"total of all {len(rows)} rows", rows, self.step_ms),
@@ -223,7 +230,8 @@ class Report:
         ax.set_ylim(len(rows) - 0.5, -0.5)     # the first row on top, no margins
         c = self.config
         ax.set_xlabel(f"ms per step, median of {c['steps']} steps")
-        ax.set_title(f"{c['model']}, batch {c['batch_size']}, {c['backend']}: step {self.step_ms:.1f} ms", fontsize=9)
+        ax.set_title(f"{c['model']}, batch {c['batch_size']}, {c['backend']} {c['precision']}: "
+                     f"step {self.step_ms:.1f} ms", fontsize=9)
         ax.grid(True, axis="x", alpha=0.3)
         ax.legend(loc="lower right")
         fig.tight_layout()

@@ -9,36 +9,51 @@ import time
 import numpy as np
 
 
+# The modules whose products run on the tensor cores under the tf32 precision (kernels.precision()).
+TENSOR_CORE_KINDS = ("Conv2d", "Linear")
+
+
 @dataclasses.dataclass(frozen=True)
 class Peak:
     device: str
-    tflops: float       # float32 without tensor cores: every kernel of this project is SIMT
+    tflops: float       # float32 on the CUDA cores (FMA), what the fp32 kernels and all the others run on
     gbs: float
     source: str
+    tensor_tflops: float = None   # TF32 on the tensor cores, dense; None for a CPU
 
     @property
     def ridge(self):
         """FLOPs per byte at which the two roofs meet."""
         return self.tflops * 1e3 / self.gbs
 
+    def of(self, kind, precision):
+        """The roofs of a row of this kind (a module's class) under `precision`: the TF32 tensor
+        cores' compute roof for the convolutions and the linear layer under tf32, else these."""
+        if precision == "tf32" and kind in TENSOR_CORE_KINDS and self.tensor_tflops:
+            return dataclasses.replace(self, tflops=self.tensor_tflops)
+        return self
 
-# (name as CUDA reports it contains, fp32 TFLOP/s, GB/s): first match wins, so a specific name
-# comes before the family's. From NVIDIA's datasheets: H200 (SXM 67 TFLOP/s, NVL 60; HBM3e
-# 4.8 TB/s both), H100 (SXM 67 TFLOP/s with HBM3 3.35 TB/s, NVL 60 with 3.9, PCIe 51 with 2.0),
-# A100 (19.5 TFLOP/s; 40 GB 1,555 GB/s, 80 GB PCIe 1,935, 80 GB SXM 2,039).
+
+# (name as CUDA reports it contains, fp32 TFLOP/s, GB/s, dense TF32 tensor-core TFLOP/s): first
+# match wins, so a specific name comes before the family's. From NVIDIA's datasheets: H200 (SXM
+# 67 TFLOP/s and 494.7 TF32, NVL 60 and 417.5; HBM3e 4.8 TB/s both), H100 (SXM 67 and 494.7 with
+# HBM3 3.35 TB/s, NVL 60 and 417.5 with 3.9, PCIe 51 and 378 with 2.0), A100 (19.5 and 156;
+# 40 GB 1,555 GB/s, 80 GB PCIe 1,935, 80 GB SXM 2,039). The datasheets quote TF32 with sparsity,
+# twice these.
 PEAKS = (
-    ("H200 NVL", 60.0, 4800.0), ("H200", 67.0, 4800.0),
-    ("H100 NVL", 60.0, 3900.0), ("H100 PCIe", 51.0, 2000.0), ("H100", 67.0, 3350.0),
-    ("A100 80GB PCIe", 19.5, 1935.0), ("A100-SXM4-80GB", 19.5, 2039.0), ("A100", 19.5, 1555.0),
+    ("H200 NVL", 60.0, 4800.0, 417.5), ("H200", 67.0, 4800.0, 494.7),
+    ("H100 NVL", 60.0, 3900.0, 417.5), ("H100 PCIe", 51.0, 2000.0, 378.0), ("H100", 67.0, 3350.0, 494.7),
+    ("A100 80GB PCIe", 19.5, 1935.0, 156.0), ("A100-SXM4-80GB", 19.5, 2039.0, 156.0), ("A100", 19.5, 1555.0, 156.0),
 )
 MATMUL_SIZE, COPY_BYTES = 2048, 1 << 26
 
 
 def gpu_peak(name):
     """The datasheet roofs of the GPU called `name`, or None for one not in PEAKS."""
-    for pattern, tflops, gbs in PEAKS:
+    for pattern, tflops, gbs, tensor_tflops in PEAKS:
         if pattern in name:
-            return Peak(name, tflops, gbs, f"NVIDIA datasheet figures for '{pattern}' (profiler/roofs.py PEAKS)")
+            return Peak(name, tflops, gbs, f"NVIDIA datasheet figures for '{pattern}' (profiler/roofs.py PEAKS)",
+                        tensor_tflops)
     return None
 
 

@@ -5,7 +5,7 @@ import functools
 
 import numpy as np
 
-from kernels import backend_of, get_array_module
+from kernels import backend_of, get_array_module, precision
 from nn import data
 from nn.functional import cross_entropy
 from nn.tensor import Tensor
@@ -107,5 +107,6 @@ def profile(model, optimizer, images, labels, batch_size, steps, warmup=3, log=p
         timeline = trace.gathered(timeline, ddp.comm)
     config = {"model": title or f"{type(model).__name__} of {sum(p.size for p in model.parameters()):,} parameters",
               "batch_size": batch_size, "steps": steps, "warmup": warmup, "backend": backend.name,
-              "clock": clock.name, "world_size": 1 if ddp is None else ddp.world_size}
+              "precision": "fp32" if backend.name == "cpu" else precision(), "clock": clock.name,
+              "world_size": 1 if ddp is None else ddp.world_size}
     return build_report(config, peak, profiler.kinds, inspection, profiled, plain, timeline)

@@ -39,7 +39,7 @@ def test_one_epoch_from_the_command_line(data_dir, tmp_path):
     assert lines[-1].startswith("test acc: 0.") and lines[-1].endswith("sec/epoch on cpu"), lines[-1]
     assert "epoch 1/1" in result.stderr, "progress goes to stderr"
     metrics = json.loads((out / "metrics.json").read_text())
-    assert len(metrics) == 1 and metrics[0]["epoch"] == 1
+    assert len(metrics) == 1 and metrics[0]["epoch"] == 1 and metrics[0]["precision"] == "fp32"
     assert 0 <= metrics[0]["test_acc"] <= 1 and np.isfinite(metrics[0]["train_loss"])
     csv_lines = (out / "metrics.csv").read_text().splitlines()
     assert csv_lines[0].split(",")[:3] == ["epoch", "lr", "train_loss"] and len(csv_lines) == 2
@@ -110,6 +110,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     (["--weight-decay", "inf"], "--weight-decay must be 0 or more and finite, got inf"),
     (["--bucket-mb", "inf"], "--bucket-mb must be positive and finite, got inf"),
     (["--seed", "-1"], "--seed must be 0 or more, got -1"),
+    (["--precision", "tf32"], "--precision tf32 runs on GPU tensor cores: add --gpus N"),
+    (["--precision", "bf16"], "invalid choice: 'bf16'"),
 ])
 def test_bad_flags_are_clear_errors(data_dir, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as e:
@@ -185,7 +187,7 @@ def test_help_explains_the_flags(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--gpus", "--epochs", "--batch-size", "--lr", "--momentum", "--weight-decay", "--schedule",
-                 "--data-dir", "--limit", "--test-limit", "--width", "--seed", "--out", "--resume"):
+                 "--data-dir", "--limit", "--test-limit", "--width", "--seed", "--out", "--resume", "--precision"):
         assert flag in text
 
 

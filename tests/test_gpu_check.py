@@ -275,7 +275,8 @@ def first_output(spoil):
 
 
 @pytest.mark.parametrize("op, check_name, spoil", [
-    ("conv2d_forward", "conv2d", lambda y: y * np.float32(1.001)),
+    ("conv2d_forward", "conv2d_fp32", lambda y: y * np.float32(1.001)),
+    ("linear_backward", "linear_tf32", lambda dx: dx * np.float32(1.01)),
     ("relu_forward", "relu", lambda y: np.where(np.arange(y.size).reshape(y.shape) == 0, np.nan, y)),
     ("batch_norm_backward", "batch_norm", lambda dx: dx * np.float32(1.001)),
 ])

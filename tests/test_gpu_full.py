@@ -5,7 +5,8 @@ skipped with the reason where there is no GPU, CuPy or PyTorch with CUDA; bench/
 
 New CuPy arrays start as NaN (poisoned_device_empty), so an output element a kernel leaves unwritten
 fails. Each result must satisfy ||ours - torch|| / ||torch|| < 1e-5 for element-wise ops and < 1e-4
-for reductions and GEMMs; NumPy references are for small shapes only (tests/test_kernels_cuda.py),
+for reductions and GEMMs; the convolutions and the linear layer run in both precisions, < 2e-3
+under tf32 (kernels.precision()); NumPy references are for small shapes only (tests/test_kernels_cuda.py),
 at this size they would take minutes. The whole training step is test_kernels_cuda.py's
 test_resnet18_training_step_on_the_gpu_matches_numpy.
 
@@ -20,6 +21,7 @@ import functools
 import numpy as np
 import pytest
 
+import kernels
 from bench.layers import Layer, distinct, resnet18_layers
 from helpers import rng
 from test_kernels_cuda import (EPS, OnDevice, compare_with_torch, gpu, poisoned_device_empty,  # noqa: F401
@@ -27,6 +29,9 @@ from test_kernels_cuda import (EPS, OnDevice, compare_with_torch, gpu, poisoned_
 
 pytestmark = pytest.mark.gpu
 ELEMENTWISE, REDUCTION = 1e-5, 1e-4     # bounds on ||ours - torch|| / ||torch||
+# ... for the products of each precision: under tf32 each product's factors are rounded to TF32
+# (a relative error of up to 2^-11 each, about 4e-4 in norm on random data)
+BOUNDS = {"fp32": REDUCTION, "tf32": 2e-3}
 MOMENTUM = 0.1                          # batch norm's, as PyTorch counts it
 
 
@@ -63,13 +68,24 @@ def against_torch(build):
 
 # ---- forward and backward against PyTorch's ------------------------------------------------
 
-@against_torch
+def in_precision(build):
+    """A product's check in each precision (kernels.precision()): ``<name>_fp32`` within REDUCTION,
+    ``<name>_tf32`` within TF32 (its inputs rounded to 10 mantissa bits)."""
+    def check_in(precision):
+        def check(ours, torch, device, layer):
+            with kernels.use_precision(precision):
+                compare_with_torch(ours, torch, device, build(layer) + (BOUNDS[precision],))
+        check.__name__ = f"{build.__name__}_{precision}"
+        return check
+    return [check_in(precision) for precision in kernels.PRECISIONS]
+
+
 def conv2d(layer):
     s, p = layer.stride, layer.padding
     return (layer.label, [layer.x, layer.w, layer.w[:1]],
             lambda F, x, w, b: F.conv2d(x, w, b, stride=s, padding=p),
             lambda m, x, w, b: m.conv2d_forward(x, w, b, s, p),
-            lambda m, dy, x, w, b, y: m.conv2d_backward(dy, x, w, s, p), REDUCTION)
+            lambda m, dy, x, w, b, y: m.conv2d_backward(dy, x, w, s, p))
 
 
 @against_torch
@@ -120,11 +136,9 @@ def max_pool2d(pool):
             lambda m, dy, x, y, argmax: m.max_pool2d_backward(dy, argmax, x.shape), ELEMENTWISE)
 
 
-@against_torch
 def linear(layer):
     return (layer.label, [layer.x, layer.w, layer.w[:1]], lambda F, x, w, b: F.linear(x, w, b),
-            lambda m, x, w, b: m.linear_forward(x, w, b), lambda m, dy, x, w, b, y: m.linear_backward(dy, x, w),
-            REDUCTION)
+            lambda m, x, w, b: m.linear_forward(x, w, b), lambda m, dy, x, w, b, y: m.linear_backward(dy, x, w))
 
 
 @against_torch
@@ -190,9 +204,9 @@ def count_correct(ours, torch, device, layer):
 
 
 CHECKS = {
-    "conv2d": [conv2d], "batch_norm": [batch_norm, batch_norm_inference, batch_norm_update_running],
+    "conv2d": in_precision(conv2d), "batch_norm": [batch_norm, batch_norm_inference, batch_norm_update_running],
     "relu": [relu], "add_relu": [add_relu], "global_avg_pool": [global_avg_pool], "max_pool2d": [max_pool2d],
-    "linear": [linear], "softmax_cross_entropy": [softmax_cross_entropy, count_correct],
+    "linear": in_precision(linear), "softmax_cross_entropy": [softmax_cross_entropy, count_correct],
     "sgd_update": [sgd_update], "images_to_float": [images_to_float],
 }
 

@@ -305,13 +305,26 @@ def test_spans_from_other_code_nested_and_concurrent():
     assert profiler.current() is None
 
 
-def test_the_cuda_kernels_are_named_through_the_emulator():
+@pytest.mark.parametrize("precision, forward, backward", [
+    ("tf32", "conv_tc_forward<Tc64x64, 1>", ("conv_tc_dgrad<Tc64x64, 1>", "conv_tc_wgrad<Tc64x64, 1>")),
+    ("fp32", "conv2d_forward<Tile64, 3, 3>", ("conv2d_dgrad<Tile64, 3, 3>", "conv2d_wgrad<Tile64, 3, 3>"))])
+def test_the_cuda_kernels_are_named_through_the_emulator(precision, forward, backward):
     images, labels = batch(4)
-    with kernels.emulate():
-        rows = rows_by_name(run_profile(tiny_net(), images, labels, batch_size=4, steps=1))
-    conv = rows["0", "layer"].kernels
-    assert "conv2d_forward<Tile64, 3, 3>" in conv["forward"] and "bias_grad_partials" in conv["backward"]
-    assert rows["0", "layer"].cost["forward"].flops == 178_752
+    with kernels.emulate(), kernels.use_precision(precision):
+        report = run_profile(tiny_net(), images, labels, batch_size=4, steps=1)
+    conv = rows_by_name(report)["0", "layer"]
+    assert forward in conv.kernels["forward"] and "bias_grad_partials" in conv.kernels["backward"]
+    assert all(name in conv.kernels["backward"] for name in backward), conv.kernels["backward"]
+    assert conv.cost["forward"].flops == 178_752
+    assert report.config["precision"] == precision and f"emu backend, {precision}" in report.table()
+
+
+def test_tensor_core_rows_sit_under_the_tensor_cores_roof():
+    h200 = profiler.gpu_peak("NVIDIA H200")
+    assert h200.of("Conv2d", "tf32").tflops == h200.tensor_tflops == 494.7
+    assert h200.of("Linear", "tf32").ridge > h200.ridge
+    assert h200.of("Conv2d", "fp32") is h200 and h200.of("BatchNorm2d", "tf32") is h200
+    assert profiler.measured_cpu_peak().of("Conv2d", "tf32").tflops == profiler.measured_cpu_peak().tflops
 
 
 def test_the_peak_table():

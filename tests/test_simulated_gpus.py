@@ -386,9 +386,11 @@ def train_resnet(gpus, data_dir, out, *flags):
 def test_two_gpus_with_sync_bn_equal_one_gpu_with_the_whole_batch(data_dir, tmp_path):
     # an epoch of one step of momentum SGD at width 4, on 32 images: training this small network is
     # chaotic (a relative change of 1e-7 in the weights grows to about 5e-3 in three steps, in
-    # float64 as in float32), so a longer run would compare amplified rounding
+    # float64 as in float32), so a longer run would compare amplified rounding. In fp32: under tf32,
+    # rounding the convolutions' inputs to TF32 turns the two sums' float32 differences into
+    # differences of TF32's size wherever an input lies near a rounding boundary
     flags = ["--sync-bn", "--width", "4", "--batch-size", "32", "--limit", "32", "--momentum", "0.9",
-             "--weight-decay", "1e-4"]
+             "--weight-decay", "1e-4", "--precision", "fp32"]
     one = train_resnet(1, data_dir, tmp_path / "one", "--gpus", "1", *flags)
     assert one.returncode == 0, one.stderr
     two = train_resnet(2, data_dir, tmp_path / "two", "--gpus", "2", *flags)
@@ -400,6 +402,23 @@ def test_two_gpus_with_sync_bn_equal_one_gpu_with_the_whole_batch(data_dir, tmp_
     # the same step from the whole batch: the sums split over two ranks round differently
     assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)), np.max(np.abs(a - b))
     assert json.loads((tmp_path / "two" / "metrics.json").read_text())[0]["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_a_gpu_run_multiplies_in_tf32_unless_told_fp32(data_dir, tmp_path):
+    """The default precision on GPUs is tf32, recorded in the metrics of each epoch (also in the
+    checkpoint's) and in the profile; --precision fp32 runs the fp32 kernels."""
+    run = train_resnet(1, data_dir, tmp_path / "run", "--gpus", "1")
+    assert run.returncode == 0, run.stderr
+    assert "precision tf32" in run.stdout
+    assert checkpoint.load(tmp_path / "run")[1]["metrics"][0]["precision"] == "tf32"
+    done = train_resnet(1, data_dir, tmp_path / "profile", "--gpus", "1", "--profile", "--profile-steps", "1",
+                        "--precision", "fp32")
+    assert done.returncode == 0, done.stderr
+    document = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    assert document["config"]["precision"] == "fp32"
+    conv = next(row for row in document["rows"] if row["kind"] == "Conv2d")
+    assert any(name.startswith("conv2d_forward<") for name in conv["kernels"]["forward"]), conv["kernels"]
 
 
 @pytest.mark.slow

@@ -50,6 +50,11 @@ def parse_args(argv):
                    help="weights ~ N(0, 0.01) with zero biases as in d2l, or PyTorch's default "
                         f"(default {D.init})")
     p.add_argument("--width", type=int, help=f"channels of the first stage; 64 is ResNet-18 (default {D.width})")
+    p.add_argument("--precision", choices=kernels.PRECISIONS,
+                   help="of the convolutions and the linear layer on GPUs: tf32 multiplies on the tensor cores "
+                        "with the inputs rounded to TF32 (10-bit mantissa) and sums in float32, as PyTorch does "
+                        "for convolutions by default; fp32 multiplies in float32 throughout, several times slower "
+                        "(default: tf32 with --gpus, fp32 on the CPU, which has no other)")
     p.add_argument("--seed", type=int, help=f"seed of the weights and the batch order (default {D.seed})")
     p.add_argument("--limit", type=int, help="train on the first N images of the training split only")
     p.add_argument("--test-limit", type=int, help="evaluate on the first N images of the test split only")

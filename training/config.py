@@ -4,6 +4,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import kernels
 from nn import init
 from parallel.ddp import DEFAULT_BUCKET_MB
 
@@ -41,10 +42,17 @@ class Config:
     overwrite: bool = False   # a new run may replace the run whose files --out holds
     init_from: str = None     # a safetensors file of the model's weights to start from
     export: str = None        # where to write the trained weights as safetensors
+    precision: str = None     # of the convolutions and linear layer on GPUs (compute_precision)
 
     @property
     def device(self):
         return "cuda" if self.gpus else "cpu"
+
+    @property
+    def compute_precision(self):
+        """The precision of the convolutions and the linear layer (kernels.precision()): --precision,
+        else tf32 on GPUs, PyTorch's default for convolutions; a CPU run computes in float32."""
+        return self.precision or ("tf32" if self.gpus else "fp32")
 
     def check(self):
         positive = {"epochs": self.epochs, "batch size": self.batch_size, "width": self.width}
@@ -65,6 +73,11 @@ class Config:
             raise ConfigError(f"unknown init {self.init!r}: choose one of {init.SCHEMES}")
         if self.gpus < 0:
             raise ConfigError(f"--gpus must be 0 or more, got {self.gpus}")
+        if self.precision not in (None, *kernels.PRECISIONS):
+            raise ConfigError(f"unknown precision {self.precision!r}: choose one of {kernels.PRECISIONS}")
+        if self.precision == "tf32" and not self.gpus:
+            raise ConfigError("--precision tf32 runs on GPU tensor cores: add --gpus N (on the CPU, NumPy computes "
+                              "in float32)")
         for name in ("limit", "test_limit"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels import DeviceError, array_module_for, backend_of, cupy_module, get_array_module, local_gpu
+from kernels import (DeviceError, array_module_for, backend_of, cupy_module, get_array_module, local_gpu,
+                     use_precision)
 from nn import data, init
 from nn.functional import cross_entropy
 from nn.optim import SGD, CosineAnnealingLR
@@ -264,7 +265,7 @@ def run_profile(given, comm=None, steps=20, warmup=3, log=lambda *a: print(*a, f
     comm = comm or SingleProcess()
     log = log if comm.rank == 0 else (lambda *a: None)
     cfg, (x_train, y_train), _, model, opt, _, ddp, held = _replicated(given, comm, log, profiling=True)
-    with held:
+    with held, use_precision(cfg.compute_precision):
         title = f"ResNet-18 width {cfg.width}, {comm.world_size} rank(s), batch {cfg.batch_size} global"
         report = profiler.profile(model, opt, x_train, y_train, cfg.batch_size, steps, warmup, log=log,
                                   title=title, ddp=ddp)
@@ -281,7 +282,7 @@ def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
     comm = comm or SingleProcess()
     log = log if comm.rank == 0 else (lambda *a: None)
     *prepared, held = _replicated(given, comm, log)
-    with held:     # the output folder is this run's until it ends
+    with held, use_precision(prepared[0].compute_precision):   # the folder is this run's until it ends
         try:
             return _train(comm, log, *prepared)
         except KeyboardInterrupt as e:    # Ctrl-C, or SIGTERM: what is on disk, for the last message
@@ -297,7 +298,8 @@ def _train(comm, log, cfg, train, test, model, opt, record, ddp):
     metrics = record["metrics"] if record else []
     start = record["epoch"] if record else 0
     log(f"ResNet-18 (width {cfg.width}, {len(opt.flat):,} parameters) on {len(x_train)} training and "
-        f"{len(x_test)} test images, batch {cfg.batch_size}, lr {opt.lr:g}, {cfg.schedule} schedule; "
+        f"{len(x_test)} test images, batch {cfg.batch_size}, lr {opt.lr:g}, {cfg.schedule} schedule, "
+        f"precision {cfg.compute_precision}; "
         f"output in {out}" + (f"; resuming after epoch {start}" if start else ""))
     if schedule is not None and record is not None and record["config"]["epochs"] != cfg.epochs:
         log(_stretched(schedule, record["config"]["epochs"], cfg.epochs, start * steps_per_epoch))
@@ -321,7 +323,8 @@ def _train(comm, log, cfg, train, test, model, opt, record, ddp):
         metrics.append(finite_or_none({
             "epoch": epoch + 1, "lr": opt.lr, "train_loss": train_loss, "train_acc": train_acc,
             "test_loss": test_loss, "test_acc": test_acc, "seconds": seconds,
-            "images_per_sec": len(x_train) / train_seconds, "world_size": comm.world_size}))
+            "images_per_sec": len(x_train) / train_seconds, "world_size": comm.world_size,
+            "precision": cfg.compute_precision}))
         if lead:
             _write_epoch(out, model, opt, {"epoch": epoch + 1, "config": dataclasses.asdict(cfg), "metrics": metrics,
                                            "rng_state": init.get_rng_state()})
