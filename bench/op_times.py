@@ -1,5 +1,7 @@
 """Tier (c) of bench/gpu_check: each op of ResNet-18's layers, forward and backward, at the layer's
-exact shape (batch 256), beside PyTorch doing the same work with TF32 off and with its defaults.
+exact shape (batch 256), beside PyTorch doing the same work with TF32 off and with its defaults:
+ours in the tf32 precision (the default) beside PyTorch's defaults (cuDNN convolutions in TF32),
+and the convolutions and linear layer in fp32 beside PyTorch with TF32 off.
 
   PYTHONPATH=. python -m bench.op_times --out ops.json             # on the GPU
   PYTHONPATH=. python -m bench.op_times --dry-run --out ops.json   # tiny shapes, NumPy backend, CPU
@@ -27,6 +29,12 @@ LR, SGD_MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4
 # PyTorch's precision settings: TF32 off for convolutions and matrix products, or as PyTorch
 # leaves them (cuDNN convolutions in TF32, matmul in full float32, in recent releases).
 SETTINGS = (("torch_fp32", False), ("torch_default", None))
+# Our sides: the default precision (kernels.precision()), whose products run on the TF32 tensor
+# cores, and fp32; only the products (PRODUCTS) differ between them. Each is compared with the
+# PyTorch setting that rounds as it does.
+OUR_SIDES = (("ours", "tf32"), ("ours_fp32", "fp32"))
+PRODUCTS = ("conv2d", "linear")
+PEERS = {"ours": "torch_default", "ours_fp32": "torch_fp32"}
 FULL = {"device": "cuda", "batch": layers.BATCH, "width": 64, "warmup": 3, "repeats": 10, "min_repeat_ms": 2.0}
 DRY = {"device": "cpu", "batch": 2, "width": 4, "warmup": 1, "repeats": 2, "min_repeat_ms": 0.0}
 
@@ -219,7 +227,13 @@ def time_layer(b, layer, count):
     for phase, calls in ours.items():
         cost = sum((costs.cost_of(op, *args) for op, args in calls), costs.ZERO)
         run = lambda calls=calls: [getattr(b.ops, op)(*args) for op, args in calls]  # noqa: E731
-        row[phase] = {"flops": cost.flops, "bytes": cost.bytes, "ours": rates(b.time(run, "ours"), cost)}
+        row[phase] = {"flops": cost.flops, "bytes": cost.bytes}
+        for side, chosen in OUR_SIDES:
+            if layer.op in PRODUCTS or side == "ours":
+                with kernels.use_precision(chosen):
+                    row[phase][side] = rates(b.time(run, "ours"), cost)
+            else:   # the same kernels in either precision: one measurement
+                row[phase][side] = row[phase]["ours"]
     if b.torch is not None:
         peer = make_peer(b)
         for setting, tf32 in SETTINGS:
@@ -235,7 +249,7 @@ def rates(measured, cost):
     return {**measured, "tflops": cost.tflops(ms) if ms > 0 else None, "gbs": cost.gbs(ms) if ms > 0 else None}
 
 
-SIDES = ("ours",) + tuple(setting for setting, _ in SETTINGS)
+SIDES = tuple(side for side, _ in OUR_SIDES) + tuple(setting for setting, _ in SETTINGS)
 
 
 def per_step(rows):

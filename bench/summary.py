@@ -1,8 +1,9 @@
 """The short report bench/gpu_check prints last, from summary.json alone: each tier's status; the ops at
 batch 256, ours beside PyTorch; training sec/epoch; the epoch's test accuracy."""
-from bench.op_times import SIDES
+from bench.op_times import PEERS
 
 PHASES = ("forward", "backward")
+CONV_TARGET = 1.25   # every convolution within this factor of cuDNN's time in TF32 (PyTorch's default)
 
 
 def summary_lines(summary):
@@ -79,32 +80,47 @@ def ms(row, side):
     return "/".join(f"{t:.3f}" for t in times) if times else "-"
 
 
-def ratio(row, side):
-    """ours / side over forward + backward, as '2.41x', or '-'."""
+def ratio(row, ours, side):
+    """ours / side over forward + backward, or None where a side is missing."""
     phases = [p for p in PHASES if p in row]
-    if not all(side in row[p] for p in phases):
-        return "-"
+    if not all(side in row[p] and ours in row[p] for p in phases):
+        return None
     total = sum(row[p][side]["ms"] for p in phases)
-    return f"{sum(row[p]['ours']['ms'] for p in phases) / total:.2f}x" if total > 0 else "-"
+    return sum(row[p][ours]["ms"] for p in phases) / total if total > 0 else None
+
+
+def _times(value):
+    return f"{value:.2f}x" if value is not None else "-"
 
 
 def ops_lines(ops):
-    names = {"ours": "ours", "torch_fp32": "torch TF32 off", "torch_default": "torch default"}
+    names = {"ours": "ours tf32", "ours_fp32": "ours fp32", "torch_fp32": "torch TF32 off",
+             "torch_default": "torch default"}
     lines = [f"ops at batch {ops['config']['batch']}: ms per call forward/backward (median); "
-             f"ratio = ours / PyTorch, forward + backward",
-             f"{'layer':30s} {'n':>2s}  " + "  ".join(f"{names[s]:>15s}" + ("" if s == "ours" else f" {'ratio':>6s}")
-                                                      for s in SIDES)]
+             f"ratio = ours / PyTorch rounding as we do, forward + backward",
+             f"{'layer':30s} {'n':>2s}  " + "  ".join(f"{names[o]:>15s} {names[t]:>15s} {'ratio':>6s}"
+                                                      for o, t in PEERS.items())]
     for row in ops["rows"]:
-        cells = [f"{ms(row, s):>15s}" + ("" if s == "ours" else f" {ratio(row, s):>6s}") for s in SIDES]
+        cells = [f"{ms(row, o):>15s} {ms(row, t):>15s} {_times(ratio(row, o, t)):>6s}" for o, t in PEERS.items()]
         lines.append(f"{row['layer'][:30]:30s} {row['count']:>2d}  " + "  ".join(cells))
     step = ops.get("per_step_ms") or {}
     if step.get("ours"):
-        cells = [f"{step[s]:>15.2f}" + ("" if s == "ours" else f" {step['ours'] / step[s]:>5.2f}x")
-                 if step.get(s) else f"{'-':>15s}" + ("" if s == "ours" else f" {'-':>6s}") for s in SIDES]
+        cells = [f"{_number(step.get(o))} {_number(step.get(t))} "
+                 + (f"{step[o] / step[t]:>5.2f}x" if step.get(o) and step.get(t) else f"{'-':>6s}")
+                 for o, t in PEERS.items()]
         lines.append(f"{'one step: sum of n x (fwd+bwd)':30s} {'':>2s}  " + "  ".join(cells))
+    convs = [row for row in ops["rows"] if row["op"] == "conv2d" and ratio(row, "ours", "torch_default")]
+    if convs:
+        slow = [row["layer"] for row in convs if ratio(row, "ours", "torch_default") > CONV_TARGET]
+        lines.append(f"convolutions within {CONV_TARGET}x of cuDNN TF32: {len(convs) - len(slow)} of {len(convs)}"
+                     + (f"; not: {', '.join(slow)}" if slow else ""))
     if ops.get("torch") != "compared":
         lines.append(f"PyTorch not compared: {ops.get('torch')}")
     return lines
+
+
+def _number(value):
+    return f"{value:>15.2f}" if value else f"{'-':>15s}"
 
 
 def training_lines(training):
