@@ -25,7 +25,6 @@ from bench.layers import distinct, resnet18_layers
 from helpers import CONV_SHAPES, reproduce_hint, rng, validate
 from kernels import nvrtc
 from kernels.cuda import conv_tc
-from kernels.cuda import launch as cuda_launch
 from test_kernels_cuda import OnDevice, gpu_unavailable_reason, poisoned_device_empty, resnet_step  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty", "tf32")
@@ -110,8 +109,9 @@ def variant(request, monkeypatch):
     forced, so that small shapes exercise those code paths too."""
     if request.param == "large tile":
         monkeypatch.setattr(conv_tc, "choose_tile", lambda rows, columns, vec: "Tc128x64" if vec == 4 else "Tc64x64")
-    elif request.param == "split":
-        monkeypatch.setattr(cuda_launch, "MIN_SPLIT_LENGTH", 16)
+    elif request.param == "split":   # every GEMM in parts of one k step
+        monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 10**9)
+        monkeypatch.setattr(conv_tc, "MIN_SPLIT_K", conv_tc.BK)
     return request.param
 
 
@@ -154,6 +154,26 @@ def test_channels_last_inputs_give_the_same_results(x_shape, w_shape, stride, pa
     for a, b_, what in zip(be.conv2d_backward(dy, x, w, stride, padding),
                            be.conv2d_backward(dy_last, x_last, w, stride, padding), ("dx", "dw", "db")):
         assert np.array_equal(a, b_), what
+
+
+def test_small_grids_split_their_k_and_large_ones_do_not():
+    """At batch 256: stage 4's 4096 output pixels give too few tiles for an H200 without split-K;
+    stage 1's 200,704 give plenty."""
+    stage = {layer.label: (layer.x, layer.w, layer.stride, layer.padding)
+             for layer, _ in distinct(resnet18_layers(256)) if layer.op == "conv2d"}
+
+    def plans(label):
+        (n, c, h, w), (o, _, kh, kw), s, p = stage[label]
+        oh, ow = (h + 2 * p - kh) // s + 1, (w + 2 * p - kw) // s + 1
+        return {gemm: conv_tc.plan(gemm, (n, c, h, w, o, kh, kw, s, s, p, p, oh, ow))
+                for gemm in ("forward", "dgrad", "wgrad")}
+    for gemm, p in plans("conv 3x3/1 512->512 4->4").items():
+        assert p.grid[0] * p.grid[1] * p.grid[2] >= conv_tc.SPLIT_TARGET, (gemm, p)
+        assert p.splits > 1 or gemm == "wgrad", (gemm, p)   # 4096 pixels are wgrad's k
+        assert p.chunk % conv_tc.BK == 0 and p.chunk >= conv_tc.MIN_SPLIT_K
+    stage1 = plans("conv 3x3/1 64->64 28->28")
+    assert stage1["forward"].splits == stage1["dgrad"].splits == 1
+    assert stage1["forward"].kernel == "conv_tc_forward<Tc128x64, 4>" and stage1["wgrad"].splits > 1
 
 
 LINEARS = [(4, 5, 3), (6, 16, 12), (70, 33, 65), (3, 512, 10)]
@@ -273,3 +293,17 @@ def test_gpu_conv_beside_cudnn_tf32(gpu_backend):
                                         padding=1).cpu().numpy()
     error = [np.linalg.norm(a - ref) / np.linalg.norm(ref) for a in (ours, theirs)]
     assert error[0] <= 2e-3 and error[0] <= 2 * error[1] + 1e-6, f"ours {error[0]:.3g}, cuDNN TF32 {error[1]:.3g}"
+
+
+def test_the_launch_plan_of_resnet18_covers_every_product():
+    """bench/tc_plan.py: a plan for each GEMM of every convolution and the linear layer, with the
+    kernel's occupancy from its registers and shared memory."""
+    reason = nvrtc.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from bench import tc_plan
+    rows, resources = tc_plan.rows(256, "sm_90", 132)
+    products = [layer for layer, _ in distinct(resnet18_layers(256)) if layer.op in ("conv2d", "linear")]
+    assert len(rows) == 3 * len(products) == 3 * 12
+    assert all(1 <= row["resident"] <= 16 and row["blocks"] >= 1 for row in rows), rows
+    assert all(resources[row["kernel"]].spill_stores == 0 for row in rows)

@@ -6,11 +6,13 @@
 //
 //   conv_tc_forward  y (N*OH*OW x O)  = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b
 //   conv_tc_dgrad    dx (cells x C)   = dy gathered (cells x taps*O) . w_rsco (taps*O x C), one GEMM
-//                                       per stride phase of the input cells (grid.z, conv_geometry.cuh)
-//   conv_tc_wgrad    dw_krsc (O x KH*KW*C) = dy^T (O x N*OH*OW) . im2col(x) (N*OH*OW x KH*KW*C),
-//                                       split over K = N*OH*OW into per-split partials (grid.z)
-//                                       that sum_partials adds in order
+//                                       per stride phase of the input cells (conv_geometry.cuh)
+//   conv_tc_wgrad    dw_krsc (O x KH*KW*C) = dy^T (O x N*OH*OW) . im2col(x) (N*OH*OW x KH*KW*C)
 //   bias_grad_partials  per-channel sums of dy (bias_grad.cuh), finished by sum_partials
+//
+// Each GEMM may split its K over grid.z into partial outputs that sum_partials adds in order
+// (split-K: a small grid's blocks then fill the GPU); backward-data's grid.z also runs over the
+// phases.
 //
 // The weights come in the layouts their GEMM reads along k: w_krsc (O, KH, KW, C) for the
 // forward, w_rsco (KH, KW, C, O) for backward-data; the launcher makes them from (O, C, KH, KW).
@@ -142,7 +144,7 @@ __device__ __forceinline__ void tc_gemm(const SourceA& a, const SourceB& b, cons
         for (int j = 0; j < T::NI; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-    const int tiles = (k_end - k_begin + TC_BK - 1) / TC_BK;
+    const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;   // none for an empty part
     const auto load = [&](int tile) {
         if (tile < tiles) {
             const int k0 = k_begin + tile * TC_BK, stage = tile % TC_STAGES;
@@ -229,17 +231,21 @@ struct RowsOut {
     __device__ float* row(int m) const { return m < rows ? p + m * ld : nullptr; }
 };
 
-// y (N*OH*OW x O, NHWC) = im2col(x) . w_krsc^T + bias (bias may be null): block (x, y) computes
-// output pixels [x * BM, ...) by channels [y * BN, ...).
+// y (N*OH*OW x O, NHWC) = im2col(x) . w_krsc^T + bias (bias may be null): block (x, y, z) computes
+// output pixels [x * BM, ...) by channels [y * BN, ...) over k in [z * k_chunk, (z + 1) * k_chunk)
+// into y[z] (split-K: the launcher adds the gridDim.z parts in order; bias goes into part 0).
 template <class T, int VEC>
 __global__ void __launch_bounds__(TC_THREADS)
 conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
-                float* __restrict__ y, CONV_PARAMS) {
+                float* __restrict__ y, CONV_PARAMS, int k_chunk) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, depth = g.taps() * g.c, pixels = g.n * g.out_plane();
+    const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, depth);
     float acc[T::MI][T::NI][4];
-    tc_gemm<T, VEC, true, true>(ImageRows{g, x}, MatrixRows{w_krsc, g.o, depth}, x, w_krsc, m0, n0, 0, depth, acc);
-    tc_store<T>(RowsOut{y, pixels, g.o}, m0, n0, g.o, bias, acc);
+    tc_gemm<T, VEC, true, true>(ImageRows{g, x}, MatrixRows{w_krsc, g.o, depth}, x, w_krsc, m0, n0, k_begin, k_end,
+                                acc);
+    tc_store<T>(RowsOut{y + blockIdx.z * pixels * g.o, pixels, g.o}, m0, n0, g.o, blockIdx.z == 0 ? bias : nullptr,
+                acc);
 }
 
 // ---- backward-data ----------------------------------------------------------------------
@@ -284,20 +290,25 @@ struct PhaseRowsOut {
     }
 };
 
-// dx (N*H*W x C, NHWC) of stride phase blockIdx.z: block (x, y) computes the phase's cells
-// [x * BM, ...) by input channels [y * BN, ...); blocks past the phase's cells (phases differ in
-// size by a row or column) leave at once. A phase that no tap reaches gets zeros.
+// dx (N*H*W x C, NHWC): blockIdx.z = phase * splits + part, for the sh*sw stride phases and the
+// splits = gridDim.z / (sh*sw) parts of each phase's k; block (x, y, z) computes the phase's cells
+// [x * BM, ...) by input channels [y * BN, ...) over k in [part * k_chunk, ...) into dx[part]
+// (the launcher adds the parts in order). Blocks past the phase's cells (phases differ in size by a
+// row or column) leave at once; a phase, or a part of one, that no tap reaches gets zeros.
 template <class T, int VEC>
 __global__ void __launch_bounds__(TC_THREADS)
-conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_rsco, float* __restrict__ dx, CONV_PARAMS) {
+conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_rsco, float* __restrict__ dx, CONV_PARAMS,
+              int k_chunk) {
     const Geometry<0, 0> g CONV_GEOMETRY;
-    const Phase f = stride_phase(g, blockIdx.z);
+    const int splits = gridDim.z / (g.sh * g.sw), part = blockIdx.z % splits;
+    const Phase f = stride_phase(g, blockIdx.z / splits);
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN;
     if (m0 >= g.n * f.cells()) return;  // the same for the whole block
+    const int k_begin = part * k_chunk, k_end = min(k_begin + k_chunk, f.taps() * g.o);
     float acc[T::MI][T::NI][4];
-    tc_gemm<T, VEC, true, true>(GradientRows{g, f, dy}, WeightColumns{g, f, w_rsco}, dy, w_rsco, m0, n0, 0,
-                                f.taps() * g.o, acc);
-    tc_store<T>(PhaseRowsOut{g, f, dx}, m0, n0, g.c, nullptr, acc);
+    tc_gemm<T, VEC, true, true>(GradientRows{g, f, dy}, WeightColumns{g, f, w_rsco}, dy, w_rsco, m0, n0, k_begin,
+                                k_end, acc);
+    tc_store<T>(PhaseRowsOut{g, f, dx + part * g.n * g.h * g.w * g.c}, m0, n0, g.c, nullptr, acc);
 }
 
 // ---- backward-weight --------------------------------------------------------------------

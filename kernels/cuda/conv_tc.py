@@ -5,12 +5,14 @@ linear layer is the 1x1 convolution of 1x1 images.
 Every function here takes C-contiguous NHWC arrays and the geometry tuple of conv.py,
 (N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH, OW), and returns C-contiguous arrays.
 """
+import typing
+
 import numpy as np
 
-from .launch import cdiv, launch, split, sum_partials
+from .launch import cdiv, launch, sum_partials
 
 OPS = ()  # the contract's ops are conv.py's and linear.py's, which call these
-BK = 16   # the k step of every tile (TC_BK)
+BK, THREADS = 16, 128   # the k step of every tile (TC_BK) and the threads of a block (TC_THREADS)
 TILES = {"Tc128x64": (128, 64), "Tc64x64": (64, 64)}
 GEMMS = ("conv_tc_forward", "conv_tc_dgrad", "conv_tc_wgrad")
 # VEC = 4 (16-byte copies) for either tile; VEC = 1 (channel counts not a multiple of 4) with the
@@ -19,6 +21,9 @@ KERNELS = tuple(f"{k}<{t}, 4>" for k in GEMMS for t in TILES) + tuple(f"{k}<Tc64
     "bias_grad_partials", "sum_partials")
 # The large tile does twice the work per block: worth it only while the grid stays large.
 LARGE_TILE_MIN_BLOCKS = 256
+# Split-K: a grid of fewer blocks than two per SM of an H200 (132 SMs) splits its k into parts of
+# at least 32 k steps.
+SPLIT_TARGET, MIN_SPLIT_K = 264, 32 * BK
 
 
 def choose_tile(rows, columns, vec):
@@ -28,46 +33,76 @@ def choose_tile(rows, columns, vec):
     return "Tc128x64" if vec == 4 and rows >= 128 and large >= LARGE_TILE_MIN_BLOCKS else "Tc64x64"
 
 
+class Plan(typing.NamedTuple):
+    """How one GEMM of a convolution is launched: its kernel's name expression, the grid (x over
+    output rows, y over output columns, z over split-K parts, times the stride phases for
+    backward-data), the k per part and the number of parts."""
+    kernel: str
+    grid: tuple
+    chunk: int
+    splits: int
+
+
+def plan(gemm, geometry):
+    """The Plan of `gemm` ("forward", "dgrad" or "wgrad") for the geometry tuple of conv.py."""
+    n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    if gemm == "forward":
+        return _plan("conv_tc_forward", n * oh * ow, o, kh * kw * c, _vec(c))
+    if gemm == "dgrad":   # one GEMM per stride phase of the input cells, sized for the largest
+        return _plan("conv_tc_dgrad", n * cdiv(h, sh) * cdiv(wd, sw), c, cdiv(kh, sh) * cdiv(kw, sw) * o, _vec(o),
+                     sh * sw)
+    return _plan("conv_tc_wgrad", o, kh * kw * c, n * oh * ow, _vec(o, c))
+
+
+def splits(k, blocks):
+    """(parts, k per part) for a GEMM of `blocks` blocks summing over `k`: a grid of fewer than
+    SPLIT_TARGET blocks splits its k into parts of at least MIN_SPLIT_K (whole k steps) until it has
+    about that many blocks. From the shapes alone, so that every run adds the same partials."""
+    parts = 1 if blocks >= SPLIT_TARGET else max(1, min(cdiv(SPLIT_TARGET, blocks), k // MIN_SPLIT_K))
+    chunk = cdiv(cdiv(max(k, 1), parts), BK) * BK
+    return cdiv(max(k, 1), chunk), chunk
+
+
 def _vec(*channels):
     """4 when every channel count that the copies run along is a multiple of 4, else 1."""
     return 4 if all(c % 4 == 0 for c in channels) else 1
 
 
-def _grid(kernel, rows, columns, vec, z=1):
+def _plan(kernel, rows, columns, k, vec, phases=1):
     tile = choose_tile(rows, columns, vec)
     bm, bn = TILES[tile]
-    return f"{kernel}<{tile}, {vec}>", (cdiv(rows, bm), cdiv(columns, bn), z)
+    grid = (cdiv(rows, bm), cdiv(columns, bn))
+    parts, chunk = splits(k, grid[0] * grid[1] * phases)
+    return Plan(f"{kernel}<{tile}, {vec}>", grid + (phases * parts,), chunk, parts)
 
 
 def forward(be, x, w_krsc, b, geometry):
     """y (N, OH, OW, O) = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (may be None)."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    y = be.xp.empty((n, oh, ow, o), np.float32)
-    kernel, grid = _grid("conv_tc_forward", n * oh * ow, o, _vec(c))
-    launch(be, "conv_tc", kernel, grid, (x, w_krsc, b, y, *geometry), block=(128,))
-    return y
+    p = plan("forward", geometry)
+    return _summed(be, p, (n, oh, ow, o), lambda out: (x, w_krsc, b, out, *geometry, p.chunk))
 
 
 def backward_data(be, dy, w_rsco, geometry):
-    """dx (N, H, W, C) from dy (N, OH, OW, O) and w_rsco (KH, KW, C, O): one GEMM per stride
-    phase of the input cells (grid.z), sized for the largest."""
-    n, c, h, wd, o, kh, kw, sh, sw = geometry[:9]
-    dx = be.xp.empty((n, h, wd, c), np.float32)
-    kernel, grid = _grid("conv_tc_dgrad", n * cdiv(h, sh) * cdiv(wd, sw), c, _vec(o), sh * sw)
-    launch(be, "conv_tc", kernel, grid, (dy, w_rsco, dx, *geometry), block=(128,))
-    return dx
+    """dx (N, H, W, C) from dy (N, OH, OW, O) and w_rsco (KH, KW, C, O)."""
+    n, c, h, wd = geometry[:4]
+    p = plan("dgrad", geometry)
+    return _summed(be, p, (n, h, wd, c), lambda out: (dy, w_rsco, out, *geometry, p.chunk))
 
 
 def backward_weight(be, dy, x, geometry):
-    """dw_krsc (O, KH, KW, C) from dy (N, OH, OW, O) and x (N, H, W, C), split over the
-    N*OH*OW sum into partials (added in order) when the (O x KH*KW*C) grid is small."""
-    n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    columns = kh * kw * c
-    kernel, grid = _grid("conv_tc_wgrad", o, columns, _vec(o, c))
-    splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=BK)
-    dw = be.xp.empty((o, kh, kw, c), np.float32)
-    partial = dw if splits == 1 else be.xp.empty((splits, o, kh, kw, c), np.float32)
-    launch(be, "conv_tc", kernel, grid[:2] + (splits,), (dy, x, partial, *geometry, chunk), block=(128,))
-    if splits > 1:
-        sum_partials(be, "conv_tc", partial, splits, dw)
-    return dw
+    """dw_krsc (O, KH, KW, C) from dy (N, OH, OW, O) and x (N, H, W, C)."""
+    n, c, h, wd, o, kh, kw = geometry[:7]
+    p = plan("wgrad", geometry)
+    return _summed(be, p, (o, kh, kw, c), lambda out: (dy, x, out, *geometry, p.chunk))
+
+
+def _summed(be, p, shape, arguments):
+    """Launch the Plan with arguments(out) and return the output of `shape`: the kernel's own when
+    it has one part, else the in-order sum of its parts."""
+    out = be.xp.empty(shape, np.float32)
+    partial = out if p.splits == 1 else be.xp.empty((p.splits, *shape), np.float32)
+    launch(be, "conv_tc", p.kernel, p.grid, arguments(partial), block=(THREADS,))
+    if p.splits > 1:
+        sum_partials(be, "conv_tc", partial, p.splits, out)
+    return out

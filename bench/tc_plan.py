@@ -1,0 +1,87 @@
+"""What the tensor-core kernels (kernels/cuda/conv_tc.cu) launch for every convolution of ResNet-18
+and its linear layer at batch 256, and how that fills an H200; no GPU needed.
+
+  PYTHONPATH=. python -m bench.tc_plan [--batch 256] [--arch sm_90] [--sms 132]
+
+For each GEMM (forward, backward-data, backward-weight) of each distinct layer: the kernel the
+launchers choose (kernels/cuda/conv_tc.py's plan), its grid in blocks, the split-K parts of
+backward-weight, and the waves of blocks over the SMs at the occupancy that the kernel's
+registers and shared memory allow (from ptxas through NVRTC, as kernels.cuda.ptxas_report gives
+them). The occupancy rules are Hopper's (sm_90): 65,536 registers per SM, allocated per warp
+in units of 256; 228 KB of shared memory per SM, 1 KB of it reserved per block; at most 32
+blocks and 64 warps per SM. A model of the launch, not a measurement: the speed is measured by
+bench/gpu_check (tier c) when a GPU is lent.
+"""
+import argparse
+import math
+import sys
+
+from bench import layers
+from kernels.cuda import conv_tc
+from kernels.cuda.ptxas_report import report
+
+REGISTERS, REGISTER_UNIT, SHARED, SHARED_RESERVED, MAX_BLOCKS, MAX_WARPS = 65536, 256, 233472, 1024, 32, 64
+
+
+def blocks_per_sm(resources, threads=conv_tc.THREADS):
+    """Resident blocks per SM of a kernel of `threads` threads with ptxas' `resources`, and what limits them."""
+    warps = threads // 32
+    per_warp = math.ceil(resources.registers * 32 / REGISTER_UNIT) * REGISTER_UNIT
+    limits = {"registers": REGISTERS // (per_warp * warps), "shared memory": SHARED // (resources.shared_bytes +
+                                                                                       SHARED_RESERVED),
+              "blocks": MAX_BLOCKS, "warps": MAX_WARPS // warps}
+    limit = min(limits, key=limits.get)
+    return limits[limit], limit
+
+
+def geometry(layer):
+    """conv.py's geometry tuple of a conv2d or linear Layer (the linear layer as a 1x1 convolution)."""
+    if layer.op == "linear":
+        (n, i), o = layer.x, layer.w[0]
+        return n, i, 1, 1, o, 1, 1, 1, 1, 0, 0, 1, 1
+    n, c, h, w = layer.x
+    o, _, kh, kw = layer.w
+    return (n, c, h, w, o, kh, kw, layer.stride, layer.stride, layer.padding, layer.padding, *layer.y[2:])
+
+
+def rows(batch, arch, sms):
+    resources = {kernel: r for _, _, kernel, r in report(["conv_tc"], [arch])}
+    out = []
+    for layer, count in layers.distinct(layers.resnet18_layers(batch)):
+        if layer.op not in ("conv2d", "linear"):
+            continue
+        for gemm in ("forward", "dgrad", "wgrad"):
+            p = conv_tc.plan(gemm, geometry(layer))
+            resident, limit = blocks_per_sm(resources[p.kernel])
+            blocks = math.prod(p.grid)
+            out.append({"layer": layer.label, "count": count, "gemm": gemm, "kernel": p.kernel, "grid": p.grid,
+                        "blocks": blocks, "resident": resident, "limit": limit,
+                        "waves": blocks / (resident * sms)})
+    return out, resources
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--batch", type=int, default=layers.BATCH)
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--sms", type=int, default=132, help="SMs of the GPU (default 132, an H200 SXM)")
+    args = p.parse_args(argv)
+    table, resources = rows(args.batch, args.arch, args.sms)
+    print(f"| kernel ({args.arch}) | registers | shared memory, bytes | blocks per SM (limit) |")
+    print("|---|---|---|---|")
+    for kernel in conv_tc.KERNELS:
+        if kernel.startswith("conv_tc_"):
+            r = resources[kernel]
+            resident, limit = blocks_per_sm(r)
+            print(f"| `{kernel}` | {r.registers} | {r.shared_bytes} | {resident} ({limit}) |")
+    print(f"\n| layer (batch {args.batch}) | n | GEMM | kernel | grid | blocks | waves on {args.sms} SMs |")
+    print("|---|---|---|---|---|---|---|")
+    for row in table:
+        print(f"| {row['layer']} | {row['count']} | {row['gemm']} | `{row['kernel']}` | "
+              f"{'x'.join(map(str, row['grid']))} | {row['blocks']} | {row['waves']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
