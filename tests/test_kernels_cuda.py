@@ -1,8 +1,8 @@
 """The CUDA backend's kernels, with and without a GPU, under the fp32 precision (the tensor-core
 convolutions of the tf32 precision are tests/test_conv_tc.py's).
 
-- Every family's source compiles with NVRTC for sm_80 and sm_90, cleanly (needs only the
-  NVRTC library; skipped with the reason when it is missing).
+- Every family's source compiles with NVRTC for sm_80 and sm_90, cleanly and without spills
+  (needs only the NVRTC library; skipped with the reason when it is missing).
 - Every op runs on the ``emu`` backend, the CUDA launchers and kernels on the CPU emulator,
   in float32, against the float64 references (check_op) and against kernels.cpu (each call
   is repeated there on copies of its arguments: outputs and in-place updates must agree);
@@ -169,9 +169,11 @@ def test_compiles_with_nvrtc(family, arch):
     if reason:
         pytest.skip(reason)
     from kernels.cuda.ptxas_report import compile_family
-    compiled = compile_family(family, arch)
+    compiled = compile_family(family, arch, verbose=True)
     assert "warning" not in compiled.log.lower(), f"{family}.cu for {arch}:\n{compiled.log}"
     assert set(compiled.lowered_names) == set(cuda.launcher(family).KERNELS)
+    spilling = {name: r for name, r in compiled.resources().items() if r.spill_stores or r.spill_loads}
+    assert not spilling, f"{family}.cu for {arch} spills: {spilling}"
 
 
 def test_the_device_backends_offer_the_whole_contract():
