@@ -176,6 +176,19 @@ def test_small_grids_split_their_k_and_large_ones_do_not():
     assert stage1["forward"].kernel == "conv_tc_forward<Tc128x64, 4>" and stage1["wgrad"].splits > 1
 
 
+def test_inputs_at_an_odd_offset_are_copied_for_the_16_byte_copies():
+    """A parameter is a view into the flat buffer, at any offset; the 16-byte cp.async needs 16."""
+    be = kernels._device_backend("emu")
+    (flat,) = draw(1 + 8 * 4 + 6 * 4)
+    w, lw = flat[1:33].reshape(8, 4, 1, 1), flat[33:].reshape(6, 4)   # 4 bytes past 16
+    x, xl = draw((2, 4, 5, 5), (3, 4))
+    y = be.conv2d_forward(x, w, None, 1, 0)
+    validate(y, R.conv2d_forward(x, w, None, 1, 0), "1x1 conv of a weight at an odd offset", rtol=2e-3)
+    validate(be.linear_forward(xl, lw, None), R.linear_forward(xl, lw, None), "linear", rtol=2e-3)
+    dx, dw, _ = be.conv2d_backward(y, x, w, 1, 0)
+    validate(dx, R.conv2d_backward(y, x, w, 1, 0)[0], "dx", rtol=2e-3)
+
+
 LINEARS = [(4, 5, 3), (6, 16, 12), (70, 33, 65), (3, 512, 10)]
 
 

@@ -3,13 +3,14 @@ memory, which conv.py and linear.py call under the tf32 precision (kernels.preci
 linear layer is the 1x1 convolution of 1x1 images.
 
 Every function here takes C-contiguous NHWC arrays and the geometry tuple of conv.py,
-(N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH, OW), and returns C-contiguous arrays.
+(N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH, OW), and returns C-contiguous arrays. Inputs not
+16-byte aligned (views at an odd offset) are copied first: the 16-byte cp.async needs it.
 """
 import typing
 
 import numpy as np
 
-from .launch import cdiv, launch, sum_partials
+from .launch import aligned, cdiv, launch, sum_partials
 
 OPS = ()  # the contract's ops are conv.py's and linear.py's, which call these
 BK, THREADS = 16, 128   # the k step of every tile (TC_BK) and the threads of a block (TC_THREADS)
@@ -80,6 +81,7 @@ def forward(be, x, w_krsc, b, geometry):
     """y (N, OH, OW, O) = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (may be None)."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     p = plan("forward", geometry)
+    x, w_krsc = aligned(x), aligned(w_krsc)
     return _summed(be, p, (n, oh, ow, o), lambda out: (x, w_krsc, b, out, *geometry, p.chunk))
 
 
@@ -87,6 +89,7 @@ def backward_data(be, dy, w_rsco, geometry):
     """dx (N, H, W, C) from dy (N, OH, OW, O) and w_rsco (KH, KW, C, O)."""
     n, c, h, wd = geometry[:4]
     p = plan("dgrad", geometry)
+    dy, w_rsco = aligned(dy), aligned(w_rsco)
     return _summed(be, p, (n, h, wd, c), lambda out: (dy, w_rsco, out, *geometry, p.chunk))
 
 
@@ -94,6 +97,7 @@ def backward_weight(be, dy, x, geometry):
     """dw_krsc (O, KH, KW, C) from dy (N, OH, OW, O) and x (N, H, W, C)."""
     n, c, h, wd, o, kh, kw = geometry[:7]
     p = plan("wgrad", geometry)
+    dy, x = aligned(dy), aligned(x)
     return _summed(be, p, (o, kh, kw, c), lambda out: (dy, x, out, *geometry, p.chunk))
 
 

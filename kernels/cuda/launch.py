@@ -92,6 +92,14 @@ def memory(a):
     return a.transpose(0, 2, 3, 1) if is_channels_last(a) else a
 
 
+def aligned(a, alignment=16):
+    """`a` (C-contiguous) when its first element's address is a multiple of `alignment` bytes, else
+    an aligned copy: a view at an odd offset (a parameter of a flat buffer, say) cannot feed 16-byte
+    copies. Allocations of CuPy (256 bytes), of the simulated GPUs and of NumPy (16) are aligned."""
+    address = a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+    return a if address % alignment == 0 else a.copy()
+
+
 def integers(be, op, a):
     """An integer array (labels) as a C-contiguous array of a dtype the kernels are built for."""
     if not isinstance(a, be.xp.ndarray) or a.dtype not in C_TYPES:
