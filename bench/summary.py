@@ -46,7 +46,7 @@ def outcome(t):
     if "reason" in t:
         return t["reason"]
     parts = []
-    for run in ("wrappers", "pytest"):
+    for run in ("wrappers", "tensor_cores", "pytest"):
         if run in t:
             counts = t[run].get("tests")
             parts.append(f"{run}: " + (", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped"))

@@ -3,7 +3,9 @@ results written to --out as soon as it ends, so that a run cut off early still l
 
   a  first the tensor-core wrappers on the GPU against their emulation, fragment by fragment
      (pytest -m gpu tests/test_tensor_core.py: it proves the PTX strings mean what the emulator runs),
-     then the GPU tests on small shapes (pytest -m gpu tests/test_kernels_cuda.py), then
+     then the tensor-core convolutions against float64 of their TF32-rounded inputs and beside
+     cuDNN (tests/test_conv_tc.py), then the GPU tests on small shapes of the fp32 kernels and all
+     the others (pytest -m gpu tests/test_kernels_cuda.py), then
      compute-sanitizer memcheck and racecheck over one small training step (bench/sanitizer_step.py),
      where compute-sanitizer is on PATH or in $CUDA_HOME/bin
   b  the full-shape GPU tests: every op at every ResNet-18 layer shape at batch 256, and odd shapes,
@@ -162,6 +164,7 @@ def junit_counts(xml):
 
 def small_tests(run):
     results = {"wrappers": pytest_gpu(run, "wrappers", "tests/test_tensor_core.py", limit=30),
+               "tensor_cores": pytest_gpu(run, "tensor_cores", "tests/test_conv_tc.py", limit=40),
                "pytest": pytest_gpu(run, "pytest", "tests/test_kernels_cuda.py", limit=90)}
     sanitizer = report.compute_sanitizer()
     if sanitizer is None:
@@ -242,7 +245,7 @@ def layer_profile(run):
 
 
 TIERS = (
-    Tier("a", "GPU tests on small shapes; compute-sanitizer memcheck and racecheck", 70, 150, small_tests, False),
+    Tier("a", "GPU tests on small shapes; compute-sanitizer memcheck and racecheck", 75, 150, small_tests, False),
     Tier("b", "full-shape GPU tests against PyTorch float64", 45, 100, full_tests, False),
     Tier("c", "each op at every ResNet-18 layer shape, batch 256, beside PyTorch", 35, 80, op_times, True),
     Tier("d", "100 training steps at batch 256, beside PyTorch eager", 40, 90, train_times, True),

@@ -285,7 +285,7 @@ def gpu_backend(request):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=4, width=64)
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=2, width=16)
                          + [s[:4] for s in CONV_SHAPES])
 def test_gpu_conv_against_the_tf32_references(gpu_backend, x_shape, w_shape, stride, padding):
     check_conv(gpu_backend, x_shape, w_shape, stride, padding)
