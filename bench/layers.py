@@ -20,7 +20,8 @@ EPOCH_IMAGES = 60000
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-    """One op call: ``op`` is the kernel family's name in the contract (kernels/cpu/__init__.py);
+    """One op call: ``op`` is the kernel family's name in the contract (kernels/cpu/__init__.py), or
+    batch_norm_relu and batch_norm_add_relu for batch norm with its relu join fused in;
     ``x`` the shape of its input (for sgd_update, of the flat parameter buffer); ``w`` the
     weight's shape for conv2d and linear."""
     op: str
@@ -77,7 +78,7 @@ def parameter_shapes(layers):
     for layer in layers:
         if layer.op in ("conv2d", "linear"):
             shapes += [layer.w, layer.w[:1]]
-        elif layer.op == "batch_norm":
+        elif layer.op.startswith("batch_norm"):
             shapes += [layer.x[1:2]] * 2
     return shapes
 
@@ -112,15 +113,14 @@ def _conv(layers, name, x, channels, kernel, stride, padding):
 
 
 def _residual(layers, name, x, channels, stride):
-    """nn.resnet.Residual: conv1, bn1, relu, conv2, bn2, the 1x1 projection conv3 where the
-    shape changes, and relu(y + shortcut)."""
+    """nn.resnet.Residual: conv1, bn1 with its relu, conv2, the 1x1 projection conv3 where the
+    shape changes, and bn2 with the join relu(bn2 + shortcut)."""
     y = _conv(layers, f"{name}.conv1", x, channels, 3, stride, 1)
-    layers += [Layer("batch_norm", f"{name}.bn1", y), Layer("relu", f"{name}.relu", y)]
+    layers.append(Layer("batch_norm_relu", f"{name}.bn1", y))
     y = _conv(layers, f"{name}.conv2", y, channels, 3, 1, 1)
-    layers.append(Layer("batch_norm", f"{name}.bn2", y))
     if stride != 1 or x[1] != channels:
         _conv(layers, f"{name}.conv3", x, channels, 1, stride, 0)
-    layers.append(Layer("add_relu", name, y))
+    layers.append(Layer("batch_norm_add_relu", f"{name}.bn2", y))
     return y
 
 

@@ -103,7 +103,7 @@ def precision(torch, tf32):
 
 
 # ---- one builder per op of the layer list: our calls by phase, and PyTorch's peer -----------
-# Each returns ({'forward': [(op, args)], 'backward': [(op, args)]}, peer(bench) -> Peer).
+# Each returns ({'forward': [(op, args[, kwargs])], 'backward': [...]}, peer(bench) -> Peer).
 
 def conv2d(b, layer):
     x, w, bias, dy = b.randn(layer.x), b.randn(layer.w), b.randn(layer.w[:1]), b.randn(layer.y)
@@ -118,22 +118,29 @@ def conv2d(b, layer):
 
 
 def batch_norm(b, layer):
+    """Training batch norm with its running statistics, and for the ops batch_norm_relu and
+    batch_norm_add_relu the join fused into it: relu(bn(x)), relu(bn(x) + residual)."""
     c = layer.x[1]
     x, gamma, beta, dy = b.randn(layer.x), b.randn((c,)), b.randn((c,)), b.randn(layer.x)
-    running_mean, running_var = b.xp.zeros(c, np.float32), b.xp.ones(c, np.float32)
-    _, mean, invstd = b.ops.batch_norm_forward(x, gamma, beta, EPS)
-    count = x.size // c
+    residual = b.randn(layer.x) if layer.op == "batch_norm_add_relu" else None
+    relu = layer.op != "batch_norm"
+    running = b.xp.zeros(c, np.float32), b.xp.ones(c, np.float32)
+    forward = {"running": running, "momentum": MOMENTUM, "relu": relu, "residual": residual}
+    y, mean, invstd = b.ops.batch_norm_forward(x, gamma, beta, EPS, **forward)
 
     def peer(b):
         tx, tg, tb = b.leaves(x, gamma, beta)
-        tm, tv = b.tensor(running_mean), b.tensor(running_var)
+        tm, tv = map(b.tensor, running)
         F = b.torch.nn.functional
-        return Peer(b.torch, lambda: F.batch_norm(tx, tm, tv, tg, tb, True, MOMENTUM, EPS), (tx, tg, tb),
-                    b.tensor(dy))
-    return {"forward": [("batch_norm_forward", (x, gamma, beta, EPS)),
-                        ("batch_norm_update_running", (running_mean, running_var, mean, invstd, count,
-                                                       MOMENTUM, EPS))],
-            "backward": [("batch_norm_backward", (dy, x, gamma, mean, invstd))]}, peer
+        tr = None if residual is None else b.tensor(residual, grad=True)
+
+        def forward():
+            t = F.batch_norm(tx, tm, tv, tg, tb, True, MOMENTUM, EPS)
+            return F.relu(t + tr) if tr is not None else F.relu(t) if relu else t
+        return Peer(b.torch, forward, (tx, tg, tb) + ((tr,) if tr is not None else ()), b.tensor(dy))
+    return {"forward": [("batch_norm_forward", (x, gamma, beta, EPS), forward)],
+            "backward": [("batch_norm_backward", (dy, x, gamma, mean, invstd),
+                          {"y": y if relu else None, "shortcut": residual is not None})]}, peer
 
 
 def relu(b, layer):
@@ -215,6 +222,7 @@ def images_to_float(b, layer):
 
 BUILDERS = {fn.__name__: fn for fn in (conv2d, batch_norm, relu, add_relu, global_avg_pool, linear,
                                        softmax_cross_entropy, sgd_update, images_to_float)}
+BUILDERS.update(batch_norm_relu=batch_norm, batch_norm_add_relu=batch_norm)
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -225,8 +233,9 @@ def time_layer(b, layer, count):
     row = {"layer": layer.label, "name": layer.name, "op": layer.op, "count": count, "x": layer.x,
            "w": layer.w, "stride": layer.stride, "padding": layer.padding}
     for phase, calls in ours.items():
-        cost = sum((costs.cost_of(op, *args) for op, args in calls), costs.ZERO)
-        run = lambda calls=calls: [getattr(b.ops, op)(*args) for op, args in calls]  # noqa: E731
+        calls = [(op, args, *kwargs) if kwargs else (op, args, {}) for op, args, *kwargs in calls]
+        cost = sum((costs.cost_of(op, *args, **kwargs) for op, args, kwargs in calls), costs.ZERO)
+        run = lambda calls=calls: [getattr(b.ops, op)(*args, **kwargs) for op, args, kwargs in calls]  # noqa: E731
         row[phase] = {"flops": cost.flops, "bytes": cost.bytes}
         for side, chosen in OUR_SIDES:
             if layer.op in PRODUCTS or side == "ours":

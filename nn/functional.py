@@ -8,32 +8,49 @@ def _data(t):
     return None if t is None else t.data
 
 
+def _outputs(*params):
+    """Where a backward writes the gradients of `params` (None for any that is not a stale
+    Parameter's, see Parameter.gradient_out); None when it writes none of them."""
+    outs = tuple(getattr(p, "gradient_out", lambda: None)() for p in params)
+    return outs if any(o is not None for o in outs) else None
+
+
 def conv2d(x, weight, bias=None, stride=1, padding=0):
     K = backend_of(x.data)
     y = K.conv2d_forward(x.data, weight.data, _data(bias), stride, padding)
     # without a bias there are two parents, and the tape ignores the third gradient
     return Tensor._make(y, (x, weight) if bias is None else (x, weight, bias),
-                        lambda dy: K.conv2d_backward(dy, x.data, weight.data, stride, padding))
+                        lambda dy: K.conv2d_backward(dy, x.data, weight.data, stride, padding, need_dx=x.requires_grad,
+                                                     out=_outputs(weight, bias)))
 
 
-def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.1, eps=1e-5, group=None):
+def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.1, eps=1e-5, group=None,
+               relu=False, residual=None):
     """PyTorch's F.batch_norm: in training, normalise with the batch statistics and
     move the running ones (plain arrays, updated in place) towards them; in eval,
     normalise with the running statistics. With a ``group`` of replicas (see
-    synchronised_batch_norm), the training statistics are those of every replica's batch."""
+    synchronised_batch_norm), the training statistics are those of every replica's batch.
+    ``relu`` gives relu(batch norm), ``residual`` (a tensor of x's shape) relu(batch norm +
+    residual): the joins of a residual block, fused into the normalisation in training."""
     K = backend_of(x.data)
-    if not training:
-        y = K.batch_norm_inference(x.data, weight.data, bias.data, running_mean, running_var, eps)
-        return Tensor._make(y, (x, weight, bias), lambda dy: K.batch_norm_inference_backward(
-            dy, x.data, weight.data, running_mean, running_var, eps))
-    if group is not None:
-        return synchronised_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, group)
-    y, mean, invstd = K.batch_norm_forward(x.data, weight.data, bias.data, eps)
-    if running_mean is not None:
-        count = x.data.size // x.data.shape[1]
-        K.batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps)
-    return Tensor._make(y, (x, weight, bias), lambda dy: K.batch_norm_backward(
-        dy, x.data, weight.data, mean, invstd))
+    if not training or group is not None:
+        if not training:
+            y = K.batch_norm_inference(x.data, weight.data, bias.data, running_mean, running_var, eps)
+            y = Tensor._make(y, (x, weight, bias), lambda dy: K.batch_norm_inference_backward(
+                dy, x.data, weight.data, running_mean, running_var, eps))
+        else:
+            y = synchronised_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, group)
+        return _joined(y, relu, residual)
+    running = None if running_mean is None else (running_mean, running_var)
+    r = _data(residual)
+    y, mean, invstd = K.batch_norm_forward(x.data, weight.data, bias.data, eps, running=running, momentum=momentum,
+                                           relu=relu, residual=r)
+    masked = relu or residual is not None
+
+    def backward(dy):
+        return K.batch_norm_backward(dy, x.data, weight.data, mean, invstd, y=y if masked else None,
+                                     out=_outputs(weight, bias), shortcut=residual is not None)
+    return Tensor._make(y, (x, weight, bias) if residual is None else (x, weight, bias, residual), backward)
 
 
 def synchronised_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, group):
@@ -60,6 +77,11 @@ def synchronised_batch_norm(x, running_mean, running_var, weight, bias, momentum
         dx = K.batch_norm_backward_dx(dy, x.data, weight.data, mean, invstd, total, count)
         return dx, local[0], local[1]
     return Tensor._make(y, (x, weight, bias), backward)
+
+
+def _joined(y, with_relu, residual):
+    """relu(y + residual), relu(y) or y, as separate ops (batch_norm fuses them in training)."""
+    return add_relu(y, residual) if residual is not None else relu(y) if with_relu else y
 
 
 def relu(x):
@@ -105,7 +127,7 @@ def linear(x, weight, bias=None):
     K = backend_of(x.data)
     y = K.linear_forward(x.data, weight.data, _data(bias))
     return Tensor._make(y, (x, weight) if bias is None else (x, weight, bias),
-                        lambda dy: K.linear_backward(dy, x.data, weight.data))
+                        lambda dy: K.linear_backward(dy, x.data, weight.data, out=_outputs(weight, bias)))
 
 
 def cross_entropy(logits, labels):

@@ -23,18 +23,49 @@ def _pair(v):
 
 class Parameter(Tensor):
     """A leaf that always has a gradient array, accumulated in place, so that the
-    gradient can be a view into the model's flat gradient buffer."""
+    gradient can be a view into the model's flat gradient buffer.
+
+    zero_grad() costs nothing on the device: it marks the gradient as zero without writing it
+    (stale), and the first contribution of the next backward is written over it, by the op's
+    backward itself where it can (``gradient_out``); later ones are added. Reading ``grad``
+    while it is stale writes the zeros first."""
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)
         self.grad = get_array_module(self.data).zeros_like(self.data)
         self._flat = None
 
+    @property
+    def grad(self):
+        if self._stale:
+            self._grad.fill(0)
+            self._stale = False
+        return self._grad
+
+    @grad.setter
+    def grad(self, value):
+        self._grad, self._stale = value, False
+
+    def gradient_out(self):
+        """The array a backward should write this parameter's gradient into, or None: while the
+        gradient is stale, the gradient array itself (then no longer stale: the caller writes
+        it), so that the first contribution costs neither a zeroing nor an addition."""
+        if not self._stale:
+            return None
+        self._stale = False
+        return self._grad
+
     def _accumulate(self, grad):
-        backend_of(grad).add(self.grad, grad, out=self.grad)
+        if grad is self._grad:   # written there by the backward (gradient_out)
+            return
+        if self._stale:
+            self._grad[...] = grad
+            self._stale = False
+        else:
+            backend_of(grad).add(self._grad, grad, out=self._grad)
 
     def zero_grad(self):
-        self.grad.fill(0)
+        self._stale = True
 
 
 class FlatParameters:
@@ -51,13 +82,38 @@ class FlatParameters:
         self.params = params
         self.offsets = np.cumsum([0] + [p.size for p in params]).tolist()
         self.data = xp.empty(self.offsets[-1], dtype=params[0].dtype)
-        self.grad = xp.zeros(self.offsets[-1], dtype=params[0].dtype)
+        self._grad = xp.zeros(self.offsets[-1], dtype=params[0].dtype)
         for p, lo, hi in zip(params, self.offsets, self.offsets[1:]):
             self.data[lo:hi] = p.data.ravel()
-            self.grad[lo:hi] = p.grad.ravel()
+            self._grad[lo:hi] = p.grad.ravel()
             p.data = self.data[lo:hi].reshape(p.shape)
-            p.grad = self.grad[lo:hi].reshape(p.shape)
+            p.grad = self._grad[lo:hi].reshape(p.shape)
             p._flat = self
+
+    @property
+    def grad(self):
+        """The whole flat gradient buffer, every stale parameter's gradient zeroed first."""
+        return self.gradients(0, len(self))
+
+    def gradients(self, lo, hi):
+        """The slice [lo, hi) of the gradient buffer (whole parameters), the stale gradients in it
+        zeroed first, a run of neighbours at once: what an all-reduce or an optimizer reads."""
+        run = None
+        for p, start, end in zip(self.params, self.offsets, self.offsets[1:]):
+            if start >= lo and end <= hi and p._stale:
+                run = (run[0] if run else start, end)
+                p._stale = False
+            elif run:
+                self._grad[run[0]:run[1]].fill(0)
+                run = None
+        if run:
+            self._grad[run[0]:run[1]].fill(0)
+        return self._grad[lo:hi]
+
+    def zero_grad(self):
+        """Every gradient zero, without touching the device (see Parameter)."""
+        for p in self.params:
+            p.zero_grad()
 
     @staticmethod
     def existing(params):
@@ -117,9 +173,9 @@ class Module:
     def add_module(self, name, module):
         self._modules[name] = module
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         with hooks.module_scope(self):
-            return self.forward(*args)
+            return self.forward(*args, **kwargs)
 
     # ---- traversal ------------------------------------------------------------------
 
@@ -188,12 +244,8 @@ class Module:
 
     def zero_grad(self):
         params = self.parameters()
-        flat = FlatParameters.existing(params)
-        if flat is not None:
-            flat.grad.fill(0)
-        else:
-            for p in params:
-                p.zero_grad()
+        for p in params:
+            p.zero_grad()
 
     def to(self, target):
         """A dtype casts parameters and floating buffers; a device moves them: 'cpu', 'cuda' (the
@@ -304,11 +356,13 @@ class BatchNorm2d(Module):
         self.register_buffer("num_batches_tracked", np.zeros((), np.int64))
         self.group = None  # replicas whose batches this layer normalises together
 
-    def forward(self, x):
+    def forward(self, x, relu=False, residual=None):
+        """Batch norm of x; relu(it) with `relu`, relu(it + residual) with a `residual` (fused in
+        training, see F.batch_norm)."""
         if self.training:
             self.num_batches_tracked += 1
         return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                            self.training, self.momentum, self.eps, self.group)
+                            self.training, self.momentum, self.eps, self.group, relu=relu, residual=residual)
 
     def extra_repr(self):
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"

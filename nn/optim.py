@@ -23,7 +23,7 @@ class SGD:
                                               self.lr, self.momentum, self.weight_decay)
 
     def zero_grad(self):
-        self.flat.grad.fill(0)
+        self.flat.zero_grad()
 
 
 class CosineAnnealingLR:

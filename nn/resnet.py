@@ -1,12 +1,12 @@
 """ResNet-18 with the module tree of d2l's PyTorch version (the 'multiple GPUs,
 concise' section), so that state-dict keys line up with it."""
-from . import functional as F
 from .init import init_model
 from .modules import AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Flatten, Linear, Module, ReLU, Sequential
 
 
 class Residual(Module):
-    """Two 3x3 convs with batch norm; a 1x1 projection ``conv3`` when the shape changes."""
+    """Two 3x3 convs with batch norm; a 1x1 projection ``conv3`` when the shape changes. The relu
+    after bn1 and the join relu(bn2 + shortcut) are fused into the batch norms."""
 
     def __init__(self, in_channels, channels, use_1x1conv=False, stride=1):
         super().__init__()
@@ -17,10 +17,9 @@ class Residual(Module):
         self.bn2 = BatchNorm2d(channels)
 
     def forward(self, x):
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
+        y = self.conv2(self.bn1(self.conv1(x), relu=True))
         shortcut = self.conv3(x) if self.conv3 is not None else x
-        return F.add_relu(y, shortcut)
+        return self.bn2(y, residual=shortcut)
 
 
 def _stage(in_channels, channels, first):

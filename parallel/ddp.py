@@ -186,7 +186,7 @@ class DataParallel:
     def _reduce_ready(self):
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
-            self.comm.start_all_reduce(self.flat.grad[bucket.lo:bucket.hi], functools.partial(_observed, bucket))
+            self.comm.start_all_reduce(self.flat.gradients(bucket.lo, bucket.hi), functools.partial(_observed, bucket))
             self.reduced.append((bucket.lo, bucket.hi))
             self._next += 1
 

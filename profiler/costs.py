@@ -50,9 +50,10 @@ class Cost:
 ZERO = Cost(0, 0)
 
 
-def cost_of(op, *args):
-    """The cost of the contract's `op` called with `args` (arrays, or already shapes)."""
-    return globals()[op](*(tuple(a.shape) if hasattr(a, "shape") else a for a in args))
+def cost_of(op, *args, **kwargs):
+    """The cost of the contract's `op` called with `args` and `kwargs` (arrays, or already shapes)."""
+    shape = lambda a: tuple(a.shape) if hasattr(a, "shape") else a  # noqa: E731
+    return globals()[op](*map(shape, args), **{k: shape(v) for k, v in kwargs.items()})
 
 
 def size(shape):
@@ -84,22 +85,29 @@ def conv2d_forward(x, w, b, stride, padding):
                 FLOAT * (size(x) + size(w) + size(b) + y))
 
 
-def conv2d_backward(dy, x, w, stride, padding):
-    """Backward-data and backward-weight GEMMs and the bias gradient (a sum over dy)."""
-    return Cost(4 * _conv_macs(x, w, stride, padding) + size(dy),
-                FLOAT * (size(dy) + 2 * size(x) + 2 * size(w) + w[0]))
+def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None):
+    """Backward-data (unless need_dx is false) and backward-weight GEMMs and the bias gradient (a
+    sum over dy)."""
+    passes = 2 if need_dx else 1   # x read, dx written; w read, dw written
+    return Cost(2 * passes * _conv_macs(x, w, stride, padding) + size(dy),
+                FLOAT * (size(dy) + passes * size(x) + passes * size(w) + w[0]))
 
 
 # ---- batch normalisation ---------------------------------------------------------------------
 
-def batch_norm_forward(x, gamma, beta, eps):
+def batch_norm_forward(x, gamma, beta, eps, running=None, momentum=0.1, relu=False, residual=None):
+    """With the fused relu (a comparison) or residual join (an add and a comparison, the residual read)."""
     c = x[1]
-    return Cost(BN_FORWARD * size(x), FLOAT * (2 * size(x) + 4 * c))
+    join = (2 if residual is not None else 1 if relu else 0) * size(x)
+    statistics = 4 * c + (4 * c if running is not None else 0)   # gamma, beta, mean, invstd; the running pair
+    return Cost(BN_FORWARD * size(x) + join, FLOAT * (2 * size(x) + size(residual) + statistics))
 
 
-def batch_norm_backward(dy, x, gamma, mean, invstd):
+def batch_norm_backward(dy, x, gamma, mean, invstd, y=None, out=None, shortcut=False):
+    """Masked by a fused relu's output y (read, one comparison), writing the masked dy for a shortcut."""
     c = x[1]
-    return Cost(BN_BACKWARD * size(x), FLOAT * (3 * size(x) + 5 * c))
+    return Cost(BN_BACKWARD * size(x) + (size(y) if y is not None else 0),
+                FLOAT * (3 * size(x) + size(y) + (size(x) if shortcut else 0) + 5 * c))
 
 
 def batch_norm_sums(x, shift):
@@ -193,7 +201,7 @@ def linear_forward(x, w, b):
                 FLOAT * (size(x) + size(w) + size(b) + n * o))
 
 
-def linear_backward(dy, x, w):
+def linear_backward(dy, x, w, out=None):
     return Cost(4 * x[0] * size(w) + size(dy), FLOAT * (size(dy) + 2 * size(x) + 2 * size(w) + w[0]))
 
 

@@ -247,13 +247,15 @@ class Profiler:
     def inspect(self, backend, model, fn, *args):
         """Run fn(*args) once with every op of the contract and every CUDA kernel launch recorded
         against the row and phase that ran it, and every module's output shape: (ops by (key,
-        phase): [(op, argument shapes)], kernels by (key, phase): Counter of names, output shape
-        by key, keys in the order they first ran with the step's own key last)."""
+        phase): [(op, argument shapes, keyword argument shapes)], kernels by (key, phase): Counter
+        of names, output shape by key, keys in the order they first ran with the step's own key
+        last)."""
         ops, launches, shapes = collections.defaultdict(list), collections.defaultdict(collections.Counter), {}
         names_kernels = hasattr(backend, "function")    # the CUDA launchers name their kernels
 
-        def on_op(op, args):
-            ops[self.open[-1]].append((op, tuple(_shape(a) for a in args)))
+        def on_op(op, args, kwargs):
+            ops[self.open[-1]].append((op, tuple(_shape(a) for a in args),
+                                       {k: _shape(v) for k, v in kwargs.items()}))
             if not names_kernels:
                 launches[self.open[-1]][op] += 1
 
@@ -273,12 +275,15 @@ def _overlap(interval, window):
 
 
 def _shape(a):
+    """An array's shape; a tuple of arrays (an op's `out`) as a tuple of shapes; anything else as it is."""
+    if isinstance(a, tuple):
+        return tuple(_shape(v) for v in a)
     return tuple(a.shape) if hasattr(a, "shape") else a
 
 
 @contextlib.contextmanager
 def _recording_ops(backend, on_op, on_launch):
-    """The backend's contract ops call on_op(op, args) first, outermost calls only; with
+    """The backend's contract ops call on_op(op, args, kwargs) first, outermost calls only; with
     `on_launch`, each kernel launch calls on_launch(name) (the CUDA backend's be.function)."""
     depth = [0]
 
@@ -286,7 +291,7 @@ def _recording_ops(backend, on_op, on_launch):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if depth[0] == 0:
-                on_op(op, args)     # keyword arguments (add's out) change no cost
+                on_op(op, args, kwargs)
             depth[0] += 1
             try:
                 return fn(*args, **kwargs)
@@ -320,8 +325,8 @@ def _output_shapes(model, keys, shapes):
     def recorded(module):
         forward = module.forward
 
-        def call(*args):
-            out = forward(*args)
+        def call(*args, **kwargs):
+            out = forward(*args, **kwargs)
             shapes[keys[id(module)]] = getattr(out, "shape", None)
             return out
         return call

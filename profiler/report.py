@@ -85,9 +85,9 @@ def _row(key, kinds, shapes, ops, launches, profiled):
     ms = {p: statistics.median(s.exclusive.get((key, p), 0.0) for s in profiled) for p in PHASES}
     cost, uncosted = {}, []
     for p in PHASES:
-        known = [(op, args) for op, args in ops.get((key, p), []) if hasattr(costs, op)]
-        uncosted += [op for op, _ in ops.get((key, p), []) if not hasattr(costs, op)]
-        cost[p] = sum((costs.cost_of(op, *args) for op, args in known), costs.ZERO)
+        known = [(op, args, kwargs) for op, args, kwargs in ops.get((key, p), []) if hasattr(costs, op)]
+        uncosted += [op for op, _, _ in ops.get((key, p), []) if not hasattr(costs, op)]
+        cost[p] = sum((costs.cost_of(op, *args, **kwargs) for op, args, kwargs in known), costs.ZERO)
     output = tuple(shapes[key]) if shapes.get(key) is not None else None
     return Row(name, category, kind, output, ms, cost, {p: launches.get((key, p), {}) for p in PHASES},
                sorted(set(uncosted)), stage, block)

@@ -251,3 +251,27 @@ def batch_norm_over_replicas(m, x, gamma, beta, dy, cut, eps):
     dx = np.concatenate([m.batch_norm_backward_dx(dy[p], x[p], gamma, mean, invstd, grads, count)
                          for p in parts])
     return y, dx, grads[0], grads[1]
+
+
+def batch_norm_joins(m, eps):
+    """(reference, ours) forward and backward functions for check_op of training batch norm with
+    its fused joins, inputs (x, gamma, beta, residual or None): ours the contract's
+    batch_norm_forward(..., relu=True, residual=residual) and batch_norm_backward(..., y=y,
+    shortcut=...) of module ``m``; the reference relu(batch norm [+ residual]) composed from
+    tests/reference.py's batch norm and relu, the shortcut's gradient being relu's."""
+    import reference as R
+
+    def reference(x, gamma, beta, residual):
+        y, mean, invstd = R.batch_norm_forward(x, gamma, beta, eps)
+        return R.relu_forward(y if residual is None else y + residual), mean, invstd
+
+    def reference_backward(dy, x, gamma, beta, residual, y, mean, invstd):
+        g = R.relu_backward(dy, y)
+        return R.batch_norm_backward(g, x, gamma, mean, invstd) + ((g,) if residual is not None else ())
+
+    def ours(x, gamma, beta, residual):
+        return m.batch_norm_forward(x, gamma, beta, eps, relu=True, residual=residual)
+
+    def ours_backward(dy, x, gamma, beta, residual, y, mean, invstd):
+        return m.batch_norm_backward(dy, x, gamma, mean, invstd, y=y, shortcut=residual is not None)
+    return (reference, ours), (reference_backward, ours_backward)

@@ -208,9 +208,13 @@ FORWARD_OPS = ("images_to_float", "conv2d_forward", "batch_norm_forward", "relu_
                "global_avg_pool_forward", "linear_forward", "softmax_cross_entropy_forward")
 
 
-def layer_key(op, x, *args):
+def layer_key(op, x, *args, **kwargs):
     """The Layer.key of a call of one of FORWARD_OPS."""
     name = op.removesuffix("_forward")
+    if kwargs.get("residual") is not None:
+        name += "_add_relu"
+    elif kwargs.get("relu"):
+        name += "_relu"
     if name == "conv2d":
         w, _, stride, padding = args
         return name, x.shape, w.shape, stride[0], padding[0]    # nn.Conv2d passes (h, w) pairs
@@ -223,9 +227,9 @@ def test_the_layer_list_is_what_the_model_runs(monkeypatch):
     seen = []
 
     def recording(op, fn):
-        def call(*args):
-            seen.append(layer_key(op, *args))
-            return fn(*args)
+        def call(*args, **kwargs):
+            seen.append(layer_key(op, *args, **kwargs))
+            return fn(*args, **kwargs)
         return call
     for op in FORWARD_OPS:
         monkeypatch.setattr(K, op, recording(op, getattr(K, op)))

@@ -99,6 +99,29 @@ def batch_norm(layer):
 
 
 @against_torch
+def batch_norm_relu(layer):
+    """relu(batch norm), fused: the first batch norm of a residual block."""
+    c = layer.x[1]
+    return (layer.label, [shifted_batch(layer.x).astype(np.float32), (c,), (c,)],
+            lambda F, x, gamma, beta: F.relu(F.batch_norm(x, None, None, gamma, beta, training=True, eps=EPS)),
+            lambda m, x, gamma, beta: m.batch_norm_forward(x, gamma, beta, EPS, relu=True),
+            lambda m, dy, x, gamma, beta, y, mean, invstd: m.batch_norm_backward(dy, x, gamma, mean, invstd, y=y),
+            REDUCTION)
+
+
+@against_torch
+def batch_norm_add_relu(layer):
+    """relu(batch norm + shortcut), fused: the join of a residual block, with the shortcut's gradient."""
+    c = layer.x[1]
+    return (layer.label, [shifted_batch(layer.x).astype(np.float32), (c,), (c,), layer.x],
+            lambda F, x, gamma, beta, r: F.relu(F.batch_norm(x, None, None, gamma, beta, training=True, eps=EPS) + r),
+            lambda m, x, gamma, beta, r: m.batch_norm_forward(x, gamma, beta, EPS, residual=r),
+            lambda m, dy, x, gamma, beta, r, y, mean, invstd: m.batch_norm_backward(dy, x, gamma, mean, invstd, y=y,
+                                                                                     shortcut=True),
+            REDUCTION)
+
+
+@against_torch
 def batch_norm_inference(layer):
     c = layer.x[1]
     g = rng()
@@ -161,9 +184,13 @@ def batch_norm_update_running(ours, torch, device, layer):
     running_var = g.uniform(0.3, 3.0, c).astype(np.float32)
     peer = [torch.tensor(a, dtype=torch.float64, device=device) for a in (x, running_mean, running_var, gamma, beta)]
     torch.nn.functional.batch_norm(*peer, training=True, momentum=MOMENTUM, eps=EPS)
+    # the running statistics moved by the op of their own, and by the training forward itself
+    folded = running_mean.copy(), running_var.copy()
     _, mean, invstd = ours.batch_norm_forward(x, gamma, beta, EPS)
     ours.batch_norm_update_running(running_mean, running_var, mean, invstd, x.size // c, MOMENTUM, EPS)
-    for name, o, t in (("running mean", running_mean, peer[1]), ("running var", running_var, peer[2])):
+    ours.batch_norm_forward(x, gamma, beta, EPS, running=folded, momentum=MOMENTUM)
+    for name, o, t in (("running mean", running_mean, peer[1]), ("running var", running_var, peer[2]),
+                       ("running mean, folded", folded[0], peer[1]), ("running var, folded", folded[1], peer[2])):
         assert relative_error(o, t.cpu().numpy()) < REDUCTION, f"{layer.label}: {name}"
 
 
@@ -205,6 +232,7 @@ def count_correct(ours, torch, device, layer):
 
 CHECKS = {
     "conv2d": in_precision(conv2d), "batch_norm": [batch_norm, batch_norm_inference, batch_norm_update_running],
+    "batch_norm_relu": [batch_norm_relu], "batch_norm_add_relu": [batch_norm_add_relu],
     "relu": [relu], "add_relu": [add_relu], "global_avg_pool": [global_avg_pool], "max_pool2d": [max_pool2d],
     "linear": in_precision(linear), "softmax_cross_entropy": [softmax_cross_entropy, count_correct],
     "sgd_update": [sgd_update], "images_to_float": [images_to_float],
@@ -233,7 +261,7 @@ ODD_SHAPES = [
     odd("conv2d", (1, 5, 1, 1), (17, 5, 3, 3), 1, 1),       # 1x1 spatial, all but the centre tap padding
     odd("conv2d", (3, 5, 1, 1), (3, 5, 1, 1), 1, 0),
     odd("batch_norm", (3, 1, 5, 7)), odd("batch_norm", (1, 17, 5, 7)), odd("batch_norm", (3, 5, 1, 1)),
-    odd("batch_norm", (1, 3, 5, 7)),
+    odd("batch_norm", (1, 3, 5, 7)), odd("batch_norm_relu", (3, 5, 1, 1)), odd("batch_norm_add_relu", (1, 17, 5, 7)),
     odd("relu", (1, 1, 1, 1)), odd("relu", (3, 17, 5, 7)),
     odd("add_relu", (1, 5, 1, 1)), odd("add_relu", (3, 3, 5, 7)),
     odd("global_avg_pool", (1, 17, 5, 7)), odd("global_avg_pool", (3, 1, 1, 1)), odd("global_avg_pool", (3, 5, 5, 7)),

@@ -12,7 +12,7 @@ import pytest
 
 import kernels.cpu as K
 import reference as R
-from helpers import batch_norm_over_replicas, check_op, rng, validate
+from helpers import batch_norm_joins, batch_norm_over_replicas, check_op, rng, validate
 
 EPS = 1e-5
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
@@ -54,6 +54,35 @@ def shifted_batch(shape):
     g = rng()
     c = shape[1]
     return g.standard_normal(shape) * g.uniform(0.5, 3, c)[:, None, None] + g.uniform(-3, 3, c)[:, None, None]
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5, 5), (2, 5, 7, 3)])
+@pytest.mark.parametrize("residual", [False, True], ids=["relu", "residual"])
+def test_batch_norm_with_its_relu_join(shape, residual):
+    forward, backward = batch_norm_joins(K, EPS)
+    check_op([shifted_batch(shape), (shape[1],), (shape[1],), shape if residual else None], *forward,
+             backward=backward)
+
+
+def test_backwards_write_into_the_arrays_they_are_given():
+    """out= (a parameter's gradient, say): written there and returned, the same values as without."""
+    g = rng()
+    x, w, dy = g.standard_normal((2, 3, 5, 5)), g.standard_normal((4, 3, 3, 3)), g.standard_normal((2, 4, 5, 5))
+    fresh = K.conv2d_backward(dy, x, w, 1, 1)
+    out = np.full_like(w, np.nan), np.full(4, np.nan)
+    dx, dw, db = K.conv2d_backward(dy, x, w, 1, 1, need_dx=False, out=out)
+    assert dx is None and dw is out[0] and db is out[1]
+    np.testing.assert_array_equal(dw, fresh[1])
+    np.testing.assert_array_equal(db, fresh[2])
+    x2, w2, dy2 = g.standard_normal((6, 5)), g.standard_normal((3, 5)), g.standard_normal((6, 3))
+    out = np.full_like(w2, np.nan), np.full(3, np.nan)
+    _, dw2, db2 = K.linear_backward(dy2, x2, w2, out=out)
+    assert dw2 is out[0] and db2 is out[1]
+    np.testing.assert_array_equal(dw2, K.linear_backward(dy2, x2, w2)[1])
+    _, mean, invstd = K.batch_norm_forward(dy, np.ones(4), np.zeros(4), EPS)
+    out = np.full(4, np.nan), np.full(4, np.nan)
+    _, dgamma, dbeta = K.batch_norm_backward(dy, dy, np.ones(4), mean, invstd, out=out)
+    assert dgamma is out[0] and dbeta is out[1] and not np.isnan(dgamma).any()
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 5, 5), (1, 2, 3, 4), (6, 4, 1, 1), (2, 5, 7, 3)])
@@ -281,6 +310,10 @@ def test_batch_norm_update_running(dtype):
         validate(o, r, name)
     validate(ours[1], 0.9 * start[1] + 0.1 * x.astype(np.float64).var(axis=(0, 2, 3), ddof=1),
              "running var against numpy's unbiased variance", rtol=1e-4 if dtype == np.float32 else 1e-9)
+    folded = tuple(a.astype(dtype) for a in start)   # moved by the training forward itself
+    K.batch_norm_forward(x, np.ones(3, dtype), np.zeros(3, dtype), EPS, running=folded, momentum=0.1)
+    for o, r, name in zip(folded, ref, ("running mean, folded", "running var, folded")):
+        validate(o, r, name)
 
 
 def test_images_to_float():

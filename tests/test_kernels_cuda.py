@@ -25,7 +25,7 @@ import pytest
 import kernels
 import kernels.cpu as K
 import reference as R
-from helpers import CONV_SHAPES, batch_norm_over_replicas, check_op, reproduce_hint, rng, validate
+from helpers import CONV_SHAPES, batch_norm_joins, batch_norm_over_replicas, check_op, reproduce_hint, rng, validate
 from kernels import cuda, nvrtc
 from kernels.cuda import conv as cuda_conv
 from kernels.cuda import launch as cuda_launch
@@ -57,14 +57,19 @@ class CrossChecked:
     def __getattr__(self, name):
         ours, cpu = getattr(self.backend, name), getattr(K, name)
 
-        def run(*args):
-            copies = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
-            expected = cpu(*copies)
-            got = ours(*args)
+        def copied(a):   # tuples of arrays too: `running`, `out`
+            return tuple(map(copied, a)) if isinstance(a, tuple) else a.copy() if isinstance(a, np.ndarray) else a
+
+        def run(*args, **kwargs):
+            copies, kwarg_copies = copied(args), {k: copied(v) for k, v in kwargs.items()}
+            expected = cpu(*copies, **kwarg_copies)
+            got = ours(*args, **kwargs)
             for i, (g, e) in enumerate(zip(_outputs(got), _outputs(expected))):
                 if e is not None:
                     validate(g, e, f"{name} output {i} against kernels.cpu")
-            for i, (a, c) in enumerate(zip(args, copies)):
+            flat = lambda a: [v for x in a for v in (flat(x) if isinstance(x, tuple) else [x])]  # noqa: E731
+            for i, (a, c) in enumerate(zip(flat(args + tuple(kwargs.values())),
+                                           flat(copies + tuple(kwarg_copies.values())))):
                 if isinstance(a, np.ndarray):
                     validate(a, c, f"{name} argument {i} (after the call) against kernels.cpu")
             return got
@@ -82,12 +87,22 @@ class OnDevice:
     def __getattr__(self, name):
         op, cp = getattr(self.backend, name), self.cupy
 
-        def run(*args):
-            device = [cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-            result = op(*device)
-            for a, d in zip(args, device):
-                if isinstance(a, np.ndarray):
-                    a[...] = cp.asnumpy(d)
+        def to_device(a):   # tuples of arrays too: `running`, `out`
+            return tuple(map(to_device, a)) if isinstance(a, tuple) else cp.asarray(a) if isinstance(a, np.ndarray) \
+                else a
+
+        def copy_back(a, d):
+            if isinstance(a, tuple):
+                for pair in zip(a, d):
+                    copy_back(*pair)
+            elif isinstance(a, np.ndarray):
+                a[...] = cp.asnumpy(d)
+
+        def run(*args, **kwargs):
+            device, device_kwargs = to_device(args), {k: to_device(v) for k, v in kwargs.items()}
+            result = op(*device, **device_kwargs)
+            copy_back(args, device)
+            copy_back(tuple(kwargs.values()), tuple(device_kwargs.values()))
             outputs = tuple(None if r is None else cp.asnumpy(r) for r in _outputs(result))
             return outputs if isinstance(result, tuple) else outputs[0]
         return run
@@ -262,14 +277,60 @@ def test_batch_norm_update_running(ours):
           mutates_inputs=True)
 
 
-def test_batch_norm_with_relu_fused():
-    """The apply kernel's relu variant, which the contract does not use yet."""
-    be = kernels._device_backend("emu")
-    x = shifted_batch((2, 3, 4, 5)).astype(np.float32)
-    gamma, beta = rng().standard_normal((2, 3)).astype(np.float32)
-    y, mean, invstd = be.batch_norm_forward(x, gamma, beta, EPS)
-    fused = cuda.batchnorm.apply(be, x, gamma, beta, mean, invstd, relu=True)
-    validate(fused, R.relu_forward(R.batch_norm_forward(x, gamma, beta, EPS)[0]), "batch norm + relu")
+def test_batch_norm_moves_the_running_statistics_in_its_forward(ours, variant):
+    """running=(mean, var): bn_stats's last blocks move them, as batch_norm_update_running does."""
+    g = rng()
+    x = shifted_batch((4, 3, 5, 2)).astype(np.float32)
+    gamma, beta = g.standard_normal((2, 3)).astype(np.float32)
+    start = [g.standard_normal(3), np.abs(g.standard_normal(3)) + 0.5]
+    check(ours, [x, gamma, beta, *start],
+          lambda m, x, gamma, beta, rm, rv: (*m.batch_norm_forward(x, gamma, beta, EPS, running=(rm, rv),
+                                                                   momentum=0.1), rm, rv)
+          if m is not R else (*R.batch_norm_forward(x, gamma, beta, EPS), *_moved(rm, rv, x)),
+          mutates_inputs=True)
+
+
+def _moved(rm, rv, x):
+    """The reference's running statistics after one training forward of x, momentum 0.1."""
+    _, mean, invstd = R.batch_norm_forward(x, np.ones(x.shape[1]), np.zeros(x.shape[1]), EPS)
+    rm, rv = np.array(rm, np.float64), np.array(rv, np.float64)
+    R.batch_norm_update_running(rm, rv, mean, invstd, x.size // x.shape[1], 0.1, EPS)
+    return rm, rv
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5, 5), (2, 5, 7, 3), (3, 17, 2, 2)])
+@pytest.mark.parametrize("residual", [False, True], ids=["relu", "residual"])
+def test_batch_norm_with_its_relu_join(ours, variant, shape, residual):
+    """relu(batch norm) and relu(batch norm + residual) in the forward's apply kernel; their backward
+    masked by the output, the shortcut's gradient written by the dx kernel."""
+    forward, backward = batch_norm_joins(ours, EPS)
+    check_op([shifted_batch(shape), (shape[1],), (shape[1],), shape if residual else None],
+             forward[0], forward[1], backward=backward, dtypes=(np.float32,))
+
+
+def test_backwards_write_into_the_gradient_arrays_they_are_given(ours, variant):
+    """out=(dw, db) or (dgamma, dbeta), NaN-filled: every element written, the arrays returned, the
+    values those of a call without; need_dx=False: no dx."""
+    g = rng()
+    draw = lambda *shape: g.standard_normal(shape).astype(np.float32)  # noqa: E731
+    x, w, dy = draw(2, 4, 6, 6), draw(8, 4, 3, 3), draw(2, 8, 6, 6)
+    fresh = ours.conv2d_backward(dy, x, w, 1, 1)
+    out = np.full_like(w, np.nan), np.full(8, np.nan, np.float32)
+    dx, dw, db = ours.conv2d_backward(dy, x, w, 1, 1, need_dx=False, out=out)
+    assert dx is None and dw is out[0] and db is out[1]
+    for got, want, name in ((dw, fresh[1], "dw"), (db, fresh[2], "db")):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    x, w, dy = draw(6, 8), draw(4, 8), draw(6, 4)
+    out = np.full_like(w, np.nan), np.full(4, np.nan, np.float32)
+    _, dw, db = ours.linear_backward(dy, x, w, out=out)
+    assert dw is out[0] and db is out[1]
+    np.testing.assert_array_equal(dw, ours.linear_backward(dy, x, w)[1])
+    x, dy, gamma = shifted_batch((3, 5, 4, 4)).astype(np.float32), draw(3, 5, 4, 4), draw(5)
+    _, mean, invstd = ours.batch_norm_forward(x, gamma, gamma, EPS)
+    out = np.full(5, np.nan, np.float32), np.full(5, np.nan, np.float32)
+    dx, dgamma, dbeta = ours.batch_norm_backward(dy, x, gamma, mean, invstd, out=out)
+    assert dgamma is out[0] and dbeta is out[1]
+    np.testing.assert_array_equal(dx, ours.batch_norm_backward(dy, x, gamma, mean, invstd)[0])
 
 
 # ---- element-wise ------------------------------------------------------------------------

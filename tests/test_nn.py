@@ -25,6 +25,13 @@ FUNCTIONAL = [
     ("conv2d stride 2 no bias", lambda x, w: F.conv2d(x, w, None, 2, 0), [(1, 2, 7, 5), (3, 2, 3, 3)]),
     ("conv2d 1x1 stride 2", lambda x, w, b: F.conv2d(x, w, b, 2, 0), [(2, 3, 5, 5), (2, 3, 1, 1), (2,)]),
     ("batch_norm train", lambda x, g, b: F.batch_norm(x, None, None, g, b, True), [(3, 2, 3, 2), (2,), (2,)]),
+    ("batch_norm train, relu", lambda x, g, b: F.batch_norm(x, None, None, g, b, True, relu=True),
+     [(3, 2, 3, 2), (2,), (2,)]),
+    ("batch_norm train, residual join", lambda x, g, b, r: F.batch_norm(x, None, None, g, b, True, residual=r),
+     [(3, 2, 3, 2), (2,), (2,), (3, 2, 3, 2)]),
+    ("batch_norm eval, residual join",
+     lambda x, g, b, r: F.batch_norm(x, np.zeros(2), np.ones(2), g, b, False, residual=r),
+     [(3, 2, 3, 2), (2,), (2,), (3, 2, 3, 2)]),
     ("relu", F.relu, [(3, 4, 2)]),
     ("add_relu", F.add_relu, [(2, 3, 4), (2, 3, 4)]),
     ("max_pool2d 2x2", lambda x: F.max_pool2d(x, 2), [(2, 2, 4, 6)]),
@@ -73,11 +80,23 @@ class Small(nn.Module):
         return self.head(self.features(x))
 
 
+class Shared(nn.Module):
+    """One linear layer applied twice: its parameters get two contributions per backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.layer(F.relu(self.layer(x)))
+
+
 @pytest.mark.parametrize("make,shape", [
     (Small, (3, 2, 6, 4)),
+    (Shared, (3, 4)),
     (lambda: nn.Residual(3, 3), (2, 3, 4, 4)),
     (lambda: nn.Residual(2, 3, use_1x1conv=True, stride=2), (2, 2, 5, 5)),
-], ids=["conv-bn-relu-pool-linear", "residual", "residual with projection"])
+], ids=["conv-bn-relu-pool-linear", "shared layer", "residual", "residual with projection"])
 def test_composed_network_gradients(make, shape):
     model = make().to(np.float64)
     for p in model.parameters():  # away from the init's zero biases and unit scales
@@ -261,6 +280,29 @@ def test_train_eval_and_zero_grad():
     assert np.any(model.flat_parameters().grad != 0)
     model.zero_grad()
     assert not np.any(model.flat_parameters().grad)
+
+
+def test_zero_grad_writes_nothing_and_the_next_backward_writes_over_the_stale_gradients():
+    nn.manual_seed(0)
+    model = Small()
+    flat = model.flat_parameters()
+    x, y = Tensor(normal(3, 2, 6, 4).astype(np.float32)), labels(3, 4)
+
+    def gradients():
+        F.cross_entropy(model(x), y).backward()
+        return flat.grad.copy()
+    first = gradients()
+    model.zero_grad()
+    np.testing.assert_array_equal(flat._grad, first)    # nothing written: every gradient is stale
+    weight = model.features[0].weight
+    assert weight.grad.shape == (3, 2, 3, 3) and not weight.grad.any()  # reading one writes its zeros
+    np.testing.assert_array_equal(flat._grad[weight.size:], first[weight.size:])    # and only its own
+    np.testing.assert_array_equal(gradients(), first)   # written over the stale values, not added to them
+    validate(gradients(), 2 * first, "a second backward without zero_grad adds")
+    model.zero_grad()
+    head = flat.offsets[-3]   # the linear layer's weight and bias: one all-reduce bucket, say
+    np.testing.assert_array_equal(flat.gradients(head, len(flat)), 0)
+    np.testing.assert_array_equal(flat._grad[:head], 2 * first[:head])    # outside the slice, still stale
 
 
 # ---- ResNet-18 -------------------------------------------------------------------------------------

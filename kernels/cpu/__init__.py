@@ -14,12 +14,22 @@ layout; np.ascontiguousarray gives C order where something needs it.
 conv2d_forward(x, w, b, stride, padding) -> y
     x (N, C, H, W), w (O, C, KH, KW), b (O,) or None -> y (N, O, OH, OW),
     OH = (H + 2*ph - KH) // sh + 1.
-conv2d_backward(dy, x, w, stride, padding) -> (dx, dw, db)
-    db is dy summed over (N, OH, OW); callers without a bias ignore it.
+conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None) -> (dx, dw, db)
+    db is dy summed over (N, OH, OW); callers without a bias ignore it. dx is None unless
+    need_dx (the first layer's input needs none). out = (dw, db): C-contiguous arrays that the
+    gradients are written into (a parameter's gradient, say; either may be None), returned.
 
-batch_norm_forward(x, gamma, beta, eps) -> (y, mean, invstd)
-    Training mode: per-channel batch mean and 1/sqrt(biased var + eps).
-batch_norm_backward(dy, x, gamma, mean, invstd) -> (dx, dgamma, dbeta)
+batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None)
+    -> (y, mean, invstd)
+    Training mode: per-channel batch mean and 1/sqrt(biased var + eps). running: the pair
+    (running_mean, running_var), updated in place as batch_norm_update_running does. relu:
+    y = relu(batch norm); residual (x's shape): y = relu(batch norm + residual), a residual
+    block's join.
+batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False)
+    -> (dx, dgamma, dbeta[, g])
+    y: the output of a forward with relu or residual; the gradient then flows where y > 0
+    (g = dy there, 0 elsewhere), and `shortcut` also returns g, the residual's gradient.
+    out = (dgamma, dbeta): arrays the parameter gradients are written into, returned.
 batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps) -> None
     In place: running <- (1 - momentum) running + momentum batch, with the unbiased
     batch variance (1/invstd^2 - eps) * count / (count - 1), count = N*H*W.
@@ -55,7 +65,8 @@ global_avg_pool_forward(x) -> y       (N, C, H, W) -> (N, C)
 global_avg_pool_backward(dy, x_shape) -> dx
 
 linear_forward(x, w, b) -> y          x (N, I), w (O, I), b (O,) or None
-linear_backward(dy, x, w) -> (dx, dw, db)
+linear_backward(dy, x, w, *, out=None) -> (dx, dw, db)
+    out = (dw, db) as for conv2d_backward
 
 softmax_cross_entropy_forward(logits, labels) -> (loss, probs)
     logits (N, K), labels integer (N,); loss is the 0-d mean over the batch.

@@ -8,6 +8,15 @@ from numpy.lib.stride_tricks import sliding_window_view
 _scratch = threading.local()
 
 
+def written(out, value):
+    """`value` copied into `out` and `out` returned, or `value` itself when `out` is None: the
+    backwards that can write gradients where the caller asks (a parameter's gradient, say)."""
+    if out is None:
+        return value
+    out[...] = value
+    return out
+
+
 def pair(v):
     """An int or an (h, w) pair as an (h, w) tuple of ints."""
     if np.ndim(v) == 0:

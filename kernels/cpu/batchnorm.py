@@ -17,24 +17,34 @@ kernels.cpu), whatever the layout of x.
 """
 import numpy as np
 
-from ._util import channel_sum
+from ._util import channel_sum, written
 
 _BLOCK_BYTES = 1 << 20
 
 
-def batch_norm_forward(x, gamma, beta, eps):
+def batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None):
     _check(x, gamma)
     m = x.size // x.shape[1]
     # centred on the exact mean, the sum of squares does not cancel
     mean = channel_sum(x) / m
     mean, invstd = batch_norm_stats(batch_norm_sums(x, mean), mean, m, eps)
-    return _affine(x, gamma, beta, mean, invstd), mean, invstd
+    if running is not None:
+        batch_norm_update_running(*running, mean, invstd, m, momentum, eps)
+    y = _affine(x, gamma, beta, mean, invstd)
+    if residual is not None:
+        y += residual
+    if relu or residual is not None:
+        np.maximum(y, 0, out=y)
+    return y, mean, invstd
 
 
-def batch_norm_backward(dy, x, gamma, mean, invstd):
+def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False):
+    if y is not None:
+        dy = np.where(y > 0, dy, 0).astype(dy.dtype)
     sums = batch_norm_backward_sums(dy, x, mean, invstd)
     dx = batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, x.size // x.shape[1])
-    return dx, sums[0], sums[1]
+    dgamma, dbeta = (None, None) if out is None else out
+    return (dx, written(dgamma, sums[0]), written(dbeta, sums[1])) + ((dy,) if shortcut else ())
 
 
 def batch_norm_sums(x, shift):

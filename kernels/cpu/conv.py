@@ -16,7 +16,7 @@ stage at batch 128) and live only inside a call, so they are built in reused wor
 """
 import numpy as np
 
-from ._util import channel_sum, output_size, pair, padded, windows, workspace
+from ._util import channel_sum, output_size, pair, padded, windows, workspace, written
 
 
 def conv2d_forward(x, w, b, stride, padding):
@@ -31,19 +31,22 @@ def conv2d_forward(x, w, b, stride, padding):
     return _nchw(y.reshape(n, oh, ow, -1))
 
 
-def conv2d_backward(dy, x, w, stride, padding):
+def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None):
     stride, padding = pair(stride), pair(padding)
     n, oh, ow = _output_shape(x, w, stride, padding)
     if dy.shape != (n, w.shape[0], oh, ow):
         raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output "
                          f"{(n, w.shape[0], oh, ow)}")
     dy_nhwc = np.ascontiguousarray(_nhwc(dy))
-    dw = _backward_weight(dy_nhwc, x, w, stride, padding)
-    if stride == (1, 1) and all(p < k for p, k in zip(padding, w.shape[2:])):
+    dw_out, db_out = (None, None) if out is None else out
+    dw = written(dw_out, _backward_weight(dy_nhwc, x, w, stride, padding))
+    if not need_dx:
+        dx = None
+    elif stride == (1, 1) and all(p < k for p, k in zip(padding, w.shape[2:])):
         dx = _backward_data_stride1(dy_nhwc, w, padding)
     else:
         dx = _col2im(dy_nhwc, x.shape, w, stride, padding)
-    return dx, dw, channel_sum(dy)
+    return dx, dw, written(db_out, channel_sum(dy))
 
 
 def _output_shape(x, w, stride, padding):

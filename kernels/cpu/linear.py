@@ -1,4 +1,5 @@
 """Fully connected layer y = x @ w.T + b, one matrix product each way."""
+from ._util import written
 
 
 def linear_forward(x, w, b):
@@ -9,9 +10,10 @@ def linear_forward(x, w, b):
     return y
 
 
-def linear_backward(dy, x, w):
+def linear_backward(dy, x, w, *, out=None):
     _check(x, w)
-    return dy @ w, dy.T @ x, dy.sum(axis=0)
+    dw, db = (None, None) if out is None else out
+    return dy @ w, written(dw, dy.T @ x), written(db, dy.sum(axis=0))
 
 
 def _check(x, w):

@@ -25,6 +25,7 @@ import numpy as np
 FAMILIES = ("conv", "conv_tc", "batchnorm", "elementwise", "pool", "linear", "loss", "optim")
 OPTIONS = ("--std=c++17",)
 HERE = Path(__file__).resolve().parent
+COUNTERS = 4096   # the backend's counters per device, at least (Backend.counters)
 _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"[ \t]*$', re.MULTILINE)
 
 
@@ -56,7 +57,7 @@ class Backend:
     def __init__(self, name, xp, raw_module):
         self.name, self.xp = name, xp
         self._raw_module = raw_module
-        self._modules, self._functions = {}, {}
+        self._modules, self._functions, self._counters = {}, {}, {}
         for family in FAMILIES:
             module = launcher(family)
             for op in module.OPS:
@@ -75,6 +76,18 @@ class Backend:
         if key not in self._functions:
             self._functions[key] = self.module(family).get_function(name)
         return self._functions[key]
+
+    def counters(self, count):
+        """At least `count` zeroed unsigned counters on the current device, for the reductions that
+        finish in the launch that split them (last_block in common.cuh): each launch leaves them at
+        zero, and the launches of a device run one after another on its stream, so one set per device
+        serves them all. Made on first use and kept: never allocated inside a CUDA graph's capture
+        after a warm-up step."""
+        device = self.xp.cuda.runtime.getDevice() if self.xp is not np else None
+        have = self._counters.get(device)
+        if have is None or have.size < count:
+            have = self._counters[device] = self.xp.zeros(max(count, COUNTERS), np.uint32)
+        return have
 
     def __repr__(self):
         return f"<kernels backend {self.name!r}>"

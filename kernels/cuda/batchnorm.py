@@ -5,38 +5,46 @@ The kernels see an array as (N, C, plane): a channels-last array (N, C, H, W) is
 NCHW array (N*H*W, C, 1, 1), so the same kernels serve both layouts; dy and the results take x's."""
 import numpy as np
 
-from .launch import THREADS, blocks, cdiv, dense, float32, in_place, is_channels_last, launch, like, split, \
-    sum_partials
+from .launch import THREADS, blocks, cdiv, dense, float32, in_place, is_channels_last, launch, like, split
 
 OPS = ("batch_norm_forward", "batch_norm_backward", "batch_norm_update_running", "batch_norm_inference",
        "batch_norm_inference_backward", "batch_norm_sums", "batch_norm_stats", "batch_norm_apply",
        "batch_norm_backward_sums", "batch_norm_backward_dx")
-KERNELS = ("bn_stats_partials", "bn_stats_finish", "bn_apply<false>", "bn_apply<true>", "bn_invstd",
-           "bn_backward_partials", "bn_backward_dx", "bn_inference_dx", "bn_update_running", "sum_partials")
+KERNELS = ("bn_stats", "bn_stats_finish", "bn_apply<0>", "bn_apply<1>", "bn_apply<2>", "bn_invstd",
+           "bn_backward_sums", "bn_backward_dx", "bn_inference_dx", "bn_update_running")
+APPLY_MODES = {(False, False): 0, (True, False): 1, (True, True): 2}   # (relu, residual) -> bn_apply's MODE
 
 
-def batch_norm_forward(be, x, gamma, beta, eps):
-    x, (gamma, beta) = dense(be, "batch_norm_forward", x), float32(be, "batch_norm_forward", gamma, beta)
+def batch_norm_forward(be, x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None):
+    """See kernels/cpu/batchnorm.py. Two launches: the statistics (which also move `running`, the
+    pair (running_mean, running_var), when given) and the normalisation with its relu or residual join."""
+    op = "batch_norm_forward"
+    x, (gamma, beta) = dense(be, op, x), float32(be, op, gamma, beta)
     n, c, plane = _sizes(x, gamma)
-    # a sample of each channel (image 0, pixel 0) centres its sums
-    shift = be.xp.ascontiguousarray(x[0, :, 0, 0])
-    partial, splits = _stats_partials(be, x, shift)
-    mean, invstd = _stats_finish(be, partial, splits, shift, n * plane, eps)
-    return apply(be, x, gamma, beta, mean, invstd), mean, invstd
+    running_mean, running_var = in_place(be, op, *running) if running is not None else (None, None)
+    mean, invstd = be.xp.empty((2, c), np.float32)
+    # a sample of each channel (its first value, read through the channel stride) centres its sums
+    _stats(be, x, x, plane, mean=mean, invstd=invstd, eps=eps, running=(running_mean, running_var),
+           momentum=momentum)
+    return apply(be, x, gamma, beta, mean, invstd, relu, residual), mean, invstd
 
 
 def batch_norm_sums(be, x, shift):
     x, (shift,) = dense(be, "batch_norm_sums", x), float32(be, "batch_norm_sums", shift)
     _sizes(x, shift)
-    partial, splits = _stats_partials(be, x, shift)
-    return _added(be, partial, splits)
+    sums = be.xp.empty((2, shift.size), np.float32)
+    _stats(be, x, shift, 1, sums=sums)
+    return sums
 
 
 def batch_norm_stats(be, sums, shift, count, eps):
     sums, shift = float32(be, "batch_norm_stats", sums, shift)
     if sums.shape != (2,) + shift.shape:
         raise ValueError(f"batch norm sums {sums.shape} do not fit shift {shift.shape}")
-    return _stats_finish(be, sums, 1, shift, count, eps)
+    c = shift.size
+    mean, invstd = be.xp.empty((2, c), np.float32)
+    launch(be, "batchnorm", "bn_stats_finish", (cdiv(c, THREADS),), (shift, sums, c, count, float(eps), mean, invstd))
+    return mean, invstd
 
 
 def batch_norm_apply(be, x, gamma, beta, mean, invstd):
@@ -45,19 +53,33 @@ def batch_norm_apply(be, x, gamma, beta, mean, invstd):
     return apply(be, x, gamma, beta, mean, invstd)
 
 
-def apply(be, x, gamma, beta, mean, invstd, relu=False):
-    """gamma * (x - mean) * invstd + beta, and its relu when asked, in one kernel."""
+def apply(be, x, gamma, beta, mean, invstd, relu=False, residual=None):
+    """gamma * (x - mean) * invstd + beta, then its relu, or relu(. + residual), in one kernel."""
     n, c, plane = _sizes(x, gamma)
+    if residual is not None:
+        (residual,) = like(be, "batch_norm_forward", x, residual)
+        _sizes(x, gamma, residual)
     y = be.xp.empty_like(x)
-    launch(be, "batchnorm", f"bn_apply<{'true' if relu else 'false'}>", blocks(x.size),
-           (x, mean, invstd, gamma, beta, x.size, c, plane, y))
+    mode = APPLY_MODES[relu or residual is not None, residual is not None]
+    launch(be, "batchnorm", f"bn_apply<{mode}>", blocks(x.size),
+           (x, mean, invstd, gamma, beta, residual, x.size, c, plane, y))
     return y
 
 
-def batch_norm_backward(be, dy, x, gamma, mean, invstd):
-    sums = batch_norm_backward_sums(be, dy, x, mean, invstd)
-    dx = batch_norm_backward_dx(be, dy, x, gamma, mean, invstd, sums, x.size // x.shape[1])
-    return dx, sums[0], sums[1]
+def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False):
+    """See kernels/cpu/batchnorm.py: (dx, dgamma, dbeta), and the masked dy when `shortcut`."""
+    op = "batch_norm_backward"
+    x = dense(be, op, x)
+    dy, y = like(be, op, x, dy, y)
+    gamma, mean, invstd = float32(be, op, gamma, mean, invstd)
+    _sizes(x, gamma, dy)
+    if y is not None:
+        _sizes(x, gamma, y)
+    dgamma, dbeta = _outputs(be, op, out, gamma.size)
+    _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta)
+    masked = be.xp.empty_like(x) if shortcut else None
+    dx = _dx(be, dy, y, x, gamma, mean, invstd, dgamma, dbeta, x.size // x.shape[1], masked)
+    return (dx, dgamma, dbeta) + ((masked,) if shortcut else ())
 
 
 def batch_norm_backward_sums(be, dy, x, mean, invstd):
@@ -65,18 +87,17 @@ def batch_norm_backward_sums(be, dy, x, mean, invstd):
     (dy,), (mean, invstd) = like(be, "batch_norm_backward_sums", x, dy), float32(be, "batch_norm_backward_sums",
                                                                                   mean, invstd)
     _sizes(x, mean, dy)
-    return _affine_grads(be, dy, x, mean, invstd)
+    sums = be.xp.empty((2, mean.size), np.float32)
+    _affine_grads(be, dy, None, x, mean, invstd, sums[0], sums[1])
+    return sums
 
 
 def batch_norm_backward_dx(be, dy, x, gamma, mean, invstd, sums, count):
     x = dense(be, "batch_norm_backward_dx", x)
     (dy,) = like(be, "batch_norm_backward_dx", x, dy)
     gamma, mean, invstd, sums = float32(be, "batch_norm_backward_dx", gamma, mean, invstd, sums)
-    n, c, plane = _sizes(x, gamma, dy)
-    dx = be.xp.empty_like(x)
-    launch(be, "batchnorm", "bn_backward_dx", blocks(x.size),
-           (dy, x, mean, invstd, gamma, sums, count, x.size, c, plane, dx))
-    return dx
+    _sizes(x, gamma, dy)
+    return _dx(be, dy, None, x, gamma, mean, invstd, sums[0], sums[1], count, None)
 
 
 def batch_norm_update_running(be, running_mean, running_var, mean, invstd, count, momentum, eps):
@@ -84,8 +105,7 @@ def batch_norm_update_running(be, running_mean, running_var, mean, invstd, count
     mean, invstd = float32(be, "batch_norm_update_running", mean, invstd)
     c = running_mean.size
     launch(be, "batchnorm", "bn_update_running", (cdiv(c, THREADS),),
-           (running_mean, running_var, mean, invstd, c, float(1 - momentum), float(momentum), float(eps),
-            float(count / max(count - 1, 1))))
+           (running_mean, running_var, mean, invstd, c, float(momentum), float(eps), _correction(count)))
 
 
 def batch_norm_inference(be, x, gamma, beta, running_mean, running_var, eps):
@@ -103,45 +123,56 @@ def batch_norm_inference_backward(be, dy, x, gamma, running_mean, running_var, e
                                                running_var)
     n, c, plane = _sizes(x, gamma, dy)
     invstd = _invstd(be, running_var, eps)
-    grads = _affine_grads(be, dy, x, running_mean, invstd)
+    dgamma, dbeta = be.xp.empty((2, c), np.float32)
+    _affine_grads(be, dy, None, x, running_mean, invstd, dgamma, dbeta)
     dx = be.xp.empty_like(x)
     launch(be, "batchnorm", "bn_inference_dx", blocks(x.size), (dy, invstd, gamma, x.size, c, plane, dx))
-    return dx, grads[0], grads[1]
+    return dx, dgamma, dbeta
 
 
-def _stats_partials(be, x, shift):
-    """(partial (splits, 2, C) of bn_stats_partials, splits)."""
-    n, c, plane = _sizes(x, shift)
+def _stats(be, x, shifts, shift_stride, sums=None, mean=None, invstd=None, eps=0.0, running=(None, None),
+           momentum=0.0):
+    """One launch of bn_stats over x (see batchnorm.cu): the shift of channel c is
+    shifts[c * shift_stride]; the totals go to sums, else to mean and invstd (and the running pair)."""
+    n, c, plane = _sizes(x, mean if sums is None else sums[0])
     splits, chunk = split(n * plane, c)
-    partial = be.xp.empty((splits, 2, c), np.float32)
-    launch(be, "batchnorm", "bn_stats_partials", (c, splits), (x, shift, n, c, plane, chunk, partial))
-    return partial, splits
+    partial = be.xp.empty((splits, 2, c), np.float32) if splits > 1 else None
+    launch(be, "batchnorm", "bn_stats", (c, splits),
+           (x, shifts, shift_stride, n, c, plane, chunk, partial, be.counters(c), sums, n * plane, float(eps),
+            mean, invstd, *running, float(momentum), _correction(n * plane)))
 
 
-def _stats_finish(be, partial, splits, shift, count, eps):
-    c = shift.size
-    mean, invstd = be.xp.empty((2, c), np.float32)
-    launch(be, "batchnorm", "bn_stats_finish", (cdiv(c, THREADS),),
-           (shift, partial, splits, c, count, float(eps), mean, invstd))
-    return mean, invstd
-
-
-def _affine_grads(be, dy, x, mean, invstd):
-    """[dgamma; dbeta] (2, C): sums of dy * xhat and of dy per channel."""
+def _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta):
+    """dgamma = sum(g * xhat) and dbeta = sum(g) per channel, g the dy masked by y (if given)."""
     n, c, plane = _sizes(x, mean, dy)
     splits, chunk = split(n * plane, c)
-    partial = be.xp.empty((splits, 2, c), np.float32)
-    launch(be, "batchnorm", "bn_backward_partials", (c, splits), (dy, x, mean, invstd, n, c, plane, chunk, partial))
-    return _added(be, partial, splits)
+    partial = be.xp.empty((splits, 2, c), np.float32) if splits > 1 else None
+    launch(be, "batchnorm", "bn_backward_sums", (c, splits),
+           (dy, y, x, mean, invstd, n, c, plane, chunk, partial, be.counters(c), dgamma, dbeta))
 
 
-def _added(be, partial, splits):
-    """The (2, C) sum of partial (splits, 2, C) over its splits, in split order."""
-    if splits == 1:
-        return partial[0]
-    sums = be.xp.empty(partial.shape[1:], np.float32)
-    sum_partials(be, "batchnorm", partial, splits, sums)
-    return sums
+def _dx(be, dy, y, x, gamma, mean, invstd, dgamma, dbeta, count, masked):
+    n, c, plane = _sizes(x, gamma, dy)
+    dx = be.xp.empty_like(x)
+    launch(be, "batchnorm", "bn_backward_dx", blocks(x.size),
+           (dy, y, x, mean, invstd, gamma, dgamma, dbeta, count, x.size, c, plane, dx, masked))
+    return dx
+
+
+def _outputs(be, op, out, c):
+    """The (C,) arrays that a backward writes its parameter gradients into: `out`, a pair of
+    C-contiguous float32 arrays (the parameters' gradients, say), or new ones."""
+    if out is None:
+        return be.xp.empty((2, c), np.float32)
+    for a in in_place(be, op, *out):
+        if a.shape != (c,):
+            raise ValueError(f"{op}: gradient outputs must have shape ({c},), got {a.shape}")
+    return out
+
+
+def _correction(count):
+    """count / (count - 1): the biased variance of `count` values made unbiased."""
+    return float(count / max(count - 1, 1))
 
 
 def _invstd(be, var, eps):

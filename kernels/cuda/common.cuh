@@ -4,7 +4,8 @@
 //
 // - warp_sum / block_sum: sums in a fixed tree order, so every run adds the same numbers in
 //   the same order and gets the same bits (DESIGN.md: no order-dependent atomics).
-// - sum_partials: the fixed-order final pass over per-block partial results.
+// - sum_partials: the fixed-order final pass over per-block partial results, as a launch of its
+//   own; last_block and added_partials: the same pass inside the launch that wrote them.
 // - channel_element: where the e-th value of one channel lies in an NCHW array.
 // - Tile64, Tile128 and gemm_mainloop: the shared-memory tiled matrix product that the
 //   convolutions and the linear layer feed through their own tile loaders.
@@ -33,15 +34,41 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(lane < int(blockDim.x / 32) ? scratch[lane] : 0.0f);
 }
 
+// A reduction split over several blocks, finished in the same launch: every block of a group
+// writes its partial result, then calls last_block(the group's counter, the group's block count);
+// the block that comes last, whichever it is, gets true and adds the group's partials in a fixed
+// order (added_partials), so the result does not depend on which block that was. The counter is
+// one of the backend's zeroed counters (Backend.counters) and is zero again when the launch ends.
+// Every thread of the block must call it.
+__device__ __forceinline__ bool last_block(unsigned* counter, unsigned blocks) {
+    __threadfence();   // this block's partials reach the device before it counts itself
+    __syncthreads();
+    int last = 0;
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1u) == blocks - 1;
+        if (last) *counter = 0u;   // every other block has counted: ready for the next launch
+    }
+    last = __syncthreads_or(last);
+    if (last) __threadfence();
+    return last;
+}
+
+// The sum over s in 0..splits-1, in that order, of partial[s * stride]: the partials of other
+// blocks of this launch, read past the L1 cache (volatile), which may not have seen them.
+__device__ __forceinline__ float added_partials(const float* partial, int splits, int stride) {
+    const volatile float* p = partial;
+    float total = 0.0f;
+    for (int s = 0; s < splits; ++s) total += p[s * stride];
+    return total;
+}
+
 // out[i] = scale * sum over s in 0..splits-1, in that order, of partial[s * rows + i]:
 // one thread per row, threads over rows in a 1-D grid.
 extern "C" __global__ void __launch_bounds__(256)
 sum_partials(const float* __restrict__ partial, int splits, int rows, float scale, float* __restrict__ out) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows) return;
-    float total = 0.0f;
-    for (int s = 0; s < splits; ++s) total += partial[s * rows + i];
-    out[i] = total * scale;
+    out[i] = added_partials(partial + i, splits, rows) * scale;
 }
 
 // Offset in an (N, C, HW) array of the e-th value of channel c, e in [0, N * HW).

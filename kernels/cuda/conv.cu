@@ -12,7 +12,7 @@
 //                                        phase of the input cells, over the taps that reach it
 //   conv2d_wgrad     dw (O x C*KH*KW)  = dy (O x N*OH*OW) . im2col(x)^T, split over K = N*OH*OW
 //                                        into per-split partials that sum_partials adds in order
-//   bias_grad_partials  per-channel sums of dy, finished by sum_partials (bias_grad.cuh)
+//   bias_grad        per-channel sums of dy, in one launch (bias_grad.cuh)
 //
 // Each GEMM is templated on the tile (Tile64, Tile128 in common.cuh) and, but for the strided
 // backward-data, on the kernel size (KH, KW), 0 meaning "given at run time": the 3x3 and 1x1

@@ -8,7 +8,7 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
-from .launch import cdiv, dense, float32, launch, split, sum_partials
+from .launch import cdiv, dense, float32, in_place, launch, split, sum_partials
 
 OPS = ("conv2d_forward", "conv2d_backward")
 
@@ -26,7 +26,7 @@ def _gemm(kernel, tile, kh, kw):
 
 
 KERNELS = tuple(_gemm(k, t, *s) for k in GEMMS for t in TILES for s in SIZES) + tuple(
-    f"conv2d_dgrad_strided<{t}>" for t in TILES) + ("bias_grad_partials", "sum_partials")
+    f"conv2d_dgrad_strided<{t}>" for t in TILES) + ("bias_grad", "sum_partials")
 
 
 def choose_tile(rows, columns):
@@ -52,7 +52,9 @@ def conv2d_forward(be, x, w, b, stride, padding):
     return y
 
 
-def conv2d_backward(be, dy, x, w, stride, padding):
+def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None):
+    """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
+    (C-contiguous float32, the parameters' gradients, say) when given."""
     if kernels.precision() == "tf32":
         dy, x, (w,) = dense(be, "conv2d_backward", dy), dense(be, "conv2d_backward", x), \
             float32(be, "conv2d_backward", w)
@@ -62,14 +64,29 @@ def conv2d_backward(be, dy, x, w, stride, padding):
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if dy.shape != (n, o, oh, ow):
         raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output {(n, o, oh, ow)}")
+    dw, db = gradient_outputs(be, "conv2d_backward", out, w.shape)
     if kernels.precision() == "tf32":
         dy, x = nhwc(be, dy), nhwc(be, x)
-        rsco = be.xp.ascontiguousarray(w.transpose(2, 3, 1, 0))
-        dx = conv_tc.backward_data(be, dy, rsco, geometry).transpose(0, 3, 1, 2)
-        dw = be.xp.ascontiguousarray(conv_tc.backward_weight(be, dy, x, geometry).transpose(0, 3, 1, 2))
-        return dx, dw, bias_grad(be, "conv_tc", dy.reshape(-1, o, 1))
-    return _backward_data(be, dy, w, geometry), _backward_weight(be, dy, x, geometry), \
-        bias_grad(be, "conv", dy.reshape(n, o, -1))
+        dx = None
+        if need_dx:
+            rsco = be.xp.ascontiguousarray(w.transpose(2, 3, 1, 0))
+            dx = conv_tc.backward_data(be, dy, rsco, geometry).transpose(0, 3, 1, 2)
+        return dx, conv_tc.backward_weight(be, dy, x, geometry, dw), bias_grad(be, "conv_tc", dy.reshape(-1, o, 1), db)
+    return _backward_data(be, dy, w, geometry) if need_dx else None, _backward_weight(be, dy, x, geometry, dw), \
+        bias_grad(be, "conv", dy.reshape(n, o, -1), db)
+
+
+def gradient_outputs(be, op, out, weight_shape):
+    """(dw, db) that a backward writes into: those of `out`, checked (C-contiguous float32 of the
+    weight's and the bias's shapes; either may be None), or (None, None) for new arrays."""
+    if out is None:
+        return None, None
+    dw, db = out
+    in_place(be, op, dw, db)
+    for a, shape in ((dw, weight_shape), (db, weight_shape[:1])):
+        if a is not None and a.shape != tuple(shape):
+            raise ValueError(f"{op}: gradient output of shape {a.shape} where {tuple(shape)} is due")
+    return dw, db
 
 
 def nhwc(be, x):
@@ -92,14 +109,15 @@ def _backward_data(be, dy, w, geometry):
     return dx
 
 
-def _backward_weight(be, dy, x, geometry):
-    """dw, split over the N*OH*OW sum into partials when the (O x C*KH*KW) grid is small."""
+def _backward_weight(be, dy, x, geometry, dw=None):
+    """dw (into `dw` when given), split over the N*OH*OW sum into partials when the (O x C*KH*KW)
+    grid is small."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     columns = c * kh * kw
     tile = choose_tile(o, columns)
     grid = (cdiv(columns, TILES[tile]), cdiv(o, TILES[tile]))
     splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=16)   # whole K tiles of either tile
-    dw = be.xp.empty((o, c, kh, kw), np.float32)
+    dw = be.xp.empty((o, c, kh, kw), np.float32) if dw is None else dw
     partial = dw if splits == 1 else be.xp.empty((splits, o, c, kh, kw), np.float32)
     launch(be, "conv", _kernel("conv2d_wgrad", tile, kh, kw), grid + (splits,), (dy, x, partial, *geometry, chunk))
     if splits > 1:
@@ -107,16 +125,15 @@ def _backward_weight(be, dy, x, geometry):
     return dw
 
 
-def bias_grad(be, family, dy):
-    """The per-channel sums of dy (N, O, P) by bias_grad.cuh's kernels compiled in `family`: an
-    NCHW dy is (N, O, OH*OW), a channels-last one (N*OH*OW, O, 1)."""
+def bias_grad(be, family, dy, db=None):
+    """The per-channel sums of dy (N, O, P), in one launch of bias_grad.cuh's kernel compiled in
+    `family`, into db (O,) when given (a bias's gradient, say), else a new array: an NCHW dy is
+    (N, O, OH*OW), a channels-last one (N*OH*OW, O, 1)."""
     n, o, plane = dy.shape
     splits, chunk = split(n * plane, o)
-    db = be.xp.empty((o,), np.float32)
-    partial = db if splits == 1 else be.xp.empty((splits, o), np.float32)
-    launch(be, family, "bias_grad_partials", (o, splits), (dy, n, o, plane, chunk, partial))
-    if splits > 1:
-        sum_partials(be, family, partial, splits, db)
+    db = be.xp.empty((o,), np.float32) if db is None else db
+    partial = be.xp.empty((splits, o), np.float32) if splits > 1 else None
+    launch(be, family, "bias_grad", (o, splits), (dy, n, o, plane, chunk, partial, be.counters(o), db))
     return db
 
 

@@ -7,12 +7,14 @@
 //   conv_tc_forward  y (N*OH*OW x O)  = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b
 //   conv_tc_dgrad    dx (cells x C)   = dy gathered (cells x taps*O) . w_rsco (taps*O x C), one GEMM
 //                                       per stride phase of the input cells (conv_geometry.cuh)
-//   conv_tc_wgrad    dw_krsc (O x KH*KW*C) = dy^T (O x N*OH*OW) . im2col(x) (N*OH*OW x KH*KW*C)
-//   bias_grad_partials  per-channel sums of dy (bias_grad.cuh), finished by sum_partials
+//   conv_tc_wgrad    dw (O x KH*KW*C)  = dy^T (O x N*OH*OW) . im2col(x) (N*OH*OW x KH*KW*C),
+//                                       written in the (O, C, KH, KW) order of the model's weights
+//   bias_grad        per-channel sums of dy (bias_grad.cuh)
 //
-// Each GEMM may split its K over grid.z into partial outputs that sum_partials adds in order
-// (split-K: a small grid's blocks then fill the GPU); backward-data's grid.z also runs over the
-// phases.
+// Each GEMM may split its K over grid.z into parts (split-K: a small grid's blocks then fill the
+// GPU): each part writes its partial tile, and the last part of each tile to finish adds the
+// tile's parts in order (last_block), in the same launch. Backward-data's grid.z also runs over
+// the phases.
 //
 // The weights come in the layouts their GEMM reads along k: w_krsc (O, KH, KW, C) for the
 // forward, w_rsco (KH, KW, C, O) for backward-data; the launcher makes them from (O, C, KH, KW).
@@ -177,10 +179,12 @@ __device__ __forceinline__ void tc_gemm(const SourceA& a, const SourceB& b, cons
     cp_async_wait<0>();  // the empty groups: nothing may be pending when the thread exits
 }
 
-// Writes the warp's accumulators: out.row(m) is the address of output row m (null past the end),
-// whose element n is row[n] for n < columns; bias[n] is added when bias is not null.
+// Where the GEMM's outputs go: element (m, n) at out.row(m) + out.column(n), either -1 past the
+// end. The Out structs below keep the two apart so that a row's offset is computed once.
+//
+// Writes the warp's accumulators to base + that offset, adding bias[n] when bias is not null.
 template <class T, class Out>
-__device__ __forceinline__ void tc_store(const Out& out, int m0, int n0, int columns, const float* bias,
+__device__ __forceinline__ void tc_store(const Out& out, float* base, int m0, int n0, const float* bias,
                                          const float (&acc)[T::MI][T::NI][4]) {
     const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
     const int wm = m0 + (warp / 2) * T::WARP_M + lane / 4, wn = n0 + (warp % 2) * T::WARP_N + 2 * (lane % 4);
@@ -188,16 +192,37 @@ __device__ __forceinline__ void tc_store(const Out& out, int m0, int n0, int col
     for (int i = 0; i < T::MI; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float* row = out.row(wm + 16 * i + 8 * h);
-            if (!row) continue;
+            const int row = out.row(wm + 16 * i + 8 * h);
+            if (row < 0) continue;
 #pragma unroll
             for (int j = 0; j < T::NI; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int n = wn + 8 * j + e;
-                    if (n < columns) row[n] = acc[i][j][2 * h + e] + (bias ? bias[n] : 0.0f);
+                    const int n = wn + 8 * j + e, column = out.column(n);
+                    if (column >= 0) base[row + column] = acc[i][j][2 * h + e] + (bias ? bias[n] : 0.0f);
                 }
         }
+}
+
+// The end of a GEMM: with one part, the accumulators and bias go to y; else to this part's
+// partial output (partial + part * size, size the elements of y), and the tile's last part to
+// finish (last_block on `counter`) adds the tile's parts in order into y, with the bias. Every
+// thread of the block must call it.
+template <class T, class Out>
+__device__ __forceinline__ void tc_finish(const Out& out, float* y, float* partial, int size, int parts, int part,
+                                          unsigned* counter, int m0, int n0, const float* bias,
+                                          const float (&acc)[T::MI][T::NI][4]) {
+    if (parts == 1) {
+        tc_store<T>(out, y, m0, n0, bias, acc);
+        return;
+    }
+    tc_store<T>(out, partial + part * size, m0, n0, nullptr, acc);
+    if (!last_block(counter, parts)) return;
+    for (int idx = int(threadIdx.x); idx < T::BM * T::BN; idx += TC_THREADS) {
+        const int n = n0 + idx % T::BN, row = out.row(m0 + idx / T::BN), column = out.column(n);
+        if (row >= 0 && column >= 0)
+            y[row + column] = added_partials(partial + row + column, parts, size) + (bias ? bias[n] : 0.0f);
+    }
 }
 
 // ---- forward ----------------------------------------------------------------------------
@@ -224,28 +249,33 @@ struct MatrixRows {
     __device__ const float* at(int row, int k) const { return row < rows ? p + row * ld + k : nullptr; }
 };
 
-// Output rows of a row-major (rows x ld) matrix.
+// The elements of a row-major (rows x columns) matrix.
 struct RowsOut {
-    float* p;
-    int rows, ld;
-    __device__ float* row(int m) const { return m < rows ? p + m * ld : nullptr; }
+    int rows, columns;
+    __device__ int row(int m) const { return m < rows ? m * columns : -1; }
+    __device__ int column(int n) const { return n < columns ? n : -1; }
 };
+
+// The counter (of the backend's, see last_block) of this block's output tile, in phase `phase`.
+__device__ __forceinline__ unsigned* tile_counter(unsigned* counters, int phase) {
+    return counters + (phase * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+}
 
 // y (N*OH*OW x O, NHWC) = im2col(x) . w_krsc^T + bias (bias may be null): block (x, y, z) computes
 // output pixels [x * BM, ...) by channels [y * BN, ...) over k in [z * k_chunk, (z + 1) * k_chunk)
-// into y[z] (split-K: the launcher adds the gridDim.z parts in order; bias goes into part 0).
+// (split-K over the gridDim.z parts through partial, see tc_finish).
 template <class T, int VEC>
 __global__ void __launch_bounds__(TC_THREADS)
 conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
-                float* __restrict__ y, CONV_PARAMS, int k_chunk) {
+                float* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, depth = g.taps() * g.c, pixels = g.n * g.out_plane();
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, depth);
     float acc[T::MI][T::NI][4];
     tc_gemm<T, VEC, true, true>(ImageRows{g, x}, MatrixRows{w_krsc, g.o, depth}, x, w_krsc, m0, n0, k_begin, k_end,
                                 acc);
-    tc_store<T>(RowsOut{y + blockIdx.z * pixels * g.o, pixels, g.o}, m0, n0, g.o, blockIdx.z == 0 ? bias : nullptr,
-                acc);
+    tc_finish<T>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, gridDim.z, blockIdx.z, tile_counter(counters, 0),
+                 m0, n0, bias, acc);
 }
 
 // ---- backward-data ----------------------------------------------------------------------
@@ -282,33 +312,35 @@ struct WeightColumns {
 struct PhaseRowsOut {
     Geometry<0, 0> g;
     Phase f;
-    float* dx;
-    __device__ float* row(int m) const {
-        if (m >= g.n * f.cells()) return nullptr;
+    __device__ int row(int m) const {
+        if (m >= g.n * f.cells()) return -1;
         const int img = m / f.cells(), uv = m - img * f.cells(), u = uv / f.cols, v = uv - u * f.cols;
-        return dx + ((img * g.h + f.h_first + g.sh * u) * g.w + f.w_first + g.sw * v) * g.c;
+        return ((img * g.h + f.h_first + g.sh * u) * g.w + f.w_first + g.sw * v) * g.c;
     }
+    __device__ int column(int n) const { return n < g.c ? n : -1; }
 };
 
 // dx (N*H*W x C, NHWC): blockIdx.z = phase * splits + part, for the sh*sw stride phases and the
 // splits = gridDim.z / (sh*sw) parts of each phase's k; block (x, y, z) computes the phase's cells
-// [x * BM, ...) by input channels [y * BN, ...) over k in [part * k_chunk, ...) into dx[part]
-// (the launcher adds the parts in order). Blocks past the phase's cells (phases differ in size by a
+// [x * BM, ...) by input channels [y * BN, ...) over k in [part * k_chunk, ...) (split-K, see
+// tc_finish). Blocks past the phase's cells (phases differ in size by a
 // row or column) leave at once; a phase, or a part of one, that no tap reaches gets zeros.
 template <class T, int VEC>
 __global__ void __launch_bounds__(TC_THREADS)
-conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_rsco, float* __restrict__ dx, CONV_PARAMS,
-              int k_chunk) {
+conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_rsco, float* __restrict__ dx, float* partial,
+              unsigned* counters, CONV_PARAMS, int k_chunk) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int splits = gridDim.z / (g.sh * g.sw), part = blockIdx.z % splits;
-    const Phase f = stride_phase(g, blockIdx.z / splits);
+    const int phase = blockIdx.z / splits;
+    const Phase f = stride_phase(g, phase);
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN;
     if (m0 >= g.n * f.cells()) return;  // the same for the whole block
     const int k_begin = part * k_chunk, k_end = min(k_begin + k_chunk, f.taps() * g.o);
     float acc[T::MI][T::NI][4];
     tc_gemm<T, VEC, true, true>(GradientRows{g, f, dy}, WeightColumns{g, f, w_rsco}, dy, w_rsco, m0, n0, k_begin,
                                 k_end, acc);
-    tc_store<T>(PhaseRowsOut{g, f, dx + part * g.n * g.h * g.w * g.c}, m0, n0, g.c, nullptr, acc);
+    tc_finish<T>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, splits, part, tile_counter(counters, phase),
+                 m0, n0, nullptr, acc);
 }
 
 // ---- backward-weight --------------------------------------------------------------------
@@ -335,17 +367,29 @@ struct ImageColumns {
     }
 };
 
-// partial[z] (O x KH*KW*C) = the sum over the pixels k in [z * k_chunk, (z + 1) * k_chunk) of
-// dy[k, m] im2col(x)[k, n]: block (x, y, z) computes output channels [x * BM, ...) by columns
-// (r, s, ci) [y * BN, ...).
+// The elements of dw (O, C, KH, KW) for the GEMM's rows m = o and columns n = (r, s, ci).
+struct WeightsOut {
+    Geometry<0, 0> g;
+    __device__ int row(int m) const { return m < g.o ? m * g.c * g.taps() : -1; }
+    __device__ int column(int n) const {
+        if (n >= g.taps() * g.c) return -1;
+        const int tap = n / g.c;
+        return (n - tap * g.c) * g.taps() + tap;
+    }
+};
+
+// dw (O, C, KH, KW) = the sum over the pixels k of dy[k, m] im2col(x)[k, n]: block (x, y, z)
+// computes output channels [x * BM, ...) by columns (r, s, ci) [y * BN, ...) over the pixels
+// [z * k_chunk, (z + 1) * k_chunk) (split-K, see tc_finish).
 template <class T, int VEC>
 __global__ void __launch_bounds__(TC_THREADS)
-conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ partial, CONV_PARAMS,
-              int k_chunk) {
+conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dw, float* partial,
+              unsigned* counters, CONV_PARAMS, int k_chunk) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, columns = g.taps() * g.c;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
     float acc[T::MI][T::NI][4];
     tc_gemm<T, VEC, false, false>(ChannelsOfPixels{dy, g.o}, ImageColumns{g, x}, dy, x, m0, n0, k_begin, k_end, acc);
-    tc_store<T>(RowsOut{partial + blockIdx.z * g.o * columns, g.o, columns}, m0, n0, columns, nullptr, acc);
+    tc_finish<T>(WeightsOut{g}, dw, partial, g.o * columns, gridDim.z, blockIdx.z, tile_counter(counters, 0), m0, n0,
+                 nullptr, acc);
 }

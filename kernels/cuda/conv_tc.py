@@ -4,13 +4,14 @@ linear layer is the 1x1 convolution of 1x1 images.
 
 Every function here takes C-contiguous NHWC arrays and the geometry tuple of conv.py,
 (N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH, OW), and returns C-contiguous arrays. Inputs not
-16-byte aligned (views at an odd offset) are copied first: the 16-byte cp.async needs it.
+16-byte aligned (views at an odd offset) are copied first: the 16-byte cp.async needs it. A GEMM
+split over k finishes in its own launch (the last part of each tile adds the parts in order).
 """
 import typing
 
 import numpy as np
 
-from .launch import aligned, cdiv, launch, sum_partials
+from .launch import aligned, cdiv, launch
 
 OPS = ()  # the contract's ops are conv.py's and linear.py's, which call these
 BK, THREADS = 16, 128   # the k step of every tile (TC_BK) and the threads of a block (TC_THREADS)
@@ -19,7 +20,7 @@ GEMMS = ("conv_tc_forward", "conv_tc_dgrad", "conv_tc_wgrad")
 # VEC = 4 (16-byte copies) for either tile; VEC = 1 (channel counts not a multiple of 4) with the
 # small tile only.
 KERNELS = tuple(f"{k}<{t}, 4>" for k in GEMMS for t in TILES) + tuple(f"{k}<Tc64x64, 1>" for k in GEMMS) + (
-    "bias_grad_partials", "sum_partials")
+    "bias_grad",)
 # The large tile does twice the work per block: worth it only while the grid stays large.
 LARGE_TILE_MIN_BLOCKS = 256
 # Split-K: a grid of fewer blocks than two per SM of an H200 (132 SMs) splits its k into parts of
@@ -82,7 +83,9 @@ def forward(be, x, w_krsc, b, geometry):
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     p = plan("forward", geometry)
     x, w_krsc = aligned(x), aligned(w_krsc)
-    return _summed(be, p, (n, oh, ow, o), lambda out: (x, w_krsc, b, out, *geometry, p.chunk))
+    y = be.xp.empty((n, oh, ow, o), np.float32)
+    _launch(be, p, (x, w_krsc, b), y, geometry)
+    return y
 
 
 def backward_data(be, dy, w_rsco, geometry):
@@ -90,23 +93,26 @@ def backward_data(be, dy, w_rsco, geometry):
     n, c, h, wd = geometry[:4]
     p = plan("dgrad", geometry)
     dy, w_rsco = aligned(dy), aligned(w_rsco)
-    return _summed(be, p, (n, h, wd, c), lambda out: (dy, w_rsco, out, *geometry, p.chunk))
+    dx = be.xp.empty((n, h, wd, c), np.float32)
+    _launch(be, p, (dy, w_rsco), dx, geometry)
+    return dx
 
 
-def backward_weight(be, dy, x, geometry):
-    """dw_krsc (O, KH, KW, C) from dy (N, OH, OW, O) and x (N, H, W, C)."""
+def backward_weight(be, dy, x, geometry, dw=None):
+    """dw (O, C, KH, KW), the model's order, from dy (N, OH, OW, O) and x (N, H, W, C): into `dw`
+    (C-contiguous, any alignment: the kernel stores single floats) when given, else a new array."""
     n, c, h, wd, o, kh, kw = geometry[:7]
     p = plan("wgrad", geometry)
     dy, x = aligned(dy), aligned(x)
-    return _summed(be, p, (o, kh, kw, c), lambda out: (dy, x, out, *geometry, p.chunk))
+    dw = be.xp.empty((o, c, kh, kw), np.float32) if dw is None else dw
+    _launch(be, p, (dy, x), dw, geometry)
+    return dw
 
 
-def _summed(be, p, shape, arguments):
-    """Launch the Plan with arguments(out) and return the output of `shape`: the kernel's own when
-    it has one part, else the in-order sum of its parts."""
-    out = be.xp.empty(shape, np.float32)
-    partial = out if p.splits == 1 else be.xp.empty((p.splits, *shape), np.float32)
-    launch(be, "conv_tc", p.kernel, p.grid, arguments(partial), block=(THREADS,))
-    if p.splits > 1:
-        sum_partials(be, "conv_tc", partial, p.splits, out)
-    return out
+def _launch(be, p, inputs, out, geometry):
+    """Launch the Plan on `inputs` into `out`, with a partial output for each part of a split k and
+    the counters of its tiles (see conv_tc.cu's tc_finish)."""
+    partial = be.xp.empty((p.splits, out.size), np.float32) if p.splits > 1 else None
+    tiles = p.grid[0] * p.grid[1] * (p.grid[2] // p.splits)
+    launch(be, "conv_tc", p.kernel, p.grid, (*inputs, out, partial, be.counters(tiles), *geometry, p.chunk),
+           block=(THREADS,))

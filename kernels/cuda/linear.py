@@ -6,6 +6,7 @@ import numpy as np
 import kernels
 
 from . import conv_tc
+from .conv import gradient_outputs
 from .launch import cdiv, float32, launch, sum_partials
 
 OPS = ("linear_forward", "linear_backward")
@@ -29,21 +30,23 @@ def linear_forward(be, x, w, b):
     return y
 
 
-def linear_backward(be, dy, x, w):
+def linear_backward(be, dy, x, w, *, out=None):
+    """See kernels/cpu/linear.py: (dx, dw, db), dw and db written into out = (dw, db) when given."""
     dy, x, w = float32(be, "linear_backward", dy, x, w)
     n, i, o = _sizes(x, w)
     if dy.shape != (n, o):
         raise ValueError(f"linear dy shape {dy.shape} does not match the output {(n, o)}")
+    dw, db = gradient_outputs(be, "linear_backward", out, w.shape)
+    dw = be.xp.empty((o, i), np.float32) if dw is None else dw
     if kernels.precision() == "tf32":
         geometry = _as_conv(n, i, o)
         dx = conv_tc.backward_data(be, dy, be.xp.ascontiguousarray(w.T), geometry).reshape(n, i)
-        dw = conv_tc.backward_weight(be, dy, x, geometry).reshape(o, i)
+        conv_tc.backward_weight(be, dy, x, geometry, dw.reshape(o, i, 1, 1))
     else:
         dx = be.xp.empty((n, i), np.float32)
         _matmul(be, DATA, dy, w, None, dx, (n, i, o), (o, 1, 1, i))
-        dw = be.xp.empty((o, i), np.float32)
         _matmul(be, WEIGHT, dy, x, None, dw, (o, i, n), (1, o, 1, i))
-    db = be.xp.empty((o,), np.float32)
+    db = be.xp.empty((o,), np.float32) if db is None else db
     sum_partials(be, "linear", dy, n, db)
     return dx, dw, db
 

@@ -47,6 +47,13 @@ def _new(array):
     return ndarray._wrap(np.asarray(array), cuda.getDevice())
 
 
+def _work(name, written):
+    """Count one array operation (a kernel, memset or copy on a GPU) that writes `written` (an array)."""
+    cuda.ledger["operations"][name] += 1
+    cuda.ledger["operation_bytes"][name] += written.nbytes
+    return written
+
+
 def _poisoned(shape, dtype, order="C"):
     array = np.empty(shape, dtype, order=order)
     if array.dtype.kind == "f":
@@ -95,6 +102,7 @@ class ndarray:  # noqa: N801  (CuPy's name)
 
     # ---- to the host ----------------------------------------------------------------------------
     def get(self, stream=None, order="C", out=None, blocking=True):
+        _work("copy to the host", self)
         if out is not None:
             out[...] = self._array
             return out
@@ -147,12 +155,12 @@ class ndarray:  # noqa: N801  (CuPy's name)
 
     # ---- kernels ----------------------------------------------------------------------------
     def copy(self, order="C"):
-        return _new(np.array(self._array, order=order))  # any device to the current one, as CuPy
+        return _work("copy", _new(np.array(self._array, order=order)))  # any device to the current one, as CuPy
 
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         if not copy and np.dtype(dtype) == self.dtype:
             return self
-        return _new(_operand("ndarray.astype", self).astype(dtype, order=order))
+        return _work("astype", _new(_operand("ndarray.astype", self).astype(dtype, order=order)))
 
     def fill(self, value):
         if isinstance(value, np.ndarray) and value.shape != ():
@@ -161,9 +169,11 @@ class ndarray:  # noqa: N801  (CuPy's name)
             if value.shape != ():
                 raise ValueError("non-scalar cupy.ndarray cannot be used for fill")
             value = value._array[()]
-        if not (value == 0 and self.flags.c_contiguous):  # CuPy's memset needs no kernel
+        memset = value == 0 and self.flags.c_contiguous  # CuPy's memset needs no kernel
+        if not memset:
             _operand("ndarray.fill", self)
         self._array.fill(value)
+        _work("memset" if memset else "fill", self)
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False):
         return _reduce(np.sum, self, axis, out, keepdims, dtype=dtype)
@@ -179,7 +189,7 @@ class ndarray:  # noqa: N801  (CuPy's name)
                 result = self._array[(*keys, Ellipsis)]
             return ndarray._wrap(result, self._device)
         # a gather: a kernel on the current device; host index arrays are copied there first
-        return _new(_operand("ndarray.__getitem__", self)[_index("ndarray.__getitem__", keys)])
+        return _work("gather", _new(_operand("ndarray.__getitem__", self)[_index("ndarray.__getitem__", keys)]))
 
     def __setitem__(self, slices, value):
         keys = slices if isinstance(slices, tuple) else (slices,)
@@ -188,11 +198,13 @@ class ndarray:  # noqa: N801  (CuPy's name)
             if value.shape == target.shape and value.dtype == target.dtype and value.flags.c_contiguous \
                     and target.flags.c_contiguous:
                 target._array[...] = value._array  # a plain copy, from any device, as CuPy's memcpy
+                _work("copy", target)
                 return
         if isinstance(value, np.ndarray) and value.shape != ():
             raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
         call = "ndarray.__setitem__"
         _operand(call, self)[_index(call, keys)] = _operand(call, value)
+        _work("scatter" if _gathers(keys) else "setitem", self[slices] if not _gathers(keys) else self)
 
     # ---- NumPy's ufuncs and Python's operators ----------------------------------------------------
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -202,7 +214,7 @@ class ndarray:  # noqa: N801  (CuPy's name)
         out = kwargs.pop("out", None)
         result = ufunc(*(_operand(call, v) for v in inputs),
                        **({} if out is None else {"out": tuple(_operand(call, o) for o in out)}), **kwargs)
-        return out[0] if out is not None else _new(result)
+        return _work(ufunc.__name__, out[0] if out is not None else _new(result))
 
 
 def _operator(ufunc, reflected=False, in_place=False):
@@ -236,9 +248,9 @@ def _reduce(function, a, axis, out, keepdims, **kwargs):
     call = f"ndarray.{function.__name__}"
     result = function(_operand(call, a), axis=axis, keepdims=keepdims, **kwargs)
     if out is None:
-        return _new(result)
+        return _work(function.__name__, _new(result))
     _operand(call, out)[...] = result
-    return out
+    return _work(function.__name__, out)
 
 
 class MemoryPointer:
@@ -279,9 +291,9 @@ def memory_at(pointer, nbytes, call):
 def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
     if isinstance(a, ndarray):
         if a._device != cuda.getDevice():  # CuPy copies an array of another device to the current one
-            return _new(np.asarray(a._array, dtype=dtype, order=order).copy())
+            return _work("copy", _new(np.asarray(a._array, dtype=dtype, order=order).copy()))
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
-    return _new(np.array(a, dtype=dtype, order=order))  # host to device
+    return _work("copy from the host", _new(np.array(a, dtype=dtype, order=order)))
 
 
 def ascontiguousarray(a, dtype=None):
@@ -289,7 +301,7 @@ def ascontiguousarray(a, dtype=None):
         raise _host_error("cupy.ascontiguousarray", a)
     if a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
-    return _new(np.ascontiguousarray(_operand("cupy.ascontiguousarray", a), dtype=dtype))
+    return _work("ascontiguousarray", _new(np.ascontiguousarray(_operand("cupy.ascontiguousarray", a), dtype=dtype)))
 
 
 def empty(shape, dtype=float, order="C"):
@@ -297,7 +309,7 @@ def empty(shape, dtype=float, order="C"):
 
 
 def zeros(shape, dtype=float, order="C"):
-    return _new(np.zeros(shape, dtype, order=order))
+    return _work("memset", _new(np.zeros(shape, dtype, order=order)))
 
 
 def _like(a, dtype, shape, fill=None):
@@ -305,11 +317,12 @@ def _like(a, dtype, shape, fill=None):
     if shape is None:
         array = np.empty_like(a._array if isinstance(a, ndarray) else a, dtype=dtype)
         array[...] = _poisoned(array.shape, array.dtype) if fill is None else fill
-        return _new(array)
-    result = empty(shape, a.dtype if dtype is None else dtype)
-    if fill is not None:
-        result._array.fill(fill)
-    return result
+        result = _new(array)
+    else:
+        result = empty(shape, a.dtype if dtype is None else dtype)
+        if fill is not None:
+            result._array.fill(fill)
+    return result if fill is None else _work("memset" if fill == 0 else "fill", result)
 
 
 def empty_like(prototype, dtype=None, order="K", subok=None, shape=None):
@@ -325,7 +338,8 @@ def ones_like(a, dtype=None, order="K", subok=None, shape=None):
 
 
 def arange(start, stop=None, step=1, dtype=None):
-    return _new(np.arange(start, stop, step, dtype=dtype) if stop is not None else np.arange(start, dtype=dtype))
+    return _work("arange", _new(np.arange(start, stop, step, dtype=dtype) if stop is not None
+                                else np.arange(start, dtype=dtype)))
 
 
 # ---- kernels ------------------------------------------------------------------------------------------

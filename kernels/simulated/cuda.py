@@ -17,8 +17,11 @@ import types
 ENVIRONMENT = "KERNELS_SIMULATED_GPUS"
 _handles = itertools.count(0x5100)  # stream and event handles: nonzero, unlike the null stream
 _local = threading.local()
-# what this process did on each device (visible index): a test reads it to see where work went
-ledger = {"allocations": collections.Counter(), "launches": collections.Counter()}
+# what this process did: allocations and RawModule launches on each device (visible index), which a
+# test reads to see where work went; and the array operations by name (each a kernel, a memset or a
+# copy on a GPU) with the bytes of the arrays they write, which bench/launches.py counts
+ledger = {"allocations": collections.Counter(), "launches": collections.Counter(),
+          "operations": collections.Counter(), "operation_bytes": collections.Counter()}
 
 
 class CUDARuntimeError(RuntimeError):
