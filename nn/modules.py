@@ -34,6 +34,7 @@ class Parameter(Tensor):
         super().__init__(data, requires_grad=True)
         self.grad = get_array_module(self.data).zeros_like(self.data)
         self._flat = None
+        self._stale = True   # zeros indeed; stale, so that the first backward writes, adding nothing
 
     @property
     def grad(self):
@@ -70,7 +71,16 @@ class Parameter(Tensor):
 
 class FlatParameters:
     """Two contiguous buffers, ``data`` and ``grad``, holding every parameter in
-    registration order; each Parameter's ``data`` and ``grad`` become views."""
+    registration order; each Parameter's ``data`` and ``grad`` become views.
+
+    Each parameter starts at a multiple of ALIGNMENT elements (16 bytes or more: what the
+    tensor-core kernels' 16-byte copies need), the gaps zero. A 4-D parameter (a convolution's
+    weight, (out, in, kh, kw)) lies channels-last, its memory (out, kh, kw, in) as PyTorch's
+    channels_last weights: the layout the tensor-core convolutions read and write, so that
+    they copy no weight and write no gradient through a transposition. LAYOUT names this
+    arrangement, which a checkpoint of the flat buffer records."""
+    ALIGNMENT = 4
+    LAYOUT = "aligned to 4 elements; 4-D parameters channels-last"
 
     def __init__(self, params):
         if not params:
@@ -80,15 +90,24 @@ class FlatParameters:
             raise ValueError(f"parameters of one flat buffer must share a dtype, got {dtypes}")
         xp = get_array_module(params[0].data)
         self.params = params
-        self.offsets = np.cumsum([0] + [p.size for p in params]).tolist()
-        self.data = xp.empty(self.offsets[-1], dtype=params[0].dtype)
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(-(-(self.offsets[-1] + p.size) // self.ALIGNMENT) * self.ALIGNMENT)
+        self.data = xp.zeros(self.offsets[-1], dtype=params[0].dtype)
         self._grad = xp.zeros(self.offsets[-1], dtype=params[0].dtype)
-        for p, lo, hi in zip(params, self.offsets, self.offsets[1:]):
-            self.data[lo:hi] = p.data.ravel()
-            self._grad[lo:hi] = p.grad.ravel()
-            p.data = self.data[lo:hi].reshape(p.shape)
-            p.grad = self._grad[lo:hi].reshape(p.shape)
-            p._flat = self
+        for p, lo in zip(params, self.offsets):
+            stale = p._stale
+            self.data[lo:lo + p.size] = _in_memory_order(p.data).ravel()
+            if not stale:
+                self._grad[lo:lo + p.size] = _in_memory_order(p._grad).ravel()
+            p.data = _viewed(self.data[lo:lo + p.size], p.shape)
+            p.grad = _viewed(self._grad[lo:lo + p.size], p.shape)
+            p._flat, p._stale = self, stale
+
+    @property
+    def parameter_count(self):
+        """The number of parameters (the buffers' length less the gaps between them)."""
+        return sum(p.size for p in self.params)
 
     @property
     def grad(self):
@@ -137,6 +156,19 @@ class FlatParameters:
 
     def __len__(self):
         return self.offsets[-1]
+
+
+def _in_memory_order(a):
+    """A parameter's array as a flat buffer lays it out: a 4-D one channels-last (see FlatParameters)."""
+    return a.transpose(0, 2, 3, 1) if a.ndim == 4 else a
+
+
+def _viewed(memory, shape):
+    """The view of `shape` over a flat buffer's slice laid out as _in_memory_order does."""
+    if len(shape) == 4:
+        o, c, kh, kw = shape
+        return memory.reshape(o, kh, kw, c).transpose(0, 3, 1, 2)
+    return memory.reshape(shape)
 
 
 class Module:
@@ -262,6 +294,7 @@ class Module:
             p.data = convert(p.data)
             p.grad = get_array_module(p.data).zeros_like(p.data)
             p._flat = None
+            p.zero_grad()
         for m in self.modules():
             for name, b in m._buffers.items():
                 if b.dtype.kind == "f":  # counters stay on the host

@@ -38,8 +38,9 @@ def atomic_write(path, mode="wb"):
 def save_safetensors(model, path):
     """``model.state_dict()`` as a safetensors file at ``path``, written atomically."""
     import safetensors.numpy
-    # copies: contiguous, on the host, and 0-d kept 0-d (np.ascontiguousarray would make it 1-d)
-    state = {key: np.array(value) if isinstance(value, np.ndarray) else value.get()
+    # copies: C-contiguous (a conv weight of a flat buffer is a channels-last view), on the host, and
+    # 0-d kept 0-d (np.ascontiguousarray would make it 1-d)
+    state = {key: np.array(value if isinstance(value, np.ndarray) else value.get(), order="C")
              for key, value in model.state_dict().items()}
     # "pt": the keys, dtypes and shapes are those of PyTorch's state dict (loaders such as
     # transformers' refuse a file that does not say its format)

@@ -141,19 +141,32 @@ def test_conv_at_the_shapes_of_resnet18(x_shape, w_shape, stride, padding):
     check_conv(kernels._device_backend("emu"), x_shape, w_shape, stride, padding)
 
 
+def channels_last(a):
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", [((2, 8, 7, 6), (12, 8, 3, 3), 2, 1),
-                                                               ((3, 1, 5, 5), (4, 1, 3, 3), 1, 1)])
-def test_channels_last_inputs_give_the_same_results(x_shape, w_shape, stride, padding):
+                                                               ((3, 1, 5, 5), (4, 1, 3, 3), 1, 1),
+                                                               ((2, 4, 6, 6), (8, 4, 3, 3), 1, 1)])
+def test_channels_last_inputs_give_the_same_results(variant, x_shape, w_shape, stride, padding):
+    """Activations and weights (as a flat buffer holds them) NCHW or channels-last, and gradients
+    written into channels-last or C-contiguous arrays (NaN-filled: every element written), agree
+    bit for bit."""
     be = kernels._device_backend("emu")
     x, w, b = draw(x_shape, w_shape, (w_shape[0],))
-    x_last = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-    y, y_last = be.conv2d_forward(x, w, b, stride, padding), be.conv2d_forward(x_last, w, b, stride, padding)
-    assert np.array_equal(y, y_last)
+    x_last, w_last = channels_last(x), channels_last(w)
+    y = be.conv2d_forward(x, w, b, stride, padding)
+    for x_, w_ in ((x_last, w), (x, w_last), (x_last, w_last)):
+        assert np.array_equal(y, be.conv2d_forward(x_, w_, b, stride, padding))
     (dy,) = draw(y.shape)
-    dy_last = np.ascontiguousarray(dy.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-    for a, b_, what in zip(be.conv2d_backward(dy, x, w, stride, padding),
-                           be.conv2d_backward(dy_last, x_last, w, stride, padding), ("dx", "dw", "db")):
-        assert np.array_equal(a, b_), what
+    expected = be.conv2d_backward(dy, x, w, stride, padding)
+    targets = [None, (np.full_like(w, np.nan), np.full_like(b, np.nan)),
+               (channels_last(np.full_like(w, np.nan)), np.full_like(b, np.nan))]
+    for out in targets:
+        got = be.conv2d_backward(channels_last(dy), x_last, w_last, stride, padding, out=out)
+        for a, b_, what in zip(expected, got, ("dx", "dw", "db")):
+            assert np.array_equal(a, b_), f"{what} into {'new arrays' if out is None else out[0].strides}"
+        assert out is None or (got[1] is out[0] and got[2] is out[1])
 
 
 def test_small_grids_split_their_k_and_large_ones_do_not():

@@ -315,11 +315,13 @@ def test_backwards_write_into_the_gradient_arrays_they_are_given(ours, variant):
     draw = lambda *shape: g.standard_normal(shape).astype(np.float32)  # noqa: E731
     x, w, dy = draw(2, 4, 6, 6), draw(8, 4, 3, 3), draw(2, 8, 6, 6)
     fresh = ours.conv2d_backward(dy, x, w, 1, 1)
-    out = np.full_like(w, np.nan), np.full(8, np.nan, np.float32)
-    dx, dw, db = ours.conv2d_backward(dy, x, w, 1, 1, need_dx=False, out=out)
-    assert dx is None and dw is out[0] and db is out[1]
-    for got, want, name in ((dw, fresh[1], "dw"), (db, fresh[2], "db")):
-        np.testing.assert_array_equal(got, want, err_msg=name)
+    w_last = np.ascontiguousarray(w.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)   # as a flat buffer holds it
+    for dw_target, weights in ((np.full_like(w, np.nan), w), (np.full_like(w_last, np.nan), w_last)):
+        out = dw_target, np.full(8, np.nan, np.float32)
+        dx, dw, db = ours.conv2d_backward(dy, x, weights, 1, 1, need_dx=False, out=out)
+        assert dx is None and dw is out[0] and db is out[1]
+        for got, want, name in ((dw, fresh[1], "dw"), (db, fresh[2], "db")):
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} into strides {dw_target.strides}")
     x, w, dy = draw(6, 8), draw(4, 8), draw(6, 4)
     out = np.full_like(w, np.nan), np.full(4, np.nan, np.float32)
     _, dw, db = ours.linear_backward(dy, x, w, out=out)

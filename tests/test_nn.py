@@ -234,10 +234,30 @@ def test_parameters_are_views_of_the_flat_buffers_after_load_state_dict():
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
         assert np.shares_memory(p.data, flat.data) and np.shares_memory(p.grad, flat.grad), name
         np.testing.assert_array_equal(p.data, q.data, err_msg=name)
-    np.testing.assert_array_equal(flat.data, np.concatenate([q.data.ravel() for q in other.parameters()]))
     for key, value in other.state_dict().items():
         np.testing.assert_array_equal(model.state_dict()[key], value, err_msg=key)
     assert model.flat_parameters() is flat
+
+
+def test_the_flat_buffers_align_every_parameter_and_keep_conv_weights_channels_last():
+    model = nn.resnet18(width=2)
+    values = [p.data.copy() for p in model.parameters()]
+    flat = model.flat_parameters()
+    assert flat.parameter_count == sum(v.size for v in values) < len(flat)
+    expected = np.zeros(len(flat), np.float32)
+    for p, v, lo, hi in zip(model.parameters(), values, flat.offsets, flat.offsets[1:]):
+        assert lo % flat.ALIGNMENT == 0 and hi - lo < v.size + flat.ALIGNMENT
+        memory = v.transpose(0, 2, 3, 1) if v.ndim == 4 else v    # (out, kh, kw, in) for a conv weight
+        expected[lo:lo + v.size] = memory.ravel()
+        np.testing.assert_array_equal(p.data, v)
+        if v.ndim == 4 and v.shape[1] > 1:
+            assert p.data.transpose(0, 2, 3, 1).flags.c_contiguous and p.grad.transpose(0, 2, 3, 1).flags.c_contiguous
+    np.testing.assert_array_equal(flat.data, expected)    # the gaps zero
+    F.cross_entropy(model(Tensor(normal(2, 1, 8, 8).astype(np.float32))), labels(2, 10)).backward()
+    gaps = np.ones(len(flat), bool)
+    for p, lo in zip(model.parameters(), flat.offsets):
+        gaps[lo:lo + p.size] = False
+    assert gaps.any() and not flat.grad[gaps].any()
 
 
 class DeviceArray:

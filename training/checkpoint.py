@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from kernels import get_array_module
+from nn.modules import FlatParameters
 from nn.serialization import atomic_write
 
 FILENAME = "checkpoint.npz"
@@ -28,7 +29,8 @@ def _host(array):
 def save(path, model, optimizer, record):
     """``record``: a JSON-serialisable dict (epoch, config, metrics, RNG state...). NotFinite,
     and nothing written, when a parameter, the velocity or a buffer is NaN or infinite."""
-    arrays = {"params": _host(optimizer.flat.data), "record": np.array(json.dumps(record, allow_nan=False))}
+    arrays = {"params": _host(optimizer.flat.data), "record": np.array(json.dumps(record, allow_nan=False)),
+              "layout": np.array(FlatParameters.LAYOUT)}
     if optimizer.velocity is not None:
         arrays["velocity"] = _host(optimizer.velocity)
     for name, buf in model.named_buffers():
@@ -80,6 +82,11 @@ def _copy(target, value, name):
 
 def restore(arrays, model, optimizer):
     """Copy a checkpoint's arrays into ``model`` and ``optimizer`` in place."""
+    layout = str(arrays["layout"]) if "layout" in arrays else "unaligned, every parameter in its own order"
+    if layout != FlatParameters.LAYOUT:
+        raise CheckpointError(f"the checkpoint's flat parameter buffer is laid out as '{layout}', this version's as "
+                              f"'{FlatParameters.LAYOUT}': it was written by an earlier version and cannot be resumed "
+                              f"by this one")
     _copy(optimizer.flat.data, arrays["params"], "flat parameter buffer")
     if optimizer.velocity is not None:
         if "velocity" not in arrays:

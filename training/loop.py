@@ -297,7 +297,7 @@ def _train(comm, log, cfg, train, test, model, opt, record, ddp):
     schedule = CosineAnnealingLR(opt, cfg.epochs * steps_per_epoch) if cfg.schedule == "cosine" else None
     metrics = record["metrics"] if record else []
     start = record["epoch"] if record else 0
-    log(f"ResNet-18 (width {cfg.width}, {len(opt.flat):,} parameters) on {len(x_train)} training and "
+    log(f"ResNet-18 (width {cfg.width}, {opt.flat.parameter_count:,} parameters) on {len(x_train)} training and "
         f"{len(x_test)} test images, batch {cfg.batch_size}, lr {opt.lr:g}, {cfg.schedule} schedule, "
         f"precision {cfg.compute_precision}; "
         f"output in {out}" + (f"; resuming after epoch {start}" if start else ""))

@@ -12,14 +12,13 @@
 //                                        phase of the input cells, over the taps that reach it
 //   conv2d_wgrad     dw (O x C*KH*KW)  = dy (O x N*OH*OW) . im2col(x)^T, split over K = N*OH*OW
 //                                        into per-split partials that sum_partials adds in order
-//   bias_grad        per-channel sums of dy, in one launch (bias_grad.cuh)
+//   bias_grad        per-channel sums of dy, in one launch
 //
 // Each GEMM is templated on the tile (Tile64, Tile128 in common.cuh) and, but for the strided
 // backward-data, on the kernel size (KH, KW), 0 meaning "given at run time": the 3x3 and 1x1
 // instantiations divide by constants.
 #include "common.cuh"
 #include "conv_geometry.cuh"
-#include "bias_grad.cuh"
 
 // Forward B(k, n) = x[img, ci, p*sh - ph + r, q*sw - pw + s] for k = (ci, r, s), n = (img, p, q):
 // each thread keeps one column n across the K loop, so its window origin is computed once.
@@ -253,4 +252,27 @@ conv2d_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* _
             if (m < g.o && col < columns) out[m * columns + col] = acc[i][j];
         }
     }
+}
+
+// ---- bias gradient ----------------------------------------------------------------------
+
+// db (O) = the per-channel sums of dy (N, O, OH*OW): block (c, s) of an (O, splits) grid adds
+// channel c's values e in [s * chunk, (s + 1) * chunk) of its N*OH*OW, each thread a strided subset
+// in order, then block_sum; with one split it writes db[c], else partial[s * O + c], and the last
+// of the channel's blocks adds the splits in order into db[c] (last_block, counters[c]).
+extern "C" __global__ void __launch_bounds__(256)
+bias_grad(const float* __restrict__ dy, int n, int channels, int plane, int chunk, float* partial,
+          unsigned* counters, float* __restrict__ db) {
+    __shared__ float scratch[32];
+    const int c = blockIdx.x, begin = blockIdx.y * chunk, end = min(begin + chunk, n * plane);
+    float total = 0.0f;
+    for (int e = begin + threadIdx.x; e < end; e += blockDim.x) total += dy[channel_element(e, c, channels, plane)];
+    total = block_sum(total, scratch);
+    if (gridDim.y == 1) {
+        if (threadIdx.x == 0) db[c] = total;
+        return;
+    }
+    if (threadIdx.x == 0) partial[blockIdx.y * channels + c] = total;
+    if (last_block(counters + c, gridDim.y) && threadIdx.x == 0)
+        db[c] = added_partials(partial + c, gridDim.y, channels);
 }

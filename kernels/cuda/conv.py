@@ -8,7 +8,7 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
-from .launch import cdiv, dense, float32, in_place, launch, split, sum_partials
+from .launch import cdiv, dense, float32, in_place, is_channels_last, launch, split, sum_partials
 
 OPS = ("conv2d_forward", "conv2d_backward")
 
@@ -38,10 +38,9 @@ def choose_tile(rows, columns):
 
 def conv2d_forward(be, x, w, b, stride, padding):
     if kernels.precision() == "tf32":
-        x, (w, b) = dense(be, "conv2d_forward", x), float32(be, "conv2d_forward", w, b)
+        x, w, (b,) = dense(be, "conv2d_forward", x), dense(be, "conv2d_forward", w), float32(be, "conv2d_forward", b)
         geometry = _geometry(x, w, stride, padding, b)
-        krsc = be.xp.ascontiguousarray(w.transpose(0, 2, 3, 1))
-        return conv_tc.forward(be, nhwc(be, x), krsc, b, geometry).transpose(0, 3, 1, 2)
+        return conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry).transpose(0, 3, 1, 2)
     x, w, b = float32(be, "conv2d_forward", x, w, b)
     geometry = _geometry(x, w, stride, padding, b)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
@@ -54,10 +53,9 @@ def conv2d_forward(be, x, w, b, stride, padding):
 
 def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None):
     """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
-    (C-contiguous float32, the parameters' gradients, say) when given."""
+    (float32, the parameters' gradients, say) when given; a new dw takes w's layout."""
     if kernels.precision() == "tf32":
-        dy, x, (w,) = dense(be, "conv2d_backward", dy), dense(be, "conv2d_backward", x), \
-            float32(be, "conv2d_backward", w)
+        dy, x, w = (dense(be, "conv2d_backward", a) for a in (dy, x, w))
     else:
         dy, x, w = float32(be, "conv2d_backward", dy, x, w)
     geometry = _geometry(x, w, stride, padding)
@@ -67,22 +65,29 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None):
     dw, db = gradient_outputs(be, "conv2d_backward", out, w.shape)
     if kernels.precision() == "tf32":
         dy, x = nhwc(be, dy), nhwc(be, x)
-        dx = None
-        if need_dx:
-            rsco = be.xp.ascontiguousarray(w.transpose(2, 3, 1, 0))
-            dx = conv_tc.backward_data(be, dy, rsco, geometry).transpose(0, 3, 1, 2)
-        return dx, conv_tc.backward_weight(be, dy, x, geometry, dw), bias_grad(be, "conv_tc", dy.reshape(-1, o, 1), db)
+        dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry).transpose(0, 3, 1, 2) if need_dx else None
+        dw, db = conv_tc.backward_weight(be, dy, x, geometry, _like_layout(be, w) if dw is None else dw,
+                                         be.xp.empty((o,), np.float32) if db is None else db)
+        return dx, dw, db
     return _backward_data(be, dy, w, geometry) if need_dx else None, _backward_weight(be, dy, x, geometry, dw), \
-        bias_grad(be, "conv", dy.reshape(n, o, -1), db)
+        bias_grad(be, dy.reshape(n, o, -1), db)
+
+
+def _like_layout(be, a):
+    """A new float32 array of a's shape and memory layout (NCHW or channels-last)."""
+    if is_channels_last(a):
+        n, c, h, w = a.shape
+        return be.xp.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2)
+    return be.xp.empty(a.shape, np.float32)
 
 
 def gradient_outputs(be, op, out, weight_shape):
-    """(dw, db) that a backward writes into: those of `out`, checked (C-contiguous float32 of the
-    weight's and the bias's shapes; either may be None), or (None, None) for new arrays."""
+    """(dw, db) that a backward writes into: those of `out`, checked (float32 of the weight's and
+    the bias's shapes, dense: C-contiguous, or a channels-last dw; either may be None), or
+    (None, None) for new arrays."""
     if out is None:
         return None, None
-    dw, db = out
-    in_place(be, op, dw, db)
+    dw, db = in_place(be, op, *out)
     for a, shape in ((dw, weight_shape), (db, weight_shape[:1])):
         if a is not None and a.shape != tuple(shape):
             raise ValueError(f"{op}: gradient output of shape {a.shape} where {tuple(shape)} is due")
@@ -110,30 +115,33 @@ def _backward_data(be, dy, w, geometry):
 
 
 def _backward_weight(be, dy, x, geometry, dw=None):
-    """dw (into `dw` when given), split over the N*OH*OW sum into partials when the (O x C*KH*KW)
-    grid is small."""
+    """dw (into `dw` when given, through a copy when it is channels-last), split over the N*OH*OW
+    sum into partials when the (O x C*KH*KW) grid is small."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     columns = c * kh * kw
     tile = choose_tile(o, columns)
     grid = (cdiv(columns, TILES[tile]), cdiv(o, TILES[tile]))
     splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=16)   # whole K tiles of either tile
-    dw = be.xp.empty((o, c, kh, kw), np.float32) if dw is None else dw
+    target = dw
+    dw = be.xp.empty((o, c, kh, kw), np.float32) if dw is None or not dw.flags.c_contiguous else dw
     partial = dw if splits == 1 else be.xp.empty((splits, o, c, kh, kw), np.float32)
     launch(be, "conv", _kernel("conv2d_wgrad", tile, kh, kw), grid + (splits,), (dy, x, partial, *geometry, chunk))
     if splits > 1:
         sum_partials(be, "conv", partial, splits, dw)
+    if target is not None and target is not dw:   # a channels-last target (a flat buffer's parameter)
+        target[...] = dw
+        return target
     return dw
 
 
-def bias_grad(be, family, dy, db=None):
-    """The per-channel sums of dy (N, O, P), in one launch of bias_grad.cuh's kernel compiled in
-    `family`, into db (O,) when given (a bias's gradient, say), else a new array: an NCHW dy is
-    (N, O, OH*OW), a channels-last one (N*OH*OW, O, 1)."""
+def bias_grad(be, dy, db=None):
+    """The per-channel sums of dy (N, O, OH*OW), in one launch, into db (O,) when given (a bias's
+    gradient, say), else a new array."""
     n, o, plane = dy.shape
     splits, chunk = split(n * plane, o)
     db = be.xp.empty((o,), np.float32) if db is None else db
     partial = be.xp.empty((splits, o), np.float32) if splits > 1 else None
-    launch(be, family, "bias_grad", (o, splits), (dy, n, o, plane, chunk, partial, be.counters(o), db))
+    launch(be, "conv", "bias_grad", (o, splits), (dy, n, o, plane, chunk, partial, be.counters(o), db))
     return db
 
 

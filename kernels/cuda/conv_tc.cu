@@ -5,27 +5,29 @@
 // `pytest -m gpu`.
 //
 //   conv_tc_forward  y (N*OH*OW x O)  = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b
-//   conv_tc_dgrad    dx (cells x C)   = dy gathered (cells x taps*O) . w_rsco (taps*O x C), one GEMM
-//                                       per stride phase of the input cells (conv_geometry.cuh)
+//   conv_tc_dgrad    dx (cells x C)   = dy gathered (cells x taps*O) . w (taps*O x C), one GEMM per
+//                                       stride phase of the input cells (conv_geometry.cuh)
 //   conv_tc_wgrad    dw (O x KH*KW*C)  = dy^T (O x N*OH*OW) . im2col(x) (N*OH*OW x KH*KW*C),
-//                                       written in the (O, C, KH, KW) order of the model's weights
-//   bias_grad        per-channel sums of dy (bias_grad.cuh)
+//                                       written in (O, KH, KW, C) or (O, C, KH, KW) order
+//                    and the bias gradient, the per-channel sums of dy, in the same pass
 //
 // Each GEMM may split its K over grid.z into parts (split-K: a small grid's blocks then fill the
 // GPU): each part writes its partial tile, and the last part of each tile to finish adds the
 // tile's parts in order (last_block), in the same launch. Backward-data's grid.z also runs over
 // the phases.
 //
-// The weights come in the layouts their GEMM reads along k: w_krsc (O, KH, KW, C) for the
-// forward, w_rsco (KH, KW, C, O) for backward-data; the launcher makes them from (O, C, KH, KW).
+// The weights come as w_krsc (O, KH, KW, C), the memory of channels-last weights (a flat buffer's
+// parameters are; the launcher copies others): the forward reads them along k, backward-data along
+// its n (the input channels).
 //
 // A block of 4 warps (2 x 2) computes a BM x BN tile of the output, each warp (BM/2) x (BN/2) as
 // m16n8k8 mma.sync tiles (tensor_core.cuh). K advances BK = 16 at a time through a STAGES-deep
 // ring of shared-memory tiles filled by cp.async: while stage s is multiplied, the copies of the
 // next STAGES - 1 stages are in flight. An operand whose global rows run along k (K_MAJOR: the
-// forward's and backward-data's) sits in shared memory as [row][BK + 4], read by ldmatrix.x4 as
-// 8x4 TF32 matrices, without bank conflicts (a row is 20 words); one whose rows run along m or n
-// (backward-weight's, whose k is the pixel) sits as [k][W + 8] and is read a word per lane, the
+// forward's two and backward-data's dy) sits in shared memory as [row][BK + 4], read by
+// ldmatrix.x4 as 8x4 TF32 matrices, without bank conflicts (a row is 20 words); one whose rows run
+// along m or n (backward-weight's, whose k is the pixel, and backward-data's weights) sits as
+// [k][W + 8] and is read a word per lane, the
 // 32 lanes (t, g) at t * (W + 8) + g, in 32 banks. Fragments are rounded to TF32 (cvt.rna) before
 // the mma, so that the product is that of the TF32-rounded inputs, summed in float32.
 //
@@ -35,7 +37,6 @@
 // split order.
 #include "common.cuh"
 #include "conv_geometry.cuh"
-#include "bias_grad.cuh"
 #include "tensor_core.cuh"
 
 constexpr int TC_BK = 16, TC_STAGES = 3, TC_THREADS = 128;
@@ -129,12 +130,18 @@ __device__ __forceinline__ void tc_fragments_b(unsigned (&b)[2][2], const float*
         for (int i = 0; i < 2; ++i) b[j][i] = tf32_round(__uint_as_float(b[j][i]));
 }
 
+struct NoTileWork {
+    __device__ void operator()(const float*) const {}
+};
+
 // acc += A (m0.., k) . B (k, n0..) over k in [k_begin, k_end) for this warp's part of the block's
 // tile: acc[i][j] is mma tile (i, j) of the warp, in the C layout of tensor_core.cuh. Every
-// thread of the block must call it (it synchronises the block).
-template <class T, int VEC, bool A_K_MAJOR, bool B_K_MAJOR, class SourceA, class SourceB>
+// thread of the block must call it (it synchronises the block). on_tile(as) sees each stage of A
+// in shared memory (raw float32 values, zero past the matrix) once it has landed.
+template <class T, int VEC, bool A_K_MAJOR, bool B_K_MAJOR, class SourceA, class SourceB, class OnTile = NoTileWork>
 __device__ __forceinline__ void tc_gemm(const SourceA& a, const SourceB& b, const float* a_base, const float* b_base,
-                                        int m0, int n0, int k_begin, int k_end, float (&acc)[T::MI][T::NI][4]) {
+                                        int m0, int n0, int k_begin, int k_end, float (&acc)[T::MI][T::NI][4],
+                                        OnTile on_tile = OnTile()) {
     using StageA = TcStage<T::BM, A_K_MAJOR>;
     using StageB = TcStage<T::BN, B_K_MAJOR>;
     __shared__ __align__(16) float As[TC_STAGES][StageA::SIZE];
@@ -163,6 +170,7 @@ __device__ __forceinline__ void tc_gemm(const SourceA& a, const SourceB& b, cons
         load(tile + TC_STAGES - 1);      // into the stage of tile - 1
         const float* as = As[tile % TC_STAGES];
         const float* bs = Bs[tile % TC_STAGES];
+        on_tile(as);
 #pragma unroll
         for (int k = 0; k < TC_BK; k += 8) {
             unsigned fa[T::MI][4], fb[T::NI / 2][2][2];
@@ -206,23 +214,25 @@ __device__ __forceinline__ void tc_store(const Out& out, float* base, int m0, in
 
 // The end of a GEMM: with one part, the accumulators and bias go to y; else to this part's
 // partial output (partial + part * size, size the elements of y), and the tile's last part to
-// finish (last_block on `counter`) adds the tile's parts in order into y, with the bias. Every
-// thread of the block must call it.
+// finish (last_block on `counter`) adds the tile's parts in order into y, with the bias. Returns
+// whether this block finished the tile (then the partials the other parts wrote before it, of
+// anything, are visible to it). Every thread of the block must call it.
 template <class T, class Out>
-__device__ __forceinline__ void tc_finish(const Out& out, float* y, float* partial, int size, int parts, int part,
+__device__ __forceinline__ bool tc_finish(const Out& out, float* y, float* partial, int size, int parts, int part,
                                           unsigned* counter, int m0, int n0, const float* bias,
                                           const float (&acc)[T::MI][T::NI][4]) {
     if (parts == 1) {
         tc_store<T>(out, y, m0, n0, bias, acc);
-        return;
+        return true;
     }
     tc_store<T>(out, partial + part * size, m0, n0, nullptr, acc);
-    if (!last_block(counter, parts)) return;
+    if (!last_block(counter, parts)) return false;
     for (int idx = int(threadIdx.x); idx < T::BM * T::BN; idx += TC_THREADS) {
         const int n = n0 + idx % T::BN, row = out.row(m0 + idx / T::BN), column = out.column(n);
         if (row >= 0 && column >= 0)
             y[row + column] = added_partials(partial + row + column, parts, size) + (bias ? bias[n] : 0.0f);
     }
+    return true;
 }
 
 // ---- forward ----------------------------------------------------------------------------
@@ -296,15 +306,16 @@ struct GradientRows {
     }
 };
 
-// B(k, n)^T = w_rsco[a + sh*i, b + sw*j, ci, co] for the input channel n = ci and k = (i, j, co).
-struct WeightColumns {
+// B(k, n) = w_krsc[co, a + sh*i, b + sw*j, ci] for the input channel n = ci and k = (i, j, co), read
+// along the channels (n): the weights as the forward reads them, no copy in another order.
+struct WeightRows {
     Geometry<0, 0> g;
     Phase f;
-    const float* w_rsco;
+    const float* w_krsc;
     __device__ const float* at(int ci, int k) const {
         if (ci >= g.c) return nullptr;
         const int tap = k / g.o, co = k - tap * g.o, i = tap / f.taps_w, j = tap - i * f.taps_w;
-        return w_rsco + (((f.a + g.sh * i) * g.kw() + f.b + g.sw * j) * g.c + ci) * g.o + co;
+        return w_krsc + ((co * g.kh() + f.a + g.sh * i) * g.kw() + f.b + g.sw * j) * g.c + ci;
     }
 };
 
@@ -327,7 +338,7 @@ struct PhaseRowsOut {
 // row or column) leave at once; a phase, or a part of one, that no tap reaches gets zeros.
 template <class T, int VEC>
 __global__ void __launch_bounds__(TC_THREADS)
-conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_rsco, float* __restrict__ dx, float* partial,
+conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, float* __restrict__ dx, float* partial,
               unsigned* counters, CONV_PARAMS, int k_chunk) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int splits = gridDim.z / (g.sh * g.sw), part = blockIdx.z % splits;
@@ -337,8 +348,8 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_rsco, fl
     if (m0 >= g.n * f.cells()) return;  // the same for the whole block
     const int k_begin = part * k_chunk, k_end = min(k_begin + k_chunk, f.taps() * g.o);
     float acc[T::MI][T::NI][4];
-    tc_gemm<T, VEC, true, true>(GradientRows{g, f, dy}, WeightColumns{g, f, w_rsco}, dy, w_rsco, m0, n0, k_begin,
-                                k_end, acc);
+    tc_gemm<T, VEC, true, false>(GradientRows{g, f, dy}, WeightRows{g, f, w_krsc}, dy, w_krsc, m0, n0, k_begin,
+                                 k_end, acc);
     tc_finish<T>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, splits, part, tile_counter(counters, phase),
                  m0, n0, nullptr, acc);
 }
@@ -367,29 +378,45 @@ struct ImageColumns {
     }
 };
 
-// The elements of dw (O, C, KH, KW) for the GEMM's rows m = o and columns n = (r, s, ci).
+// The elements of dw for the GEMM's rows m = o and columns n = (r, s, ci): in (O, KH, KW, C) order
+// (krsc: the model's weights channels-last, as the parameters of a flat buffer are), else in
+// (O, C, KH, KW) order.
 struct WeightsOut {
     Geometry<0, 0> g;
+    int krsc;
     __device__ int row(int m) const { return m < g.o ? m * g.c * g.taps() : -1; }
     __device__ int column(int n) const {
         if (n >= g.taps() * g.c) return -1;
         const int tap = n / g.c;
-        return (n - tap * g.c) * g.taps() + tap;
+        return krsc ? n : (n - tap * g.c) * g.taps() + tap;
     }
 };
 
-// dw (O, C, KH, KW) = the sum over the pixels k of dy[k, m] im2col(x)[k, n]: block (x, y, z)
+// dw (see WeightsOut) = the sum over the pixels k of dy[k, m] im2col(x)[k, n]: block (x, y, z)
 // computes output channels [x * BM, ...) by columns (r, s, ci) [y * BN, ...) over the pixels
-// [z * k_chunk, (z + 1) * k_chunk) (split-K, see tc_finish).
+// [z * k_chunk, (z + 1) * k_chunk) (split-K, see tc_finish). And, unless db is null, the bias
+// gradient db[m] = the sum of dy[k, m] over the pixels: the blocks of the first column (y = 0) add
+// the raw dy of each A tile as it passes through shared memory, a thread per row, in k order;
+// with several parts each writes db_partial (parts, O), which the tile's last part adds in order.
 template <class T, int VEC>
 __global__ void __launch_bounds__(TC_THREADS)
-conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dw, float* partial,
-              unsigned* counters, CONV_PARAMS, int k_chunk) {
+conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dw, int krsc,
+              float* __restrict__ db, float* partial, float* db_partial, unsigned* counters, CONV_PARAMS,
+              int k_chunk) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, columns = g.taps() * g.c;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
-    float acc[T::MI][T::NI][4];
-    tc_gemm<T, VEC, false, false>(ChannelsOfPixels{dy, g.o}, ImageColumns{g, x}, dy, x, m0, n0, k_begin, k_end, acc);
-    tc_finish<T>(WeightsOut{g}, dw, partial, g.o * columns, gridDim.z, blockIdx.z, tile_counter(counters, 0), m0, n0,
-                 nullptr, acc);
+    const int row = int(threadIdx.x), m = m0 + row;
+    const bool sums_bias = db && blockIdx.y == 0 && row < T::BM;
+    float acc[T::MI][T::NI][4], bias = 0.0f;
+    tc_gemm<T, VEC, false, false>(ChannelsOfPixels{dy, g.o}, ImageColumns{g, x}, dy, x, m0, n0, k_begin, k_end, acc,
+                                  [&](const float* as) {
+                                      if (!sums_bias) return;
+#pragma unroll
+                                      for (int k = 0; k < TC_BK; ++k) bias += as[TcStage<T::BM, false>::offset(row, k)];
+                                  });
+    if (sums_bias && gridDim.z > 1 && m < g.o) db_partial[blockIdx.z * g.o + m] = bias;
+    const bool last = tc_finish<T>(WeightsOut{g, krsc}, dw, partial, g.o * columns, gridDim.z, blockIdx.z,
+                                   tile_counter(counters, 0), m0, n0, nullptr, acc);
+    if (sums_bias && last && m < g.o) db[m] = gridDim.z == 1 ? bias : added_partials(db_partial + m, gridDim.z, g.o);
 }

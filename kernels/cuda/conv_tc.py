@@ -11,7 +11,7 @@ import typing
 
 import numpy as np
 
-from .launch import aligned, cdiv, launch
+from .launch import aligned, cdiv, is_channels_last, launch, memory
 
 OPS = ()  # the contract's ops are conv.py's and linear.py's, which call these
 BK, THREADS = 16, 128   # the k step of every tile (TC_BK) and the threads of a block (TC_THREADS)
@@ -19,8 +19,7 @@ TILES = {"Tc128x64": (128, 64), "Tc64x64": (64, 64)}
 GEMMS = ("conv_tc_forward", "conv_tc_dgrad", "conv_tc_wgrad")
 # VEC = 4 (16-byte copies) for either tile; VEC = 1 (channel counts not a multiple of 4) with the
 # small tile only.
-KERNELS = tuple(f"{k}<{t}, 4>" for k in GEMMS for t in TILES) + tuple(f"{k}<Tc64x64, 1>" for k in GEMMS) + (
-    "bias_grad",)
+KERNELS = tuple(f"{k}<{t}, 4>" for k in GEMMS for t in TILES) + tuple(f"{k}<Tc64x64, 1>" for k in GEMMS)
 # The large tile does twice the work per block: worth it only while the grid stays large.
 LARGE_TILE_MIN_BLOCKS = 256
 # Split-K: a grid of fewer blocks than two per SM of an H200 (132 SMs) splits its k into parts of
@@ -51,7 +50,7 @@ def plan(gemm, geometry):
     if gemm == "forward":
         return _plan("conv_tc_forward", n * oh * ow, o, kh * kw * c, _vec(c))
     if gemm == "dgrad":   # one GEMM per stride phase of the input cells, sized for the largest
-        return _plan("conv_tc_dgrad", n * cdiv(h, sh) * cdiv(wd, sw), c, cdiv(kh, sh) * cdiv(kw, sw) * o, _vec(o),
+        return _plan("conv_tc_dgrad", n * cdiv(h, sh) * cdiv(wd, sw), c, cdiv(kh, sh) * cdiv(kw, sw) * o, _vec(o, c),
                      sh * sw)
     return _plan("conv_tc_wgrad", o, kh * kw * c, n * oh * ow, _vec(o, c))
 
@@ -88,31 +87,33 @@ def forward(be, x, w_krsc, b, geometry):
     return y
 
 
-def backward_data(be, dy, w_rsco, geometry):
-    """dx (N, H, W, C) from dy (N, OH, OW, O) and w_rsco (KH, KW, C, O)."""
+def backward_data(be, dy, w_krsc, geometry):
+    """dx (N, H, W, C) from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C)."""
     n, c, h, wd = geometry[:4]
     p = plan("dgrad", geometry)
-    dy, w_rsco = aligned(dy), aligned(w_rsco)
+    dy, w_krsc = aligned(dy), aligned(w_krsc)
     dx = be.xp.empty((n, h, wd, c), np.float32)
-    _launch(be, p, (dy, w_rsco), dx, geometry)
+    _launch(be, p, (dy, w_krsc), dx, geometry)
     return dx
 
 
-def backward_weight(be, dy, x, geometry, dw=None):
-    """dw (O, C, KH, KW), the model's order, from dy (N, OH, OW, O) and x (N, H, W, C): into `dw`
-    (C-contiguous, any alignment: the kernel stores single floats) when given, else a new array."""
-    n, c, h, wd, o, kh, kw = geometry[:7]
+def backward_weight(be, dy, x, geometry, dw, db):
+    """dw from dy (N, OH, OW, O) and x (N, H, W, C), into `dw` (O, C, KH, KW): C-contiguous, or
+    channels-last (O, KH, KW, C memory); and the bias gradient, dy summed per channel, into `db`
+    (O,) unless it is None; at any alignment (the kernel stores single floats)."""
     p = plan("wgrad", geometry)
     dy, x = aligned(dy), aligned(x)
-    dw = be.xp.empty((o, c, kh, kw), np.float32) if dw is None else dw
-    _launch(be, p, (dy, x), dw, geometry)
-    return dw
+    o = geometry[4]
+    partial = be.xp.empty((p.splits, o), np.float32) if p.splits > 1 and db is not None else None
+    _launch(be, p, (dy, x), memory(dw), geometry, (int(is_channels_last(dw)), db), (partial,))
+    return dw, db
 
 
-def _launch(be, p, inputs, out, geometry):
-    """Launch the Plan on `inputs` into `out`, with a partial output for each part of a split k and
-    the counters of its tiles (see conv_tc.cu's tc_finish)."""
+def _launch(be, p, inputs, out, geometry, extra=(), partials=()):
+    """Launch the Plan on `inputs` into `out`, then the kernel's `extra` arguments, the partial
+    output of each part of a split k, the kernel's other `partials` and the counters of its tiles
+    (see conv_tc.cu's tc_finish)."""
     partial = be.xp.empty((p.splits, out.size), np.float32) if p.splits > 1 else None
     tiles = p.grid[0] * p.grid[1] * (p.grid[2] // p.splits)
-    launch(be, "conv_tc", p.kernel, p.grid, (*inputs, out, partial, be.counters(tiles), *geometry, p.chunk),
-           block=(THREADS,))
+    launch(be, "conv_tc", p.kernel, p.grid,
+           (*inputs, out, *extra, partial, *partials, be.counters(tiles), *geometry, p.chunk), block=(THREADS,))

@@ -26,7 +26,7 @@ def add_relu_forward(be, a, b):
 def _elementwise(be, kernel, *operands, out=None):
     """One launch of a float32 kernel(operands..., total, out) over operands of one shape, element
     by element of their memory: every operand in the layout (NCHW or channels-last) of the first
-    one, or of `out` when given (which must then be C-contiguous); the result in that layout."""
+    one, or of `out` when given (which must then be dense); the result in that layout."""
     first = dense(be, kernel, operands[0])
     if out is None:
         out = be.xp.empty_like(first)

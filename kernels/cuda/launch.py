@@ -54,9 +54,9 @@ def is_channels_last(a):
     channel, or one pixel, the two layouts are the same memory)."""
     if a.ndim != 4 or a.flags.c_contiguous:
         return False
-    n, c, h, w = a.shape
-    nhwc = tuple(s * a.itemsize for s in (h * w * c, 1, w * c, c))
-    return all(size == 1 or got == want for size, got, want in zip(a.shape, a.strides, nhwc))
+    (n, c, h, w), (sn, sc, sh, sw), item = a.shape, a.strides, a.itemsize
+    return (n == 1 or sn == h * w * c * item) and (c == 1 or sc == item) and (h == 1 or sh == w * c * item) and \
+        (w == 1 or sw == c * item)
 
 
 def to_channels_last(be, a):
@@ -109,15 +109,18 @@ def integers(be, op, a):
 
 
 def in_place(be, op, *arrays):
-    """Arrays that a kernel updates in place: float32 and C-contiguous already (a copy would
-    leave the caller's array unchanged), or an error that says so."""
+    """Arrays that a kernel updates in place: float32 and dense already (C-contiguous, or
+    channels-last, whose memory the kernel walks; a copy would leave the caller's array
+    unchanged), or an error that says so."""
     for a in arrays:
         if a is None:
             continue
-        typed(be, op, a, np.float32)
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{op}: updates its arguments in place and needs C-contiguous arrays, "
-                             f"got strides {a.strides} for shape {a.shape}")
+        if not isinstance(a, be.xp.ndarray) or a.dtype != np.float32:
+            raise _type_error(be, op, a, np.float32)
+        _check_size(op, a)
+        if not (a.flags.c_contiguous or is_channels_last(a)):
+            raise ValueError(f"{op}: updates its arguments in place and needs dense arrays (C-contiguous or "
+                             f"channels-last), got strides {a.strides} for shape {a.shape}")
     return arrays
 
 
@@ -125,9 +128,13 @@ def typed(be, op, a, dtype):
     """`a` as a C-contiguous array of the backend's array module, or TypeError unless it has
     that `dtype`: the kernels take one dtype each and convert nothing."""
     if not isinstance(a, be.xp.ndarray) or a.dtype != dtype:
-        raise TypeError(f"{op}: the {be.name} backend takes {np.dtype(dtype)} {be.xp.__name__} arrays "
-                        f"here, got {_describe(a)}")
+        raise _type_error(be, op, a, dtype)
     return _contiguous(be, op, a)
+
+
+def _type_error(be, op, a, dtype):
+    return TypeError(f"{op}: the {be.name} backend takes {np.dtype(dtype)} {be.xp.__name__} arrays here, got "
+                     f"{_describe(a)}")
 
 
 def _contiguous(be, op, a):
@@ -154,16 +161,21 @@ def launch(be, family, kernel, grid, args, block=(THREADS,)):
 
 
 def _typed(arg):
-    if hasattr(arg, "ndim") and is_channels_last(arg):
-        return memory(arg)   # the kernel gets the pointer: the memory's own C-contiguous view
-    if isinstance(arg, (bool, np.bool_)):
-        raise TypeError("kernels take int flags, not bool")
-    if isinstance(arg, int):
+    kind = type(arg)   # the common kinds first: this runs for every argument of every launch
+    if kind is int:
         if not -_INT_LIMIT <= arg < _INT_LIMIT:
             raise ValueError(f"kernel argument {arg} does not fit in an int")
         return np.int32(arg)
-    if isinstance(arg, float):
+    if kind is float:
         return np.float32(arg)
+    if arg is None:
+        return arg
+    if isinstance(arg, (bool, np.bool_)):
+        raise TypeError("kernels take int flags, not bool")
+    if isinstance(arg, int):
+        return _typed(int(arg))
+    if getattr(arg, "ndim", 0) == 4 and is_channels_last(arg):
+        return arg.transpose(0, 2, 3, 1)   # the kernel gets the pointer: the memory's own view (memory())
     return arg
 
 

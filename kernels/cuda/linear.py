@@ -38,15 +38,15 @@ def linear_backward(be, dy, x, w, *, out=None):
         raise ValueError(f"linear dy shape {dy.shape} does not match the output {(n, o)}")
     dw, db = gradient_outputs(be, "linear_backward", out, w.shape)
     dw = be.xp.empty((o, i), np.float32) if dw is None else dw
+    db = be.xp.empty((o,), np.float32) if db is None else db
     if kernels.precision() == "tf32":
         geometry = _as_conv(n, i, o)
-        dx = conv_tc.backward_data(be, dy, be.xp.ascontiguousarray(w.T), geometry).reshape(n, i)
-        conv_tc.backward_weight(be, dy, x, geometry, dw.reshape(o, i, 1, 1))
-    else:
-        dx = be.xp.empty((n, i), np.float32)
-        _matmul(be, DATA, dy, w, None, dx, (n, i, o), (o, 1, 1, i))
-        _matmul(be, WEIGHT, dy, x, None, dw, (o, i, n), (1, o, 1, i))
-    db = be.xp.empty((o,), np.float32) if db is None else db
+        dx = conv_tc.backward_data(be, dy, w, geometry).reshape(n, i)   # w (O, I) is (O, 1, 1, I)
+        conv_tc.backward_weight(be, dy, x, geometry, dw.reshape(o, i, 1, 1), db)
+        return dx, dw, db
+    dx = be.xp.empty((n, i), np.float32)
+    _matmul(be, DATA, dy, w, None, dx, (n, i, o), (o, 1, 1, i))
+    _matmul(be, WEIGHT, dy, x, None, dw, (o, i, n), (1, o, 1, i))
     sum_partials(be, "linear", dy, n, db)
     return dx, dw, db
 
