@@ -1,6 +1,6 @@
 """What one training step launches on a GPU, and what its host side costs, without a GPU.
 
-  PYTHONPATH=. python -m bench.launches [--width 64] [--batch 256] [--host-batch 2] [--json out.json]
+  PYTHONPATH=. python -m bench.launches [--width 64] [--batch 256] [--json out.json]
 
 Runs training steps of ResNet-18 (bench/train_times.py's step: gather the batch on the device,
 convert it, forward, cross-entropy, backward, SGD) on one simulated GPU (kernels/simulated)
@@ -8,9 +8,10 @@ whose RawModule kernels are stubbed out: each launch is recorded (kernel, and th
 arrays passed to it, which it reads or writes at least once) and returns at once. The simulated
 arrays count every other device operation CuPy would run (element-wise kernels, reductions,
 gathers, copies, memsets) with the bytes each writes. One step after a warm-up is counted at
---batch. The host time per step is the median of --steps steps at --host-batch, where the
+--width and --batch. The host time per step is the median of --steps steps of the same network
+at --host-width and --host-batch (4 and 2: the same launches, give or take a split), where the
 stand-in's own work on the arrays (NumPy copies and fills that a GPU would run asynchronously) is
-small beside the launchers, the tape and the optimizer that it measures; it still bounds the
+small beside what it measures: the launchers, the tape and the optimizer. It still bounds the
 Python side of a step from above. Prints a table by kernel, with the totals.
 """
 import argparse
@@ -32,8 +33,10 @@ from kernels.simulated import arrays, cuda  # noqa: E402
 
 
 class StubModule:
-    """A RawModule whose kernels record their launch and do nothing."""
+    """A RawModule whose kernels record their launch and do nothing: the count, and with
+    `sizes` the bytes of the arrays passed (off while the host time is measured)."""
     launches, launch_bytes = collections.Counter(), collections.Counter()
+    sizes = False
 
     def __init__(self, code=None, *, name_expressions=None, **kwargs):
         pass
@@ -43,18 +46,20 @@ class StubModule:
 
     @classmethod
     def record(cls, name, args):
-        seen = {id(a): a for a in args if isinstance(a, arrays.ndarray)}
         cls.launches[name] += 1
-        cls.launch_bytes[name] += sum(a.nbytes for a in seen.values())
+        if cls.sizes:
+            seen = {id(a): a for a in args if isinstance(a, arrays.ndarray)}
+            cls.launch_bytes[name] += sum(a.nbytes for a in seen.values())
 
 
-def measure(width, batch, host_batch, steps):
-    """{'kernels': {name: (launches, bytes)}, 'operations': {...}} of one step at `batch`, and the
-    host milliseconds of `steps` steps at `host_batch`, with the launches those steps made."""
+def measure(width, batch, host_width, host_batch, steps):
+    """{'kernels': {name: (launches, bytes)}, 'operations': {...}} of one step at `width` and
+    `batch`, and the host milliseconds of `steps` steps at `host_width` and `host_batch`, with the
+    launches those steps made."""
     from bench.train_times import ours_step, random_data
     kernels.simulated.RawModule = StubModule   # what the cuda backend compiles with, before it is made
 
-    def counted(batch, steps):
+    def counted(width, batch, steps):
         config = {"device": "cuda", "batch": batch, "width": width, "batches": 2}
         step = ours_step(config, *random_data(config))
         step()   # warm-up: first allocations, first lookups
@@ -67,12 +72,13 @@ def measure(width, batch, host_batch, steps):
             host_ms.append(1e3 * (time.perf_counter() - began))
         return host_ms, sum(StubModule.launches.values()) / steps + sum(cuda.ledger["operations"].values()) / steps
 
-    host_ms, host_launches = counted(host_batch, steps)
-    counted(batch, 1)
+    host_ms, host_launches = counted(host_width, host_batch, steps)
+    StubModule.sizes = True
+    counted(width, batch, 1)
     return {"width": width, "batch": batch, "precision": kernels.precision(),
             "kernels": {k: (n, StubModule.launch_bytes[k]) for k, n in StubModule.launches.items()},
             "operations": {k: (n, cuda.ledger["operation_bytes"][k]) for k, n in cuda.ledger["operations"].items()},
-            "host_batch": host_batch, "host_ms": host_ms, "host_launches": host_launches}
+            "host_width": host_width, "host_batch": host_batch, "host_ms": host_ms, "host_launches": host_launches}
 
 
 OPERATIONS = ("operations", "operation_bytes")
@@ -90,7 +96,8 @@ def table(result):
     moved = sum(b for _, b in result["kernels"].values()) + sum(b for _, b in result["operations"].values())
     lines += [f"total: {kernels_n + operations_n:.0f} launches per step ({kernels_n:.0f} of the project's kernels, "
               f"{operations_n:.0f} array operations), {moved / 1e9:.2f} GB at least",
-              f"host time per step at batch {result['host_batch']} (kernels stubbed): median "
+              f"host time per step at width {result['host_width']}, batch {result['host_batch']} (kernels stubbed): "
+              f"median "
               f"{statistics.median(result['host_ms']):.1f} ms of {len(result['host_ms'])} steps, "
               f"{result['host_launches']:.0f} launches, "
               f"{1e3 * statistics.median(result['host_ms']) / result['host_launches']:.1f} us per launch"]
@@ -102,13 +109,14 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--batch", type=int, default=layers.BATCH)
+    p.add_argument("--host-width", type=int, default=4, help="the width of the timed steps (default 4)")
     p.add_argument("--host-batch", type=int, default=2, help="the batch of the timed steps (default 2)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--precision", choices=kernels.PRECISIONS, default=kernels.precision())
     p.add_argument("--json", help="also write the result to this JSON file")
     args = p.parse_args(argv)
     with kernels.use_precision(args.precision):
-        result = measure(args.width, args.batch, args.host_batch, args.steps)
+        result = measure(args.width, args.batch, args.host_width, args.host_batch, args.steps)
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

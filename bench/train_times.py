@@ -60,9 +60,9 @@ def ours_step(config, images, labels):
 
     def step():
         idx = next(batches)
-        x = nn.Tensor(K.images_to_float(images[idx]))
+        x = nn.Tensor(K.images_to_float(images, idx))
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), labels[idx])
+        loss = nn.functional.cross_entropy(model(x), K.take(labels, idx))
         loss.backward()
         opt.step()
         return loss.data

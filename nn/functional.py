@@ -18,10 +18,13 @@ def _outputs(*params):
 def conv2d(x, weight, bias=None, stride=1, padding=0):
     K = backend_of(x.data)
     y = K.conv2d_forward(x.data, weight.data, _data(bias), stride, padding)
-    # without a bias there are two parents, and the tape ignores the third gradient
-    return Tensor._make(y, (x, weight) if bias is None else (x, weight, bias),
-                        lambda dy: K.conv2d_backward(dy, x.data, weight.data, stride, padding, need_dx=x.requires_grad,
-                                                     out=_outputs(weight, bias)))
+
+    def backward(dy):
+        # x's gradient so far, when no one else holds it, takes dx in place (a residual block's input);
+        # without a bias there are two parents, and the tape ignores the third gradient
+        return K.conv2d_backward(dy, x.data, weight.data, stride, padding, need_dx=x.requires_grad,
+                                 out=_outputs(weight, bias), add_dx_to=x.grad if x._grad_owned else None)
+    return Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
 
 
 def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.1, eps=1e-5, group=None,
@@ -37,7 +40,7 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.
         if not training:
             y = K.batch_norm_inference(x.data, weight.data, bias.data, running_mean, running_var, eps)
             y = Tensor._make(y, (x, weight, bias), lambda dy: K.batch_norm_inference_backward(
-                dy, x.data, weight.data, running_mean, running_var, eps))
+                dy, x.data, weight.data, running_mean, running_var, eps), fresh=True)
         else:
             y = synchronised_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, group)
         return _joined(y, relu, residual)
@@ -50,7 +53,8 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.
     def backward(dy):
         return K.batch_norm_backward(dy, x.data, weight.data, mean, invstd, y=y if masked else None,
                                      out=_outputs(weight, bias), shortcut=residual is not None)
-    return Tensor._make(y, (x, weight, bias) if residual is None else (x, weight, bias, residual), backward)
+    return Tensor._make(y, (x, weight, bias) if residual is None else (x, weight, bias, residual), backward,
+                        fresh=True)
 
 
 def synchronised_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, group):
@@ -87,7 +91,7 @@ def _joined(y, with_relu, residual):
 def relu(x):
     K = backend_of(x.data)
     y = K.relu_forward(x.data)
-    return Tensor._make(y, (x,), lambda dy: (K.relu_backward(dy, y),))
+    return Tensor._make(y, (x,), lambda dy: (K.relu_backward(dy, y),), fresh=True)
 
 
 def add_relu(a, b):
@@ -105,7 +109,7 @@ def max_pool2d(x, kernel_size, stride=None, padding=0):
     K = backend_of(x.data)
     stride = kernel_size if stride is None else stride
     y, argmax = K.max_pool2d_forward(x.data, kernel_size, stride, padding)
-    return Tensor._make(y, (x,), lambda dy: (K.max_pool2d_backward(dy, argmax, x.shape),))
+    return Tensor._make(y, (x,), lambda dy: (K.max_pool2d_backward(dy, argmax, x.shape),), fresh=True)
 
 
 def adaptive_avg_pool2d(x, output_size):
@@ -116,7 +120,7 @@ def adaptive_avg_pool2d(x, output_size):
     K = backend_of(x.data)
     n, c = x.shape[:2]
     y = K.global_avg_pool_forward(x.data).reshape(n, c, 1, 1)
-    return Tensor._make(y, (x,), lambda dy: (K.global_avg_pool_backward(dy.reshape(n, c), x.shape),))
+    return Tensor._make(y, (x,), lambda dy: (K.global_avg_pool_backward(dy.reshape(n, c), x.shape),), fresh=True)
 
 
 def flatten(x, start_dim=1):
@@ -127,7 +131,8 @@ def linear(x, weight, bias=None):
     K = backend_of(x.data)
     y = K.linear_forward(x.data, weight.data, _data(bias))
     return Tensor._make(y, (x, weight) if bias is None else (x, weight, bias),
-                        lambda dy: K.linear_backward(dy, x.data, weight.data, out=_outputs(weight, bias)))
+                        lambda dy: K.linear_backward(dy, x.data, weight.data, out=_outputs(weight, bias)),
+                        fresh=True)
 
 
 def cross_entropy(logits, labels):

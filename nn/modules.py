@@ -56,7 +56,7 @@ class Parameter(Tensor):
         self._stale = False
         return self._grad
 
-    def _accumulate(self, grad):
+    def _accumulate(self, grad, owned=False):
         if grad is self._grad:   # written there by the backward (gradient_out)
             return
         if self._stale:

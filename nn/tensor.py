@@ -6,6 +6,7 @@ that calls those closures, consumers before producers. The model code is in
 ``functional.py``; the operators here serve everything else (losses written by
 hand, tests, experiments).
 """
+import collections
 import contextlib
 
 import numpy as np
@@ -52,17 +53,22 @@ class Tensor:
         self.requires_grad = requires_grad
         self._parents = ()
         self._backward = None
+        self._fresh = False        # its backward returns arrays of its own (see _make)
+        self._grad_owned = False   # self.grad is an array no one else holds: it may be added to in place
         self._module_path = ()
         self._grad_hooks = []
 
     @classmethod
-    def _make(cls, data, parents, backward):
-        """The output of an op; ``backward(grad)`` returns one gradient per parent."""
+    def _make(cls, data, parents, backward, fresh=False):
+        """The output of an op; ``backward(grad)`` returns one gradient per parent. ``fresh``: the
+        op's backward makes every gradient it returns (no view of its own gradient, nothing kept),
+        so that a parent given one of them alone may add later gradients to it in place."""
         out = cls(data)
         if _grad_enabled and any(p.requires_grad for p in parents):
             out.requires_grad = True
             out._parents = parents
             out._backward = backward
+            out._fresh = fresh
             out._module_path = hooks.current_path()
         return out
 
@@ -72,9 +78,14 @@ class Tensor:
         """Call ``fn(tensor)`` once per backward, when this leaf's gradient is final."""
         self._grad_hooks.append(fn)
 
-    def _accumulate(self, grad):
-        # never in place: an op may hand the same array to several parents
-        self.grad = grad if self.grad is None else backend_of(grad).add(self.grad, grad)
+    def _accumulate(self, grad, owned=False):
+        """Add `grad` (`owned`: no one else holds it) to this tensor's gradient: in a new array, since
+        an op may hand the same array to several parents, unless the op has already added it there
+        in place (grad is self.grad: see nn.functional.conv2d)."""
+        if self.grad is None:
+            self.grad, self._grad_owned = grad, owned
+        elif grad is not self.grad:
+            self.grad, self._grad_owned = backend_of(grad).add(self.grad, grad), True
 
     def _topological_order(self):
         order, seen, stack = [], set(), [(self, False)]
@@ -111,9 +122,10 @@ class Tensor:
                 continue
             path = hooks.move_backward(path, node._module_path)
             grads = node._backward(node.grad)
+            handed = collections.Counter(id(g) for g in grads if g is not None)
             for parent, g in zip(node._parents, grads):
                 if g is not None and parent.requires_grad:
-                    parent._accumulate(g)
+                    parent._accumulate(g, owned=node._fresh and handed[id(g)] == 1)
                 consumers[id(parent)] -= 1
                 if consumers[id(parent)] == 0 and parent._backward is None:
                     for fn in parent._grad_hooks:

@@ -85,12 +85,13 @@ def conv2d_forward(x, w, b, stride, padding):
                 FLOAT * (size(x) + size(w) + size(b) + y))
 
 
-def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None):
+def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None):
     """Backward-data (unless need_dx is false) and backward-weight GEMMs and the bias gradient (a
-    sum over dy)."""
+    sum over dy); dx added to add_dx_to (read, and one add per element) when given."""
     passes = 2 if need_dx else 1   # x read, dx written; w read, dw written
-    return Cost(2 * passes * _conv_macs(x, w, stride, padding) + size(dy),
-                FLOAT * (size(dy) + passes * size(x) + passes * size(w) + w[0]))
+    added = size(add_dx_to) if need_dx else 0
+    return Cost(2 * passes * _conv_macs(x, w, stride, padding) + size(dy) + added,
+                FLOAT * (size(dy) + passes * size(x) + passes * size(w) + w[0] + added))
 
 
 # ---- batch normalisation ---------------------------------------------------------------------
@@ -168,8 +169,14 @@ def add_relu_forward(a, b):
     return Cost(2 * size(a), FLOAT * 3 * size(a))
 
 
-def images_to_float(images):
-    return Cost(size(images), (PIXEL + FLOAT) * size(images))
+def images_to_float(images, idx=None):
+    """From the images of idx when given (each index read too)."""
+    n = size(images) if idx is None else size(idx) * size(images[1:])
+    return Cost(n, (PIXEL + FLOAT) * n + INDEX * size(idx))
+
+
+def take(a, idx):
+    return Cost(0, (INDEX + 2 * LABEL) * size(idx))
 
 
 # ---- pooling -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ def training_step(model, optimizer, images, labels, index, ddp=None):
     K = backend_of(images)
     with span("batch gather", "data"):
         index = index if ddp is None else ddp.scatter(index)
-        x, y = Tensor(K.images_to_float(images[index])), labels[index]
+        x, y = Tensor(K.images_to_float(images, index)), K.take(labels, index)
     with span("zero_grad", "optimizer"):
         optimizer.zero_grad()
     logits = model(x)

@@ -112,7 +112,9 @@ def variant(request, monkeypatch):
     elif request.param == "split":   # every GEMM in parts of one k step
         monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 10**9)
         monkeypatch.setattr(conv_tc, "MIN_SPLIT_K", conv_tc.BK)
-    return request.param
+    conv_tc.plan.cache_clear()   # plans are cached by shape: none made under other choices
+    yield request.param
+    conv_tc.plan.cache_clear()
 
 
 # Beyond CONV_SHAPES (mostly channel counts off the 16-byte copies): channel counts that are

@@ -324,6 +324,16 @@ def test_images_to_float():
     validate(out, R.images_to_float(images), "images_to_float")
     with pytest.raises(ValueError, match="uint8"):
         K.images_to_float(images.astype(np.float32))
+    idx = np.array([2, 0, 2, 1])
+    validate(K.images_to_float(images, idx), R.images_to_float(images)[[2, 0, 2, 1]], "images_to_float of a batch")
+
+
+def test_take_gathers_a_batch_of_labels():
+    labels = rng().integers(0, 10, 9).astype(np.int32)
+    idx = np.array([8, 0, 3, 3])
+    np.testing.assert_array_equal(K.take(labels, idx), [labels[8], labels[0], labels[3], labels[3]])
+    with pytest.raises(ValueError, match="1-D integer indices"):
+        K.take(labels, idx.astype(np.float32))
 
 
 def test_count_correct():

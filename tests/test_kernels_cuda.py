@@ -367,6 +367,17 @@ def test_images_to_float(ours):
     out = ours.images_to_float(images)
     assert out.dtype == np.float32 and out.shape == (3, 1, 5, 4)
     validate(out, R.images_to_float(images), "images_to_float")
+    for dtype in (np.int32, np.int64):    # a batch of the shuffled order, gathered in the same kernel
+        idx = np.array([2, 0, 2, 1, 0], dtype)
+        validate(ours.images_to_float(images, idx), R.images_to_float(images)[[2, 0, 2, 1, 0]],
+                 f"images_to_float of a batch, {np.dtype(dtype)} indices")
+
+
+def test_take_gathers_a_batch_of_labels(ours):
+    labels = rng().integers(0, 10, 300).astype(np.int32)
+    for dtype in (np.int32, np.int64):
+        idx = rng().integers(0, 300, 260).astype(dtype)
+        np.testing.assert_array_equal(ours.take(labels, idx), labels[idx])
 
 
 # ---- pooling -----------------------------------------------------------------------------

@@ -266,3 +266,17 @@ def test_more_epochs_on_resume_stretch_the_cosine_schedule_and_say_so(data_dir, 
     for m in metrics[2:]:   # each epoch's last step, on the 4-epoch schedule
         last = m["epoch"] * steps - 1
         assert m["lr"] == pytest.approx(0.2 * (1 + math.cos(math.pi * last / (4 * steps))) / 2, rel=1e-12)
+
+
+def test_a_checkpoint_of_another_flat_layout_is_refused_by_name(tmp_path):
+    """An older checkpoint's flat buffer (unaligned, conv weights (out, in, kh, kw)) would load as
+    scrambled weights: restore() names the two layouts instead."""
+    model = nn.resnet18(width=2)
+    opt = nn.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    checkpoint.save(tmp_path / "c.npz", model, opt, {"epoch": 1, "config": {}, "metrics": [], "rng_state": {}})
+    arrays, _ = checkpoint.load(tmp_path / "c.npz")
+    checkpoint.restore(arrays, model, opt)   # its own layout: fine
+    del arrays["layout"]
+    with pytest.raises(checkpoint.CheckpointError, match="laid out as 'unaligned, every parameter in its own "
+                                                         "order'.*cannot be resumed"):
+        checkpoint.restore(arrays, model, opt)

@@ -116,9 +116,9 @@ def evaluate(model, images, labels, batch_size, comm=SingleProcess()):
     loss_sum = correct = 0.0
     with no_grad():
         for idx in data.batch_indices(xp.arange(lo, hi), batch_size):
-            logits = model(Tensor(K.images_to_float(images[idx])))
-            loss_sum += float(cross_entropy(logits, labels[idx]).data) * len(idx)
-            correct += float(K.count_correct(logits.data, labels[idx]))
+            logits, y = model(Tensor(K.images_to_float(images, idx))), K.take(labels, idx)
+            loss_sum += float(cross_entropy(logits, y).data) * len(idx)
+            correct += float(K.count_correct(logits.data, y))
     model.train()
     loss_sum, correct = comm.all_reduce_values([loss_sum, correct])
     return loss_sum / len(images), correct / len(images)
@@ -140,7 +140,7 @@ def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, log_secon
         trained += len(idx)
         if schedule is not None:
             opt.lr = schedule.lr_at(epoch * len(batches) + step)
-        x, y = Tensor(K.images_to_float(images[local])), labels[local]
+        x, y = Tensor(K.images_to_float(images, local)), K.take(labels, local)
         opt.zero_grad()
         logits = model(x)
         loss = cross_entropy(logits, y)

@@ -14,10 +14,12 @@ layout; np.ascontiguousarray gives C order where something needs it.
 conv2d_forward(x, w, b, stride, padding) -> y
     x (N, C, H, W), w (O, C, KH, KW), b (O,) or None -> y (N, O, OH, OW),
     OH = (H + 2*ph - KH) // sh + 1.
-conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None) -> (dx, dw, db)
+conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None)
+    -> (dx, dw, db)
     db is dy summed over (N, OH, OW); callers without a bias ignore it. dx is None unless
-    need_dx (the first layer's input needs none). out = (dw, db): C-contiguous arrays that the
-    gradients are written into (a parameter's gradient, say; either may be None), returned.
+    need_dx (the first layer's input needs none). out = (dw, db): arrays that the gradients
+    are written into (a parameter's gradient, say; either may be None), returned. add_dx_to:
+    x's gradient so far, to which dx is added in place and which is returned as dx.
 
 batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None)
     -> (y, mean, invstd)
@@ -79,8 +81,11 @@ sgd_update(param, grad, velocity, lr, momentum, weight_decay) -> None
     velocity = momentum * velocity + g; param -= lr * velocity
     (velocity may be None when momentum is 0; then param -= lr * g).
 
-images_to_float(images) -> x
-    uint8 (N, H, W) -> float32 (N, 1, H, W) scaled to [0, 1].
+images_to_float(images, idx=None) -> x
+    uint8 (N, H, W) -> float32 (N, 1, H, W) scaled to [0, 1]; with 1-D integer indices idx,
+    those images (images[idx]), gathered in the same pass.
+take(a, idx) -> a[idx]
+    a 1-D int32 array (the labels) gathered at 1-D integer indices: a batch's labels.
 """
 from .conv import conv2d_forward, conv2d_backward
 from .batchnorm import (batch_norm_forward, batch_norm_backward, batch_norm_update_running,
@@ -93,6 +98,6 @@ from .pool import (max_pool2d_forward, max_pool2d_backward, global_avg_pool_forw
 from .linear import linear_forward, linear_backward
 from .loss import softmax_cross_entropy_forward, softmax_cross_entropy_backward, count_correct
 from .optim import sgd_update
-from .convert import images_to_float
+from .convert import images_to_float, take
 
 name = "cpu"

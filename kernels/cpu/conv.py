@@ -31,7 +31,7 @@ def conv2d_forward(x, w, b, stride, padding):
     return _nchw(y.reshape(n, oh, ow, -1))
 
 
-def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None):
+def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None):
     stride, padding = pair(stride), pair(padding)
     n, oh, ow = _output_shape(x, w, stride, padding)
     if dy.shape != (n, w.shape[0], oh, ow):
@@ -46,6 +46,9 @@ def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None):
         dx = _backward_data_stride1(dy_nhwc, w, padding)
     else:
         dx = _col2im(dy_nhwc, x.shape, w, stride, padding)
+    if dx is not None and add_dx_to is not None:
+        add_dx_to += dx
+        dx = add_dx_to
     return dx, dw, written(db_out, channel_sum(dy))
 
 

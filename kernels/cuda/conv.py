@@ -51,9 +51,10 @@ def conv2d_forward(be, x, w, b, stride, padding):
     return y
 
 
-def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None):
+def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None):
     """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
-    (float32, the parameters' gradients, say) when given; a new dw takes w's layout."""
+    (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
+    to add_dx_to in place (in the backward-data kernel's epilogue under tf32) when it is given."""
     if kernels.precision() == "tf32":
         dy, x, w = (dense(be, "conv2d_backward", a) for a in (dy, x, w))
     else:
@@ -63,14 +64,30 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None):
     if dy.shape != (n, o, oh, ow):
         raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output {(n, o, oh, ow)}")
     dw, db = gradient_outputs(be, "conv2d_backward", out, w.shape)
+    if add_dx_to is not None:
+        in_place(be, "conv2d_backward", add_dx_to)
+        if add_dx_to.shape != x.shape:
+            raise ValueError(f"conv2d_backward: add_dx_to has shape {add_dx_to.shape}, dx {x.shape}")
     if kernels.precision() == "tf32":
         dy, x = nhwc(be, dy), nhwc(be, x)
-        dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry).transpose(0, 3, 1, 2) if need_dx else None
+        dx = None
+        if need_dx:
+            into = None if add_dx_to is None else add_dx_to.transpose(0, 2, 3, 1)   # its memory, if that is NHWC
+            if into is None or into.flags.c_contiguous:
+                dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into).transpose(0, 3, 1, 2)
+                dx = dx if into is None else add_dx_to
+            else:   # an NCHW add_dx_to: added by a kernel of its own
+                dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry).transpose(0, 3, 1, 2))
         dw, db = conv_tc.backward_weight(be, dy, x, geometry, _like_layout(be, w) if dw is None else dw,
                                          be.xp.empty((o,), np.float32) if db is None else db)
         return dx, dw, db
-    return _backward_data(be, dy, w, geometry) if need_dx else None, _backward_weight(be, dy, x, geometry, dw), \
-        bias_grad(be, dy.reshape(n, o, -1), db)
+    dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry)) if need_dx else None
+    return dx, _backward_weight(be, dy, x, geometry, dw), bias_grad(be, dy.reshape(n, o, -1), db)
+
+
+def _added(be, total, dx):
+    """dx, or total += dx (in place, by the elementwise add) when total is given."""
+    return dx if total is None else be.add(total, dx, out=total)
 
 
 def _like_layout(be, a):

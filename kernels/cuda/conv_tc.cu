@@ -190,9 +190,10 @@ __device__ __forceinline__ void tc_gemm(const SourceA& a, const SourceB& b, cons
 // Where the GEMM's outputs go: element (m, n) at out.row(m) + out.column(n), either -1 past the
 // end. The Out structs below keep the two apart so that a row's offset is computed once.
 //
-// Writes the warp's accumulators to base + that offset, adding bias[n] when bias is not null.
+// Writes the warp's accumulators to base + that offset, adding bias[n] when bias is not null and
+// what is there already when `add` is set.
 template <class T, class Out>
-__device__ __forceinline__ void tc_store(const Out& out, float* base, int m0, int n0, const float* bias,
+__device__ __forceinline__ void tc_store(const Out& out, float* base, int m0, int n0, const float* bias, bool add,
                                          const float (&acc)[T::MI][T::NI][4]) {
     const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
     const int wm = m0 + (warp / 2) * T::WARP_M + lane / 4, wn = n0 + (warp % 2) * T::WARP_N + 2 * (lane % 4);
@@ -207,30 +208,34 @@ __device__ __forceinline__ void tc_store(const Out& out, float* base, int m0, in
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int n = wn + 8 * j + e, column = out.column(n);
-                    if (column >= 0) base[row + column] = acc[i][j][2 * h + e] + (bias ? bias[n] : 0.0f);
+                    if (column >= 0)
+                        base[row + column] = acc[i][j][2 * h + e] + (bias ? bias[n] : 0.0f) +
+                                             (add ? base[row + column] : 0.0f);
                 }
         }
 }
 
 // The end of a GEMM: with one part, the accumulators and bias go to y; else to this part's
 // partial output (partial + part * size, size the elements of y), and the tile's last part to
-// finish (last_block on `counter`) adds the tile's parts in order into y, with the bias. Returns
+// finish (last_block on `counter`) adds the tile's parts in order into y, with the bias; `add`:
+// to what y holds (a gradient accumulated in place). Returns
 // whether this block finished the tile (then the partials the other parts wrote before it, of
 // anything, are visible to it). Every thread of the block must call it.
 template <class T, class Out>
 __device__ __forceinline__ bool tc_finish(const Out& out, float* y, float* partial, int size, int parts, int part,
-                                          unsigned* counter, int m0, int n0, const float* bias,
+                                          unsigned* counter, int m0, int n0, const float* bias, bool add,
                                           const float (&acc)[T::MI][T::NI][4]) {
     if (parts == 1) {
-        tc_store<T>(out, y, m0, n0, bias, acc);
+        tc_store<T>(out, y, m0, n0, bias, add, acc);
         return true;
     }
-    tc_store<T>(out, partial + part * size, m0, n0, nullptr, acc);
+    tc_store<T>(out, partial + part * size, m0, n0, nullptr, false, acc);
     if (!last_block(counter, parts)) return false;
     for (int idx = int(threadIdx.x); idx < T::BM * T::BN; idx += TC_THREADS) {
         const int n = n0 + idx % T::BN, row = out.row(m0 + idx / T::BN), column = out.column(n);
         if (row >= 0 && column >= 0)
-            y[row + column] = added_partials(partial + row + column, parts, size) + (bias ? bias[n] : 0.0f);
+            y[row + column] = added_partials(partial + row + column, parts, size) + (bias ? bias[n] : 0.0f) +
+                              (add ? y[row + column] : 0.0f);
     }
     return true;
 }
@@ -285,7 +290,7 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
     tc_gemm<T, VEC, true, true>(ImageRows{g, x}, MatrixRows{w_krsc, g.o, depth}, x, w_krsc, m0, n0, k_begin, k_end,
                                 acc);
     tc_finish<T>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, gridDim.z, blockIdx.z, tile_counter(counters, 0),
-                 m0, n0, bias, acc);
+                 m0, n0, bias, false, acc);
 }
 
 // ---- backward-data ----------------------------------------------------------------------
@@ -334,12 +339,12 @@ struct PhaseRowsOut {
 // dx (N*H*W x C, NHWC): blockIdx.z = phase * splits + part, for the sh*sw stride phases and the
 // splits = gridDim.z / (sh*sw) parts of each phase's k; block (x, y, z) computes the phase's cells
 // [x * BM, ...) by input channels [y * BN, ...) over k in [part * k_chunk, ...) (split-K, see
-// tc_finish). Blocks past the phase's cells (phases differ in size by a
+// tc_finish), added to what dx holds when `add` is set. Blocks past the phase's cells (phases differ in size by a
 // row or column) leave at once; a phase, or a part of one, that no tap reaches gets zeros.
 template <class T, int VEC>
 __global__ void __launch_bounds__(TC_THREADS)
-conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, float* __restrict__ dx, float* partial,
-              unsigned* counters, CONV_PARAMS, int k_chunk) {
+conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, float* __restrict__ dx, int add,
+              float* partial, unsigned* counters, CONV_PARAMS, int k_chunk) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int splits = gridDim.z / (g.sh * g.sw), part = blockIdx.z % splits;
     const int phase = blockIdx.z / splits;
@@ -351,7 +356,7 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
     tc_gemm<T, VEC, true, false>(GradientRows{g, f, dy}, WeightRows{g, f, w_krsc}, dy, w_krsc, m0, n0, k_begin,
                                  k_end, acc);
     tc_finish<T>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, splits, part, tile_counter(counters, phase),
-                 m0, n0, nullptr, acc);
+                 m0, n0, nullptr, add, acc);
 }
 
 // ---- backward-weight --------------------------------------------------------------------
@@ -417,6 +422,6 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* 
                                   });
     if (sums_bias && gridDim.z > 1 && m < g.o) db_partial[blockIdx.z * g.o + m] = bias;
     const bool last = tc_finish<T>(WeightsOut{g, krsc}, dw, partial, g.o * columns, gridDim.z, blockIdx.z,
-                                   tile_counter(counters, 0), m0, n0, nullptr, acc);
+                                   tile_counter(counters, 0), m0, n0, nullptr, false, acc);
     if (sums_bias && last && m < g.o) db[m] = gridDim.z == 1 ? bias : added_partials(db_partial + m, gridDim.z, g.o);
 }

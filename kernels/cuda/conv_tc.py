@@ -7,6 +7,7 @@ Every function here takes C-contiguous NHWC arrays and the geometry tuple of con
 16-byte aligned (views at an odd offset) are copied first: the 16-byte cp.async needs it. A GEMM
 split over k finishes in its own launch (the last part of each tile adds the parts in order).
 """
+import functools
 import typing
 
 import numpy as np
@@ -44,6 +45,7 @@ class Plan(typing.NamedTuple):
     splits: int
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(gemm, geometry):
     """The Plan of `gemm` ("forward", "dgrad" or "wgrad") for the geometry tuple of conv.py."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
@@ -87,13 +89,14 @@ def forward(be, x, w_krsc, b, geometry):
     return y
 
 
-def backward_data(be, dy, w_krsc, geometry):
-    """dx (N, H, W, C) from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C)."""
+def backward_data(be, dy, w_krsc, geometry, into=None):
+    """dx (N, H, W, C) from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C); added to `into` (a
+    C-contiguous (N, H, W, C) array), in place, when given."""
     n, c, h, wd = geometry[:4]
     p = plan("dgrad", geometry)
     dy, w_krsc = aligned(dy), aligned(w_krsc)
-    dx = be.xp.empty((n, h, wd, c), np.float32)
-    _launch(be, p, (dy, w_krsc), dx, geometry)
+    dx = be.xp.empty((n, h, wd, c), np.float32) if into is None else into
+    _launch(be, p, (dy, w_krsc), dx, geometry, (int(into is not None),))
     return dx
 
 

@@ -1,5 +1,5 @@
-// elementwise.cu: relu, its backward, the residual join relu(a + b), and uint8 images to
-// float32, on flat contiguous arrays. Launched by kernels/cuda/elementwise.py; checked by
+// elementwise.cu: relu, its backward, the residual join relu(a + b), uint8 images (gathered by
+// a batch's indices) to float32 and the gather of labels, on flat contiguous arrays. Launched by kernels/cuda/elementwise.py; checked by
 // tests/test_kernels_cuda.py against tests/reference.py and kernels/cpu/elementwise.py.
 // Every kernel is memory-bound: one thread per element, grid-stride, coalesced. relu keeps a
 // NaN as NaN (as NumPy's maximum and PyTorch do), so that a NaN upstream is not hidden.
@@ -35,9 +35,22 @@ add_relu_forward(const float* __restrict__ a, const float* __restrict__ b, int t
     }
 }
 
-// x = images / 255 as float32: threads over pixels, grid-stride.
-extern "C" __global__ void __launch_bounds__(256)
-images_to_float(const unsigned char* __restrict__ images, int total, float* __restrict__ x) {
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x)
-        x[i] = float(images[i]) * (1.0f / 255.0f);
+// x = images[idx] / 255 as float32, image n of x being image idx[n] of images (n itself when idx
+// is null), `plane` pixels each: threads over x's pixels, grid-stride.
+template <class Index>
+__global__ void __launch_bounds__(256)
+images_to_float(const unsigned char* __restrict__ images, const Index* __restrict__ idx, int plane, int total,
+                float* __restrict__ x) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const int n = i / plane;
+        const long long image = idx ? static_cast<long long>(idx[n]) : n;
+        x[i] = float(images[image * plane + (i - n * plane)]) * (1.0f / 255.0f);
+    }
+}
+
+// out = a[idx] for int32 a (a batch's labels): one thread per output, grid-stride.
+template <class Index>
+__global__ void __launch_bounds__(256)
+take(const int* __restrict__ a, const Index* __restrict__ idx, int total, int* __restrict__ out) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) out[i] = a[idx[i]];
 }

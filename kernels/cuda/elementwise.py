@@ -1,10 +1,12 @@
-"""Launchers of elementwise.cu: a + b, relu, relu's backward, relu(a + b) and uint8 images to float."""
+"""Launchers of elementwise.cu: a + b, relu, relu's backward, relu(a + b), uint8 images (of a
+batch's indices) to float, and the gather of labels."""
 import numpy as np
 
-from .launch import blocks, dense, in_place, launch, like, typed
+from .launch import C_TYPES, blocks, dense, in_place, integers, launch, like, typed
 
-OPS = ("add", "relu_forward", "relu_backward", "add_relu_forward", "images_to_float")
-KERNELS = OPS
+OPS = ("add", "relu_forward", "relu_backward", "add_relu_forward", "images_to_float", "take")
+KERNELS = ("add", "relu_forward", "relu_backward", "add_relu_forward") + tuple(
+    f"{kernel}<{t}>" for kernel in ("images_to_float", "take") for t in C_TYPES.values())
 
 
 def add(be, a, b, out=None):
@@ -39,14 +41,36 @@ def _elementwise(be, kernel, *operands, out=None):
     return out
 
 
-def images_to_float(be, images):
+def images_to_float(be, images, idx=None):
     images = typed(be, "images_to_float", images, np.uint8)
     if images.ndim != 3:
         raise ValueError(f"images_to_float expects uint8 (N, H, W), got shape {images.shape}")
-    n, h, w = images.shape
+    _, h, w = images.shape
+    idx = None if idx is None else _indices(be, "images_to_float", idx)
+    n = len(images) if idx is None else len(idx)
     x = be.xp.empty((n, 1, h, w), np.float32)
-    launch(be, "elementwise", "images_to_float", blocks(images.size), (images, images.size, x))
+    index_type = C_TYPES[np.dtype(np.int32) if idx is None else idx.dtype]
+    launch(be, "elementwise", f"images_to_float<{index_type}>", blocks(x.size), (images, idx, h * w, x.size, x))
     return x
+
+
+def take(be, a, idx):
+    a = typed(be, "take", a, np.int32)
+    idx = _indices(be, "take", idx)
+    if a.ndim != 1:
+        raise ValueError(f"take expects a 1-D int32 array, got shape {a.shape}")
+    out = be.xp.empty(idx.shape, np.int32)
+    launch(be, "elementwise", f"take<{C_TYPES[idx.dtype]}>", blocks(out.size), (a, idx, out.size, out))
+    return out
+
+
+def _indices(be, op, idx):
+    """A 1-D integer array of indices (their range is the caller's to keep: the kernels index
+    without checking)."""
+    idx = integers(be, op, idx)
+    if idx.ndim != 1:
+        raise ValueError(f"{op} expects 1-D indices, got shape {idx.shape}")
+    return idx
 
 
 def _same_shape(op, a, b):

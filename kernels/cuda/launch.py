@@ -157,7 +157,7 @@ def launch(be, family, kernel, grid, args, block=(THREADS,)):
     """Launch `kernel` of `family` with Python ints passed as int32 and Python floats as
     float32, which is what every kernel of the project declares; CuPy and the emulator would
     otherwise pass them as 64-bit values."""
-    be.function(family, kernel)(grid, block, tuple(_typed(a) for a in args))
+    be.function(family, kernel)(grid, block, tuple([_typed(a) for a in args]))
 
 
 def _typed(arg):
@@ -174,8 +174,13 @@ def _typed(arg):
         raise TypeError("kernels take int flags, not bool")
     if isinstance(arg, int):
         return _typed(int(arg))
-    if getattr(arg, "ndim", 0) == 4 and is_channels_last(arg):
-        return arg.transpose(0, 2, 3, 1)   # the kernel gets the pointer: the memory's own view (memory())
+    if getattr(arg, "ndim", 0) == 4 and not arg.flags.c_contiguous:
+        # the launchers pass dense arrays (dense(), like()): this is a channels-last one, whose memory's
+        # own view (memory()) the kernel gets the pointer of
+        nhwc = arg.transpose(0, 2, 3, 1)
+        if not nhwc.flags.c_contiguous:
+            raise ValueError(f"kernels take dense arrays, got strides {arg.strides} for shape {arg.shape}")
+        return nhwc
     return arg
 
 
