@@ -14,13 +14,32 @@ class SGD:
         if momentum < 0 or weight_decay < 0:
             raise ValueError(f"momentum and weight decay must be >= 0, got {momentum}, {weight_decay}")
         self.flat = FlatParameters.of(params)
+        self._lr_memory = None
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         xp = get_array_module(self.flat.data)
         self.velocity = xp.zeros_like(self.flat.data) if momentum else None
 
+    @property
+    def lr(self):
+        return self._lr
+
+    @lr.setter
+    def lr(self, value):
+        self._lr = value
+        if self._lr_memory is not None:
+            self._lr_memory.fill(value)   # on the device, in stream order: a kernel, no wait
+
+    def lr_on_device(self):
+        """Keep the learning rate in device memory from now on, where the update reads it when it
+        runs: what a CUDA graph of the step needs (setting ``lr`` then writes that memory)."""
+        if self._lr_memory is None:
+            self._lr_memory = get_array_module(self.flat.data).empty(1, self.flat.data.dtype)
+            self.lr = self._lr
+
     def step(self):
+        lr = self.lr if self._lr_memory is None else self._lr_memory
         backend_of(self.flat.data).sgd_update(self.flat.data, self.flat.grad, self.velocity,
-                                              self.lr, self.momentum, self.weight_decay)
+                                              lr, self.momentum, self.weight_decay)
 
     def zero_grad(self):
         self.flat.zero_grad()

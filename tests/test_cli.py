@@ -14,6 +14,7 @@ import kernels
 import nn
 from helpers import write_fashion_mnist
 from training import checkpoint, cli, loop
+from training import step as training_step
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--width", "2", "--batch-size", "16", "--limit", "40", "--test-limit", "20"]
@@ -83,7 +84,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
         loss = real_loss(logits, labels)
         calls.append(1)
         return loss * float("nan") if len(calls) == 3 + 2 + 2 else loss
-    monkeypatch.setattr(loop, "cross_entropy", poisoned_in_epoch_2)
+    monkeypatch.setattr(loop, "cross_entropy", poisoned_in_epoch_2)      # evaluation's
+    monkeypatch.setattr(training_step, "cross_entropy", poisoned_in_epoch_2)   # the training step's
     assert run(data_dir, tmp_path / "run", "--epochs", "3") == 1
     err = capsys.readouterr().err
     assert "loss is nan at epoch 2, step 2" in err and "last good checkpoint, of epoch 1, is intact" in err, err

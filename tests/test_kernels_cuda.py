@@ -475,6 +475,18 @@ def test_sgd_update(ours, momentum, weight_decay, with_velocity):
                  *g.standard_normal((steps, size))], run, mutates_inputs=True)
 
 
+def test_sgd_reads_a_learning_rate_in_memory_as_it_runs(ours):
+    """lr as a 1-element array (what a CUDA graph's replay reads anew): the same bits as the number."""
+    g = rng()
+    param, grad = g.standard_normal((2, 777)).astype(np.float32)
+    by_value, by_memory = (param.copy(), np.zeros_like(param)), (param.copy(), np.zeros_like(param))
+    for lr in (0.1, 0.0371):
+        ours.sgd_update(by_value[0], grad, by_value[1], lr, 0.9, 5e-4)
+        ours.sgd_update(by_memory[0], grad, by_memory[1], np.array([lr], np.float32), 0.9, 5e-4)
+    np.testing.assert_array_equal(by_memory[0], by_value[0])
+    np.testing.assert_array_equal(by_memory[1], by_value[1])
+
+
 # ---- what the launchers refuse -----------------------------------------------------------
 
 def test_float64_arrays_are_a_type_error():

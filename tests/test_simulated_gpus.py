@@ -120,7 +120,9 @@ SIGNATURES = [f"{path}" for path in (
     "ndarray.view", "ndarray.transpose", "ndarray.swapaxes", "ndarray.sum", "ndarray.max", "ndarray.item",
     "ndarray.tolist", "ndarray.__getitem__", "ndarray.__setitem__", "RawModule", "RawModule.get_function",
     "RawKernel.__call__", "cuda.Device", "cuda.Device.use", "cuda.Device.synchronize", "cuda.Stream",
-    "cuda.Stream.use", "cuda.Stream.record", "cuda.Stream.wait_event", "cuda.Stream.synchronize", "cuda.Event",
+    "cuda.Stream.use", "cuda.Stream.record", "cuda.Stream.wait_event", "cuda.Stream.synchronize",
+    "cuda.Stream.begin_capture", "cuda.Stream.end_capture", "cuda.Stream.is_capturing", "cuda.Graph.launch",
+    "cuda.Graph.upload", "cuda.MemoryPool", "cuda.MemoryPool.malloc", "cuda.using_allocator", "cuda.Event",
     "cuda.Event.record", "cuda.Event.synchronize", "cuda.get_current_stream", "cuda.get_elapsed_time",
     "cuda.runtime.getDeviceCount", "cuda.runtime.getDevice", "cuda.runtime.setDevice",
     "cuda.runtime.getDeviceProperties", "cuda.nvtx.RangePush", "cuda.nvtx.RangePop", "nccl.get_unique_id",
@@ -156,7 +158,8 @@ def test_the_stand_in_offers_nothing_cupy_lacks(gpus):
     cupy, nccl = _real_cupy()
     for name in gpus.__all__:
         assert hasattr(cupy, name), name
-    for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "runtime", "nvtx"):
+    for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "runtime", "nvtx", "Graph",
+                 "MemoryPool", "using_allocator"):
         assert hasattr(cupy.cuda, name), name
     if not nccl.available:
         pytest.skip("CuPy cannot load NCCL here (pip install nvidia-nccl-cu13): its constants are not readable")

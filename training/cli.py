@@ -55,6 +55,12 @@ def parse_args(argv):
                         "with the inputs rounded to TF32 (10-bit mantissa) and sums in float32, as PyTorch does "
                         "for convolutions by default; fp32 multiplies in float32 throughout, several times slower "
                         "(default: tf32 with --gpus, fp32 on the CPU, which has no other)")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction,
+                   help="on GPUs, capture the training step once as a CUDA graph and replay it every step, "
+                        "which takes the Python side off the step's time; each step's batch and learning rate are "
+                        "written into the graph's inputs first, an epoch's last, shorter batch runs eagerly, and "
+                        "a step that cannot be captured runs eagerly after a one-line warning (default: --graph "
+                        "with --gpus)")
     p.add_argument("--seed", type=int, help=f"seed of the weights and the batch order (default {D.seed})")
     p.add_argument("--limit", type=int, help="train on the first N images of the training split only")
     p.add_argument("--test-limit", type=int, help="evaluate on the first N images of the test split only")

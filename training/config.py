@@ -43,6 +43,7 @@ class Config:
     init_from: str = None     # a safetensors file of the model's weights to start from
     export: str = None        # where to write the trained weights as safetensors
     precision: str = None     # of the convolutions and linear layer on GPUs (compute_precision)
+    graph: bool = None        # the training step as a CUDA graph (replayed_step)
 
     @property
     def device(self):
@@ -53,6 +54,11 @@ class Config:
         """The precision of the convolutions and the linear layer (kernels.precision()): --precision,
         else tf32 on GPUs, PyTorch's default for convolutions; a CPU run computes in float32."""
         return self.precision or ("tf32" if self.gpus else "fp32")
+
+    @property
+    def replayed_step(self):
+        """Whether the training step runs as a CUDA graph: --graph, else on GPUs."""
+        return bool(self.gpus) if self.graph is None else self.graph
 
     def check(self):
         positive = {"epochs": self.epochs, "batch size": self.batch_size, "width": self.width}
@@ -78,6 +84,8 @@ class Config:
         if self.precision == "tf32" and not self.gpus:
             raise ConfigError("--precision tf32 runs on GPU tensor cores: add --gpus N (on the CPU, NumPy computes "
                               "in float32)")
+        if self.graph and not self.gpus:
+            raise ConfigError("--graph captures the step as a CUDA graph, on GPUs: add --gpus N (or drop --graph)")
         for name in ("limit", "test_limit"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -8,6 +8,8 @@ batch order depends only on (seed, epoch) and everything else is in the checkpoi
 """
 import contextlib
 import dataclasses
+import functools
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from parallel.ddp import DataParallel, shard_bounds
 from . import checkpoint, fashion_mnist, output
 from .config import Config, ConfigError, merge_resumed
 from .reports import Progress, finite_or_none, write_reports
+from .step import GraphedStep, train_step
 
 
 class NonFiniteLoss(RuntimeError):
@@ -124,33 +127,28 @@ def evaluate(model, images, labels, batch_size, comm=SingleProcess()):
     return loss_sum / len(images), correct / len(images)
 
 
-def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, log_seconds=1.0, show=True):
+def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, step, log_seconds=1.0, show=True):
     """One pass over the shuffled training split, each global batch shared by the ranks
-    of ``ddp``; (mean loss, accuracy) over all ranks. ``show``: draw the progress bar
-    (of this rank's losses)."""
-    K, xp = backend_of(images), get_array_module(images)
+    of ``ddp``, each shard trained by ``step(idx)`` (training/step.py: eager, or a GraphedStep);
+    (mean loss, accuracy) over all ranks. ``show``: draw the progress bar (of this rank's losses)."""
+    xp = get_array_module(images)
     order = xp.asarray(data.epoch_order(len(images), cfg.seed, epoch))
     batches = data.batch_indices(order, cfg.batch_size)
     progress = Progress(len(images), f"epoch {epoch + 1}/{cfg.epochs}") if show else None
     window, last_read, trained = _Window(), time.perf_counter(), 0
-    for step, idx in enumerate(batches):
+    for number, idx in enumerate(batches):
         local = ddp.scatter(idx)
         if local is None:  # a last batch with fewer images than ranks
             continue
         trained += len(idx)
         if schedule is not None:
-            opt.lr = schedule.lr_at(epoch * len(batches) + step)
-        x, y = Tensor(K.images_to_float(images, local)), K.take(labels, local)
-        opt.zero_grad()
-        logits = model(x)
-        loss = cross_entropy(logits, y)
-        ddp.backward(loss)
-        opt.step()
-        if cfg.check_sync and (epoch * len(batches) + step + 1) % cfg.check_sync == 0:
-            ddp.check_in_sync(f"after epoch {epoch + 1}, step {step + 1}")
-        window.add(loss.data, K.count_correct(logits.data, y), len(local) / len(idx))
-        if time.perf_counter() - last_read >= log_seconds or step == len(batches) - 1:
-            window.flush(epoch + 1, step + 1 - len(window.losses))
+            opt.lr = schedule.lr_at(epoch * len(batches) + number)
+        loss, correct = step(local)
+        if cfg.check_sync and (epoch * len(batches) + number + 1) % cfg.check_sync == 0:
+            ddp.check_in_sync(f"after epoch {epoch + 1}, step {number + 1}")
+        window.add(loss, correct, len(local) / len(idx))
+        if time.perf_counter() - last_read >= log_seconds or number == len(batches) - 1:
+            window.flush(epoch + 1, number + 1 - len(window.losses))
             if progress:
                 progress.update(trained, window.local_loss_sum / window.steps)
             last_read = time.perf_counter()
@@ -227,6 +225,17 @@ def _data_and_model(cfg, xp, world_size, saved_arrays, record, log):
     return train, test, model, opt
 
 
+def _step(cfg, model, opt, ddp, images, labels):
+    """The training step of this run, on this rank's shard of a batch: a GraphedStep (--graph) for
+    shards of a whole batch, else train_step."""
+    if not cfg.replayed_step:
+        return functools.partial(train_step, model, opt, ddp, images, labels)
+    lo, hi = shard_bounds(cfg.batch_size, ddp.world_size, ddp.rank)
+    who = f" (rank {ddp.rank})" if ddp.world_size > 1 else ""   # each rank captures its own step
+    return GraphedStep(model, opt, ddp, images, labels, hi - lo,
+                       warn=lambda line: print(f"warning{who}: {line}", file=sys.stderr, flush=True))
+
+
 def _stretched(schedule, before, now, step):
     """What --epochs changed on resuming a cosine schedule, in words: the schedule is the one of a
     run started with the new --epochs, so the learning rate moves to it at once."""
@@ -299,16 +308,17 @@ def _train(comm, log, cfg, train, test, model, opt, record, ddp):
     start = record["epoch"] if record else 0
     log(f"ResNet-18 (width {cfg.width}, {opt.flat.parameter_count:,} parameters) on {len(x_train)} training and "
         f"{len(x_test)} test images, batch {cfg.batch_size}, lr {opt.lr:g}, {cfg.schedule} schedule, "
-        f"precision {cfg.compute_precision}; "
+        f"precision {cfg.compute_precision}{', the step as a CUDA graph' if cfg.replayed_step else ''}; "
         f"output in {out}" + (f"; resuming after epoch {start}" if start else ""))
     if schedule is not None and record is not None and record["config"]["epochs"] != cfg.epochs:
         log(_stretched(schedule, record["config"]["epochs"], cfg.epochs, start * steps_per_epoch))
     if comm.world_size > 1:
         log(_world_line(cfg, ddp, opt.lr))
+    step = _step(cfg, model, opt, ddp, x_train, y_train)
     for epoch in range(start, cfg.epochs):
         began = time.perf_counter()
         try:
-            train_loss, train_acc = train_epoch(model, opt, schedule, x_train, y_train, cfg, epoch, ddp=ddp,
+            train_loss, train_acc = train_epoch(model, opt, schedule, x_train, y_train, cfg, epoch, ddp=ddp, step=step,
                                                 show=lead)
         except NonFiniteLoss as e:
             raise NonFiniteLoss(f"{e}; stopping: {_kept(out, epoch)}") from None

@@ -79,7 +79,9 @@ count_correct(logits, labels) -> n
 sgd_update(param, grad, velocity, lr, momentum, weight_decay) -> None
     In place on flat buffers, PyTorch's rule: g = grad + wd * param;
     velocity = momentum * velocity + g; param -= lr * velocity
-    (velocity may be None when momentum is 0; then param -= lr * g).
+    (velocity may be None when momentum is 0; then param -= lr * g). lr: a number, or a
+    1-element array of param's dtype read when the update runs (on a GPU, device memory that
+    a CUDA graph's replay reads anew).
 
 images_to_float(images, idx=None) -> x
     uint8 (N, H, W) -> float32 (N, 1, H, W) scaled to [0, 1]; with 1-D integer indices idx,

@@ -10,6 +10,8 @@ _BLOCK = 1 << 18   # elements: 1 MB blocks of param, grad, velocity and scratch 
 
 
 def sgd_update(param, grad, velocity, lr, momentum, weight_decay):
+    if not np.isscalar(lr):   # a 1-element array, as a device keeps it
+        lr = lr.reshape(-1)[0]
     if param.shape != grad.shape:
         raise ValueError(f"sgd param {param.shape} and grad {grad.shape} differ in shape")
     if momentum != 0 and (velocity is None or velocity.shape != param.shape):

@@ -89,6 +89,12 @@ class Backend:
             have = self._counters[device] = self.xp.zeros(max(count, COUNTERS), np.uint32)
         return have
 
+    def capture(self, fn):
+        """(graph, fn()): fn's launches captured, not run; graph.launch() replays them (CUDA graphs on
+        the GPU, a record of the launches on the emulator: see graph.py)."""
+        from .graph import capture
+        return capture(self, fn)
+
     def __repr__(self):
         return f"<kernels backend {self.name!r}>"
 

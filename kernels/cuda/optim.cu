@@ -4,10 +4,13 @@
 // Launched by kernels/cuda/optim.py; checked by tests/test_kernels_cuda.py.
 
 // g = grad + weight_decay * param; velocity = momentum * velocity + g (when velocity is not
-// null); param -= lr * (velocity or g): one thread per parameter, grid-stride.
+// null); param -= lr * (velocity or g): one thread per parameter, grid-stride. The learning rate
+// is *lr_memory when that is not null (device memory, which a CUDA graph's replay reads anew),
+// else lr.
 extern "C" __global__ void __launch_bounds__(256)
 sgd_update(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ velocity, int total,
-           float lr, float momentum, float weight_decay) {
+           const float* __restrict__ lr_memory, float lr, float momentum, float weight_decay) {
+    if (lr_memory) lr = *lr_memory;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         const float p = param[i];
         float step = weight_decay != 0.0f ? __fadd_rn(__fmul_rn(p, weight_decay), grad[i]) : grad[i];

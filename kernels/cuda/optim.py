@@ -15,5 +15,11 @@ def sgd_update(be, param, grad, velocity, lr, momentum, weight_decay):
     for name, a in (("grad", grad), ("velocity", velocity)):
         if a is not None and a.shape != param.shape:
             raise ValueError(f"sgd param {param.shape} and {name} {a.shape} differ in shape")
+    lr_memory = None
+    if isinstance(lr, be.xp.ndarray):   # a 1-element device array, read when the kernel runs
+        (lr_memory,) = float32(be, "sgd_update", lr)
+        if lr_memory.size != 1:
+            raise ValueError(f"sgd_update: lr is a number or a 1-element array, got shape {lr_memory.shape}")
+        lr = 0.0
     launch(be, "optim", "sgd_update", blocks(param.size),
-           (param, grad, velocity, param.size, float(lr), float(momentum), float(weight_decay)))
+           (param, grad, velocity, param.size, lr_memory, float(lr), float(momentum), float(weight_decay)))

@@ -48,7 +48,9 @@ def _new(array):
 
 
 def _work(name, written):
-    """Count one array operation (a kernel, memset or copy on a GPU) that writes `written` (an array)."""
+    """Count one array operation (a kernel, memset or copy on a GPU) that writes `written` (an array);
+    refused during a stream capture, which records kernels only."""
+    cuda.refuse_during_capture(f"simulated GPUs: the array operation {name!r}")
     cuda.ledger["operations"][name] += 1
     cuda.ledger["operation_bytes"][name] += written.nbytes
     return written
@@ -369,9 +371,12 @@ class RawKernel:
             raise cuda.CUDARuntimeError("cudaErrorInvalidResourceHandle",
                                         f"kernel '{self._kernel.name}' launched on stream {stream.ptr:#x} of device "
                                         f"{stream.device()} while device {cuda.getDevice()} is current")
-        values = [self._argument(i, a) for i, a in enumerate(args)]
-        cuda.ledger["launches"][cuda.getDevice()] += 1
-        self._kernel(grid, block, tuple(values), **kwargs)
+        values, device = tuple(self._argument(i, a) for i, a in enumerate(args)), cuda.getDevice()
+
+        def run():
+            cuda.ledger["launches"][device] += 1
+            self._kernel(grid, block, values, **kwargs)
+        cuda.enqueue(stream, run)
 
     def _argument(self, index, value):
         """As CuPy's function.pyx passes it: a device array as its pointer, None as a null pointer, a

@@ -1,12 +1,22 @@
-"""``cupy.cuda`` of the simulated GPUs: devices, streams, events, ``runtime`` and ``nvtx``.
+"""``cupy.cuda`` of the simulated GPUs: devices, streams, events, ``runtime`` and ``nvtx``; stream
+capture into a ``Graph``, and the ``MemoryPool`` that a capture allocates from.
 
 Work runs at once, in program order, so streams and events only keep CUDA's rules: each
 belongs to the device that was current when it was made; an event recorded on a stream of
 another device, or a stream made current on another device, is refused as CUDA refuses it.
 ``CUDA_VISIBLE_DEVICES`` selects and renumbers the machine's ``KERNELS_SIMULATED_GPUS`` GPUs,
 as the driver does. The current device and stream are per host thread, as in CUDA.
+
+Stream capture: between ``begin_capture()`` and ``end_capture()`` a stream records the kernel
+launches and NCCL calls queued on it instead of running them (``enqueue``), and a ``Graph``
+runs the record on ``launch()``. A stream that waits on an event recorded during the capture
+joins it, and must be joined back (the capturing stream waiting on an event recorded after its
+last work) before the capture ends, or ``end_capture`` fails as CUDA does. Array operations
+(copies, fills, element-wise CuPy kernels) during a capture are refused: the simulator does not
+record them, so a captured step must launch only RawModule kernels and NCCL calls.
 """
 import collections
+import contextlib
 import functools
 import itertools
 import os
@@ -132,6 +142,7 @@ class Stream:
             self.ptr, self.device_id = (0 if null else 2), -1  # 2: cudaStreamPerThread
         else:
             self.ptr, self.device_id = next(_handles), getDevice()
+        self._capture, self._queued = None, 0   # the capture it records into; its work queued in it
         _streams[self.ptr] = self
 
     def device(self):
@@ -164,9 +175,39 @@ class Stream:
     def wait_event(self, event):
         if not isinstance(event, Event):
             raise TypeError(f"Stream.wait_event takes a cupy.cuda.Event, got {type(event).__name__}")
+        if event._captured is not None:
+            capture, source, queued = event._captured
+            if self._capture is None:
+                self._capture = capture   # it joins the capture
+            capture.joined_back[source] = queued
 
     def synchronize(self):
-        pass
+        if self._capture is not None:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported", "Stream.synchronize on a capturing stream")
+
+    def begin_capture(self, mode=None):
+        if self.ptr in (0, 1):
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        if self._capture is not None:
+            raise CUDARuntimeError("cudaErrorIllegalState", "begin_capture on a stream that is capturing already")
+        self._capture = _Capture(self)
+
+    def end_capture(self):
+        capture = self._capture
+        if capture is None or capture.origin is not self:
+            raise CUDARuntimeError("cudaErrorIllegalState", "end_capture on a stream that did not begin a capture")
+        joined = [s for s in _streams.values() if s._capture is capture]
+        for s in joined:
+            s._capture = None
+        unjoined = [s for s in joined if s is not self and capture.joined_back.get(s, -1) != s._queued]
+        if unjoined:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnjoined",
+                                   f"end_capture: stream(s) {', '.join(hex(s.ptr) for s in unjoined)} joined the "
+                                   f"capture and were not joined back (wait on an event recorded after their work)")
+        return Graph(capture.work)
+
+    def is_capturing(self):
+        return self._capture is not None
 
     @property
     def done(self):
@@ -200,7 +241,7 @@ class Event:
         if interprocess and not disable_timing:
             raise ValueError("Timing must be disabled for interprocess events")
         self.ptr, self.device_id = next(_handles), getDevice()
-        self._timing, self._recorded = not disable_timing, None
+        self._timing, self._recorded, self._captured = not disable_timing, None, None
 
     def record(self, stream=None):
         stream = get_current_stream() if stream is None else stream
@@ -209,6 +250,7 @@ class Event:
                                    f"Event.record: the event was made on device {self.device_id}, the stream "
                                    f"{stream.ptr:#x} belongs to device {stream.device()}")
         self._recorded = time.perf_counter()
+        self._captured = None if stream._capture is None else (stream._capture, stream, stream._queued)
 
     def synchronize(self):
         pass
@@ -227,3 +269,61 @@ def get_elapsed_time(start_event, end_event):
         raise CUDARuntimeError("cudaErrorInvalidResourceHandle",
                                f"get_elapsed_time: events of devices {start_event.device_id} and {end_event.device_id}")
     return (end_event._recorded - start_event._recorded) * 1e3
+
+
+# ---- stream capture -------------------------------------------------------------------------------
+class _Capture:
+    """What a stream capture records, in order; and, for each stream that joined it, how much of its
+    work the capturing streams have waited for (what end_capture checks)."""
+
+    def __init__(self, origin):
+        self.origin, self.work, self.joined_back = origin, [], {}
+
+
+def enqueue(stream, work):
+    """Run work() now, as the simulated GPUs run everything, or, when `stream` is capturing,
+    record it for the graph's replays."""
+    if stream._capture is None:
+        work()
+        return
+    stream._capture.work.append(work)
+    stream._queued += 1
+
+
+def refuse_during_capture(call):
+    """An array operation on the current stream: refused while it captures (see the module's docstring)."""
+    stream = get_current_stream()
+    if stream._capture is not None:
+        raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported",
+                               f"{call} during a stream capture: the simulated GPUs record only RawModule kernels "
+                               f"and NCCL calls (a GPU would capture it too, but here a replay would not run it)")
+
+
+class Graph:
+    """cupy.cuda.Graph: the work of a capture, run again, in order, by each launch()."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def launch(self, stream=None):
+        for work in self._work:
+            work()
+
+    def upload(self, stream=None):
+        pass
+
+
+class MemoryPool:
+    """cupy.cuda.MemoryPool: simulated arrays live in host memory and need none; using_allocator
+    accepts its malloc."""
+
+    def __init__(self, allocator=None):
+        pass
+
+    def malloc(self, size):
+        raise NotImplementedError("the simulated GPUs allocate host memory, not from a pool")
+
+
+@contextlib.contextmanager
+def using_allocator(allocator=None):
+    yield

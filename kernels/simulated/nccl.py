@@ -71,26 +71,32 @@ class NcclCommunicator:
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
         dtype = self._check("allReduce", datatype, stream, op=op)
-        data = bytes(self._buffer(sendbuf, count, dtype, "allReduce sendbuf"))
+        source = self._buffer(sendbuf, count, dtype, "allReduce sendbuf")
         target = self._buffer(recvbuf, count, dtype, "allReduce recvbuf")
-        posts = self._collective("allReduce", {"count": count, "datatype": datatype, "op": op}, data)
-        values = [np.frombuffer(payload, dtype) for _, payload in posts]
-        result = values[0].copy()
-        for value in values[1:]:
-            result = _REDUCTIONS[op](result, value)
-        if op == NCCL_AVG:
-            result = (result / self._size if dtype.kind == "f" else result // self._size).astype(dtype)
-        target[:] = result.view(np.uint8)
+
+        def run():
+            posts = self._collective("allReduce", {"count": count, "datatype": datatype, "op": op}, bytes(source))
+            values = [np.frombuffer(payload, dtype) for _, payload in posts]
+            result = values[0].copy()
+            for value in values[1:]:
+                result = _REDUCTIONS[op](result, value)
+            if op == NCCL_AVG:
+                result = (result / self._size if dtype.kind == "f" else result // self._size).astype(dtype)
+            target[:] = result.view(np.uint8)
+        cuda.enqueue(cuda.stream_of(stream, "NCCL allReduce"), run)   # a capture records it
 
     def bcast(self, buff, count, datatype, root, stream):
         dtype = self._check("bcast", datatype, stream)
         if not 0 <= root < self._size:
             raise NcclError("NCCL_ERROR_INVALID_ARGUMENT", f"bcast: root {root} is not a rank of {self._size}")
         target = self._buffer(buff, count, dtype, "bcast buff")
-        posts = self._collective("bcast", {"count": count, "datatype": datatype, "root": root},
-                                 bytes(target) if self._rank == root else b"")
-        if self._rank != root:
-            target[:] = np.frombuffer(posts[root][1], np.uint8)
+
+        def run():
+            posts = self._collective("bcast", {"count": count, "datatype": datatype, "root": root},
+                                     bytes(target) if self._rank == root else b"")
+            if self._rank != root:
+                target[:] = np.frombuffer(posts[root][1], np.uint8)
+        cuda.enqueue(cuda.stream_of(stream, "NCCL bcast"), run)
 
     def abort(self):
         self._aborted = True
