@@ -46,7 +46,7 @@ def outcome(t):
     if "reason" in t:
         return t["reason"]
     parts = []
-    for run in ("wrappers", "tensor_cores", "pytest"):
+    for run in ("wrappers", "tensor_cores", "graph", "pytest"):
         if run in t:
             counts = t[run].get("tests")
             parts.append(f"{run}: " + (", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped"))
@@ -127,9 +127,10 @@ def training_lines(training):
     config, hyper = training["config"], training["hyperparameters"]
     lines = [f"training ResNet-18 at batch {config['batch']} (lr {hyper['lr']}, momentum {hyper['momentum']}, "
              f"weight decay {hyper['weight_decay']}): sec/epoch of 60000 images"]
-    over = training.get("ours_over", {})
+    over, graph_over = training.get("ours_over", {}), training.get("ours_graph_over", {})
     for name, r in training["runs"].items():
         versus = f", ours / this {over[name]:.2f}x" if name in over else ""
+        versus += f", ours_graph / this {graph_over[name]:.2f}x" if name in graph_over else ""
         lines.append(f"  {name:14s} {r['sec_per_epoch']:8.2f} s  ({r['step_ms']:.1f} ms/step, median of "
                      f"{r['steps']} steps{versus})")
     if training.get("torch") != "compared":

@@ -4,7 +4,8 @@ results written to --out as soon as it ends, so that a run cut off early still l
   a  first the tensor-core wrappers on the GPU against their emulation, fragment by fragment
      (pytest -m gpu tests/test_tensor_core.py: it proves the PTX strings mean what the emulator runs),
      then the tensor-core convolutions against float64 of their TF32-rounded inputs and beside
-     cuDNN (tests/test_conv_tc.py), then the GPU tests on small shapes of the fp32 kernels and all
+     cuDNN (tests/test_conv_tc.py), then a CUDA graph of a training step replayed against eager steps
+     (tests/test_graph.py), then the GPU tests on small shapes of the fp32 kernels and all
      the others (pytest -m gpu tests/test_kernels_cuda.py), then
      compute-sanitizer memcheck and racecheck over one small training step (bench/sanitizer_step.py),
      where compute-sanitizer is on PATH or in $CUDA_HOME/bin
@@ -12,7 +13,8 @@ results written to --out as soon as it ends, so that a run cut off early still l
      against PyTorch float64 (tests/test_gpu_full.py)
   c  each op forward and backward at every ResNet-18 layer shape at batch 256, beside PyTorch with
      TF32 off and with its defaults: ms, TFLOP/s, GB/s (bench/op_times.py)
-  d  100 training steps at batch 256, ours beside PyTorch eager in both settings: sec/epoch
+  d  100 training steps at batch 256, ours eagerly and as a CUDA graph (the trainer's default),
+     beside PyTorch eager in both settings: sec/epoch
      (bench/train_times.py)
   e  one epoch on the full data: train_resnet.py --gpus 1 --epochs 1, and its test accuracy
   f  the per-layer profile: the profiler's GPU test (pytest -m gpu tests/test_profiler.py), then
@@ -165,6 +167,7 @@ def junit_counts(xml):
 def small_tests(run):
     results = {"wrappers": pytest_gpu(run, "wrappers", "tests/test_tensor_core.py", limit=30),
                "tensor_cores": pytest_gpu(run, "tensor_cores", "tests/test_conv_tc.py", limit=40),
+               "graph": pytest_gpu(run, "graph", "tests/test_graph.py", limit=30),
                "pytest": pytest_gpu(run, "pytest", "tests/test_kernels_cuda.py", limit=90)}
     sanitizer = report.compute_sanitizer()
     if sanitizer is None:
@@ -248,7 +251,8 @@ TIERS = (
     Tier("a", "GPU tests on small shapes; compute-sanitizer memcheck and racecheck", 75, 150, small_tests, False),
     Tier("b", "full-shape GPU tests against PyTorch float64", 45, 100, full_tests, False),
     Tier("c", "each op at every ResNet-18 layer shape, batch 256, beside PyTorch", 35, 80, op_times, True),
-    Tier("d", "100 training steps at batch 256, beside PyTorch eager", 40, 90, train_times, True),
+    Tier("d", "100 training steps at batch 256, eager and as a CUDA graph, beside PyTorch eager", 40, 90,
+         train_times, True),
     Tier("e", "one epoch on the full data, train_resnet.py --gpus 1", 45, 120, epoch, True),
     Tier("f", "per-layer profile of a training step at batch 256, python -m profiler", 25, 75, layer_profile, True),
     Tier("g", "NCCL data parallelism: world of one through the trainer; two GPUs where present", 15, 60,

@@ -1,7 +1,8 @@
 """Tier (d) of bench/gpu_check: training steps of ResNet-18 at batch 256 on the GPU, ours (nn on the
-cuda kernels, in the default tf32 precision) beside d2l's model in PyTorch eager (cuDNN) with TF32
-off and with its defaults, in one process; sec/epoch is the time of 60000 images at the median
-step time.
+cuda kernels, in the default tf32 precision) eagerly ("ours", --no-graph) and as a CUDA graph
+("ours_graph", --graph, the trainer's default on GPUs), beside d2l's model in PyTorch eager
+(cuDNN) with TF32 off and with its defaults, in one process; sec/epoch is the time of 60000 images
+at the median step time.
 
   PYTHONPATH=. python -m bench.train_times --out training.json              # 100 steps each
   PYTHONPATH=. python -m bench.train_times --dry-run --out training.json    # tiny, on the CPU
@@ -46,17 +47,25 @@ def hyperparameters():
     return {"lr": d.lr, "momentum": d.momentum, "weight_decay": d.weight_decay}
 
 
-def ours_step(config, images, labels):
-    """A closure that runs one training step of our ResNet-18, as training/loop.py's loop does."""
+def _ours(config, images, labels):
+    """(model, optimizer, images, labels, batches): our ResNet-18 and its data on the device."""
     import nn
     from nn import data
     xp = kernels.array_module_for(config["device"])
     images, labels = xp.asarray(images), xp.asarray(labels)
-    K = kernels.backend_of(images)
     nn.manual_seed(0)
     model = nn.resnet18(width=config["width"]).to(config["device"])
     opt = nn.SGD(model.parameters(), **hyperparameters())
     batches = itertools.cycle(data.batch_indices(xp.asarray(data.epoch_order(len(images), 0, 0)), config["batch"]))
+    return model, opt, images, labels, batches
+
+
+def ours_step(config, images, labels):
+    """A closure that runs one training step of our ResNet-18, as training/loop.py's loop does
+    with --no-graph."""
+    import nn
+    model, opt, images, labels, batches = _ours(config, images, labels)
+    K = kernels.backend_of(images)
 
     def step():
         idx = next(batches)
@@ -67,6 +76,19 @@ def ours_step(config, images, labels):
         opt.step()
         return loss.data
     return step
+
+
+def ours_graph_step(config, images, labels):
+    """The same step as the trainer runs it with --graph (the default on GPUs): training/step.py's
+    GraphedStep, captured as a CUDA graph on the second call and replayed from the third."""
+    from parallel.comm import SingleProcess
+    from parallel.ddp import DataParallel
+    from training.step import GraphedStep
+    model, opt, images, labels, batches = _ours(config, images, labels)
+    ddp = DataParallel(model, SingleProcess())
+    step = GraphedStep(model, opt, ddp, images, labels, config["batch"],
+                       warn=lambda line: print(f"warning: {line}", flush=True))
+    return lambda: step(ddp.scatter(next(batches)))[0]
 
 
 def torch_step(torch, config, images, labels):
@@ -113,6 +135,8 @@ def runs(config, torch):
     """(name, make_step, clock framework, precision setting or None) for every run to time."""
     images, labels = random_data(config)
     yield "ours", lambda: ours_step(config, images, labels), "ours", None
+    if config["device"] == "cuda":   # graphs are the GPU's
+        yield "ours_graph", lambda: ours_graph_step(config, images, labels), "ours", None
     if torch is not None:
         for setting, tf32 in SETTINGS:
             yield setting, lambda: torch_step(torch, config, images, labels), "torch", tf32
@@ -135,8 +159,10 @@ def run(out, seconds_per_run, dry_run=False):
         print(f"{name:14s} {measured['steps']:4d} steps, {measured['step_ms']:8.2f} ms/step, "
               f"{measured['sec_per_epoch']:7.2f} sec/epoch, last loss {measured['final_loss']:.4f}", flush=True)
         report.write_json(out, result)
-    ours = result["runs"]["ours"]["sec_per_epoch"]
-    result["ours_over"] = {name: ours / r["sec_per_epoch"] for name, r in result["runs"].items() if name != "ours"}
+    for mine in ("ours", "ours_graph"):   # each of our runs over every other run
+        if mine in result["runs"]:
+            t = result["runs"][mine]["sec_per_epoch"]
+            result[f"{mine}_over"] = {name: t / r["sec_per_epoch"] for name, r in result["runs"].items() if name != mine}
     report.write_json(out, result)
     return result
 
