@@ -162,7 +162,8 @@ def run(out, seconds_per_run, dry_run=False):
     for mine in ("ours", "ours_graph"):   # each of our runs over every other run
         if mine in result["runs"]:
             t = result["runs"][mine]["sec_per_epoch"]
-            result[f"{mine}_over"] = {name: t / r["sec_per_epoch"] for name, r in result["runs"].items() if name != mine}
+            result[f"{mine}_over"] = {name: t / r["sec_per_epoch"] for name, r in result["runs"].items()
+                                      if name != mine}
     report.write_json(out, result)
     return result
 
