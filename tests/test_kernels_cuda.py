@@ -725,3 +725,15 @@ def test_resnet18_training_step_on_the_gpu_matches_numpy(gpu):
     check_step_against_numpy(resnet_step("cuda"), resnet_step())
     a, b = resnet_step("cuda"), resnet_step("cuda")
     assert np.array_equal(a[2], b[2]), "two runs with the same seed give bit-identical weights"
+
+
+def test_element_wise_kernels_move_four_floats_only_where_alignment_allows(ours):
+    """vector_width checks the addresses rather than assume them: a view one float into a buffer (a
+    flat buffer's parameter, say) runs the one-float kernels, and both give NumPy's results."""
+    from kernels.cuda.launch import vector_width
+    g = rng()
+    a, b = (g.standard_normal(4 * 101 + 1).astype(np.float32) for _ in range(2))   # NumPy: 16-byte aligned
+    assert vector_width(404, a[:404], b[:404]) == 4 and vector_width(404, a[1:], b[1:]) == 1
+    assert vector_width(403, a[:403]) == 1
+    for lo in (0, 1):
+        np.testing.assert_array_equal(ours.add(a[lo:lo + 404], b[lo:lo + 404]), a[lo:lo + 404] + b[lo:lo + 404])

@@ -213,7 +213,7 @@ def test_an_array_of_another_device_is_refused_naming_the_call(gpus):
         x = gpus.asarray(host())
     with pytest.raises(ValueError, match=r"resides \(1\) is different from the current device \(0\).*multiply"):
         x * 2
-    with pytest.raises(ValueError, match=r"resides \(1\).*kernel 'relu_forward' argument 0 \(const float\*"):
+    with pytest.raises(ValueError, match=r"resides \(1\).*kernel 'relu_forward<4>' argument 0 \(const float\*"):
         kernels.backend_of(x).relu_forward(x)
     with gpus.cuda.Device(1):
         np.testing.assert_array_equal(kernels.backend_of(x).relu_forward(x).get(), np.maximum(x.get(), 0))
@@ -222,7 +222,7 @@ def test_an_array_of_another_device_is_refused_naming_the_call(gpus):
 def test_a_host_array_where_a_device_array_is_needed_is_refused(gpus):
     x, h = gpus.asarray(host()), host()
     with pytest.raises(TypeError, match="Only numpy.ndarrays of size one can be passed by value"):
-        kernels.backend_of(x).function("elementwise", "relu_forward")((1,), (64,), (h, 64, x))
+        kernels.backend_of(x).function("elementwise", "relu_forward<1>")((1,), (64,), (h, 64, x))
     with pytest.raises(TypeError, match="Unsupported type"):
         x + h
     with pytest.raises(TypeError, match="Implicit conversion to a NumPy array is not allowed"):
@@ -248,8 +248,8 @@ def test_streams_and_events_belong_to_their_device(gpus):
     with pytest.raises(RuntimeError, match=r"created on \(1\) does not match with the current device \(0\)"):
         stream.use()
     x = gpus.asarray(host())
-    with pytest.raises(gpus.cuda.runtime.CUDARuntimeError, match="kernel 'relu_forward' launched on stream"):
-        kernels.backend_of(x).function("elementwise", "relu_forward")((1,), (64,), (x, 64, x), stream=stream)
+    with pytest.raises(gpus.cuda.runtime.CUDARuntimeError, match="kernel 'relu_forward<1>' launched on stream"):
+        kernels.backend_of(x).function("elementwise", "relu_forward<1>")((1,), (64,), (x, 64, x), stream=stream)
     with gpus.cuda.Device(1):
         start = stream.record()
         end = stream.record(gpus.cuda.Event())

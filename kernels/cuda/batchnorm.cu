@@ -90,18 +90,26 @@ bn_stats_finish(const float* __restrict__ shifts, const float* __restrict__ sums
 }
 
 // y = gamma * (x - mean) * invstd + beta over x (N, C, plane), then for MODE 1 relu(y), for MODE 2
-// relu(y + residual) (residual in x's layout): threads over elements, grid-stride.
-template <int MODE>
+// relu(y + residual) (residual in x's layout): VEC elements per thread and step (common.cuh's
+// Floats; 4 where the launcher found the arrays aligned), grid-stride.
+template <int MODE, int VEC>
 __global__ void __launch_bounds__(256)
 bn_apply(const float* __restrict__ x, const float* __restrict__ mean, const float* __restrict__ invstd,
          const float* __restrict__ gamma, const float* __restrict__ beta, const float* __restrict__ residual,
          int total, int channels, int plane, float* __restrict__ y) {
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        const int c = (i / plane) % channels;
-        const float scale = gamma[c] * invstd[c];
-        float v = x[i] * scale + (beta[c] - mean[c] * scale);
-        if (MODE == 2) v += residual[i];
-        y[i] = MODE != 0 && v < 0.0f ? 0.0f : v;
+    for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * VEC; i < total; i += gridDim.x * blockDim.x * VEC) {
+        Floats<VEC> v = load_floats<VEC>(x + i);
+        Floats<VEC> r;
+        if (MODE == 2) r = load_floats<VEC>(residual + i);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const int c = ((i + e) / plane) % channels;
+            const float scale = gamma[c] * invstd[c];
+            float out = v.v[e] * scale + (beta[c] - mean[c] * scale);
+            if (MODE == 2) out += r.v[e];
+            v.v[e] = MODE != 0 && out < 0.0f ? 0.0f : out;
+        }
+        store_floats<VEC>(y + i, v);
     }
 }
 
@@ -155,20 +163,32 @@ bn_backward_sums(const float* __restrict__ dy, const float* __restrict__ y, cons
 }
 
 // dx of training-mode batch norm, gamma * invstd * (g - dbeta / M - xhat * dgamma / M) with g the
-// masked dy (bn_masked) and M = count, and g itself into masked when it is not null: threads over
-// elements, grid-stride.
-extern "C" __global__ void __launch_bounds__(256)
+// masked dy (dy where y > 0, dy itself without y) and M = count, and g itself into masked when it
+// is not null: VEC elements per thread and step, grid-stride.
+template <int VEC>
+__global__ void __launch_bounds__(256)
 bn_backward_dx(const float* __restrict__ dy, const float* __restrict__ y, const float* __restrict__ x,
                const float* __restrict__ mean, const float* __restrict__ invstd, const float* __restrict__ gamma,
                const float* __restrict__ dgamma, const float* __restrict__ dbeta, int count, int total,
                int channels, int plane, float* __restrict__ dx, float* __restrict__ masked) {
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        const int c = (i / plane) % channels;
-        const float g = bn_masked(dy, y, i);
-        const float xhat = (x[i] - mean[c]) * invstd[c];
-        const float centred = g - dbeta[c] / float(count) - xhat * (dgamma[c] / float(count));
-        dx[i] = centred * (gamma[c] * invstd[c]);
-        if (masked) masked[i] = g;
+    for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * VEC; i < total; i += gridDim.x * blockDim.x * VEC) {
+        Floats<VEC> g = load_floats<VEC>(dy + i);
+        const Floats<VEC> xs = load_floats<VEC>(x + i);
+        if (y) {
+            const Floats<VEC> out = load_floats<VEC>(y + i);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) g.v[e] = out.v[e] > 0.0f ? g.v[e] : 0.0f;
+        }
+        if (masked) store_floats<VEC>(masked + i, g);
+        Floats<VEC> d;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const int c = ((i + e) / plane) % channels;
+            const float xhat = (xs.v[e] - mean[c]) * invstd[c];
+            const float centred = g.v[e] - dbeta[c] / float(count) - xhat * (dgamma[c] / float(count));
+            d.v[e] = centred * (gamma[c] * invstd[c]);
+        }
+        store_floats<VEC>(dx + i, d);
     }
 }
 

@@ -5,13 +5,15 @@ The kernels see an array as (N, C, plane): a channels-last array (N, C, H, W) is
 NCHW array (N*H*W, C, 1, 1), so the same kernels serve both layouts; dy and the results take x's."""
 import numpy as np
 
-from .launch import THREADS, blocks, cdiv, dense, float32, in_place, is_channels_last, launch, like, split
+from .launch import THREADS, blocks, cdiv, dense, float32, in_place, is_channels_last, launch, like, split, \
+    vector_width
 
 OPS = ("batch_norm_forward", "batch_norm_backward", "batch_norm_update_running", "batch_norm_inference",
        "batch_norm_inference_backward", "batch_norm_sums", "batch_norm_stats", "batch_norm_apply",
        "batch_norm_backward_sums", "batch_norm_backward_dx")
-KERNELS = ("bn_stats", "bn_stats_finish", "bn_apply<0>", "bn_apply<1>", "bn_apply<2>", "bn_invstd",
-           "bn_backward_sums", "bn_backward_dx", "bn_inference_dx", "bn_update_running")
+KERNELS = ("bn_stats", "bn_stats_finish", "bn_invstd", "bn_backward_sums", "bn_inference_dx", "bn_update_running",
+           "bn_backward_dx<1>", "bn_backward_dx<4>") + tuple(f"bn_apply<{mode}, {vec}>" for mode in (0, 1, 2)
+                                                           for vec in (1, 4))
 APPLY_MODES = {(False, False): 0, (True, False): 1, (True, True): 2}   # (relu, residual) -> bn_apply's MODE
 
 
@@ -61,7 +63,8 @@ def apply(be, x, gamma, beta, mean, invstd, relu=False, residual=None):
         _sizes(x, gamma, residual)
     y = be.xp.empty_like(x)
     mode = APPLY_MODES[relu or residual is not None, residual is not None]
-    launch(be, "batchnorm", f"bn_apply<{mode}>", blocks(x.size),
+    vec = vector_width(x.size, x, residual, y)
+    launch(be, "batchnorm", f"bn_apply<{mode}, {vec}>", blocks(x.size // vec),
            (x, mean, invstd, gamma, beta, residual, x.size, c, plane, y))
     return y
 
@@ -154,7 +157,8 @@ def _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta):
 def _dx(be, dy, y, x, gamma, mean, invstd, dgamma, dbeta, count, masked):
     n, c, plane = _sizes(x, gamma, dy)
     dx = be.xp.empty_like(x)
-    launch(be, "batchnorm", "bn_backward_dx", blocks(x.size),
+    vec = vector_width(x.size, dy, y, x, dx, masked)
+    launch(be, "batchnorm", f"bn_backward_dx<{vec}>", blocks(x.size // vec),
            (dy, y, x, mean, invstd, gamma, dgamma, dbeta, count, x.size, c, plane, dx, masked))
     return dx
 

@@ -71,6 +71,36 @@ sum_partials(const float* __restrict__ partial, int splits, int rows, float scal
     out[i] = added_partials(partial + i, splits, rows) * scale;
 }
 
+// VEC consecutive floats (VEC = 1, or 4 at a 16-byte-aligned address: one 16-byte access), which
+// the element-wise kernels move per thread and step.
+template <int VEC>
+struct Floats {
+    float v[VEC];
+};
+
+template <int VEC>
+__device__ __forceinline__ Floats<VEC> load_floats(const float* p) {
+    Floats<VEC> f;
+    if constexpr (VEC == 4) {
+        const float4 q = *reinterpret_cast<const float4*>(p);
+        f.v[0] = q.x, f.v[1] = q.y, f.v[2] = q.z, f.v[3] = q.w;
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) f.v[e] = p[e];
+    }
+    return f;
+}
+
+template <int VEC>
+__device__ __forceinline__ void store_floats(float* p, const Floats<VEC>& f) {
+    if constexpr (VEC == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(f.v[0], f.v[1], f.v[2], f.v[3]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) p[e] = f.v[e];
+    }
+}
+
 // Offset in an (N, C, HW) array of the e-th value of channel c, e in [0, N * HW).
 __device__ __forceinline__ int channel_element(int e, int c, int channels, int hw) {
     const int n = e / hw;

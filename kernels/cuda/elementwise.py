@@ -2,11 +2,12 @@
 batch's indices) to float, and the gather of labels."""
 import numpy as np
 
-from .launch import C_TYPES, blocks, dense, in_place, integers, launch, like, typed
+from .launch import C_TYPES, blocks, dense, in_place, integers, launch, like, typed, vector_width
 
 OPS = ("add", "relu_forward", "relu_backward", "add_relu_forward", "images_to_float", "take")
-KERNELS = ("add", "relu_forward", "relu_backward", "add_relu_forward") + tuple(
-    f"{kernel}<{t}>" for kernel in ("images_to_float", "take") for t in C_TYPES.values())
+KERNELS = tuple(f"{kernel}<{vec}>" for kernel in ("add", "relu_forward", "relu_backward", "add_relu_forward")
+                for vec in (1, 4)) + tuple(f"{kernel}<{t}>" for kernel in ("images_to_float", "take")
+                                           for t in C_TYPES.values())
 
 
 def add(be, a, b, out=None):
@@ -37,7 +38,8 @@ def _elementwise(be, kernel, *operands, out=None):
     operands = like(be, kernel, out, first, *operands[1:])
     for other in (*operands[1:], out):
         _same_shape(kernel, operands[0], other)
-    launch(be, "elementwise", kernel, blocks(out.size), (*operands, out.size, out))
+    vec = vector_width(out.size, *operands, out)
+    launch(be, "elementwise", f"{kernel}<{vec}>", blocks(out.size // vec), (*operands, out.size, out))
     return out
 
 

@@ -96,8 +96,20 @@ def aligned(a, alignment=16):
     """`a` (C-contiguous) when its first element's address is a multiple of `alignment` bytes, else
     an aligned copy: a view at an odd offset (a parameter of a flat buffer, say) cannot feed 16-byte
     copies. Allocations of CuPy (256 bytes), of the simulated GPUs and of NumPy (16) are aligned."""
-    address = a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
-    return a if address % alignment == 0 else a.copy()
+    return a if _address(a) % alignment == 0 else a.copy()
+
+
+def _address(a):
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def vector_width(total, *arrays):
+    """4 when the element-wise kernels may move 4 floats at a time (16-byte loads and stores): the
+    count a multiple of 4, every array (None aside) at a 16-byte-aligned address, and the grid's
+    last step still within an int; else 1. Checked, not assumed: a view into a flat buffer may
+    start anywhere."""
+    fits = total % 4 == 0 and total < _ELEMENT_LIMIT - 3 * ELEMENTWISE_BLOCKS * THREADS
+    return 4 if fits and all(a is None or _address(a) % 16 == 0 for a in arrays) else 1
 
 
 def integers(be, op, a):
