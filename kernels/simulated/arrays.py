@@ -67,18 +67,18 @@ def _poisoned(shape, dtype, order="C"):
 
 class ndarray:  # noqa: N801  (CuPy's name)
     """cupy.ndarray: host memory that remembers its device."""
-    __slots__ = ("_array", "_device")
+    __slots__ = ("_array", "_device", "_pointer")
 
     def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
         if memptr is not None or strides is not None:
             raise NotImplementedError("simulated GPUs: ndarray(memptr=..., strides=...) is not simulated")
         other = empty(shape, dtype, order)
-        self._array, self._device = other._array, other._device
+        self._array, self._device, self._pointer = other._array, other._device, None
 
     @classmethod
     def _wrap(cls, array, device):
         self = object.__new__(cls)
-        self._array, self._device = array, device
+        self._array, self._device, self._pointer = array, device, None
         return self
 
     def _derived(self, result, call):
@@ -99,7 +99,11 @@ class ndarray:  # noqa: N801  (CuPy's name)
     strides = property(lambda self: self._array.strides)
     flags = property(lambda self: self._array.flags)
     device = property(lambda self: cuda.Device(self._device))
-    data = property(lambda self: MemoryPointer(self))
+    @property
+    def data(self):
+        if self._pointer is None:   # an array's memory never moves: made (and registered) once
+            self._pointer = MemoryPointer(self)
+        return self._pointer
     T = property(lambda self: self.transpose())
 
     # ---- to the host ----------------------------------------------------------------------------
