@@ -39,6 +39,24 @@ __device__ __forceinline__ void bn_move_running(int c, float* running_mean, floa
     running_var[c] = running_var[c] * (1.0f - momentum) + momentum * unbiased;
 }
 
+// The two sums (a, b) of channel c over all of its blocks (c, s), s < gridDim.y, from this block's:
+// with one split they are; else every block writes its pair to partial (splits, 2, C), and the
+// channel's last block to finish (last_block on counters[c]) replaces them with the sums over the
+// splits, in split order, and gets true; the other blocks get false and are done. Every thread of
+// the block must call it.
+__device__ __forceinline__ bool bn_channel_totals(float& a, float& b, int c, int channels, float* partial,
+                                                  unsigned* counters) {
+    if (gridDim.y == 1) return true;
+    if (threadIdx.x == 0) {
+        partial[(blockIdx.y * 2) * channels + c] = a;
+        partial[(blockIdx.y * 2 + 1) * channels + c] = b;
+    }
+    if (!last_block(counters + c, gridDim.y)) return false;
+    a = added_partials(partial + c, gridDim.y, 2 * channels);
+    b = added_partials(partial + channels + c, gridDim.y, 2 * channels);
+    return true;
+}
+
 // Per-channel statistics of x (N, C, plane): block (c, s) of a (C, splits) grid reduces channel
 // c's values e in [s * chunk, (s + 1) * chunk) of its N*plane, each thread a strided subset in
 // order, then block_sum, shifted by shifts[c * shift_stride]. With one split the block finishes
@@ -61,16 +79,7 @@ bn_stats(const float* __restrict__ x, const float* __restrict__ shifts, int shif
     }
     sum = block_sum(sum, scratch);
     squares = block_sum(squares, scratch);
-    if (gridDim.y > 1) {
-        if (threadIdx.x == 0) {
-            partial[(blockIdx.y * 2) * channels + c] = sum;
-            partial[(blockIdx.y * 2 + 1) * channels + c] = squares;
-        }
-        if (!last_block(counters + c, gridDim.y)) return;
-        sum = added_partials(partial + c, gridDim.y, 2 * channels);
-        squares = added_partials(partial + channels + c, gridDim.y, 2 * channels);
-    }
-    if (threadIdx.x != 0) return;
+    if (!bn_channel_totals(sum, squares, c, channels, partial, counters) || threadIdx.x != 0) return;
     if (sums) {
         sums[c] = sum;
         sums[channels + c] = squares;
@@ -147,15 +156,7 @@ bn_backward_sums(const float* __restrict__ dy, const float* __restrict__ y, cons
     }
     dy_xhat = block_sum(dy_xhat, scratch);
     dy_sum = block_sum(dy_sum, scratch);
-    if (gridDim.y > 1) {
-        if (threadIdx.x == 0) {
-            partial[(blockIdx.y * 2) * channels + c] = dy_xhat;
-            partial[(blockIdx.y * 2 + 1) * channels + c] = dy_sum;
-        }
-        if (!last_block(counters + c, gridDim.y)) return;
-        dy_xhat = added_partials(partial + c, gridDim.y, 2 * channels);
-        dy_sum = added_partials(partial + channels + c, gridDim.y, 2 * channels);
-    }
+    if (!bn_channel_totals(dy_xhat, dy_sum, c, channels, partial, counters)) return;
     if (threadIdx.x == 0) {
         dgamma[c] = dy_xhat;
         dbeta[c] = dy_sum;
