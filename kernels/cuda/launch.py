@@ -172,12 +172,20 @@ def launch(be, family, kernel, grid, args, block=(THREADS,)):
     be.function(family, kernel)(grid, block, tuple([_typed(a) for a in args]))
 
 
+_INT32 = {}   # the ints kernels were given (sizes, geometry: a few hundred), as int32 scalars
+
+
 def _typed(arg):
     kind = type(arg)   # the common kinds first: this runs for every argument of every launch
     if kind is int:
-        if not -_INT_LIMIT <= arg < _INT_LIMIT:
-            raise ValueError(f"kernel argument {arg} does not fit in an int")
-        return np.int32(arg)
+        typed = _INT32.get(arg)
+        if typed is None:
+            if not -_INT_LIMIT <= arg < _INT_LIMIT:
+                raise ValueError(f"kernel argument {arg} does not fit in an int")
+            typed = np.int32(arg)
+            if len(_INT32) < 65536:
+                _INT32[arg] = typed
+        return typed
     if kind is float:
         return np.float32(arg)
     if arg is None:
