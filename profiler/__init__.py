@@ -31,8 +31,8 @@ event recorded on the current stream, all read after the step, so that timing ne
 device mid-step (a layer's time is then the GPU time between its events, launch gaps included).
 Each interval between two marks belongs to the innermost module or span open during it, so in
 each step the rows add up to the step: a leaf module (conv, batch norm, relu, pool, linear) is a
-row, and so are the own ops of a container (the relu and the add+relu that a Residual calls
-itself). Rows are medians over the profiled steps.
+row, and so are the own ops of a container, if it runs any (a Residual's relu joins run inside its
+batch norms, which carry them). Rows are medians over the profiled steps.
 
 Per row, from one extra step in which every op of the kernel contract and every CUDA kernel
 launch is recorded against the row that ran it: the kernels by name, FLOPs and the fewest bytes
