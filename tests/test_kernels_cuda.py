@@ -332,7 +332,13 @@ def test_backwards_write_into_the_gradient_arrays_they_are_given(ours, variant):
     out = np.full(5, np.nan, np.float32), np.full(5, np.nan, np.float32)
     dx, dgamma, dbeta = ours.batch_norm_backward(dy, x, gamma, mean, invstd, out=out)
     assert dgamma is out[0] and dbeta is out[1]
-    np.testing.assert_array_equal(dx, ours.batch_norm_backward(dy, x, gamma, mean, invstd)[0])
+    fresh = ours.batch_norm_backward(dy, x, gamma, mean, invstd)
+    np.testing.assert_array_equal(dx, fresh[0])
+    out = np.full(5, np.nan, np.float32), None   # one gradient written there, the other new
+    _, dgamma, dbeta = ours.batch_norm_backward(dy, x, gamma, mean, invstd, out=out)
+    assert dgamma is out[0]
+    np.testing.assert_array_equal(dgamma, fresh[1])
+    np.testing.assert_array_equal(dbeta, fresh[2])
 
 
 # ---- element-wise ------------------------------------------------------------------------

@@ -5,8 +5,8 @@ The kernels see an array as (N, C, plane): a channels-last array (N, C, H, W) is
 NCHW array (N*H*W, C, 1, 1), so the same kernels serve both layouts; dy and the results take x's."""
 import numpy as np
 
-from .launch import THREADS, blocks, cdiv, dense, float32, in_place, is_channels_last, launch, like, split, \
-    vector_width
+from .launch import THREADS, blocks, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, \
+    like, split, vector_width
 
 OPS = ("batch_norm_forward", "batch_norm_backward", "batch_norm_update_running", "batch_norm_inference",
        "batch_norm_inference_backward", "batch_norm_sums", "batch_norm_stats", "batch_norm_apply",
@@ -78,7 +78,9 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, out=None, sho
     _sizes(x, gamma, dy)
     if y is not None:
         _sizes(x, gamma, y)
-    dgamma, dbeta = _outputs(be, op, out, gamma.size)
+    c = gamma.size
+    dgamma, dbeta = (be.xp.empty((c,), np.float32) if a is None else a
+                     for a in gradient_outputs(be, op, out, ((c,), (c,))))
     _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta)
     masked = be.xp.empty_like(x) if shortcut else None
     dx = _dx(be, dy, y, x, gamma, mean, invstd, dgamma, dbeta, x.size // x.shape[1], masked)
@@ -161,17 +163,6 @@ def _dx(be, dy, y, x, gamma, mean, invstd, dgamma, dbeta, count, masked):
     launch(be, "batchnorm", f"bn_backward_dx<{vec}>", blocks(x.size // vec),
            (dy, y, x, mean, invstd, gamma, dgamma, dbeta, count, x.size, c, plane, dx, masked))
     return dx
-
-
-def _outputs(be, op, out, c):
-    """The (C,) arrays that a backward writes its parameter gradients into: `out`, a pair of
-    C-contiguous float32 arrays (the parameters' gradients, say), or new ones."""
-    if out is None:
-        return be.xp.empty((2, c), np.float32)
-    for a in in_place(be, op, *out):
-        if a.shape != (c,):
-            raise ValueError(f"{op}: gradient outputs must have shape ({c},), got {a.shape}")
-    return out
 
 
 def _correction(count):

@@ -8,7 +8,8 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
-from .launch import cdiv, dense, float32, in_place, is_channels_last, launch, split, sum_partials
+from .launch import cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
+    sum_partials
 
 OPS = ("conv2d_forward", "conv2d_backward")
 
@@ -63,7 +64,7 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if dy.shape != (n, o, oh, ow):
         raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output {(n, o, oh, ow)}")
-    dw, db = gradient_outputs(be, "conv2d_backward", out, w.shape)
+    dw, db = gradient_outputs(be, "conv2d_backward", out, (w.shape, w.shape[:1]))
     if add_dx_to is not None:
         in_place(be, "conv2d_backward", add_dx_to)
         if add_dx_to.shape != x.shape:
@@ -96,19 +97,6 @@ def _like_layout(be, a):
         n, c, h, w = a.shape
         return be.xp.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2)
     return be.xp.empty(a.shape, np.float32)
-
-
-def gradient_outputs(be, op, out, weight_shape):
-    """(dw, db) that a backward writes into: those of `out`, checked (float32 of the weight's and
-    the bias's shapes, dense: C-contiguous, or a channels-last dw; either may be None), or
-    (None, None) for new arrays."""
-    if out is None:
-        return None, None
-    dw, db = in_place(be, op, *out)
-    for a, shape in ((dw, weight_shape), (db, weight_shape[:1])):
-        if a is not None and a.shape != tuple(shape):
-            raise ValueError(f"{op}: gradient output of shape {a.shape} where {tuple(shape)} is due")
-    return dw, db
 
 
 def nhwc(be, x):

@@ -242,19 +242,21 @@ __device__ __forceinline__ bool tc_finish(const Out& out, float* y, float* parti
 
 // ---- forward ----------------------------------------------------------------------------
 
-// A(m, k) = x[img, p*sh - ph + r, q*sw - pw + s, ci] for the output pixel m = (img, p, q) and
-// k = (r, s, ci): im2col of the NHWC image, read along the channels.
+// The im2col element of the NHWC image x for the output pixel (img, p, q) and the column (r, s, ci):
+// the address of x[img, p*sh - ph + r, q*sw - pw + s, ci], or null in the padding.
+__device__ __forceinline__ const float* im2col_at(const Geometry<0, 0>& g, const float* x, int pixel, int column) {
+    const int img = pixel / g.out_plane(), pq = pixel - img * g.out_plane(), p = pq / g.ow, q = pq - p * g.ow;
+    const int tap = column / g.c, ci = column - tap * g.c, r = tap / g.kw(), s = tap - r * g.kw();
+    const int hh = p * g.sh - g.ph + r, ww = q * g.sw - g.pw + s;
+    if (unsigned(hh) >= unsigned(g.h) || unsigned(ww) >= unsigned(g.w)) return nullptr;
+    return x + ((img * g.h + hh) * g.w + ww) * g.c + ci;
+}
+
+// A(m, k) = im2col(x) for the output pixel m and the column k = (r, s, ci), read along the channels.
 struct ImageRows {
     Geometry<0, 0> g;
     const float* x;
-    __device__ const float* at(int m, int k) const {
-        if (m >= g.n * g.out_plane()) return nullptr;
-        const int img = m / g.out_plane(), pq = m - img * g.out_plane(), p = pq / g.ow, q = pq - p * g.ow;
-        const int tap = k / g.c, ci = k - tap * g.c, r = tap / g.kw(), s = tap - r * g.kw();
-        const int hh = p * g.sh - g.ph + r, ww = q * g.sw - g.pw + s;
-        if (unsigned(hh) >= unsigned(g.h) || unsigned(ww) >= unsigned(g.w)) return nullptr;
-        return x + ((img * g.h + hh) * g.w + ww) * g.c + ci;
-    }
+    __device__ const float* at(int m, int k) const { return m < g.n * g.out_plane() ? im2col_at(g, x, m, k) : nullptr; }
 };
 
 // Row `row` of a row-major (rows x ld) matrix, read along k.
@@ -368,19 +370,11 @@ struct ChannelsOfPixels {
     __device__ const float* at(int m, int k) const { return m < channels ? p + k * channels + m : nullptr; }
 };
 
-// B(k, n) = x[img, p*sh - ph + r, q*sw - pw + s, ci] for the pixel k = (img, p, q) and
-// n = (r, s, ci), read along the channels.
+// B(k, n) = im2col(x) for the pixel k and the column n = (r, s, ci), read along the channels.
 struct ImageColumns {
     Geometry<0, 0> g;
     const float* x;
-    __device__ const float* at(int n, int k) const {
-        if (n >= g.taps() * g.c) return nullptr;
-        const int img = k / g.out_plane(), pq = k - img * g.out_plane(), p = pq / g.ow, q = pq - p * g.ow;
-        const int tap = n / g.c, ci = n - tap * g.c, r = tap / g.kw(), s = tap - r * g.kw();
-        const int hh = p * g.sh - g.ph + r, ww = q * g.sw - g.pw + s;
-        if (unsigned(hh) >= unsigned(g.h) || unsigned(ww) >= unsigned(g.w)) return nullptr;
-        return x + ((img * g.h + hh) * g.w + ww) * g.c + ci;
-    }
+    __device__ const float* at(int n, int k) const { return n < g.taps() * g.c ? im2col_at(g, x, k, n) : nullptr; }
 };
 
 // The elements of dw for the GEMM's rows m = o and columns n = (r, s, ci): in (O, KH, KW, C) order

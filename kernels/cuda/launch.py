@@ -112,6 +112,20 @@ def vector_width(total, *arrays):
     return 4 if fits and all(a is None or _address(a) % 16 == 0 for a in arrays) else 1
 
 
+def gradient_outputs(be, op, out, shapes):
+    """The arrays a backward writes its parameters' gradients into (out= of conv2d_backward,
+    linear_backward, batch_norm_backward): those of `out`, checked against `shapes` (float32,
+    dense: C-contiguous, or a channels-last weight gradient; any may be None, for a new array),
+    or all None when `out` is None."""
+    if out is None:
+        return (None,) * len(shapes)
+    out = in_place(be, op, *out)
+    for a, shape in zip(out, shapes):
+        if a is not None and a.shape != tuple(shape):
+            raise ValueError(f"{op}: gradient output of shape {a.shape} where {tuple(shape)} is due")
+    return out
+
+
 def integers(be, op, a):
     """An integer array (labels) as a C-contiguous array of a dtype the kernels are built for."""
     if not isinstance(a, be.xp.ndarray) or a.dtype not in C_TYPES:

@@ -6,8 +6,7 @@ import numpy as np
 import kernels
 
 from . import conv_tc
-from .conv import gradient_outputs
-from .launch import cdiv, float32, launch, sum_partials
+from .launch import cdiv, float32, gradient_outputs, launch, sum_partials
 
 OPS = ("linear_forward", "linear_backward")
 TILE = "Tile64"
@@ -36,7 +35,7 @@ def linear_backward(be, dy, x, w, *, out=None):
     n, i, o = _sizes(x, w)
     if dy.shape != (n, o):
         raise ValueError(f"linear dy shape {dy.shape} does not match the output {(n, o)}")
-    dw, db = gradient_outputs(be, "linear_backward", out, w.shape)
+    dw, db = gradient_outputs(be, "linear_backward", out, (w.shape, w.shape[:1]))
     dw = be.xp.empty((o, i), np.float32) if dw is None else dw
     db = be.xp.empty((o,), np.float32) if db is None else db
     if kernels.precision() == "tf32":
