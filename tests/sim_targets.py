@@ -27,3 +27,20 @@ def fails_in_backward(rank, world_size, given, unique_id, bad, how):
             raise RuntimeError(f"a fault in the backward of rank {rank}")
         ddp.DataParallel.backward = backward
     loop.gpu_worker(rank, world_size, given, unique_id)
+
+
+def without_event_wait(rank, world_size, given, unique_id, which):
+    """gpu_worker with one of the NCCL communicator's two event waits taken out (a planted mistake):
+    "ready", the all-reduce of a bucket no longer waits for the backward that wrote its gradients;
+    "done", the optimizer step no longer waits for the last all-reduce."""
+    import contextlib
+    from parallel.comm import NCCLCommunicator
+    from training import loop
+    if which == "ready":
+        def start_all_reduce(self, array, timed=None):
+            with (timed or (lambda stream: contextlib.nullcontext()))(self.stream):
+                self.all_reduce(array, stream=self.stream)
+        NCCLCommunicator.start_all_reduce = start_all_reduce
+    else:
+        NCCLCommunicator.wait = lambda self: None
+    loop.gpu_worker(rank, world_size, given, unique_id)

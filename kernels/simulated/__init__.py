@@ -8,17 +8,26 @@ streams, events, device selection, ``model.to("cuda")``, the CUDA launchers). On
 layer is simulated, and only the part of CuPy 14.2 that the project uses, with CuPy's
 signatures (tests/test_simulated_gpus.py checks them against the installed CuPy):
 
-- ``arrays``: device arrays in host memory that remember their device; ``RawModule`` runs the
-  kernels on the CPU emulator (kernels/emu).
-- ``cuda``: devices, streams, events, ``runtime``, ``nvtx``; ``CUDA_VISIBLE_DEVICES`` applies.
+- ``arrays``: device arrays, typed views of raw device memory that remember their device;
+  ``RawModule`` runs the kernels on the CPU emulator (kernels/emu).
+- ``cuda``: devices, streams, events, stream capture and graphs, ``runtime``, ``nvtx``;
+  ``CUDA_VISIBLE_DEVICES`` applies.
+- ``timeline``: the order CUDA guarantees between the work of streams, and what each piece of
+  work reads and writes.
 - ``nccl``: the collectives between the worker processes, through files.
 
 It refuses what a GPU punishes, with an error naming the call: an array of another device than
 the current one in a kernel or operation, a buffer of another device than the communicator's,
 an event recorded on another device's stream, a host NumPy array where a device array is
-needed, an NCCL call that differs between ranks, two ranks on one GPU. What it cannot show:
-speed, overlap (work runs at once, in program order), the real NCCL transport, and the GPU's
-rounding (the emulator's is the CPU's, with subnormals flushed as ``-ftz=true`` does).
+needed, an NCCL call that differs between ranks (a collective replayed in a graph on some ranks
+and eager on others included), two ranks on one GPU; two streams touching the same bytes, one
+of them writing, with no event or synchronize ordering them, and memory freed while another
+stream may use it; what CUDA refuses during a stream capture (copies to and from the host,
+synchronizing, queries, the legacy stream beside a capturing blocking stream); and a graph
+replay that reaches memory freed since its capture. What it cannot show: speed, real overlap
+(work runs when it is queued, checked against the order CUDA guarantees), the real NCCL
+transport, and the GPU's rounding (the emulator's is the CPU's, with subnormals flushed as
+``-ftz=true`` does).
 """
 from . import cuda, nccl
 from .arrays import (RawModule, __version__, arange, asarray, ascontiguousarray, empty, empty_like, ndarray,

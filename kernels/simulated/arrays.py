@@ -1,20 +1,23 @@
 """Arrays of the simulated GPUs: CuPy's ``ndarray``, its creation functions and ``RawModule``.
 
-An array is host memory (a NumPy array, kept private) and the device it lives on: the current
-device when it was made, as with CuPy; views share both. What runs a kernel on a GPU (an
-element-wise operation, a reduction, a gather, a ``RawModule`` launch) takes its arrays from the
+An array is a typed view of device memory (raw bytes in host memory, registered with timeline.py)
+and the device it lives on: the current device when it was made, as with CuPy; views share both.
+What runs a kernel on a GPU (an element-wise operation, a reduction, a gather, a copy, a
+``RawModule`` launch) is queued on the current stream as one piece of work that names what it
+reads and writes (cuda.enqueue): it runs at once, its accesses checked against the other streams',
+or, in a stream capture, it is recorded for the graph's replays (an operation that makes a new
+array then gets the array now, NaN until a replay computes it). It takes its arrays from the
 current device only, and a host NumPy array where a device array is needed is refused, as CuPy
 refuses it: the simulated machine has no peer access, so an array of another device is an error
-naming the call, not a slow success. ``RawModule`` is the CPU emulator's (kernels/emu); ``empty``
-fills new memory with NaN (integers: their minimum), so that an element a kernel forgets to
-write shows.
+naming the call, not a slow success. A copy to the host (``get``, ``float()``, ``item()``, ...)
+waits for its stream, and is refused during a capture. ``RawModule`` is the CPU emulator's
+(kernels/emu); ``empty`` fills new memory with NaN (integers: their minimum), so that an element
+a kernel forgets to write shows.
 """
-import weakref
-
 import numpy as np
 
 from .. import emu
-from . import cuda
+from . import cuda, timeline
 
 __version__ = "14.2.0"  # the CuPy whose behaviour this simulates
 
@@ -31,7 +34,7 @@ def _host_error(call, value):
 
 
 def _operand(call, value):
-    """The NumPy storage of a device array on the current device, or a scalar; an error otherwise."""
+    """The NumPy view of a device array on the current device, or a scalar; an error otherwise."""
     if isinstance(value, ndarray):
         if value._device != cuda.getDevice():
             raise _device_error(call, value._device)
@@ -41,28 +44,93 @@ def _operand(call, value):
     return value
 
 
-def _new(array):
-    """A device array of new memory on the current device."""
-    cuda.ledger["allocations"][cuda.getDevice()] += 1
-    return ndarray._wrap(np.asarray(array), cuda.getDevice())
-
-
-def _work(name, written):
-    """Count one array operation (a kernel, memset or copy on a GPU) that writes `written` (an array);
-    refused during a stream capture, which records kernels only."""
-    cuda.refuse_during_capture(f"simulated GPUs: the array operation {name!r}")
-    cuda.ledger["operations"][name] += 1
-    cuda.ledger["operation_bytes"][name] += written.nbytes
-    return written
-
-
-def _poisoned(shape, dtype, order="C"):
-    array = np.empty(shape, dtype, order=order)
+def _poison(array):
     if array.dtype.kind == "f":
         array.fill(np.nan)
     elif array.dtype.kind in "iu":
         array.fill(np.iinfo(array.dtype).min)
     return array
+
+
+def _allocate(shape, dtype, like=None, order="C"):
+    """New device memory on the current device, poisoned, as an array of ``shape`` and ``dtype``
+    in the memory layout of ``like`` (a NumPy array that owns its memory, so that its strides are a
+    permutation of a dense layout), or of ``order``; it belongs to the pool of using_allocator, if any."""
+    device, dtype = cuda.getDevice(), np.dtype(dtype)
+    cuda.ledger["allocations"][device] += 1
+    layout = np.empty(shape, dtype, order=order) if like is None or not like.flags.owndata or \
+        any(s < 0 for s in like.strides) else like
+    raw = np.empty(max(layout.nbytes, 1), np.uint8)
+    array = np.ndarray(shape, dtype, buffer=raw, strides=layout.strides)
+    pool = cuda.current_pool()
+    if pool is not None:
+        pool._blocks.append(raw)
+    timeline.register(raw, device, cuda.get_current_stream().key(),
+                      f"an array of shape {array.shape} {dtype} on device {device}", pooled=pool is not None)
+    return ndarray._wrap(_poison(array), device)
+
+
+def _new(values):
+    """A device array of new memory on the current device holding ``values`` (a NumPy array, or
+    what np.asarray takes), in its layout; no work is queued: the caller queues what writes it."""
+    values = np.asarray(values)
+    out = _allocate(values.shape, values.dtype, like=values)
+    out._array[...] = values
+    return out
+
+
+def _count(name, written):
+    """Count one array operation (a kernel, memset or copy on a GPU) that writes ``written`` (an array),
+    for bench/launches.py."""
+    cuda.ledger["operations"][name] += 1
+    cuda.ledger["operation_bytes"][name] += written.nbytes
+    return written
+
+
+def _queue(name, function, inputs, out=None, order="K", stream=None):
+    """``function(*inputs)`` as one operation on the current stream (or ``stream``), its value written
+    into ``out`` (a device array) or into a new array of its shape and dtype; returns the array.
+    The device arrays among ``inputs`` are read (those of another device refused, unless the
+    operation is a ``copy``, which CuPy makes between devices); other inputs pass as they are."""
+    stream = cuda.get_current_stream() if stream is None else stream
+    slots = [i for i, v in enumerate(inputs) if isinstance(v, ndarray)]
+    arrays = [v._array if name == "copy" and isinstance(v, ndarray) else _operand(f"cupy {name}", v) for v in inputs]
+    template = [None if i in slots else v for i, v in enumerate(arrays)]
+
+    def value(views):
+        filled = list(template)
+        for i, view in zip(slots, views):
+            filled[i] = view
+        return function(*filled)
+
+    capturing = stream._capture is not None
+    if out is None:
+        if capturing:   # the shape, dtype and layout of what a replay will write; the values are not computed yet
+            shaped = np.array(function(*arrays), order=order)
+            out = _allocate(shaped.shape, shaped.dtype, like=shaped)
+        else:
+            out = _new(np.array(function(*arrays), order=order))
+        fresh = not capturing   # already holds the value: the work only accesses it
+    else:
+        _operand(f"cupy {name}", out)
+        fresh = False
+
+    def run(views):
+        views[-1][...] = value(views[:-1])
+    operands = [(timeline.Span(arrays[i]), False, f"operand {i}") for i in slots]
+    operands.append((timeline.Span(out._array), True, "its output"))
+    cuda.enqueue(stream, timeline.Work(f"the array operation '{name}'", operands, None if fresh else run))
+    if any(inputs[i]._device != out._device for i in slots):
+        stream.synchronize()   # a copy between devices (no peer access) goes through the host, synchronously
+    return _count(name, out)
+
+
+_SLOT = object()   # where an operand is an array: its view, when the work runs
+
+
+def _scalar(value):
+    """A fill value: a Python scalar, or the value of a 0-d array (read on the host)."""
+    return value._to_host("ndarray.fill")[()] if isinstance(value, ndarray) else value
 
 
 class ndarray:  # noqa: N801  (CuPy's name)
@@ -82,12 +150,12 @@ class ndarray:  # noqa: N801  (CuPy's name)
         return self
 
     def _derived(self, result, call):
-        """``result`` of a NumPy operation on this array: a view of its memory stays on its device;
-        new memory was written by a kernel, which reads this array from the current device."""
-        if isinstance(result, np.ndarray) and np.may_share_memory(result, self._array):
+        """``result`` of a NumPy shape operation on this array: a view of its memory stays on its device;
+        a copy (reshaping a non-contiguous array) is an operation on the current device."""
+        if np.may_share_memory(result, self._array):
             return ndarray._wrap(result, self._device)
-        _operand(call, self)
-        return _new(result)
+        shape = result.shape
+        return _queue(call, lambda a: a.reshape(shape), [self], order="C")
 
     # ---- attributes ---------------------------------------------------------------------------
     shape = property(lambda self: self._array.shape)
@@ -101,37 +169,52 @@ class ndarray:  # noqa: N801  (CuPy's name)
     device = property(lambda self: cuda.Device(self._device))
     @property
     def data(self):
-        if self._pointer is None:   # an array's memory never moves: made (and registered) once
+        if self._pointer is None:   # an array's memory never moves
             self._pointer = MemoryPointer(self)
         return self._pointer
     T = property(lambda self: self.transpose())
 
     # ---- to the host ----------------------------------------------------------------------------
+    def _to_host(self, call, stream=None, out=None, blocking=True):
+        """A copy of the array in host memory (into ``out``), made on ``stream`` (the current one; as
+        CuPy, on the array's device: the null stream is then that device's) after the work queued
+        there; the host waits for it unless ``blocking`` is false."""
+        stream = cuda.get_current_stream() if stream is None else stream
+        cuda.refuse_during_capture(f"{call} (a copy to the host)", self._device)
+        host = np.empty(self.shape, self.dtype) if out is None else out
+
+        def run(views):
+            host[...] = views[0]
+        with cuda.Device(self._device):
+            cuda.enqueue(stream, timeline.Work(f"{call} (a copy to the host)",
+                                               [(timeline.Span(self._array), False, "the array")], run))
+            if blocking:
+                stream.synchronize()
+        _count("copy to the host", self)
+        return host
+
     def get(self, stream=None, order="C", out=None, blocking=True):
-        _work("copy to the host", self)
-        if out is not None:
-            out[...] = self._array
-            return out
-        return np.array(self._array, order=order)
+        host = self._to_host("ndarray.get", stream, out, blocking)
+        return host if out is not None else np.array(host, order=order)
 
     def __array__(self, *args, **kwargs):
         raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a "
                         "NumPy array explicitly.")
 
     def item(self):
-        return self._array.item()
+        return self._to_host("ndarray.item").item()
 
     def tolist(self):
-        return self._array.tolist()
+        return self._to_host("ndarray.tolist").tolist()
 
     def __float__(self):
-        return float(self._array)
+        return float(self._to_host("float(ndarray)"))
 
     def __int__(self):
-        return int(self._array)
+        return int(self._to_host("int(ndarray)"))
 
     def __bool__(self):
-        return bool(self._array)
+        return bool(self._to_host("bool(ndarray)"))
 
     def __len__(self):
         return len(self._array)
@@ -140,7 +223,7 @@ class ndarray:  # noqa: N801  (CuPy's name)
         return (self[i] for i in range(len(self)))
 
     def __repr__(self):
-        return f"array({np.array2string(self._array, separator=', ')}, device={self._device})"
+        return f"array({np.array2string(self._to_host('repr(ndarray)'), separator=', ')}, device={self._device})"
 
     # ---- shape --------------------------------------------------------------------------------
     def reshape(self, *shape, order="C", copy=None):
@@ -161,25 +244,21 @@ class ndarray:  # noqa: N801  (CuPy's name)
 
     # ---- kernels ----------------------------------------------------------------------------
     def copy(self, order="C"):
-        return _work("copy", _new(np.array(self._array, order=order)))  # any device to the current one, as CuPy
+        return _queue("copy", lambda a: a, [self], order=order)   # any device to the current one, as CuPy
 
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         if not copy and np.dtype(dtype) == self.dtype:
             return self
-        return _work("astype", _new(_operand("ndarray.astype", self).astype(dtype, order=order)))
+        return _queue("astype", lambda a: a.astype(dtype), [self], order=order)
 
     def fill(self, value):
         if isinstance(value, np.ndarray) and value.shape != ():
             raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
-        if isinstance(value, ndarray):
-            if value.shape != ():
-                raise ValueError("non-scalar cupy.ndarray cannot be used for fill")
-            value = value._array[()]
+        if isinstance(value, ndarray) and value.shape != ():
+            raise ValueError("non-scalar cupy.ndarray cannot be used for fill")
+        value = _scalar(value)
         memset = value == 0 and self.flags.c_contiguous  # CuPy's memset needs no kernel
-        if not memset:
-            _operand("ndarray.fill", self)
-        self._array.fill(value)
-        _work("memset" if memset else "fill", self)
+        _queue("memset" if memset else "fill", lambda: value, [], out=self)
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False):
         return _reduce(np.sum, self, axis, out, keepdims, dtype=dtype)
@@ -195,7 +274,8 @@ class ndarray:  # noqa: N801  (CuPy's name)
                 result = self._array[(*keys, Ellipsis)]
             return ndarray._wrap(result, self._device)
         # a gather: a kernel on the current device; host index arrays are copied there first
-        return _work("gather", _new(_operand("ndarray.__getitem__", self)[_index("ndarray.__getitem__", keys)]))
+        template = _template(keys)
+        return _queue("gather", lambda a, *i: a[_keys(template, i)], [self, *_indices(keys)])
 
     def __setitem__(self, slices, value):
         keys = slices if isinstance(slices, tuple) else (slices,)
@@ -203,24 +283,30 @@ class ndarray:  # noqa: N801  (CuPy's name)
             target = self[slices]
             if value.shape == target.shape and value.dtype == target.dtype and value.flags.c_contiguous \
                     and target.flags.c_contiguous:
-                target._array[...] = value._array  # a plain copy, from any device, as CuPy's memcpy
-                _work("copy", target)
+                _queue("copy", lambda v: v, [value], out=target)   # a plain copy, from any device, as CuPy's memcpy
                 return
         if isinstance(value, np.ndarray) and value.shape != ():
             raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
-        call = "ndarray.__setitem__"
-        _operand(call, self)[_index(call, keys)] = _operand(call, value)
-        _work("scatter" if _gathers(keys) else "setitem", self[slices] if not _gathers(keys) else self)
+        device_value = isinstance(value, ndarray)
+        inputs, fill = ([value], None) if device_value else ([], value)   # a closure holds no array
+        if not _gathers(keys):
+            _queue("setitem", (lambda v: v) if device_value else (lambda: fill), inputs, out=self[slices])
+            return
+        indices, template = _indices(keys), _template(keys)
+
+        def scatter(target, *views):   # target[keys] = value, on the views of target, indices and value
+            done = target.copy()
+            done[_keys(template, views[:len(indices)])] = views[-1] if device_value else fill
+            return done
+        _queue("scatter", scatter, [self, *indices, *inputs], out=self)
 
     # ---- NumPy's ufuncs and Python's operators ----------------------------------------------------
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if method != "__call__":
             return NotImplemented
-        call = f"cupy.{ufunc.__name__}"
         out = kwargs.pop("out", None)
-        result = ufunc(*(_operand(call, v) for v in inputs),
-                       **({} if out is None else {"out": tuple(_operand(call, o) for o in out)}), **kwargs)
-        return _work(ufunc.__name__, out[0] if out is not None else _new(result))
+        return _queue(ufunc.__name__, lambda *v: ufunc(*v, **kwargs), list(inputs),
+                      out=None if out is None else out[0])
 
 
 def _operator(ufunc, reflected=False, in_place=False):
@@ -246,17 +332,24 @@ def _gathers(keys):
     return any(isinstance(k, (ndarray, np.ndarray)) for k in keys)
 
 
-def _index(call, keys):
-    return tuple(_operand(call, k) if isinstance(k, ndarray) else k for k in keys)
+def _indices(keys):
+    """The index arrays among ``keys``, as device arrays (a host one is copied to the device first)."""
+    return [k if isinstance(k, ndarray) else asarray(k) for k in keys if isinstance(k, (ndarray, np.ndarray))]
+
+
+def _template(keys):
+    """``keys`` with each index array replaced by a placeholder (a recorded operation holds no array)."""
+    return tuple(_SLOT if isinstance(k, (ndarray, np.ndarray)) else k for k in keys)
+
+
+def _keys(template, views):
+    """The keys of ``template`` with its placeholders replaced, in order, by ``views``."""
+    views = iter(views)
+    return tuple(next(views) if k is _SLOT else k for k in template)
 
 
 def _reduce(function, a, axis, out, keepdims, **kwargs):
-    call = f"ndarray.{function.__name__}"
-    result = function(_operand(call, a), axis=axis, keepdims=keepdims, **kwargs)
-    if out is None:
-        return _work(function.__name__, _new(result))
-    _operand(call, out)[...] = result
-    return _work(function.__name__, out)
+    return _queue(function.__name__, lambda v: function(v, axis=axis, keepdims=keepdims, **kwargs), [a], out=out)
 
 
 class MemoryPointer:
@@ -265,41 +358,27 @@ class MemoryPointer:
     def __init__(self, array):
         self.ptr = array._array.__array_interface__["data"][0]
         self.device_id = array._device
-        _register(array._array, array._device)
-
-
-# ---- the memory that raw pointers (NCCL's arguments) point into ------------------------------------
-_allocations = {}  # id of the NumPy array owning the memory -> (start, end, device, weak reference)
-
-
-def _register(array, device):
-    while isinstance(array.base, np.ndarray):
-        array = array.base
-    known = _allocations.get(id(array))
-    if known is None or known[3]() is not array:
-        start = array.__array_interface__["data"][0]
-        _allocations[id(array)] = (start, start + array.nbytes, device, weakref.ref(array))
 
 
 def memory_at(pointer, nbytes, call):
-    """(device, writable uint8 NumPy view) of the ``nbytes`` at ``pointer`` in one device array."""
-    for key, (start, end, device, owner) in list(_allocations.items()):
-        array = owner()
-        if array is None:
-            del _allocations[key]
-        elif start <= pointer and pointer + nbytes <= end:
-            return device, array.reshape(-1).view(np.uint8)[pointer - start:pointer - start + nbytes]
-    raise cuda.CUDARuntimeError("cudaErrorIllegalAddress", f"{call}: {nbytes} bytes at {pointer:#x} do not lie in "
-                                                           f"one device array")
+    """(device, uint8 NumPy view) of the ``nbytes`` at ``pointer`` in one device array."""
+    found = timeline.allocation_at(pointer, nbytes)
+    if found is None:
+        raise cuda.CUDARuntimeError("cudaErrorIllegalAddress", f"{call}: {nbytes} bytes at {pointer:#x} do not lie "
+                                                               f"in one device array")
+    allocation, offset = found
+    return allocation.device, allocation.raw()[offset:offset + nbytes]
 
 
 # ---- creation ---------------------------------------------------------------------------------------
 def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
     if isinstance(a, ndarray):
         if a._device != cuda.getDevice():  # CuPy copies an array of another device to the current one
-            return _work("copy", _new(np.asarray(a._array, dtype=dtype, order=order).copy()))
+            return _queue("copy", lambda v: np.asarray(v, dtype=dtype), [a], order=order or "K")
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
-    return _work("copy from the host", _new(np.array(a, dtype=dtype, order=order)))
+    cuda.refuse_during_capture("cupy.asarray of host memory (a copy from the host)")
+    values = np.array(a, dtype=dtype, order=order or "K")
+    return _queue("copy from the host", lambda: values, [])
 
 
 def ascontiguousarray(a, dtype=None):
@@ -307,28 +386,28 @@ def ascontiguousarray(a, dtype=None):
         raise _host_error("cupy.ascontiguousarray", a)
     if a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
-    return _work("ascontiguousarray", _new(np.ascontiguousarray(_operand("cupy.ascontiguousarray", a), dtype=dtype)))
+    return _queue("ascontiguousarray", lambda v: np.ascontiguousarray(v, dtype=dtype), [a])
 
 
 def empty(shape, dtype=float, order="C"):
-    return _new(_poisoned(shape, dtype, order))
+    return _allocate(shape, dtype, order=order)
 
 
 def zeros(shape, dtype=float, order="C"):
-    return _work("memset", _new(np.zeros(shape, dtype, order=order)))
+    out = _allocate(shape, dtype, order=order)
+    _queue("memset", lambda: 0, [], out=out)
+    return out
 
 
 def _like(a, dtype, shape, fill=None):
-    """A new array like `a`: its shape and, as CuPy's order='K', its memory layout."""
-    if shape is None:
-        array = np.empty_like(a._array if isinstance(a, ndarray) else a, dtype=dtype)
-        array[...] = _poisoned(array.shape, array.dtype) if fill is None else fill
-        result = _new(array)
-    else:
-        result = empty(shape, a.dtype if dtype is None else dtype)
-        if fill is not None:
-            result._array.fill(fill)
-    return result if fill is None else _work("memset" if fill == 0 else "fill", result)
+    """A new array like ``a``: its shape and, as CuPy's order='K', its memory layout."""
+    source = a._array if isinstance(a, ndarray) else np.asarray(a)
+    dtype = source.dtype if dtype is None else dtype
+    result = _allocate(shape, dtype) if shape is not None else \
+        _allocate(source.shape, dtype, like=np.empty_like(source, dtype=dtype))
+    if fill is not None:
+        _queue("memset" if fill == 0 else "fill", lambda: fill, [], out=result)
+    return result
 
 
 def empty_like(prototype, dtype=None, order="K", subok=None, shape=None):
@@ -344,8 +423,8 @@ def ones_like(a, dtype=None, order="K", subok=None, shape=None):
 
 
 def arange(start, stop=None, step=1, dtype=None):
-    return _work("arange", _new(np.arange(start, stop, step, dtype=dtype) if stop is not None
-                                else np.arange(start, dtype=dtype)))
+    values = np.arange(start, stop, step, dtype=dtype) if stop is not None else np.arange(start, dtype=dtype)
+    return _queue("arange", lambda: values, [])
 
 
 # ---- kernels ------------------------------------------------------------------------------------------
@@ -364,7 +443,8 @@ class RawModule:
 
 
 class RawKernel:
-    """A kernel of a RawModule: ``kernel(grid, block, args, shared_mem=0, stream=None)``."""
+    """A kernel of a RawModule: ``kernel(grid, block, args, shared_mem=0, stream=None)``. Its pointer
+    arguments are what it reads (those to const) and may write (the others)."""
 
     def __init__(self, kernel):
         self._kernel = kernel
@@ -375,12 +455,25 @@ class RawKernel:
             raise cuda.CUDARuntimeError("cudaErrorInvalidResourceHandle",
                                         f"kernel '{self._kernel.name}' launched on stream {stream.ptr:#x} of device "
                                         f"{stream.device()} while device {cuda.getDevice()} is current")
-        values, device = tuple(self._argument(i, a) for i, a in enumerate(args)), cuda.getDevice()
+        kernel, device, parameters = self._kernel, cuda.getDevice(), self._kernel.parameters
+        template, operands = [], []
+        for index, value in enumerate(args):
+            converted = self._argument(index, value)
+            if isinstance(value, ndarray):
+                parameter = parameters[index] if index < len(parameters) else None
+                writes = parameter is None or not parameter.spec["const"]
+                what = parameter.name() if parameter is not None else f"argument {index}"
+                operands.append((timeline.Span(converted), writes, what))
+                template.append(_SLOT)
+            else:
+                template.append(converted)
 
-        def run():
+        def run(views):
+            views = iter(views)
+            values = tuple(next(views) if v is _SLOT else v for v in template)
             cuda.ledger["launches"][device] += 1
-            self._kernel(grid, block, values, **kwargs)
-        cuda.enqueue(stream, run)
+            kernel(grid, block, values, **kwargs)
+        cuda.enqueue(stream, timeline.Work(f"kernel '{kernel.name}'", operands, run))
 
     def _argument(self, index, value):
         """As CuPy's function.pyx passes it: a device array as its pointer, None as a null pointer, a

@@ -1,19 +1,27 @@
 """``cupy.cuda`` of the simulated GPUs: devices, streams, events, ``runtime`` and ``nvtx``; stream
 capture into a ``Graph``, and the ``MemoryPool`` that a capture allocates from.
 
-Work runs at once, in program order, so streams and events only keep CUDA's rules: each
-belongs to the device that was current when it was made; an event recorded on a stream of
-another device, or a stream made current on another device, is refused as CUDA refuses it.
-``CUDA_VISIBLE_DEVICES`` selects and renumbers the machine's ``KERNELS_SIMULATED_GPUS`` GPUs,
-as the driver does. The current device and stream are per host thread, as in CUDA.
+Work runs when it is queued, but in the order CUDA guarantees and no more: kernel launches, array
+operations, NCCL calls and copies go through ``enqueue`` to ``timeline``, which checks that work
+of two streams touching the same bytes is ordered by an event or a synchronize (see timeline.py).
+Streams and events keep CUDA's rules: each belongs to the device that was current when it was
+made; an event recorded on a stream of another device, or a stream made current on another
+device, is refused as CUDA refuses it. ``CUDA_VISIBLE_DEVICES`` selects and renumbers the
+machine's ``KERNELS_SIMULATED_GPUS`` GPUs, as the driver does. The current device and stream are
+per host thread, as in CUDA.
 
-Stream capture: between ``begin_capture()`` and ``end_capture()`` a stream records the kernel
-launches and NCCL calls queued on it instead of running them (``enqueue``), and a ``Graph``
-runs the record on ``launch()``. A stream that waits on an event recorded during the capture
-joins it, and must be joined back (the capturing stream waiting on an event recorded after its
-last work) before the capture ends, or ``end_capture`` fails as CUDA does. Array operations
-(copies, fills, element-wise CuPy kernels) during a capture are refused: the simulator does not
-record them, so a captured step must launch only RawModule kernels and NCCL calls.
+Stream capture: between ``begin_capture()`` and ``end_capture()`` a stream records what is queued
+on it (kernels, array operations, NCCL calls) instead of running it, and a ``Graph`` replays the
+record on ``launch()``: the capturing stream's work on the stream it is launched on, each stream
+that joined the capture on a branch of its own, ordered as the events of the capture ordered
+them, and the stream's later work after all of it. A stream that waits on an event recorded
+during the capture joins it, and must be joined back (the capturing stream waiting on an event
+recorded after its last work) before the capture ends, or ``end_capture`` fails as CUDA does.
+What CUDA refuses during a capture is refused by name: a copy to the host or from host memory,
+a synchronize of the device, of a capturing stream or of an event recorded in the capture, a
+query of either, and work on the legacy null stream while a blocking stream of its device
+captures. A capture's arrays come from the pool ``using_allocator`` names, which the graph keeps;
+a graph holds addresses, not arrays, so a replay that reaches memory freed since the capture fails.
 """
 import collections
 import contextlib
@@ -23,6 +31,8 @@ import os
 import threading
 import time
 import types
+
+from . import timeline
 
 ENVIRONMENT = "KERNELS_SIMULATED_GPUS"
 _handles = itertools.count(0x5100)  # stream and event handles: nonzero, unlike the null stream
@@ -95,8 +105,14 @@ def _check_device(device, call):
                                                          f"{getDeviceCount()} simulated GPU(s) visible")
 
 
+def deviceGetPCIBusId(device):
+    _check_device(device, "cudaDeviceGetPCIBusId")
+    return f"0000:{physical_devices()[device]:02X}:00.0"
+
+
 runtime = types.SimpleNamespace(CUDARuntimeError=CUDARuntimeError, getDeviceCount=getDeviceCount,
-                                getDevice=getDevice, setDevice=setDevice, getDeviceProperties=getDeviceProperties)
+                                getDevice=getDevice, setDevice=setDevice, getDeviceProperties=getDeviceProperties,
+                                deviceGetPCIBusId=deviceGetPCIBusId)
 nvtx = types.SimpleNamespace(available=False, RangePush=lambda message, id_color=-1: None, RangePop=lambda: None)
 
 
@@ -112,6 +128,16 @@ class Device:
 
     def synchronize(self):
         _check_device(self.id, "cudaDeviceSynchronize")
+        if _capturing(self.id):
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported",
+                                   f"Device.synchronize while stream {_capturing(self.id)[0].ptr:#x} of device "
+                                   f"{self.id} captures (it would wait for work that does not run)")
+        timeline.host_waits(*timeline.keys_of(self.id))
+
+    @property
+    def pci_bus_id(self):
+        """The PCI bus id of the simulated GPU: its physical index as the bus number."""
+        return runtime.deviceGetPCIBusId(self.id)
 
     def __enter__(self):
         self._previous.append(getDevice())
@@ -132,8 +158,9 @@ class Device:
 
 
 class Stream:
-    """cupy.cuda.Stream: ``Stream.null`` (the current device's default stream) or a stream of
-    the device current when it was made."""
+    """cupy.cuda.Stream: ``Stream.null`` (the current device's legacy default stream) or a stream
+    of the device current when it was made (blocking unless ``non_blocking``: a blocking stream
+    and the legacy stream wait for each other's work)."""
     null = None
     ptds = None
 
@@ -142,12 +169,21 @@ class Stream:
             self.ptr, self.device_id = (0 if null else 2), -1  # 2: cudaStreamPerThread
         else:
             self.ptr, self.device_id = next(_handles), getDevice()
+        self.non_blocking = bool(non_blocking) and not (null or ptds)
         self._capture, self._queued = None, 0   # the capture it records into; its work queued in it
         _streams[self.ptr] = self
 
     def device(self):
         """The device the stream's work goes to: its own, or the current one for the null stream."""
         return getDevice() if self.device_id == -1 else self.device_id
+
+    def key(self):
+        """The stream in timeline's terms: (device, handle), known to it."""
+        key = (self.device(), self.ptr)
+        kind = "legacy" if self.ptr == 0 else "non-blocking" if self.non_blocking else "blocking"
+        timeline.stream(key, kind, f"the null stream of device {key[0]}" if self.ptr == 0 else
+                        f"stream {self.ptr:#x} of device {key[0]}")
+        return key
 
     def _check_current(self, call):
         if self.device_id not in (-1, getDevice()):
@@ -176,14 +212,18 @@ class Stream:
         if not isinstance(event, Event):
             raise TypeError(f"Stream.wait_event takes a cupy.cuda.Event, got {type(event).__name__}")
         if event._captured is not None:
-            capture, source, queued = event._captured
+            capture, source, queued, node = event._captured
             if self._capture is None:
                 self._capture = capture   # it joins the capture
             capture.joined_back[source] = queued
+            capture.nodes.append(("wait", self, node))
+        elif self._capture is None and event._clock is not None:
+            timeline.wait(self.key(), event._clock)
 
     def synchronize(self):
         if self._capture is not None:
             raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported", "Stream.synchronize on a capturing stream")
+        timeline.host_waits(self.key())
 
     def begin_capture(self, mode=None):
         if self.ptr in (0, 1):
@@ -204,13 +244,16 @@ class Stream:
             raise CUDARuntimeError("cudaErrorStreamCaptureUnjoined",
                                    f"end_capture: stream(s) {', '.join(hex(s.ptr) for s in unjoined)} joined the "
                                    f"capture and were not joined back (wait on an event recorded after their work)")
-        return Graph(capture.work)
+        return Graph(capture.nodes, self)
 
     def is_capturing(self):
         return self._capture is not None
 
     @property
     def done(self):
+        if self._capture is not None:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported", "Stream.done (a query) on a capturing stream")
+        timeline.host_waits(self.key())   # the host saw its work finished
         return True
 
     def __repr__(self):
@@ -235,13 +278,14 @@ def stream_of(pointer, call):
 
 class Event:
     """cupy.cuda.Event of the device current when it was made; it keeps the host time of its
-    last record, for get_elapsed_time."""
+    last record, for get_elapsed_time, and what that record stands for (timeline's clock, or the
+    capture it was recorded in)."""
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         if interprocess and not disable_timing:
             raise ValueError("Timing must be disabled for interprocess events")
         self.ptr, self.device_id = next(_handles), getDevice()
-        self._timing, self._recorded, self._captured = not disable_timing, None, None
+        self._timing, self._recorded, self._captured, self._clock = not disable_timing, None, None, None
 
     def record(self, stream=None):
         stream = get_current_stream() if stream is None else stream
@@ -250,14 +294,27 @@ class Event:
                                    f"Event.record: the event was made on device {self.device_id}, the stream "
                                    f"{stream.ptr:#x} belongs to device {stream.device()}")
         self._recorded = time.perf_counter()
-        self._captured = None if stream._capture is None else (stream._capture, stream, stream._queued)
+        capture = stream._capture
+        if capture is None:
+            _refuse_legacy_during_capture(stream, "Event.record")
+            self._captured, self._clock = None, timeline.snapshot(stream.key())
+        else:
+            capture.nodes.append(("record", stream, None))
+            self._captured, self._clock = (capture, stream, stream._queued, len(capture.nodes) - 1), None
 
     def synchronize(self):
-        pass
+        self._refuse_captured("Event.synchronize")
+        timeline.host_waits(clock=self._clock)
 
     @property
     def done(self):
+        self._refuse_captured("Event.done (a query)")
+        timeline.host_waits(clock=self._clock)
         return True
+
+    def _refuse_captured(self, call):
+        if self._captured is not None:
+            raise CUDARuntimeError("cudaErrorCapturedEvent", f"{call} on an event recorded in a stream capture")
 
 
 def get_elapsed_time(start_event, end_event):
@@ -271,59 +328,134 @@ def get_elapsed_time(start_event, end_event):
     return (end_event._recorded - start_event._recorded) * 1e3
 
 
-# ---- stream capture -------------------------------------------------------------------------------
+# ---- work, and stream capture --------------------------------------------------------------------
 class _Capture:
-    """What a stream capture records, in order; and, for each stream that joined it, how much of its
-    work the capturing streams have waited for (what end_capture checks)."""
+    """What a stream capture records, in order: ("work", stream, Work), ("record", stream, None) and
+    ("wait", stream, index of the record waited for); and, for each stream that joined it, how much
+    of its work the capturing streams have waited for (what end_capture checks)."""
 
     def __init__(self, origin):
-        self.origin, self.work, self.joined_back = origin, [], {}
+        self.origin, self.nodes, self.joined_back = origin, [], {}
 
 
 def enqueue(stream, work):
-    """Run work() now, as the simulated GPUs run everything, or, when `stream` is capturing,
-    record it for the graph's replays."""
-    if stream._capture is None:
-        work()
-        return
-    stream._capture.work.append(work)
-    stream._queued += 1
-
-
-def refuse_during_capture(call):
-    """An array operation on the current stream: refused while it captures (see the module's docstring)."""
-    stream = get_current_stream()
+    """Queue ``work`` (a timeline.Work) on ``stream``: run it now, its accesses checked against the
+    other streams', or, when the stream is capturing, record it for the graph's replays."""
     if stream._capture is not None:
+        stream._capture.nodes.append(("work", stream, work))
+        stream._queued += 1
+        return
+    _refuse_legacy_during_capture(stream, work.label)
+    timeline.perform(stream.key(), work)
+
+
+def _capturing(device):
+    return [s for s in list(_streams.values()) if s._capture is not None and s.device() == device]
+
+
+def _refuse_legacy_during_capture(stream, call):
+    if stream.ptr == 0:
+        blocking = [s for s in _capturing(stream.device()) if not s.non_blocking]
+        if blocking:
+            raise CUDARuntimeError("cudaErrorStreamCaptureImplicit",
+                                   f"{call} on the legacy null stream while blocking stream {blocking[0].ptr:#x} of "
+                                   f"device {stream.device()} captures (the null stream would wait for it)")
+
+
+def refuse_during_capture(call, device=None):
+    """Refuse ``call`` (a copy to the host, or from host memory) while a stream of the device captures:
+    CUDA refuses such copies on a capturing stream, and the values a capture would read are not
+    computed yet (the captured work runs only when the graph is launched)."""
+    capturing = _capturing(getDevice() if device is None else device)
+    if capturing:
         raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported",
-                               f"{call} during a stream capture: the simulated GPUs record only RawModule kernels "
-                               f"and NCCL calls (a GPU would capture it too, but here a replay would not run it)")
+                               f"{call} during a stream capture (stream {capturing[0].ptr:#x} of device "
+                               f"{capturing[0].device()} is capturing): nothing captured has run yet, and CUDA "
+                               f"allows no copy between host and device there")
+
+
+_replaying = threading.local()
+
+
+def replaying():
+    """Whether the work running now is a graph's replay (NCCL's calls must be alike on every rank)."""
+    return getattr(_replaying, "graph", False)
 
 
 class Graph:
-    """cupy.cuda.Graph: the work of a capture, run again, in order, by each launch()."""
+    """cupy.cuda.Graph: the work of a capture, replayed by each launch() on the stream given (or
+    the current one), each stream that joined the capture on a branch of its own."""
+    _ids = itertools.count(1)
 
-    def __init__(self, work):
-        self._work = work
+    def __init__(self, nodes, origin):
+        self._nodes, self._origin, self._device = nodes, origin, origin.device()
+        self._id = next(Graph._ids)
+        self._branches = {}   # a joined stream -> its branch's timeline key, the same for every replay
+
+    def _branch(self, stream):
+        if stream not in self._branches:
+            key = (self._device, ("graph", self._id, len(self._branches)))
+            timeline.stream(key, "graph", f"the branch of CUDA graph {self._id} captured from stream "
+                                          f"{stream.ptr:#x} of device {self._device}")
+            self._branches[stream] = key
+        return self._branches[stream]
 
     def launch(self, stream=None):
-        for work in self._work:
-            work()
+        stream = get_current_stream() if stream is None else stream
+        if stream.device() != self._device or getDevice() != self._device:
+            raise CUDARuntimeError("cudaErrorInvalidResourceHandle",
+                                   f"Graph.launch: a graph of device {self._device} on stream {stream.ptr:#x} of "
+                                   f"device {stream.device()} while device {getDevice()} is current")
+        if stream._capture is not None:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported", "simulated GPUs: a graph launched into a "
+                                                                         "stream capture is not simulated")
+        _refuse_legacy_during_capture(stream, f"the launch of CUDA graph {self._id}")
+        key = stream.key()
+        lanes = {self._origin: key}
+        marks = {}
+        timeline.perform(key, timeline.Work(f"the launch of CUDA graph {self._id}", [], None))
+        _replaying.graph = True
+        try:
+            for index, (kind, source, item) in enumerate(self._nodes):
+                lane = lanes.get(source) or lanes.setdefault(source, self._branch(source))
+                if kind == "work":
+                    timeline.perform(lane, item)
+                elif kind == "record":
+                    marks[index] = timeline.snapshot(lane)
+                else:
+                    timeline.wait(lane, marks[item])
+        finally:
+            _replaying.graph = False
+            timeline.join(key, lanes.values())   # the stream's later work follows the whole graph
 
     def upload(self, stream=None):
         pass
 
 
 class MemoryPool:
-    """cupy.cuda.MemoryPool: simulated arrays live in host memory and need none; using_allocator
-    accepts its malloc."""
+    """cupy.cuda.MemoryPool: while ``using_allocator(pool.malloc)`` is in effect, new arrays belong
+    to the pool, which keeps their memory until it goes itself (a graph keeps its capture's pool)."""
 
     def __init__(self, allocator=None):
-        pass
+        self._blocks = []   # the raw memory of the arrays made from it
 
     def malloc(self, size):
-        raise NotImplementedError("the simulated GPUs allocate host memory, not from a pool")
+        raise NotImplementedError("simulated GPUs: arrays are made by the array functions, which put them in "
+                                  "the pool of using_allocator; malloc itself is not simulated")
 
 
 @contextlib.contextmanager
 def using_allocator(allocator=None):
-    yield
+    state = _state()
+    previous = getattr(state, "allocator", None)
+    state.allocator = allocator
+    try:
+        yield
+    finally:
+        state.allocator = previous
+
+
+def current_pool():
+    """The MemoryPool whose malloc ``using_allocator`` made the allocator of this thread, or None."""
+    owner = getattr(getattr(_state(), "allocator", None), "__self__", None)
+    return owner if isinstance(owner, MemoryPool) else None

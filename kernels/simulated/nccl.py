@@ -6,7 +6,10 @@ buffer), waits for the others' and computes the result itself, adding in rank or
 refuses is refused with the call named: a buffer that is not on the communicator's device (the
 device current when it was made), a stream of another device, two ranks on one GPU; and what
 NCCL leaves undefined (a hang, or garbage) is an error here too: a call whose kind, count,
-datatype, reduction or root differs between ranks. ``abort()`` ends a wait for a peer that is gone.
+datatype, reduction or root differs between ranks, or that is replayed in a CUDA graph on some ranks
+and eager on others (NCCL requires graph capture to be uniform over ranks). A call is work on its
+stream (cuda.enqueue): a capture records it, and its buffers' accesses are ordered against other
+streams' as a kernel's are. ``abort()`` ends a wait for a peer that is gone.
 A rank deletes its post of call k - 2 once it has read all of call k - 1 (every peer has read
 it by then); the folder goes when the last rank's communicator is destroyed or its process exits.
 """
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import arrays, cuda
+from . import arrays, cuda, timeline
 
 available = True
 NCCL_INT8, NCCL_CHAR, NCCL_UINT8, NCCL_INT32, NCCL_INT, NCCL_UINT32 = 0, 0, 1, 2, 2, 3
@@ -74,7 +77,8 @@ class NcclCommunicator:
         source = self._buffer(sendbuf, count, dtype, "allReduce sendbuf")
         target = self._buffer(recvbuf, count, dtype, "allReduce recvbuf")
 
-        def run():
+        def run(views):
+            source, target = views
             posts = self._collective("allReduce", {"count": count, "datatype": datatype, "op": op}, bytes(source))
             values = [np.frombuffer(payload, dtype) for _, payload in posts]
             result = values[0].copy()
@@ -83,7 +87,10 @@ class NcclCommunicator:
             if op == NCCL_AVG:
                 result = (result / self._size if dtype.kind == "f" else result // self._size).astype(dtype)
             target[:] = result.view(np.uint8)
-        cuda.enqueue(cuda.stream_of(stream, "NCCL allReduce"), run)   # a capture records it
+        cuda.enqueue(cuda.stream_of(stream, "NCCL allReduce"),   # a capture records it
+                     timeline.Work(f"NCCL allReduce of rank {self._rank}",
+                                   [(timeline.Span(source), False, "sendbuf"), (timeline.Span(target), True, "recvbuf")],
+                                   run))
 
     def bcast(self, buff, count, datatype, root, stream):
         dtype = self._check("bcast", datatype, stream)
@@ -91,12 +98,14 @@ class NcclCommunicator:
             raise NcclError("NCCL_ERROR_INVALID_ARGUMENT", f"bcast: root {root} is not a rank of {self._size}")
         target = self._buffer(buff, count, dtype, "bcast buff")
 
-        def run():
+        def run(views):
             posts = self._collective("bcast", {"count": count, "datatype": datatype, "root": root},
-                                     bytes(target) if self._rank == root else b"")
+                                     bytes(views[0]) if self._rank == root else b"")
             if self._rank != root:
-                target[:] = np.frombuffer(posts[root][1], np.uint8)
-        cuda.enqueue(cuda.stream_of(stream, "NCCL bcast"), run)
+                views[0][:] = np.frombuffer(posts[root][1], np.uint8)
+        cuda.enqueue(cuda.stream_of(stream, "NCCL bcast"),
+                     timeline.Work(f"NCCL bcast of rank {self._rank}",
+                                   [(timeline.Span(target), self._rank != root, "buff")], run))
 
     def abort(self):
         self._aborted = True
@@ -131,11 +140,18 @@ class NcclCommunicator:
         call, self._calls = self._calls, self._calls + 1
         post = self._folder / f"{call}.{self._rank}"
         tmp = self._folder / f".{call}.{self._rank}.tmp"
-        tmp.write_bytes(json.dumps({"kind": kind, **header, **(local or {})}).encode() + b"\n" + payload)
+        header = {"kind": kind, **header, "graph": cuda.replaying(), **(local or {})}
+        tmp.write_bytes(json.dumps(header).encode() + b"\n" + payload)
         os.replace(tmp, post)
         (self._folder / f"{call - 2}.{self._rank}").unlink(missing_ok=True)
         posts = [self._wait(self._folder / f"{call}.{r}", call) for r in range(self._size)]
         shared = [{k: v for k, v in h.items() if k not in (local or {})} for h, _ in posts]
+        graphed = [r for r, s in enumerate(shared) if s["graph"]]
+        if graphed and len(graphed) < self._size:
+            raise NcclError("NCCL_ERROR_INVALID_USAGE",
+                            f"call {call} ({_describe(shared[0])}) is replayed in a CUDA graph on rank(s) {graphed} "
+                            f"and eager on the others: whether a collective is graph-captured must be the same on "
+                            f"every rank (on GPUs, undefined: in practice a hang)")
         if any(s != shared[0] for s in shared):
             described = "; ".join(f"rank {r}: {_describe(s)}" for r, s in enumerate(shared))
             raise NcclError("NCCL_ERROR_INVALID_USAGE", f"call {call} differs between ranks ({described})")
@@ -158,6 +174,7 @@ class NcclCommunicator:
 def _describe(header):
     header = dict(header)
     kind = header.pop("kind")
+    header.pop("graph", None)
     dtype = np.dtype(_DTYPES[header.pop("datatype")]).name if "datatype" in header else None
     count = header.pop("count", None)
     return " ".join(filter(None, [kind, f"of {count} {dtype}" if count is not None else None,
