@@ -44,3 +44,14 @@ def without_event_wait(rank, world_size, given, unique_id, which):
     else:
         NCCLCommunicator.wait = lambda self: None
     loop.gpu_worker(rank, world_size, given, unique_id)
+
+
+def capture_fails(rank, world_size, given, unique_id, bad):
+    """gpu_worker where rank ``bad``'s capture of the training step runs out of memory."""
+    from kernels.cuda import graph
+    from training import loop
+    if rank == bad:
+        def capture(be, fn):
+            raise MemoryError("out of memory while the graph's pool grew")
+        graph.capture = capture
+    loop.gpu_worker(rank, world_size, given, unique_id)

@@ -5,9 +5,13 @@
   memory), against eager steps of an identical model, bit for bit, over steps whose cosine
   learning rate changes every step. A value baked into the record (a learning rate passed by
   value, as before lr_on_device) fails it: the control below shows that it would.
-- On simulated GPUs, through the trainer: --graph and --no-graph give the same checkpoint bit for
-  bit, the graph replayed; with two GPUs, whose NCCL all-reduces the capture records too; a
-  capture that fails warns once and trains eagerly.
+- On simulated GPUs: a graph keeps alive what its kernels were given (the counters that an
+  evaluation of larger batches replaces). Through the trainer, --graph and --no-graph give the same
+  checkpoint bit for bit, the graph replayed: on one GPU, in tf32 and with --sync-bn in fp32 (array
+  operations captured); on two, whose NCCL all-reduces the capture records too, in fp32, and with
+  --sync-bn over two epochs, resumed after the first; and with a capture that fails on one rank
+  only, after which every rank runs eagerly; each over epochs whose last batch is short. A capture
+  that fails warns once and trains eagerly.
 - Marked gpu: the same comparison through CuPy's stream capture on a real GPU.
 """
 import json
@@ -49,9 +53,10 @@ def host(a):
     return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
-def run_both(device, xp, graphed_setup=lambda opt: None, eager=True):
+def run_both(device, xp, graphed_setup=lambda opt: None, eager=True, between=lambda step, model: None):
     """[(loss, correct)] per step and the final (params, velocity, running statistics) of an eager
-    (unless `eager` is false) and a graphed replica trained on the same batches; and the step."""
+    (unless `eager` is false) and a graphed replica trained on the same batches, `between(i, model)`
+    called after each step i; and the step."""
     images, labels, batches = data(xp)
     results = []
     for graphed in (False, True)[0 if eager else 1:]:
@@ -64,6 +69,7 @@ def run_both(device, xp, graphed_setup=lambda opt: None, eager=True):
         for i, idx in enumerate(batches):
             opt.lr = schedule.lr_at(i)
             outputs.append(tuple(float(host(v)) for v in step(ddp.scatter(idx))))
+            between(i, model)
         state = [host(opt.flat.data), host(opt.velocity)] + [host(b) for _, b in model.named_buffers()]
         results.append((outputs, state, step))
     return results
@@ -141,10 +147,38 @@ def simulated(monkeypatch, tmp_path):
     return launches
 
 
-def test_graph_through_the_trainer_on_a_simulated_gpu_equals_no_graph(simulated, tmp_path, capsys):
+def test_a_graph_keeps_what_its_kernels_were_given(simulated, monkeypatch):
+    """A graph holds the addresses of what its kernels were given. Backend.counters replaces its
+    array when a launch needs more, as an evaluation of larger batches than a rank's shard does
+    (--gpus 2 --batch-size 512: 256 images per rank in training, 512 in evaluation); the replays
+    after it must not run on the freed array (here: each launch's need exactly, and an evaluation
+    of the whole split after the second step)."""
+    monkeypatch.setattr(kernels.cuda, "COUNTERS", 1)
+    gpus = kernels.cupy_module()
+    backend = kernels.backend_of(gpus.zeros(1, np.float32))
+    monkeypatch.setattr(backend, "_counters", {})
+    images, labels, _ = data(gpus)
+    grown = []
+
+    def evaluate(i, model):
+        if i == 1:
+            before = backend.counters(0)
+            loop.evaluate(model, images, labels, len(images))
+            grown.append(backend.counters(0) is not before)
+        if i == STEPS - 1:   # the graphed replica starts with counters for its own steps, as the eager one
+            backend._counters.clear()
+    eager, graphed = run_both("cuda", gpus, between=evaluate)
+    assert grown == [True, True], "the evaluation replaced the counters"
+    assert isinstance(graphed[2].graph, graphs.StreamGraph)
+    assert_same(eager, graphed)
+
+
+@pytest.mark.parametrize("flags", [{}, {"sync_bn": True, "precision": "fp32"}], ids=["tf32", "sync-bn-fp32"])
+def test_graph_through_the_trainer_on_a_simulated_gpu_equals_no_graph(simulated, tmp_path, capsys, flags):
+    """--sync-bn and fp32, whose steps hold array operations (CuPy's, captured too), included."""
     data_dir = write_fashion_mnist(tmp_path / "fashion", 18, 4)
     given = {"gpus": 1, "width": 2, "batch_size": 4, "epochs": 1, "momentum": 0.9, "schedule": "cosine",
-             "data_dir": str(data_dir)}
+             "data_dir": str(data_dir), **flags}
     runs = {}
     for graph in (True, False):
         out = tmp_path / f"graph-{graph}"
@@ -164,22 +198,79 @@ def test_graph_through_the_trainer_on_a_simulated_gpu_equals_no_graph(simulated,
     assert json.loads(str(saved[0]["record"]))["config"]["graph"] is True
 
 
-@pytest.mark.slow
-def test_graph_with_two_simulated_gpus_records_the_nccl_all_reduces(tmp_path):
-    """Each worker captures its own step, NCCL calls on the side stream joined back; the result is
-    --no-graph's, bit for bit."""
+# 15 images in batches of 4: a warm-up step, the capture, a replay, and a last batch of 3, whose shards of
+# 2 and 1 images are, the first, as large as a whole batch's: whether to replay must depend on the global
+# batch, the same on every rank
+TWO_GPUS = ["--gpus", "2", "--width", "2", "--batch-size", "4", "--limit", "15", "--test-limit", "4",
+            "--momentum", "0.9"]
+
+
+@pytest.fixture(scope="module")
+def fifteen(tmp_path_factory):
+    return write_fashion_mnist(tmp_path_factory.mktemp("fashion"), 15, 4)
+
+
+def trained(data_dir, out, *flags):
+    """The checkpoint's arrays of a run of train_resnet.py on two simulated GPUs, with TWO_GPUS and flags."""
     from test_simulated_gpus import train_resnet
-    data_dir = write_fashion_mnist(tmp_path / "fashion", 20, 4)
-    flags = ["--gpus", "2", "--width", "2", "--batch-size", "4", "--limit", "20", "--test-limit", "4",
-             "--momentum", "0.9", "--schedule", "cosine"]
-    for graph in ("--graph", "--no-graph"):
-        done = train_resnet(2, data_dir, tmp_path / graph, *flags, graph)
-        assert done.returncode == 0, done.stderr
-        assert "warning" not in done.stdout + done.stderr and ("CUDA graph" in done.stdout) == (graph == "--graph")
-    saved = [np.load(tmp_path / g / "checkpoint.npz") for g in ("--graph", "--no-graph")]
-    for name in saved[1].files:
-        if saved[1][name].dtype.kind in "fi":
-            np.testing.assert_array_equal(saved[0][name], saved[1][name], err_msg=name)
+    done = train_resnet(2, data_dir, out, *TWO_GPUS, *flags)
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stdout + done.stderr and ("CUDA graph" in done.stdout) == ("--no-graph" not in flags)
+    return np.load(out / "checkpoint.npz")
+
+
+def assert_same_checkpoints(a, b):
+    for name in b.files:
+        if b[name].dtype.kind in "fi":
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_graph_with_two_simulated_gpus_in_fp32_equals_no_graph(fifteen, tmp_path):
+    """Each worker captures its own step, NCCL calls on the side stream joined back, the fp32 step's
+    array operations included; an epoch's short last batch runs eagerly on both ranks."""
+    flags = ["--precision", "fp32", "--schedule", "cosine"]
+    assert_same_checkpoints(trained(fifteen, tmp_path / "graph", *flags, "--graph"),
+                            trained(fifteen, tmp_path / "eager", *flags, "--no-graph"))
+
+
+SYNC_BN = ["--sync-bn", "--epochs", "2"]
+
+
+@pytest.fixture(scope="module")
+def sync_bn_eager(fifteen, tmp_path_factory):
+    return trained(fifteen, tmp_path_factory.mktemp("eager"), *SYNC_BN, "--no-graph")
+
+
+@pytest.mark.slow
+def test_graph_with_two_simulated_gpus_and_sync_bn_resumed_equals_no_graph(fifteen, sync_bn_eager, tmp_path):
+    """Sync batch norm's all-reduces and array operations replayed, in the first epoch and, after a
+    resume, in the second."""
+    trained(fifteen, tmp_path / "run", *SYNC_BN, "--graph", "--epochs", "1")
+    assert_same_checkpoints(trained(fifteen, tmp_path / "run", *SYNC_BN, "--resume", str(tmp_path / "run")),
+                            sync_bn_eager)
+
+
+@pytest.mark.slow
+def test_a_capture_that_fails_on_one_rank_makes_every_rank_run_eagerly(fifteen, sync_bn_eager, tmp_path, capfd,
+                                                                        monkeypatch):
+    """Out of memory on rank 1 while its graph's pool grows: the ranks agree on the outcome of the
+    capture and both run eagerly (a collective replayed on one rank and eager on the other is what
+    NCCL forbids), with the result of --no-graph."""
+    import sim_targets
+    from parallel import launch
+    from parallel.comm import NCCLCommunicator
+    monkeypatch.setenv(kernels.SIMULATED_GPUS, "2")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    given = {"gpus": 2, "width": 2, "batch_size": 4, "limit": 15, "test_limit": 4, "momentum": 0.9,
+             "sync_bn": True, "epochs": 2, "graph": True, "data_dir": str(fifteen), "out": str(tmp_path / "run")}
+    launch.run_workers(2, sim_targets.capture_fails, (given, NCCLCommunicator.unique_id(), 1))
+    printed = capfd.readouterr().err
+    assert "warning (rank 1): --graph: capturing the training step failed on rank(s) [1] (MemoryError: out of " \
+           "memory while the graph's pool grew); every rank runs it eagerly" in printed, printed
+    assert "warning (rank 0): --graph: capturing the training step failed on rank(s) [1]; every rank runs it " \
+           "eagerly" in printed, printed
+    assert_same_checkpoints(np.load(tmp_path / "run" / "checkpoint.npz"), sync_bn_eager)
 
 
 @pytest.mark.gpu

@@ -226,13 +226,12 @@ def _data_and_model(cfg, xp, world_size, saved_arrays, record, log):
 
 
 def _step(cfg, model, opt, ddp, images, labels):
-    """The training step of this run, on this rank's shard of a batch: a GraphedStep (--graph) for
-    shards of a whole batch, else train_step."""
+    """The training step of this run, on this rank's shard of a batch: a GraphedStep (--graph),
+    replayed for whole global batches, else train_step."""
     if not cfg.replayed_step:
         return functools.partial(train_step, model, opt, ddp, images, labels)
-    lo, hi = shard_bounds(cfg.batch_size, ddp.world_size, ddp.rank)
     who = f" (rank {ddp.rank})" if ddp.world_size > 1 else ""   # each rank captures its own step
-    return GraphedStep(model, opt, ddp, images, labels, hi - lo,
+    return GraphedStep(model, opt, ddp, images, labels, cfg.batch_size,
                        warn=lambda line: print(f"warning{who}: {line}", file=sys.stderr, flush=True))
 
 

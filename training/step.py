@@ -21,16 +21,21 @@ def train_step(model, opt, ddp, images, labels, idx):
 
 
 class GraphedStep:
-    """train_step as a CUDA graph for batches of ``size`` images (kernels' ``Backend.capture``).
+    """train_step as a CUDA graph for global batches of ``size`` images (kernels' ``Backend.capture``).
 
     The first such batch runs eagerly (the warm-up: every kernel compiled, every counter made);
     the second is captured, and every one from then on replays the graph after refilling its
     static inputs in place: the batch's indices, and the learning rate, which the optimizer keeps
     in device memory (SGD.lr_on_device). The loss and the correct count that a replay writes are
     copied out before the next replay overwrites them, and the batch-norm step counters (host
-    numbers the forward increments) move once per replay. A batch of another size (an epoch's
-    last, shorter one) runs eagerly. If the capture fails, ``warn`` gets one line and the step
-    runs eagerly from then on."""
+    numbers the forward increments) move once per replay.
+
+    Whether a step replays is the same on every rank of ``ddp``, as NCCL requires of collectives
+    in graphs: a global batch of another size (an epoch's last, shorter one) runs eagerly, even on
+    a rank whose shard has the usual size (the capture baked in the loss share and sync batch norm's
+    count of the whole batch); and the ranks agree on the outcome of the capture (one small
+    collective): if it fails on any rank, ``warn`` gets one line and every rank runs the step
+    eagerly from then on."""
 
     def __init__(self, model, opt, ddp, images, labels, size, warn):
         self.model, self.opt, self.ddp, self.images, self.labels = model, opt, ddp, images, labels
@@ -41,8 +46,10 @@ class GraphedStep:
         opt.lr_on_device()
 
     def __call__(self, idx):
-        if len(idx) != self.size or self.eager_only or not self.warmed_up:
-            self.warmed_up = self.warmed_up or len(idx) == self.size
+        """The step on this rank's shard ``idx`` of the global batch that ``ddp.scatter`` gave it."""
+        whole = self.ddp.batch_size == self.size
+        if not whole or self.eager_only or not self.warmed_up:
+            self.warmed_up = self.warmed_up or whole
             return train_step(self.model, self.opt, self.ddp, self.images, self.labels, idx)
         if self.graph is None and not self._capture(idx):
             return train_step(self.model, self.opt, self.ddp, self.images, self.labels, idx)
@@ -53,16 +60,25 @@ class GraphedStep:
         return tuple(a.copy() for a in self.outputs)
 
     def _capture(self, idx):
-        """Capture the step on the static index buffer; False (after the warning) if that fails."""
+        """Capture the step on the static index buffer; False (after the warning) if that failed on
+        any rank."""
         counters = [m.num_batches_tracked.copy() for m in self.batch_norms]
-        self.idx = idx.copy()
+        self.idx, error = idx.copy(), None
         try:
             self.graph, self.outputs = backend_of(self.images).capture(
                 lambda: train_step(self.model, self.opt, self.ddp, self.images, self.labels, self.idx))
         except Exception as e:   # whatever the capture met, training goes on without it
-            self.eager_only, self.graph = True, None
-            self.warn(f"--graph: capturing the training step failed ({type(e).__name__}: {e}); it runs eagerly")
+            error = e
         finally:   # the capture ran the forward's host code once, and no step
             for m, count in zip(self.batch_norms, counters):
                 m.num_batches_tracked[...] = count
-        return self.graph is not None
+        comm = self.ddp.comm
+        failed = [rank for rank, f in enumerate(comm.all_gather_scalar(float(error is not None))) if f]
+        if not failed:
+            return True
+        self.eager_only, self.graph = True, None
+        cause = f" ({type(error).__name__}: {error})" if error is not None else ""
+        self.warn(f"--graph: capturing the training step failed{cause}; it runs eagerly" if comm.world_size == 1 else
+                  f"--graph: capturing the training step failed on rank(s) {failed}{cause}; every rank runs it "
+                  f"eagerly")
+        return False

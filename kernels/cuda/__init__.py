@@ -81,8 +81,9 @@ class Backend:
         """At least `count` zeroed unsigned counters on the current device, for the reductions that
         finish in the launch that split them (last_block in common.cuh): each launch leaves them at
         zero, and the launches of a device run one after another on its stream, so one set per device
-        serves them all. Made on first use and kept: never allocated inside a CUDA graph's capture
-        after a warm-up step."""
+        serves them all. Made on first use, and replaced by a larger set when a launch needs more (an
+        evaluation of larger batches than the training step's): a graph captured before keeps its
+        own (capture)."""
         device = self.xp.cuda.runtime.getDevice() if self.xp is not np else None
         have = self._counters.get(device)
         if have is None or have.size < count:
@@ -91,7 +92,8 @@ class Backend:
 
     def capture(self, fn):
         """(graph, fn()): fn's launches captured, not run; graph.launch() replays them (CUDA graphs on
-        the GPU, a record of the launches on the emulator: see graph.py)."""
+        the GPU, a record of the launches on the emulator: see graph.py). The graph keeps alive every
+        array its kernels were given and every array made during the capture: it holds their addresses."""
         from .graph import capture
         return capture(self, fn)
 

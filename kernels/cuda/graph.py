@@ -19,14 +19,38 @@ values (they are not computed yet).
   runs the record; NumPy operations are not recorded, so a step meant for a graph launches only
   kernels (tests/test_graph.py compares replays with eager steps bit for bit, which shows any
   that is not).
+
+Either way a graph holds addresses, so nothing it was captured on may be freed while it lives: it
+keeps every array its kernels were given (the backend's counters, which Backend.counters replaces
+when a later launch needs more, among them), and the arrays made during the capture are its
+pool's. What else a step hands to captured work (NCCL's buffers, the operands of CuPy's
+operations) is of the pool or of the model; the simulated GPUs fail a replay that reaches freed
+memory.
 """
 
 
 def capture(be, fn):
     """(graph, fn()) with fn's launches captured into graph (see the module's docstring)."""
     if be.name == "emu":
-        return _capture_launches(be, fn)
-    return _capture_stream(be.xp, fn)
+        record = LaunchRecord()
+        result = _intercepted(be, fn, lambda *launch: record.launches.append(launch))
+        return record, result
+    return _capture_stream(be, fn)
+
+
+def _intercepted(be, fn, launch):
+    """fn(), each kernel launch through ``be.function`` handed to ``launch(kernel, grid, block, args,
+    kwargs)`` instead of made."""
+    function = be.function
+
+    def intercepting(family, name):
+        kernel = function(family, name)
+        return lambda grid, block, args, **kwargs: launch(kernel, grid, block, args, kwargs)
+    be.function = intercepting   # an instance attribute hides the method
+    try:
+        return fn()
+    finally:
+        del be.function
 
 
 class LaunchRecord:
@@ -43,37 +67,28 @@ class LaunchRecord:
         return len(self.launches)
 
 
-def _capture_launches(be, fn):
-    record = LaunchRecord()
-    function = be.function
-
-    def recorded(family, name):
-        kernel = function(family, name)
-        return lambda grid, block, args, **kwargs: record.launches.append((kernel, grid, block, args, kwargs))
-    be.function = recorded   # an instance attribute hides the method
-    try:
-        result = fn()
-    finally:
-        del be.function
-    return record, result
-
-
 class StreamGraph:
-    """A CUDA graph and the memory pool its arrays came from."""
+    """A CUDA graph, the memory pool its arrays came from and the arguments of its kernels, all of
+    which it holds the addresses of."""
 
-    def __init__(self, graph, pool):
-        self.graph, self.pool = graph, pool
+    def __init__(self, graph, pool, arguments):
+        self.graph, self.pool, self.arguments = graph, pool, arguments
 
     def launch(self):
         self.graph.launch()   # on the current stream: ordered after what was queued there before
 
 
-def _capture_stream(cupy, fn):
+def _capture_stream(be, fn):
+    cupy, arguments = be.xp, []
     stream, pool = cupy.cuda.Stream(non_blocking=True), cupy.cuda.MemoryPool()
+
+    def launch(kernel, grid, block, args, kwargs):
+        arguments.append(args)
+        kernel(grid, block, args, **kwargs)
     with cupy.cuda.using_allocator(pool.malloc), stream:
         stream.begin_capture()
         try:
-            result = fn()
+            result = _intercepted(be, fn, launch)
         except BaseException:
             try:
                 stream.end_capture()   # the stream must leave capture mode; the graph is of no use
@@ -83,4 +98,4 @@ def _capture_stream(cupy, fn):
         graph = stream.end_capture()
     graph.upload(stream)
     stream.synchronize()
-    return StreamGraph(graph, pool), result
+    return StreamGraph(graph, pool, arguments), result
