@@ -23,6 +23,7 @@ was launched.
 import contextlib
 import json
 import os
+import socket
 
 import numpy as np
 
@@ -244,8 +245,23 @@ def for_training(gpus, comm=None):
         raise launch.LaunchError(f"--gpus {gpus} is the GPUs per node, but mpiexec started {world.local_size} "
                                  f"ranks on this node: start one rank per GPU (e.g. mpiexec -N {gpus})")
     cupy_module().cuda.Device(local_gpu(world.local_rank, world.local_size)).use()
+    _check_a_gpu_each(comm)
     unique_id = comm.comm.bcast(NCCLCommunicator.unique_id() if world.rank == 0 else None, root=0)
     return NCCLCommunicator(world.rank, world.size, unique_id, world.local_rank)
+
+
+def _check_a_gpu_each(comm):
+    """LaunchError, on every rank of ``comm`` (MPI), when two ranks hold the same GPU (the same PCI
+    bus id on the same machine): NCCL refuses that with a bare "invalid usage"."""
+    gpu = (socket.gethostname(), cupy_module().cuda.Device().pci_bus_id)
+    first = {}
+    for rank, held in enumerate(comm.comm.allgather(gpu)):
+        if held in first:
+            raise launch.LaunchError(
+                f"ranks {first[held]} and {rank} both use the GPU at PCI bus {held[1]} of {held[0]}: NCCL needs a "
+                f"GPU of its own for each rank (mpiexec -N <GPUs per node>, each rank seeing all of the node's GPUs "
+                f"or, through CUDA_VISIBLE_DEVICES, only its own)")
+        first[held] = rank
 
 
 def _mpi(world):

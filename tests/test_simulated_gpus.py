@@ -492,3 +492,17 @@ def test_one_gpu_per_mpi_rank_made_visible_by_the_scheduler(data_dir, tmp_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "data parallel: 2 ranks" in done.stdout and done.stdout.splitlines()[-1].startswith("test acc: ")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(mpi_unavailable_reason() is not None, reason=str(mpi_unavailable_reason()))
+def test_two_mpi_ranks_on_one_gpu_are_refused_naming_the_gpu(data_dir, tmp_path):
+    """Both ranks see only GPU 0 (a scheduler's mistake): an error that says so, before NCCL's bare
+    "invalid usage"."""
+    command = [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", "CUDA_VISIBLE_DEVICES=0",
+               "-x", f"{kernels.SIMULATED_GPUS}=2", "-x", f"TMPDIR={tmp_path}", sys.executable, "train_resnet.py",
+               "--gpus", "2", "--data-dir", str(data_dir), "--out", str(tmp_path / "run"), *SMALL]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    assert "error: ranks 0 and 1 both use the GPU at PCI bus 0000:00:00.0 of " in done.stderr, done.stderr
+    assert "NCCL" in done.stderr and "Traceback" not in done.stderr, done.stderr
