@@ -14,6 +14,8 @@ waits for its stream, and is refused during a capture. ``RawModule`` is the CPU 
 (kernels/emu); ``empty`` fills new memory with NaN (integers: their minimum), so that an element
 a kernel forgets to write shows.
 """
+import math
+
 import numpy as np
 
 from .. import emu
@@ -57,16 +59,18 @@ def _allocate(shape, dtype, like=None, order="C"):
     in the memory layout of ``like`` (a NumPy array that owns its memory, so that its strides are a
     permutation of a dense layout), or of ``order``; it belongs to the pool of using_allocator, if any."""
     device, dtype = cuda.getDevice(), np.dtype(dtype)
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
     cuda.ledger["allocations"][device] += 1
-    layout = np.empty(shape, dtype, order=order) if like is None or not like.flags.owndata or \
-        any(s < 0 for s in like.strides) else like
-    raw = np.empty(max(layout.nbytes, 1), np.uint8)
-    array = np.ndarray(shape, dtype, buffer=raw, strides=layout.strides)
+    if like is not None and like.flags.owndata and all(s >= 0 for s in like.strides):
+        strides = like.strides
+    else:
+        strides = None if order == "C" else np.empty(shape, dtype, order=order).strides
+    raw = np.empty(max(math.prod(shape) * dtype.itemsize, 1), np.uint8)
+    array = np.ndarray(shape, dtype, buffer=raw, strides=strides)
     pool = cuda.current_pool()
     if pool is not None:
         pool._blocks.append(raw)
-    timeline.register(raw, device, cuda.get_current_stream().key(),
-                      f"an array of shape {array.shape} {dtype} on device {device}", pooled=pool is not None)
+    timeline.register(raw, device, cuda.get_current_stream().key(), array.shape, dtype, pooled=pool is not None)
     return ndarray._wrap(_poison(array), device)
 
 

@@ -181,7 +181,7 @@ class Stream:
         """The stream in timeline's terms: (device, handle), known to it."""
         key = (self.device(), self.ptr)
         kind = "legacy" if self.ptr == 0 else "non-blocking" if self.non_blocking else "blocking"
-        timeline.stream(key, kind, f"the null stream of device {key[0]}" if self.ptr == 0 else
+        timeline.stream(key, kind, lambda: f"the null stream of device {key[0]}" if self.ptr == 0 else
                         f"stream {self.ptr:#x} of device {key[0]}")
         return key
 
@@ -395,8 +395,8 @@ class Graph:
     def _branch(self, stream):
         if stream not in self._branches:
             key = (self._device, ("graph", self._id, len(self._branches)))
-            timeline.stream(key, "graph", f"the branch of CUDA graph {self._id} captured from stream "
-                                          f"{stream.ptr:#x} of device {self._device}")
+            timeline.stream(key, "graph", lambda: f"the branch of CUDA graph {self._id} captured from stream "
+                                                  f"{stream.ptr:#x} of device {self._device}")
             self._branches[stream] = key
         return self._branches[stream]
 

@@ -50,10 +50,12 @@ class FreedMemory(RuntimeError):
 
 def stream(key, kind, name):
     """Make a stream known: ``key`` is (device, anything hashable); ``kind`` says whom it waits for
-    implicitly (CUDA's legacy null stream and its blocking streams wait for each other)."""
-    with _lock:
-        _kinds.setdefault(key, kind)
-        _names.setdefault(key, name)
+    implicitly (CUDA's legacy null stream and its blocking streams wait for each other); ``name()``
+    names it in errors."""
+    if key not in _kinds:
+        with _lock:
+            _names.setdefault(key, name())
+            _kinds.setdefault(key, kind)
 
 
 def describe(key):
@@ -132,24 +134,38 @@ def join(key, others):
 # ---- memory --------------------------------------------------------------------------------------
 
 class Allocation:
-    """One allocation's raw bytes (held weakly), where it was made, and who touched which of its
-    bytes: records (lo, hi, writes, stream key, tick, label), none dominated by a later one."""
-    __slots__ = ("raw", "address", "nbytes", "device", "key", "label", "pooled", "records")
+    """One allocation's raw bytes (held weakly: ``_freed`` runs when they go), where it was made, the
+    array it was made for, and who touched which of its bytes: records (lo, hi, writes, stream key,
+    tick, label), none dominated by a later one."""
+    __slots__ = ("raw", "identity", "_address", "nbytes", "device", "key", "shape", "dtype", "pooled", "records")
 
-    def __init__(self, raw, device, key, label, pooled):
-        self.raw = weakref.ref(raw)
-        self.address, self.nbytes = raw.__array_interface__["data"][0], raw.nbytes
-        self.device, self.key, self.label, self.pooled = device, key, label, pooled
+    def __init__(self, raw, device, key, shape, dtype, pooled):
+        self.raw, self.identity, self._address, self.nbytes = weakref.ref(raw, self._freed), id(raw), None, raw.nbytes
+        self.device, self.key, self.shape, self.dtype, self.pooled = device, key, shape, dtype, pooled
         self.records = []
 
+    @property
+    def address(self):
+        """Where the raw bytes start (looked up when first needed: most arrays never need it)."""
+        if self._address is None:
+            raw = self.raw()
+            self._address = -1 if raw is None else raw.__array_interface__["data"][0]
+        return self._address
 
-def register(raw, device, key, label, pooled=False):
-    """Make ``raw`` (a new uint8 array) an allocation of ``device`` on stream ``key``; ``label``
-    describes it in errors; ``pooled``: it belongs to a capture's pool (freed synchronously)."""
-    allocation = Allocation(raw, device, key, label, pooled)
-    with _lock:
-        _registry[id(raw)] = allocation
-    weakref.finalize(raw, _freed, id(raw), allocation)
+    @property
+    def label(self):
+        return f"an array of shape {self.shape} {self.dtype} on device {self.device}"
+
+    def _freed(self, _):
+        _freed(self)
+
+
+def register(raw, device, key, shape, dtype, pooled=False):
+    """Make ``raw`` (a new uint8 array) an allocation of ``device`` on stream ``key``, for an array of
+    ``shape`` and ``dtype`` (which errors name); ``pooled``: it belongs to a capture's pool (freed
+    synchronously)."""
+    allocation = Allocation(raw, device, key, shape, dtype, pooled)
+    _registry[allocation.identity] = allocation
     return allocation
 
 
@@ -250,13 +266,13 @@ def _touch(span, writes, key, clock, label):
     allocation.records = kept
 
 
-def _freed(identity, allocation):
+def _freed(allocation):
     """An allocation's last array is gone: what other streams did to it must be ordered before its
     own stream's next work, which may be given the memory."""
     with _lock:
-        if _registry.get(identity) is allocation:
-            del _registry[identity]
-        if allocation.pooled:
+        if _registry.get(allocation.identity) is allocation:
+            del _registry[allocation.identity]
+        if allocation.pooled or not allocation.records:
             return
         position = _follows(allocation.key, dict(_clocks.get(allocation.key, {})))
         for lo, hi, writes, key, tick, label in allocation.records:
