@@ -10,9 +10,10 @@ arrays count every other device operation CuPy would run (element-wise kernels, 
 gathers, copies, memsets) with the bytes each writes. One step after a warm-up is counted at
 --width and --batch. The host time per step is the median of --steps steps of the same network
 at --host-width and --host-batch (4 and 2: the same launches, give or take a split), where the
-stand-in's own work on the arrays (NumPy copies and fills that a GPU would run asynchronously) is
-small beside what it measures: the launchers, the tape and the optimizer. It still bounds the
-Python side of a step from above. Prints a table by kernel, with the totals.
+stand-in's own work on the arrays (NumPy copies and fills that a GPU would run asynchronously, and
+its bookkeeping of device memory, a few microseconds an allocation) is small beside what it
+measures: the launchers, the tape and the optimizer. It still bounds the Python side of a step
+from above. Prints a table by kernel, with the totals.
 """
 import argparse
 import collections
