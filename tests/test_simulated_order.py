@@ -8,7 +8,8 @@ correct code:
   still use it; and DataParallel with either of its two event waits taken out, in the trainer;
 - capture rules: a copy to the host (``float()``, ``.item()``, ``.get()``) or from host memory,
   a synchronize of the device, a capturing stream or an event recorded in the capture, their
-  queries, and the legacy stream while a blocking stream captures;
+  queries, the legacy stream while a blocking stream captures, and a wait on an event recorded
+  in a capture that has ended;
 - graphs: array operations are recorded and replayed as CuPy's are; a replay that reaches memory
   freed since the capture fails; the capture's pool keeps what it allocated; a collective
   replayed in a graph on one rank and eager on another is an error on both.
@@ -135,6 +136,8 @@ def test_synchronizing_and_querying_during_a_capture_are_refused(gpus):
             with pytest.raises(error, match=f"cudaError{status}"):
                 call()
         stream.end_capture()
+    with pytest.raises(error, match="cudaErrorStreamCaptureIsolation"):
+        gpus.cuda.get_current_stream().wait_event(event)   # recorded in a capture that has ended
     blocking = gpus.cuda.Stream()
     x = gpus.asarray(host())
     blocking.begin_capture()

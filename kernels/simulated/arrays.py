@@ -91,12 +91,12 @@ def _count(name, written):
     return written
 
 
-def _queue(name, function, inputs, out=None, order="K", stream=None):
-    """``function(*inputs)`` as one operation on the current stream (or ``stream``), its value written
-    into ``out`` (a device array) or into a new array of its shape and dtype; returns the array.
+def _queue(name, function, inputs, out=None, order="K"):
+    """``function(*inputs)`` as one operation on the current stream, its value written into ``out``
+    (a device array) or into a new array of its shape and dtype (in ``order``); returns the array.
     The device arrays among ``inputs`` are read (those of another device refused, unless the
     operation is a ``copy``, which CuPy makes between devices); other inputs pass as they are."""
-    stream = cuda.get_current_stream() if stream is None else stream
+    stream = cuda.get_current_stream()
     slots = [i for i, v in enumerate(inputs) if isinstance(v, ndarray)]
     arrays = [v._array if name == "copy" and isinstance(v, ndarray) else _operand(f"cupy {name}", v) for v in inputs]
     template = [None if i in slots else v for i, v in enumerate(arrays)]

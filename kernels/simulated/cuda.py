@@ -213,6 +213,9 @@ class Stream:
             raise TypeError(f"Stream.wait_event takes a cupy.cuda.Event, got {type(event).__name__}")
         if event._captured is not None:
             capture, source, queued, node = event._captured
+            if capture.ended:
+                raise CUDARuntimeError("cudaErrorStreamCaptureIsolation", "Stream.wait_event on an event last "
+                                                                          "recorded in a stream capture that has ended")
             if self._capture is None:
                 self._capture = capture   # it joins the capture
             capture.joined_back[source] = queued
@@ -239,6 +242,7 @@ class Stream:
         joined = [s for s in _streams.values() if s._capture is capture]
         for s in joined:
             s._capture = None
+        capture.ended = True
         unjoined = [s for s in joined if s is not self and capture.joined_back.get(s, -1) != s._queued]
         if unjoined:
             raise CUDARuntimeError("cudaErrorStreamCaptureUnjoined",
@@ -335,7 +339,7 @@ class _Capture:
     of its work the capturing streams have waited for (what end_capture checks)."""
 
     def __init__(self, origin):
-        self.origin, self.nodes, self.joined_back = origin, [], {}
+        self.origin, self.nodes, self.joined_back, self.ended = origin, [], {}, False
 
 
 def enqueue(stream, work):
