@@ -1,6 +1,6 @@
 """ResNet-18 with the module tree of d2l's PyTorch version (the 'multiple GPUs,
 concise' section), so that state-dict keys line up with it."""
-from .init import init_model
+from .init import get_rng_state, init_model, set_rng_state
 from .modules import AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Flatten, Linear, Module, ReLU, Sequential
 
 
@@ -46,3 +46,16 @@ def resnet18(num_classes=10, in_channels=1, width=64, init="normal"):
     net.add_module("global_avg_pool", AdaptiveAvgPool2d((1, 1)))
     net.add_module("fc", Sequential(Flatten(), Linear(8 * w, num_classes)))
     return init_model(net, init)
+
+
+def parameter_count(width, num_classes=10, in_channels=1):
+    """The parameters of ``resnet18(num_classes, in_channels, width)``, without making it (a width
+    too large for memory, say): a quadratic in the width (the convolutions' weights grow with its
+    square; biases, batch norms and the classifier with it) through three tiny models, exactly; the
+    seeded generator is left as it was."""
+    state = get_rng_state()
+    try:
+        f1, f2, f3 = (sum(p.size for p in resnet18(num_classes, in_channels, w).parameters()) for w in (1, 2, 3))
+    finally:
+        set_rng_state(state)
+    return f1 + (f2 - f1) * (width - 1) + (f3 - 2 * f2 + f1) * (width - 1) * (width - 2) // 2

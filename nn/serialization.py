@@ -5,18 +5,64 @@ the state dict as safetensors, the format the ecosystem shares weights in.
 ResNet-18, float32 parameters and running statistics, int64 ``num_batches_tracked``, so that
 ``net.load_state_dict(safetensors.torch.load_file(path))`` loads it into d2l's model with
 ``strict=True``. ``load_safetensors(model, path)`` reads such a file, whichever framework wrote
-it, into the model's existing arrays; a missing or extra key, or a shape or dtype that does not
-fit, is a SerializationError naming it. No pickle either way.
+it, into the model's existing arrays: bfloat16 and float16 values are widened to float32, which is
+exact; a missing or extra key, a shape or another dtype that does not fit, a value that is NaN or
+infinite, or a negative running variance is a SerializationError naming the key. Only regular
+files are read (a named pipe would block the open). No pickle either way.
 """
 import contextlib
+import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(path):
+    """What is at ``path``, following symbolic links: "a regular file", "a folder", "a named pipe
+    (FIFO)", "a character device", ...; None when nothing is. Asked before an open, which would
+    block on a named pipe and ignore signals while it waits."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
 
 class SerializationError(ValueError):
     """A weights file that cannot be read or does not fit the model; the message says why."""
+
+
+def temporary(path):
+    """The temporary file beside ``path`` that atomic_write of this process writes first."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share one
+
+
+def remove_stale_temporaries(path):
+    """Delete the temporary files beside ``path`` that writers killed before they finished left
+    (SIGKILL, a power cut): those of processes that no longer run."""
+    path = Path(path)
+    for leftover in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = leftover.name[len(path.name) + 2:-len(".tmp")]
+        if pid.isdigit() and not _running(int(pid)):
+            leftover.unlink(missing_ok=True)
+
+
+def _running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
 
 
 @contextlib.contextmanager
@@ -24,7 +70,8 @@ def atomic_write(path, mode="wb"):
     """Write to a temporary file beside ``path`` and rename it over ``path`` only
     when the writing finished, so an interruption leaves the old file intact."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share one
+    remove_stale_temporaries(path)
+    tmp = temporary(path)
     try:
         with open(tmp, mode) as f:
             yield f
@@ -50,24 +97,84 @@ def save_safetensors(model, path):
 
 def load_safetensors(model, path):
     """Copy the state dict in the safetensors file at ``path`` into ``model``, in place (its flat
-    buffers stay intact); SerializationError unless every key, shape and dtype fits."""
-    import safetensors
-    import safetensors.numpy
-    try:
-        state = safetensors.numpy.load_file(str(path))
-    except FileNotFoundError:
-        raise SerializationError(f"{path}: no such file") from None
-    except (OSError, safetensors.SafetensorError) as e:
-        raise SerializationError(f"{path} is not a safetensors file, or it is corrupt ({e})") from None
+    buffers stay intact); SerializationError unless every key, shape and dtype fits and every value
+    is possible (see the module's docstring)."""
+    state = _read_safetensors(path)
     own = model.state_dict()
     missing, extra = [k for k in own if k not in state], [k for k in state if k not in own]
     if missing or extra:
+        prefixed = [k for k in extra if k.startswith("module.") and k[len("module."):] in own]
+        if prefixed and len(prefixed) == len(extra):
+            raise SerializationError(f"{path}: every key starts with 'module.' (a state dict of a model wrapped in "
+                                     f"PyTorch's DataParallel or DistributedDataParallel): save the wrapped model's "
+                                     f"net.module.state_dict() instead")
         raise SerializationError(f"{path} does not hold this model's state dict: "
-                                 + "; ".join(filter(None, [missing and f"missing keys {missing}",
-                                                           extra and f"unexpected keys {extra}"])))
+                                 + "; ".join(filter(None, [missing and f"missing keys {_some(missing)}",
+                                                           extra and f"unexpected keys {_some(extra)}"])))
     for key, target in own.items():
         value = state[key]
+        if value.dtype != target.dtype and target.dtype == np.float32 and value.dtype == np.float16:
+            value = state[key] = value.astype(np.float32)   # exact
         if value.shape != tuple(target.shape) or value.dtype != target.dtype:
             raise SerializationError(f"{path}: {key} is {value.dtype} of shape {value.shape}, the model's is "
                                      f"{target.dtype} of shape {tuple(target.shape)}")
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise SerializationError(f"{path}: {key} holds {np.count_nonzero(~np.isfinite(value))} values that are "
+                                     f"NaN or infinite, of {value.size}")
+        if key.endswith("running_var") and (value < 0).any():
+            raise SerializationError(f"{path}: {key} holds a negative variance ({value.min():g}): not a running "
+                                     f"variance")
     model.load_state_dict(state)
+
+
+def _some(keys, shown=6):
+    """A few of ``keys`` for a one-line message, and how many more there are."""
+    more = len(keys) - shown
+    return repr(keys[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def _read_safetensors(path):
+    """{key: NumPy array} of a safetensors file; bfloat16 (which NumPy lacks) widened to float32."""
+    import safetensors
+    import safetensors.numpy
+    kind = file_kind(path)
+    if kind is None:
+        raise SerializationError(f"{path}: no such file")
+    if kind != "a regular file":
+        raise SerializationError(f"{path} is {kind}, not a regular file")
+    try:
+        return safetensors.numpy.load_file(str(path))
+    except (OSError, safetensors.SafetensorError) as e:
+        raise SerializationError(f"{path} is not a safetensors file, or it is corrupt ({e})") from None
+    except (TypeError, AttributeError):   # a dtype NumPy does not have (bfloat16, float8): read the file here
+        try:
+            return _read_widening(path)
+        except (ValueError, KeyError, TypeError) as e:
+            raise SerializationError(f"{path} is not a safetensors file, or it is corrupt ({e})") from None
+
+
+_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+           "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
+
+
+def _read_widening(path):
+    """The safetensors format read directly (an 8-byte length, a JSON header, the data), for files
+    whose dtypes NumPy lacks: bfloat16 becomes float32 (its bits are float32's upper half, so the
+    widening is exact); any other such dtype is an error naming the key."""
+    data = Path(path).read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    body, state = memoryview(data)[8 + length:], {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        if entry["dtype"] == "BF16":
+            bits = np.frombuffer(body[begin:end], "<u2").astype(np.uint32) << np.uint32(16)
+            state[key] = bits.view(np.float32).reshape(entry["shape"])
+        elif entry["dtype"] in _DTYPES:
+            state[key] = np.frombuffer(body[begin:end], _DTYPES[entry["dtype"]]).reshape(entry["shape"]).copy()
+        else:
+            raise SerializationError(f"{path}: {key} is {entry['dtype']}, a dtype this loader does not take "
+                                     f"(float32, or bfloat16 and float16, which it widens to float32)")
+    return state

@@ -8,7 +8,7 @@ import numpy as np
 
 from kernels import get_array_module
 from nn.modules import FlatParameters
-from nn.serialization import atomic_write
+from nn.serialization import atomic_write, file_kind
 
 FILENAME = "checkpoint.npz"
 _BUFFER = "buffer/"
@@ -49,9 +49,27 @@ def resolve(path):
     path = Path(path)
     if path.is_dir():
         path = path / FILENAME
-    if not path.is_file():
+    kind = file_kind(path)
+    if kind is None:
         raise CheckpointError(f"no checkpoint at {path}")
+    if kind != "a regular file":
+        raise CheckpointError(f"{path} is {kind}, not a checkpoint file")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if len(head) > 8 and head[8:9] == b"{":   # an 8-byte header length, then the JSON header
+        raise CheckpointError(f"{path} is a safetensors file of weights, not a checkpoint of a run: start a new run "
+                              f"from it with --init-from {path}")
     return path
+
+
+def record_of(path):
+    """The record (epoch, config, metrics, ...) of the checkpoint at ``path``, without its arrays."""
+    path = resolve(path)
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return _complete(json.loads(str(f["record"])))
+    except Exception as e:   # as in load()
+        raise CheckpointError(f"not a checkpoint of this program, or corrupt: {path} ({_reason(e)})") from None
 
 
 RECORD_KEYS = ("epoch", "config", "metrics", "rng_state")
@@ -63,14 +81,27 @@ def load(path):
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
-        record = json.loads(str(arrays.pop("record")))
-        missing = [k for k in RECORD_KEYS if k not in record] + ["params"] * ("params" not in arrays)
-        if missing:
-            raise KeyError(f"no {', '.join(missing)}")
+        record = _complete(json.loads(str(arrays.pop("record"))))
+        if "params" not in arrays:
+            raise KeyError("no params")
     except Exception as e:  # a damaged zip, a .npy, missing keys, bad JSON: all the same to the user
-        raise CheckpointError(f"not a checkpoint of this program, or corrupt: {path} ({type(e).__name__}: "
-                              f"{e})") from None
+        raise CheckpointError(f"not a checkpoint of this program, or corrupt: {path} ({_reason(e)})") from None
     return arrays, record
+
+
+def _complete(record):
+    """The record, or KeyError naming what it lacks."""
+    missing = [k for k in RECORD_KEYS if not isinstance(record, dict) or k not in record]
+    if missing:
+        raise KeyError(f"no {', '.join(missing)}")
+    return record
+
+
+def _reason(error):
+    """What went wrong reading a checkpoint, without NumPy's advice to allow pickles (never do)."""
+    if "allow_pickle" in str(error):
+        return "it holds pickled objects, which this program never writes nor reads"
+    return f"{type(error).__name__}: {error}"
 
 
 def _copy(target, value, name):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nn.serialization import file_kind
+
 DEFAULT_DIR = Path("data") / "fashion-mnist"
 MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 # split -> (images file, labels file); md5 of the .gz files as published with the dataset
@@ -42,6 +44,9 @@ def resolve_dir(data_dir=None):
 
 def read_idx(path, ndim):
     """The uint8 array of an IDX file (gzip-compressed) with ``ndim`` dimensions."""
+    kind = file_kind(path)
+    if kind not in (None, "a regular file"):
+        raise DataError(f"{path} is {kind}, not a regular file")
     try:
         with gzip.open(path, "rb") as f:
             raw = f.read()
@@ -126,6 +131,9 @@ def load_fashion_mnist(data_dir=None, download=True, log=print):
     if download:
         ensure_files(folder, log=log)
     splits = {split: load_split(folder, split) for split in FILES}
+    for split, (images, _) in splits.items():
+        if len(images) == 0:
+            raise DataError(f"{folder / FILES[split][0]} holds no images: the {split} split is empty")
     sizes = {split: images.shape[1:] for split, (images, _) in splits.items()}
     if sizes["train"] != sizes["test"]:
         raise DataError(f"{folder / FILES['test'][0]} holds images of {sizes['test'][0]}x{sizes['test'][1]} pixels, "
