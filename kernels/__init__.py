@@ -88,7 +88,11 @@ def cupy_module():
     """CuPy, through which every GPU path of the project reaches the GPU; under
     ``KERNELS_SIMULATED_GPUS=N``, the simulated GPUs' stand-in for it (kernels/simulated).
     DeviceError when CuPy is missing or older than 14.2."""
-    if os.environ.get(SIMULATED_GPUS):
+    simulated_gpus = os.environ.get(SIMULATED_GPUS)
+    if simulated_gpus:
+        if not simulated_gpus.strip().isdigit():
+            raise DeviceError(f"{SIMULATED_GPUS}={simulated_gpus!r}: give the number of GPUs to simulate, e.g. "
+                              f"{SIMULATED_GPUS}=2")
         from . import simulated
         return simulated
     try:

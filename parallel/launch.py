@@ -17,6 +17,7 @@ nothing heavy.
 import collections
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -93,10 +94,23 @@ def fail(comm, code, message):
     ranks, the message names the rank and the whole job is aborted, since the others would
     wait for this one in their next collective forever; returns ``code`` otherwise."""
     if comm.world_size > 1:
+        # the MPI runtime sends SIGTERM to every rank once one aborts, this one included: it must end
+        # this process with its code, not raise into the failure in progress
+        _on_sigterm_exit(code)
         say(f"rank {comm.rank} of {comm.world_size}: {message.strip()}")
         comm.abort(code)
     say(message)
     return code
+
+
+def _on_sigterm_exit(code):
+    def leave(signum, frame):
+        flush_quietly()
+        os._exit(code)
+    try:
+        signal.signal(signal.SIGTERM, leave)
+    except ValueError:   # not the main thread: the handler stays
+        pass
 
 
 # ---- one process per GPU ------------------------------------------------------------------
@@ -108,11 +122,13 @@ _on_stop = []         # what to do then, before the signals come
 
 
 class WorkerFailed(RuntimeError):
-    """``rank``, ``reason``, and ``trace``: the worker's traceback when it raised."""
+    """``rank``, ``reason``, and when the worker raised, ``trace``, its traceback, and ``error``, the
+    exception itself (None if it could not be sent), so that the caller can tell a user's mistake
+    found in a worker from a crash."""
 
-    def __init__(self, rank, reason, trace=None):
+    def __init__(self, rank, reason, trace=None, error=None):
         super().__init__(f"worker {rank} {reason}")
-        self.rank, self.reason, self.trace = rank, reason, trace
+        self.rank, self.reason, self.trace, self.error = rank, reason, trace, error
 
 
 def heartbeat():
@@ -156,10 +172,15 @@ def _worker(rank, world_size, target, args, beat, stop, errors, parent):
         target(rank, world_size, *args)
     except SystemExit as e:
         if e.code not in (None, 0):
-            errors.put((rank, f"exited with {e.code}", ""))
+            errors.put((rank, f"exited with {e.code}", "", None))
         raise
     except BaseException as e:  # KeyboardInterrupt too: the parent must hear
-        errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        sent = e
+        try:
+            pickle.dumps(e)
+        except Exception:   # an exception that cannot travel: its text and traceback do
+            sent = None
+        errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc(), sent))
         errors.close()
         errors.join_thread()
         sys.exit(1)
@@ -189,20 +210,21 @@ def run_workers(world_size, target, args=(), watchdog=None, poll=0.05):
 
 
 def _watch(workers, beats, errors, watchdog, poll):
-    """(rank, reason, traceback) of the first worker to fail, or None when all succeed."""
+    """(rank, reason, traceback, exception) of the first worker to fail (the last two when it raised),
+    or None when all succeed."""
     reported, ended = {}, {}
     while True:
         while not errors.empty():
-            rank, message, trace = errors.get()
-            reported[rank] = (message, trace)
+            rank, message, trace, error = errors.get()
+            reported[rank] = (message, trace, error)
         for rank, w in enumerate(workers):
             if w.exitcode is None or w.exitcode == 0:
                 continue
             if w.exitcode < 0:
                 return rank, f"was killed by signal {signal.Signals(-w.exitcode).name}", None
             if rank in reported:
-                message, trace = reported[rank]
-                return rank, (message if message.startswith("exited") else "raised " + message), trace or None
+                message, trace, error = reported[rank]
+                return rank, (message if message.startswith("exited") else "raised " + message), trace or None, error
             # its report may still be in the pipe
             if time.monotonic() - ended.setdefault(rank, time.monotonic()) > 1.0:
                 return rank, f"exited with code {w.exitcode}", None

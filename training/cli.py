@@ -18,6 +18,7 @@ prints and writes the files. --lr is the learning rate of the global batch (add
 --scale-lr to multiply it by the number of ranks). An error on any rank ends the job.
 """
 import argparse
+import math
 import signal
 import sys
 import time
@@ -34,10 +35,11 @@ WATCHDOG_SECONDS = 600.0
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=0,
+    p.add_argument("--gpus", type=int,
                    help="GPUs to train on: 0 trains on the CPU, 1 on one GPU through CuPy, N on N GPUs "
                         "of this machine, one worker process each, gradients summed over NCCL; under "
-                        "mpiexec, the GPUs of each node, one rank each (default 0)")
+                        "mpiexec, the GPUs of each node, one rank each (default 0; a resumed run: the "
+                        "checkpoint's)")
     p.add_argument("--epochs", type=int, help=f"total epochs, counting resumed ones (default {D.epochs})")
     p.add_argument("--batch-size", type=int, help=f"images per step (default {D.batch_size})")
     p.add_argument("--lr", type=float, help=f"learning rate (default {D.lr})")
@@ -70,7 +72,9 @@ def parse_args(argv):
                                  "when resuming, the checkpoint's folder)")
     p.add_argument("--resume", help="a checkpoint.npz, or an output folder holding one")
     p.add_argument("--overwrite", action="store_true", default=None,
-                   help="let a new run replace the run whose files --out holds (without it, that is an error)")
+                   help="let a new run replace the run whose files --out holds (without it, that is an error): "
+                        "they are set aside once the new run has passed its checks, deleted when it writes its "
+                        "first checkpoint, and put back if it ends without one")
     p.add_argument("--init-from", metavar="FILE",
                    help="start from the weights and batch-norm statistics in FILE, a safetensors file of this "
                         "model's state dict (from --export, or from d2l's PyTorch ResNet-18: "
@@ -78,7 +82,8 @@ def parse_args(argv):
     p.add_argument("--export", metavar="FILE",
                    help="after the last epoch, write the trained weights to FILE as safetensors under the keys of "
                         "d2l's PyTorch ResNet-18, so that net.load_state_dict(safetensors.torch.load_file(FILE)) "
-                        "loads them (with --resume of a finished run: export only)")
+                        "loads them (with --resume of a finished run: export only); checked at the start: a regular "
+                        "file (a symbolic link is followed), none of the run's own files")
     p.add_argument("--profile", action="store_true",
                    help="instead of training, time every layer's forward and backward, the loss, the "
                         "optimizer step, the batch gather and (with several ranks) each all-reduce bucket "
@@ -105,10 +110,15 @@ def parse_args(argv):
     return p, p.parse_args(argv)
 
 
+# a user's mistake: one line naming it, exit code 2, on every path (a worker's included)
+USER_ERRORS = (config.ConfigError, checkpoint.CheckpointError, fashion_mnist.DataError)
+
+
 def usage_error(parser, message):
     """parser.error, printed once: under mpiexec every rank finds the same fault, and only
     rank 0 says so (the others give it time to, since mpiexec ends the job at the first
-    rank that exits with an error)."""
+    rank that exits with an error). A default output folder this start made goes again."""
+    output.discard_unused()
     world = launch.mpi_world()
     if world is not None and world.rank != 0:
         time.sleep(10)
@@ -117,23 +127,29 @@ def usage_error(parser, message):
 
 
 def train_on_gpus(parser, given, watchdog, profile_steps):
-    """--gpus N on one node: one worker process per GPU; this process waits for them. The flags
-    and the output folder are checked here, once, before any worker starts."""
+    """--gpus N on one node: one worker process per GPU; this process waits for them. Everything
+    that can be checked is checked here, once, before any worker starts (loop.prepare without
+    the GPUs: the flags, the checkpoint, the output folder, --export, the data, the memory for the
+    model, --init-from); a user's mistake that a worker still finds is one line too."""
     try:
         if "resume" not in given:
-            config.Config(**given).check()
             given = {**given, "out": given.get("out") or str(output.fresh_default())}
-            output.claim(given["out"], continues=profile_steps is not None, overwrite=given.get("overwrite")).release()
-    except config.ConfigError as e:
-        parser.error(str(e))
+        loop.prepare(given, log=lambda *a: None, world_size=given["gpus"], profiling=profile_steps is not None,
+                     dry=True)[-1].release()
+    except USER_ERRORS as e:
+        usage_error(parser, str(e))
     try:
         unique_id = communicators.NCCLCommunicator.unique_id()
     except Exception as e:
-        parser.error(f"--gpus {given['gpus']}: NCCL is unavailable ({type(e).__name__}: {e})")
+        usage_error(parser, f"--gpus {given['gpus']}: NCCL is unavailable ({type(e).__name__}: {e})")
     print(f"starting {given['gpus']} worker processes, one per GPU; rank 0 reports", flush=True)
     try:
         launch.run_workers(given["gpus"], loop.gpu_worker, (given, unique_id, profile_steps), watchdog=watchdog)
     except launch.WorkerFailed as e:
+        output.discard_unused()
+        if isinstance(e.error, USER_ERRORS):
+            print(f"{parser.prog}: error: {e.error}", file=sys.stderr)
+            return 2
         if e.trace:
             print(e.trace.rstrip(), file=sys.stderr)
         print(f"error: {e} (GPU {e.rank}); every worker was stopped", file=sys.stderr)
@@ -177,30 +193,40 @@ def _main(argv):
     profile_steps = args.profile_steps if args.profile else None
     if profile_steps is not None and profile_steps < 1:
         usage_error(parser, f"--profile-steps must be at least 1, got {profile_steps}")
-    if args.gpus > 0:
+    if profile_steps is not None and args.export is not None:
+        usage_error(parser, "--export writes the weights a run trained, and --profile trains none: give one of them")
+    if not 0 < args.watchdog < math.inf:
+        usage_error(parser, f"--watchdog must be a positive number of seconds, got {args.watchdog}")
+    gpus = args.gpus
+    if gpus is None:   # a resumed run keeps its checkpoint's device; a new one trains on the CPU
+        try:
+            gpus = checkpoint.record_of(args.resume)["config"].get("gpus", 0) if args.resume else 0
+        except checkpoint.CheckpointError:   # loop.prepare says so, after the flags
+            gpus = 0
+    if gpus > 0:
         try:
             kernels.cupy_module()
         except kernels.DeviceError as e:
-            usage_error(parser, f"--gpus {args.gpus}: {e}")
+            usage_error(parser, f"--gpus {gpus}: {e}")
         # under mpiexec, --gpus counts the node's GPUs, and a rank may see only its own (kernels.local_gpu)
         mpi = launch.mpi_world() is not None
-        if kernels.gpu_count() < (1 if mpi else args.gpus):
-            usage_error(parser, f"--gpus {args.gpus}: this machine has {kernels.gpu_count()} GPU(s) that CuPy can use")
-        if args.gpus > 1 and not mpi:
-            return train_on_gpus(parser, given, args.watchdog, profile_steps)
+        if kernels.gpu_count() < (1 if mpi else gpus):
+            usage_error(parser, f"--gpus {gpus}: this machine has {kernels.gpu_count()} GPU(s) that CuPy can use")
+        if gpus > 1 and not mpi:
+            return train_on_gpus(parser, {**given, "gpus": gpus}, args.watchdog, profile_steps)
     comm = communicators.SingleProcess()
     try:
         comm = communicators.from_environment()
         if comm.world_size > 1 and not given.get("out") and not given.get("resume"):
             config.Config(**given).check()   # before a folder is made for nothing
             given["out"] = comm.broadcast_object(str(output.fresh_default()) if comm.rank == 0 else None)
-        comm = communicators.for_training(args.gpus, comm)
+        comm = communicators.for_training(gpus, comm)
         loop.train_or_profile(given, comm, profile_steps)
         return 0
-    except (config.ConfigError, checkpoint.CheckpointError, fashion_mnist.DataError) as e:
+    except USER_ERRORS as e:
         code, message = 2, f"{parser.prog}: error: {e}"
         if comm.world_size == 1:
-            parser.error(str(e))
+            usage_error(parser, str(e))
     except (loop.NonFiniteLoss, loop.OutOfMemory, loop.OutputError) as e:
         code, message = 1, f"error: {e}"
     except (launch.LaunchError, kernels.DeviceError) as e:
@@ -210,8 +236,10 @@ def _main(argv):
         code, message = _exit_code(e), f"\n{_stopped_by(e)}: {kept}"
     except Exception as e:
         if comm.world_size == 1:
+            output.discard_unused()
             raise
         traceback.print_exc()
         code, message = 1, f"error: {type(e).__name__}: {e}"
+    output.discard_unused()
     return launch.fail(comm, code, message)
 

@@ -2,7 +2,6 @@
 resumed run merges the flags given with its checkpoint's."""
 import dataclasses
 import math
-from pathlib import Path
 
 import kernels
 from nn import init
@@ -94,8 +93,6 @@ class Config:
             raise ConfigError(f"--check-sync must be 0 (only at the start) or more, got {self.check_sync}")
         if not 0 < self.bucket_mb < math.inf:
             raise ConfigError(f"--bucket-mb must be positive and finite, got {self.bucket_mb}")
-        if self.export is not None and not Path(self.export).resolve().parent.is_dir():
-            raise ConfigError(f"--export {self.export}: the folder {Path(self.export).resolve().parent} does not exist")
 
     def check_world(self, world_size):
         """What only the launch decides: the number of ranks against the flags."""

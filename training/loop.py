@@ -20,7 +20,7 @@ from kernels import (DeviceError, array_module_for, backend_of, cupy_module, get
 from nn import data, init
 from nn.functional import cross_entropy
 from nn.optim import SGD, CosineAnnealingLR
-from nn.resnet import resnet18
+from nn.resnet import parameter_count, resnet18
 from nn.serialization import SerializationError, load_safetensors, save_safetensors
 from nn.tensor import Tensor, no_grad
 from parallel.comm import NCCLCommunicator, SingleProcess
@@ -103,6 +103,7 @@ def _write_epoch(out, model, opt, record):
                             f"not written: {_kept(out, epoch - 1)}") from None
     except OSError as e:
         raise OutputError(f"could not write {e.filename} ({e.strerror}); {_kept(out, epoch - 1)}") from None
+    output.settle(out)   # the run this one replaced (--overwrite) goes only now
     try:
         write_reports(out, record["metrics"])
     except OSError as e:
@@ -159,11 +160,13 @@ def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, step, log
     return loss, correct / trained
 
 
-def prepare(given, log=print, world_size=1, lead=True, profiling=False):
+def prepare(given, log=print, world_size=1, lead=True, profiling=False, dry=False):
     """Everything that can fail before training, checked first: the configuration (merged
     with the checkpoint's when resuming) for ``world_size`` ranks, the output folder (made and
     claimed by the ``lead`` rank: see training/output.py; a profile writes its own files beside
-    a run's), the data and the model. (cfg, train, test, model, opt, record, claim)."""
+    a run's), the --export target, the data, the memory for the model, and the model with its
+    weights. (cfg, train, test, model, opt, record, claim). ``dry``: only the checks, on the host
+    (data and model on the CPU), as the parent of --gpus N workers makes them before they start."""
     saved_arrays = record = None
     for other in ("init_from", "overwrite"):
         if given.get("resume") and given.get(other):
@@ -172,8 +175,12 @@ def prepare(given, log=print, world_size=1, lead=True, profiling=False):
     if given.get("resume"):
         saved_arrays, record = checkpoint.load(given["resume"])
         # without --out, a resumed run writes beside its checkpoint, wherever that now is
-        saved = {**record["config"], "out": str(checkpoint.resolve(given["resume"]).parent)}
+        home = checkpoint.resolve(given["resume"]).parent
+        saved = {**record["config"], "out": str(home)}
         cfg = merge_resumed(given, saved)
+        if "gpus" in given and given["gpus"] != record["config"]["gpus"]:
+            log(f"the checkpoint's run trained with --gpus {record['config']['gpus']}; it continues with "
+                f"--gpus {given['gpus']}" + (" (on the CPU)" if not given["gpus"] else ""))
     else:
         cfg = Config(**given)
     cfg.check()
@@ -187,32 +194,45 @@ def prepare(given, log=print, world_size=1, lead=True, profiling=False):
                           f"ask for more with --epochs (or only --export its weights)")
     if lead:
         cfg.out = str(cfg.out or output.fresh_default())
-        held = output.claim(cfg.out, continues=record is not None or profiling, overwrite=cfg.overwrite)
+        elsewhere = record is not None and Path(cfg.out).resolve() != home.resolve()
+        if elsewhere and output.earlier_run(cfg.out):
+            raise ConfigError(f"--out {cfg.out} holds another run ({', '.join(output.earlier_run(cfg.out))}): a "
+                              f"resumed run continues in its own folder ({home}), or in an empty or new one")
+        held = output.claim(cfg.out, continues=(record is not None and not elsewhere) or profiling,
+                            overwrite=cfg.overwrite)
     elif cfg.out is None:
         raise ConfigError("every rank needs the output folder: rank 0 decides it before the others start")
     else:
-        held = contextlib.nullcontext()
+        held = output.Claim(None)
     try:
-        return (cfg, *_data_and_model(cfg, xp, world_size, saved_arrays, record, log), record, held)
+        if cfg.export is not None:
+            output.export_target(cfg.export, cfg.out, cfg.resume)
+        prepared = _data_and_model(cfg, xp, world_size, saved_arrays, record, log, dry)
+        return (cfg, *prepared, record, held)
     except BaseException:
-        if lead:
-            held.release()
+        held.release()
         raise
 
 
-def _data_and_model(cfg, xp, world_size, saved_arrays, record, log):
-    """The second half of prepare(): (train, test, model, opt)."""
+def _data_and_model(cfg, xp, world_size, saved_arrays, record, log, dry=False):
+    """The second half of prepare(): (train, test, model, opt); with ``dry``, all on the host."""
     splits = fashion_mnist.load_fashion_mnist(cfg.data_dir, log=log)
     # the whole split goes to the device once, as uint8; batches are gathered there
-    train, test = (tuple(xp.asarray(a) for a in (images, labels.astype(np.int32)))
+    place = np if dry else xp
+    train, test = (tuple(place.asarray(a) for a in (images, labels.astype(np.int32)))
                    for images, labels in (_limited(splits["train"], cfg.limit, "limit"),
                                           _limited(splits["test"], cfg.test_limit, "test-limit")))
     if len(train[0]) < world_size:
         raise ConfigError(f"{len(train[0])} training images cannot be shared by {world_size} ranks")
+    _check_memory(cfg, place)   # dry: the host's only (asking a GPU would make a CUDA context in the parent)
     init.manual_seed(cfg.seed)
-    model = resnet18(num_classes=fashion_mnist.NUM_CLASSES, in_channels=1, width=cfg.width, init=cfg.init)
-    model.to(cfg.device)
-    opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    try:
+        model = resnet18(num_classes=fashion_mnist.NUM_CLASSES, in_channels=1, width=cfg.width, init=cfg.init)
+        if not dry:
+            model.to(cfg.device)
+        opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    except MemoryError:   # CuPy's OutOfMemoryError is one too
+        raise ConfigError(f"--width {cfg.width}: out of {cfg.device} memory while making the model") from None
     if saved_arrays is not None:
         checkpoint.restore(saved_arrays, model, opt)
         init.set_rng_state(record["rng_state"])
@@ -223,6 +243,39 @@ def _data_and_model(cfg, xp, world_size, saved_arrays, record, log):
             raise ConfigError(f"--init-from: {e}") from None
         log(f"weights and batch-norm statistics from {cfg.init_from}")
     return train, test, model, opt
+
+
+# what the model holds per parameter: its value, its gradient and its momentum, each float32, and as much
+# again while it is made (each layer's arrays, then the flat buffers they are copied into)
+MODEL_BYTES_PER_PARAMETER = 4 * 5
+
+
+def _check_memory(cfg, xp):
+    """ConfigError, before the model is made, when its parameters alone cannot fit in the host's
+    available memory or, on GPUs, in the device's (activations come on top: the out-of-memory
+    handling of the training loop covers those)."""
+    count = parameter_count(cfg.width, fashion_mnist.NUM_CLASSES, 1)
+    need = count * MODEL_BYTES_PER_PARAMETER
+    places = [("the host", _host_memory())]
+    if xp is not np:
+        places.append((f"GPU {xp.cuda.runtime.getDevice()}",
+                       xp.cuda.runtime.getDeviceProperties(xp.cuda.runtime.getDevice())["totalGlobalMem"]))
+    for place, have in places:
+        if have is not None and need > have:
+            raise ConfigError(f"--width {cfg.width}: the model has {count:,} parameters, {need / 2**30:,.1f} GiB with "
+                              f"their gradients and momentum, more than the {have / 2**30:,.1f} GiB {place} has")
+
+
+def _host_memory():
+    """Bytes of memory the host has available now (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _step(cfg, model, opt, ddp, images, labels):
@@ -290,12 +343,20 @@ def run(given, comm=None, log=lambda *a: print(*a, flush=True)):
     comm = comm or SingleProcess()
     log = log if comm.rank == 0 else (lambda *a: None)
     *prepared, held = _replicated(given, comm, log)
-    with held, use_precision(prepared[0].compute_precision):   # the folder is this run's until it ends
+    cfg, lead = prepared[0], comm.rank == 0
+    with held, use_precision(cfg.compute_precision):   # the folder is this run's until it ends
+        if lead and cfg.overwrite:   # every check passed: the earlier run steps aside until a checkpoint replaces it
+            output.set_aside(cfg.out)
         try:
             return _train(comm, log, *prepared)
         except KeyboardInterrupt as e:    # Ctrl-C, or SIGTERM: what is on disk, for the last message
-            e.kept = output.kept(prepared[0].out)
+            if lead:
+                output.restore_set_aside(cfg.out)
+            e.kept = output.kept(cfg.out)
             raise
+        finally:
+            if lead:   # a run that wrote no checkpoint gives back the run it would have replaced
+                output.restore_set_aside(cfg.out)
 
 
 def _train(comm, log, cfg, train, test, model, opt, record, ddp):
@@ -341,7 +402,7 @@ def _train(comm, log, cfg, train, test, model, opt, record, ddp):
             f"test acc {test_acc:.3f}, {seconds:.1f} s, {metrics[-1]['images_per_sec']:.1f} images/s")
     if lead and cfg.export:
         try:
-            save_safetensors(model, cfg.export)
+            save_safetensors(model, output.export_target(cfg.export, out, cfg.resume))
         except OSError as e:
             raise OutputError(f"could not write {e.filename} ({e.strerror}); {_kept(out, len(metrics))}") from None
         log(f"weights of epoch {len(metrics)} exported to {cfg.export} (safetensors, d2l's PyTorch keys)")

@@ -1,17 +1,27 @@
 """The output folder of a run: a fresh one by default, checked before any data is loaded, refused
 when it holds an earlier run that the flags neither continue (--resume) nor replace
-(--overwrite), and locked for the run's life, so that two runs never write into one folder."""
+(--overwrite), and locked for the run's life, so that two runs never write into one folder.
+
+Nothing of an earlier run is lost to a run that fails: --overwrite sets the earlier run's files
+aside (in the folder's ``.replaced``) only once the new run has passed every check, deletes them
+when the new run writes its first checkpoint, and puts them back when it ends without one; a
+process killed in between leaves them set aside, and the next run on the folder puts them back
+first. The files a run writes are its own: --export may name none of them."""
 import fcntl
 import itertools
 import os
+import shutil
 import time
 from pathlib import Path
 
+from nn.serialization import file_kind, remove_stale_temporaries
 from . import checkpoint
 from .config import ConfigError
 
 RUN_FILES = (checkpoint.FILENAME, "metrics.json", "metrics.csv", "training.png")
 LOCK = ".lock"   # holds the pid of the run that has the folder
+REPLACED = ".replaced"   # an earlier run's files, set aside by --overwrite until the new run has a checkpoint
+_made = []   # the default folders this process made, removed again if it writes nothing in them
 
 
 def fresh_default(root=Path("runs")):
@@ -24,11 +34,23 @@ def fresh_default(root=Path("runs")):
             path = base if n == 1 else base.with_name(f"{base.name}-{n}")
             try:
                 path.mkdir()
+                _made.append(path)
                 return path
             except FileExistsError:
                 continue
     except OSError as e:
         raise ConfigError(f"cannot make an output folder in {root} ({e.strerror}): give one with --out") from None
+
+
+def discard_unused():
+    """Remove the default folders this process made that hold nothing but a lock (a start that failed)."""
+    for path in _made:
+        try:
+            if {p.name for p in path.iterdir()} <= {LOCK}:
+                shutil.rmtree(path)
+        except OSError:
+            pass
+    _made.clear()
 
 
 class Claim:
@@ -53,7 +75,8 @@ def claim(out, continues=False, overwrite=False):
     """Lock the folder ``out`` (made if missing) for this process. ConfigError when it is a file,
     cannot be written, is locked by another run, or holds an earlier run that this one neither
     ``continues`` (a resumed run, or a profile, which writes files of its own) nor may
-    ``overwrite`` (then the earlier run's files are deleted now)."""
+    ``overwrite`` (then ``set_aside`` moves the earlier run's files out of the way, once the new
+    run is ready to start). Files an earlier overwrite set aside and never settled go back first."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
@@ -73,19 +96,77 @@ def claim(out, continues=False, overwrite=False):
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            restore_set_aside(out)
+            for name in RUN_FILES:
+                remove_stale_temporaries(out / name)
         except OSError as e:
             raise ConfigError(f"--out {out}: cannot write there ({e.strerror})") from None
-        earlier = [name for name in RUN_FILES if (out / name).exists()]
-        if earlier and not continues:
-            if not overwrite:
-                raise ConfigError(f"--out {out} holds an earlier run ({', '.join(earlier)}): continue it with "
-                                  f"--resume {out}, or replace it with --overwrite")
-            for name in earlier:
-                (out / name).unlink()
+        earlier = earlier_run(out)
+        if earlier and not continues and not overwrite:
+            raise ConfigError(f"--out {out} holds an earlier run ({', '.join(earlier)}): continue it with "
+                              f"--resume {out}, or replace it with --overwrite")
     except BaseException:
         held.release()
         raise
     return held
+
+
+def earlier_run(out):
+    """The files of a run that ``out`` holds."""
+    return [name for name in RUN_FILES if (Path(out) / name).exists()]
+
+
+def set_aside(out):
+    """Move the earlier run's files in ``out`` into its .replaced folder: a run with --overwrite
+    does so once it has passed every check, before its first epoch."""
+    aside = Path(out) / REPLACED
+    for name in earlier_run(out):
+        aside.mkdir(exist_ok=True)
+        os.replace(Path(out) / name, aside / name)
+
+
+def settle(out):
+    """The run in ``out`` has written a checkpoint of its own: the files it replaced go for good."""
+    shutil.rmtree(Path(out) / REPLACED, ignore_errors=True)
+
+
+def restore_set_aside(out):
+    """Put back the files of an earlier run that a run which never wrote a checkpoint set aside
+    (it failed, was stopped, or was killed), unless a file of that name is there now."""
+    aside = Path(out) / REPLACED
+    if not aside.is_dir():
+        return
+    for moved in aside.iterdir():
+        if not (Path(out) / moved.name).exists():
+            os.replace(moved, Path(out) / moved.name)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def export_target(export, out, resume=None):
+    """The regular file that ``--export`` writes: the path given, or where its symbolic link leads
+    (the link itself is never replaced). ConfigError, at the start rather than after training,
+    when it is empty, a folder, a device, a pipe or a socket, in a folder that does not exist or
+    cannot be written, or one of the run's own files (those of ``out``, or the checkpoint it
+    resumes)."""
+    if not export:
+        raise ConfigError("--export needs the name of the file to write")
+    target = Path(export).resolve()   # through any symbolic links
+    kind = file_kind(target)
+    if kind not in (None, "a regular file"):
+        raise ConfigError(f"--export {export} is {kind}: it writes regular files only")
+    if not target.parent.is_dir():
+        raise ConfigError(f"--export {export}: the folder {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK):
+        raise ConfigError(f"--export {export}: the folder {target.parent} cannot be written")
+    own = [Path(out) / name for name in (*RUN_FILES, LOCK)] if out else []
+    if resume is not None:
+        own.append(checkpoint.resolve(resume))
+    for path in own:
+        if path.resolve() == target:
+            raise ConfigError(f"--export {export} is {path.name} of the run itself: it would overwrite it with "
+                              f"weights; export to a file of its own")
+    remove_stale_temporaries(target)   # of an export killed before it finished
+    return target
 
 
 def kept(out):

@@ -1,0 +1,368 @@
+"""Nothing lost whatever the flags, and one line for every mistake: each class of careless use that
+used to lose a finished run, print a traceback, give wrong results or hang, handled.
+
+- Data loss: --overwrite checks everything before the earlier run steps aside, and gives it back
+  when the new run ends without a checkpoint (or is killed: the next start restores it); a
+  resumed run never writes into a folder that holds another run; --export never names one of the
+  run's own files, never replaces a device, a pipe or a symbolic link.
+- One-line errors (exit 2): what the --gpus N workers would find is found before they start, and
+  a user's mistake a worker finds is one line too; a weights file in bfloat16 is read (widened
+  exactly), one in a dtype the loader does not take names the key; an empty split; a model too
+  large for memory; a failing MPI rank that SIGTERM reaches prints no traceback.
+- Wrong results: a resumed run keeps its checkpoint's --gpus unless given one, and says when it
+  changes; impossible values in --init-from (a negative running variance, NaN, infinity).
+- Hangs: a named pipe where a file belongs.
+- Smaller: --export checked at the start, its leftovers cleaned; no empty default folder after a
+  failed start; a bad KERNELS_SIMULATED_GPUS named; --watchdog, --export '' and --profile --export
+  refused; PyTorch's 'module.' prefix a one-line hint; a safetensors file given to --resume.
+"""
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kernels
+import nn
+from helpers import write_fashion_mnist
+from training import checkpoint, cli, loop, output
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--width", "2", "--batch-size", "16", "--limit", "32", "--test-limit", "16"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return write_fashion_mnist(tmp_path_factory.mktemp("fashion"), 40, 16)
+
+
+def run(data_dir, out, *flags):
+    return cli.main(["--data-dir", str(data_dir), *(["--out", str(out)] if out else []), *SMALL, *map(str, flags)])
+
+
+def refused(capsys, data_dir, out, *flags):
+    """The one line of a run refused with exit code 2 before training."""
+    with pytest.raises(SystemExit) as e:
+        run(data_dir, out, *flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def finished(data_dir, tmp_path_factory):
+    """A finished run of one epoch: (its folder, the bytes of each of its files)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert run(data_dir, out, "--epochs", "1") == 0
+    return out, {name: (out / name).read_bytes() for name in output.RUN_FILES}
+
+
+def copy_of(finished, tmp_path):
+    out = tmp_path / "earlier"
+    out.mkdir()
+    for name, data in finished[1].items():
+        (out / name).write_bytes(data)
+    return out
+
+
+def intact(out, finished):
+    return all((out / name).read_bytes() == data for name, data in finished[1].items())
+
+
+# ---- data loss -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--limit", "1000"], "--limit 1000 is larger than the split, which has 40 images"),
+    (["--init-from", "no-such.safetensors"], "no-such.safetensors: no such file"),
+    (["--data-dir", "/proc/no/such"], "/proc/no/such"),
+    (["--width", "100000"], "--width 100000: the model has 27,240,028,600,010 parameters"),
+])
+def test_overwrite_deletes_nothing_before_the_new_run_has_passed_its_checks(data_dir, finished, tmp_path, capsys,
+                                                                             flags, message):
+    out = copy_of(finished, tmp_path)
+    assert message in refused(capsys, data_dir, out, "--overwrite", "--epochs", "1", *flags)
+    assert intact(out, finished), "the earlier run is untouched"
+
+
+def test_overwrite_gives_the_earlier_run_back_when_the_new_one_writes_no_checkpoint(data_dir, finished, tmp_path,
+                                                                                     monkeypatch, capsys):
+    out = copy_of(finished, tmp_path)
+
+    def diverge(*args, **kwargs):
+        raise loop.NonFiniteLoss("loss is nan at epoch 1, step 1")
+    monkeypatch.setattr(loop, "train_epoch", diverge)
+    assert run(data_dir, out, "--overwrite", "--epochs", "1", "--seed", "3") == 1
+    assert intact(out, finished) and not (out / output.REPLACED).exists()
+    monkeypatch.undo()
+    assert run(data_dir, out, "--overwrite", "--epochs", "1", "--seed", "3") == 0
+    assert checkpoint.load(out)[1]["config"]["seed"] == 3 and not (out / output.REPLACED).exists()
+
+
+def test_an_overwrite_killed_before_its_first_checkpoint_is_undone_by_the_next_start(data_dir, finished, tmp_path,
+                                                                                       capsys):
+    out = copy_of(finished, tmp_path)
+    output.set_aside(out)   # where a run killed with SIGKILL after its checks leaves the folder
+    assert not (out / checkpoint.FILENAME).exists()
+    assert "holds an earlier run" in refused(capsys, data_dir, out, "--epochs", "1")
+    assert intact(out, finished) and not (out / output.REPLACED).exists()
+
+
+def test_a_resumed_run_never_writes_into_a_folder_that_holds_another_run(data_dir, finished, tmp_path, capsys):
+    other = copy_of(finished, tmp_path)
+    line = refused(capsys, data_dir, other, "--resume", finished[0], "--epochs", "2")
+    assert f"--out {other} holds another run (checkpoint.npz, metrics.json, metrics.csv, training.png): a resumed " \
+           f"run continues in its own folder ({finished[0]}), or in an empty or new one" in line
+    assert intact(other, finished)
+    assert run(data_dir, tmp_path / "new", "--resume", finished[0], "--epochs", "2") == 0
+    assert checkpoint.load(tmp_path / "new")[1]["epoch"] == 2 and intact(finished[0], finished)
+
+
+@pytest.mark.parametrize("own", [checkpoint.FILENAME, "metrics.json", ".lock"])
+def test_export_onto_a_file_of_the_run_itself_is_refused(data_dir, finished, tmp_path, capsys, own):
+    out = copy_of(finished, tmp_path)
+    line = refused(capsys, data_dir, None, "--resume", out, "--export", out / own)
+    assert f"--export {out / own} is {own} of the run itself" in line
+    assert intact(out, finished)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(out / checkpoint.FILENAME)
+    assert "of the run itself" in refused(capsys, data_dir, tmp_path / "fresh", "--epochs", "1", "--export",
+                                          tmp_path / "fresh" / checkpoint.FILENAME)
+    assert "is checkpoint.npz of the run itself" in refused(capsys, data_dir, None, "--resume", out, "--export", link)
+
+
+def test_export_writes_regular_files_only_and_follows_a_link(data_dir, finished, tmp_path, capsys):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    targets = [(fifo, "a named pipe (FIFO)"), (tmp_path, "a folder")]
+    null = tmp_path / "null"   # a device node of the test's own, like /dev/null (which a failure would destroy)
+    try:
+        os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        targets.append((null, "a character device"))
+    except PermissionError:   # not root: the device case needs a device node
+        pass
+    for target, kind in targets:
+        assert f"--export {target} is {kind}: it writes regular files only" in \
+            refused(capsys, data_dir, None, "--resume", finished[0], "--export", target)
+    assert fifo.is_fifo() and (null.is_char_device() or not null.exists())
+    weights, link = tmp_path / "weights.safetensors", tmp_path / "latest.safetensors"
+    weights.write_bytes(b"older weights")
+    link.symlink_to(weights)
+    assert run(data_dir, None, "--resume", finished[0], "--export", link) == 0
+    assert link.is_symlink() and os.readlink(link) == str(weights), "the link itself is kept"
+    nn.load_safetensors(nn.resnet18(width=2), weights)   # it leads to the weights
+
+
+# ---- one-line errors ------------------------------------------------------------------------------
+
+@pytest.fixture
+def two_gpus(monkeypatch, tmp_path):
+    monkeypatch.setenv(kernels.SIMULATED_GPUS, "2")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--resume", "{tmp}/missing"], "no checkpoint at {tmp}/missing"),
+    (["--init-from", "{tmp}/w.safetensors"], "--init-from: {tmp}/w.safetensors: no such file"),
+    (["--limit", "1000"], "--limit 1000 is larger than the split"),
+    (["--export", "{tmp}"], "--export {tmp} is a folder"),
+    (["--out", "{busy}"], "is in use by another run (process"),
+])
+def test_gpu_workers_errors_are_one_line_found_before_any_worker_starts(data_dir, tmp_path, capsys, two_gpus,
+                                                                          flags, message):
+    busy = tmp_path / "busy"
+    flags = [f.format(tmp=tmp_path, busy=busy) for f in flags]
+    with output.claim(busy):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--gpus", "2", "--data-dir", str(data_dir), "--out", str(tmp_path / "run"), *SMALL, *flags])
+    printed = capsys.readouterr()
+    assert e.value.code == 2, printed
+    assert message.format(tmp=tmp_path) in printed.err and "Traceback" not in printed.err, printed.err
+    assert "starting 2 worker processes" not in printed.out
+
+
+@pytest.mark.slow
+def test_a_users_mistake_found_in_a_gpu_worker_is_one_line(data_dir, tmp_path, capsys, monkeypatch, two_gpus):
+    """As if the parent's checks had missed it: the workers find --limit beyond the data."""
+    monkeypatch.setattr(loop, "prepare", lambda *args, **kwargs: (output.Claim(None),))
+    code = cli.main(["--gpus", "2", "--data-dir", str(data_dir), "--out", str(tmp_path / "run"), *SMALL,
+                     "--limit", "1000"])
+    printed = capsys.readouterr()
+    assert "starting 2 worker processes" in printed.out
+    assert code == 2 and "error: --limit 1000 is larger than the split" in printed.err, printed.err
+    assert "Traceback" not in printed.err, printed.err
+
+
+def bf16_file(path, state, odd=None):
+    """``state`` (float32 values and one int64) written as a safetensors file whose floats are
+    bfloat16 (their upper 16 bits, which the values were rounded to first); ``odd``: (key, dtype)
+    to give one key a dtype NumPy lacks."""
+    header, chunks, offset = {}, [], 0
+    for key, value in state.items():
+        if value.dtype == np.float32:
+            data, dtype = (value.view(np.uint32) >> np.uint32(16)).astype("<u2").tobytes(), "BF16"
+        else:
+            data, dtype = value.astype("<i8").tobytes(), "I64"
+        if odd and key == odd[0]:   # a float8: one byte an element
+            data, dtype = np.zeros(value.size, np.uint8).tobytes(), odd[1]
+        header[key] = {"dtype": dtype, "shape": list(value.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(chunks))
+
+
+def test_bfloat16_weights_are_widened_exactly_and_other_dtypes_named(tmp_path):
+    source = nn.resnet18(width=2)
+    state = {}
+    for key, value in source.state_dict().items():
+        value = np.array(value)
+        if value.dtype == np.float32:   # values bfloat16 holds exactly
+            value = (value.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32) + np.float32(0.0)
+        state[key] = value
+    bf16_file(tmp_path / "bf16.safetensors", state)
+    model = nn.resnet18(width=2)
+    nn.load_safetensors(model, tmp_path / "bf16.safetensors")
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(np.array(value), state[key], err_msg=key)
+    bf16_file(tmp_path / "f8.safetensors", state, odd=("0.weight", "F8_E4M3"))
+    with pytest.raises(nn.SerializationError, match=r"0.weight is F8_E4M3, a dtype this loader does not take"):
+        nn.load_safetensors(model, tmp_path / "f8.safetensors")
+
+
+def test_an_empty_split_is_an_error_before_training(tmp_path, capsys):
+    empty = write_fashion_mnist(tmp_path / "fashion", 20, 0)
+    assert "holds no images: the test split is empty" in refused(capsys, empty, tmp_path / "run", "--limit", "20")
+
+
+def test_a_model_too_large_for_memory_is_an_error_before_it_is_made(data_dir, tmp_path, capsys):
+    line = refused(capsys, data_dir, tmp_path / "run", "--width", "100000")
+    assert "--width 100000: the model has 27,240,028,600,010 parameters" in line and "GiB the host has" in line
+    assert nn.resnet.parameter_count(64) == 11_175_818 == sum(p.size for p in nn.resnet18(width=64).parameters())
+
+
+def test_a_failing_mpi_rank_that_sigterm_reaches_exits_with_its_code_and_no_traceback(tmp_path):
+    """The MPI runtime's SIGTERM arriving while the rank aborts (planted: its abort signals itself)."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from parallel import launch
+        from training import cli
+        signal.signal(signal.SIGTERM, cli._terminate)
+        class World:
+            rank, world_size = 1, 2
+            def abort(self, code):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+                os._exit(99)
+        launch.fail(World(), 2, "error: a fault")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "rank 1 of 2: error: a fault" in done.stderr
+
+
+# ---- wrong results --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_resumed_gpu_run_stays_on_the_gpu_unless_told_and_says_so(data_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(kernels.SIMULATED_GPUS, "1")
+    out = tmp_path / "run"
+    flags = ["--width", "2", "--batch-size", "8", "--limit", "8", "--test-limit", "4", "--precision", "fp32"]
+    assert cli.main(["--data-dir", str(data_dir), "--out", str(out), *flags, "--gpus", "1", "--epochs", "1"]) == 0
+    assert cli.main(["--resume", str(out), "--epochs", "2"]) == 0
+    record = checkpoint.load(out)[1]
+    assert record["config"]["gpus"] == 1 and "on cuda" in capsys.readouterr().out
+    assert cli.main(["--resume", str(out), "--epochs", "3", "--gpus", "0", "--precision", "fp32"]) == 0
+    assert "the checkpoint's run trained with --gpus 1; it continues with --gpus 0 (on the CPU)" in \
+        capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda s: s["1.running_var"].__setitem__(0, -1.0), r"1.running_var holds a negative variance \(-1\)"),
+    (lambda s: s["0.weight"].__setitem__((0, 0, 0, 0), np.nan), r"0.weight holds 1 values that are NaN or infinite"),
+    (lambda s: s["fc.1.bias"].__setitem__(3, np.inf), r"fc.1.bias holds 1 values that are NaN or infinite"),
+])
+def test_init_from_refuses_impossible_values_naming_the_key(data_dir, tmp_path, capsys, spoil, message):
+    import safetensors.numpy
+    state = {k: np.array(v) for k, v in nn.resnet18(width=2).state_dict().items()}
+    spoil(state)
+    safetensors.numpy.save_file(state, str(tmp_path / "w.safetensors"))
+    line = refused(capsys, data_dir, tmp_path / "run", "--init-from", tmp_path / "w.safetensors")
+    assert re.search(message, line), line
+
+
+# ---- hangs --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["--init-from", "--resume", "data"])
+def test_a_named_pipe_where_a_file_belongs_is_refused_not_waited_on(data_dir, tmp_path, where):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    flags = {"--init-from": ["--init-from", str(fifo)], "--resume": ["--resume", str(fifo)], "data": []}[where]
+    data = data_dir
+    if where == "data":
+        data = tmp_path / "data"
+        data.mkdir()
+        for name in os.listdir(data_dir):
+            (data / name).symlink_to(data_dir / name)
+        (data / "t10k-labels-idx1-ubyte.gz").unlink()
+        os.mkfifo(data / "t10k-labels-idx1-ubyte.gz")
+    done = subprocess.run([sys.executable, "train_resnet.py", "--data-dir", str(data), "--out",
+                           str(tmp_path / "run"), *SMALL, *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "is a named pipe (FIFO)" in done.stderr, done.stderr
+
+
+# ---- smaller ----------------------------------------------------------------------------------------------
+
+def test_an_export_killed_midway_leaves_nothing_behind_after_the_next_start(data_dir, finished, tmp_path):
+    target = tmp_path / "w.safetensors"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = tmp_path / f".w.safetensors.{dead.stdout.strip()}.tmp"   # a process that is gone
+    leftover.write_bytes(b"half a file")
+    assert run(data_dir, None, "--resume", finished[0], "--export", target) == 0
+    assert not leftover.exists() and target.is_file()
+
+
+def test_a_failed_start_leaves_no_empty_default_folder(data_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, data_dir, None, "--limit", "1000")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--watchdog", "-1"], "--watchdog must be a positive number of seconds, got -1.0"),
+    (["--watchdog", "nan"], "--watchdog must be a positive number of seconds, got nan"),
+    (["--export", ""], "--export needs the name of the file to write"),
+    (["--profile", "--export", "w.safetensors"], "--export writes the weights a run trained, and --profile trains "
+                                                 "none"),
+])
+def test_values_a_flag_cannot_use_are_refused(data_dir, tmp_path, capsys, argv, message):
+    assert message in refused(capsys, data_dir, tmp_path / "run", *argv)
+
+
+def test_a_bad_simulated_gpu_count_is_named(data_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(kernels.SIMULATED_GPUS, "two")
+    assert "KERNELS_SIMULATED_GPUS='two': give the number of GPUs to simulate" in \
+        refused(capsys, data_dir, tmp_path / "run", "--gpus", "1")
+
+
+def test_pytorchs_module_prefix_is_a_one_line_hint(data_dir, tmp_path, capsys):
+    import safetensors.numpy
+    state = {f"module.{k}": np.array(v) for k, v in nn.resnet18(width=2).state_dict().items()}
+    safetensors.numpy.save_file(state, str(tmp_path / "ddp.safetensors"))
+    line = refused(capsys, data_dir, tmp_path / "run", "--init-from", tmp_path / "ddp.safetensors")
+    assert "every key starts with 'module.'" in line and "net.module.state_dict()" in line and len(line) < 400, line
+
+
+def test_a_safetensors_file_given_to_resume_says_what_to_do(data_dir, tmp_path, capsys):
+    nn.save_safetensors(nn.resnet18(width=2), tmp_path / "w.safetensors")
+    line = refused(capsys, data_dir, None, "--resume", tmp_path / "w.safetensors")
+    assert "is a safetensors file of weights, not a checkpoint of a run: start a new run from it with --init-from" \
+        in line and "allow_pickle" not in line
