@@ -96,14 +96,16 @@ def fail(comm, code, message):
     if comm.world_size > 1:
         # the MPI runtime sends SIGTERM to every rank once one aborts, this one included: it must end
         # this process with its code, not raise into the failure in progress
-        _on_sigterm_exit(code)
+        exit_on_sigterm(code)
         say(f"rank {comm.rank} of {comm.world_size}: {message.strip()}")
         comm.abort(code)
     say(message)
     return code
 
 
-def _on_sigterm_exit(code):
+def exit_on_sigterm(code):
+    """From now on SIGTERM ends this process with ``code``, quietly: a rank that is failing, which
+    the MPI runtime's SIGTERM may reach while it says why, must not raise into that."""
     def leave(signum, frame):
         flush_quietly()
         os._exit(code)

@@ -121,6 +121,7 @@ def usage_error(parser, message):
     output.discard_unused()
     world = launch.mpi_world()
     if world is not None and world.rank != 0:
+        launch.exit_on_sigterm(2)
         time.sleep(10)
         sys.exit(2)
     parser.error(message)
@@ -238,6 +239,7 @@ def _main(argv):
         if comm.world_size == 1:
             output.discard_unused()
             raise
+        launch.exit_on_sigterm(1)
         traceback.print_exc()
         code, message = 1, f"error: {type(e).__name__}: {e}"
     output.discard_unused()
