@@ -105,9 +105,10 @@ def ensure_files(folder, mirror=None, log=print):
     """Download whichever of the four files are missing from ``folder``."""
     folder, mirror = Path(folder), mirror or MIRROR
     try:
-        if folder.exists() and not folder.is_dir():
-            raise DataError(f"{folder} is a file, not a folder: point --data-dir (or FASHION_MNIST_DIR) at the "
-                            f"folder of the four .gz files")
+        kind = file_kind(folder)
+        if kind not in (None, "a folder"):
+            raise DataError(f"{folder} is {'a file' if kind == 'a regular file' else kind}, not a folder: point "
+                            f"--data-dir (or FASHION_MNIST_DIR) at the folder of the four .gz files")
         missing = [name for pair in FILES.values() for name in pair if not (folder / name).exists()]
     except OSError as e:   # a folder that may not be read
         raise DataError(f"{folder}: cannot be read ({e.strerror})") from None

@@ -78,8 +78,9 @@ def claim(out, continues=False, overwrite=False):
     ``overwrite`` (then ``set_aside`` moves the earlier run's files out of the way, once the new
     run is ready to start). Files an earlier overwrite set aside and never settled go back first."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder")
+    kind = file_kind(out)
+    if kind not in (None, "a folder"):
+        raise ConfigError(f"--out {out} is {'a file' if kind == 'a regular file' else kind}, not a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
