@@ -17,18 +17,22 @@ from kernels import emu, nvrtc
 
 KERNELS = Path(__file__).parent / "emu_kernels"
 OPTIONS = {"elementwise.cu": (f"-I{KERNELS}", "-DSCALE=2.0f"),
-           "tensor_core.cu": (f"-I{KERNELS.parents[1] / 'kernels' / 'cuda'}",)}
+           "tensor_core.cu": (f"-I{KERNELS.parents[1] / 'kernels' / 'cuda'}",),
+           "sanitizer.cu": (f"-I{KERNELS.parents[1] / 'kernels' / 'cuda'}",)}
 NAME_EXPRESSIONS = {"templates.cu": ("scaled_block_sum<float, 128>", "scaled_block_sum<double, 256>")}
 
 
 @functools.cache
-def module(filename):
-    return emu.RawModule(code=(KERNELS / filename).read_text(), options=OPTIONS.get(filename, ()),
-                         name_expressions=NAME_EXPRESSIONS.get(filename))
+def module(filename, sanitize=True):
+    with emu.sanitizer(sanitize):
+        return emu.RawModule(code=(KERNELS / filename).read_text(), options=OPTIONS.get(filename, ()),
+                             name_expressions=NAME_EXPRESSIONS.get(filename))
 
 
-def kernel(filename, name):
-    return module(filename).get_function(name)
+def kernel(filename, name, sanitize=True):
+    """A kernel of one of the test files, compiled for the sanitizer, or (sanitize=False) without:
+    the emulation underneath it, for the tests of its plain mechanisms."""
+    return module(filename, sanitize).get_function(name)
 
 
 def in_both_orders(launch):
@@ -82,11 +86,13 @@ def test_block_reduction_through_shared_memory():
 
 
 def test_missing_syncthreads_shows_in_some_thread_order():
+    """Without the sanitizer (which refuses the race at the access: tests/test_sanitizer.py), the
+    two thread orders are what shows it."""
     x = rng().random(2048).astype(np.float32)
 
     def launch(name):
         partial = np.empty(8, np.float32)
-        kernel("reduce.cu", name)((8,), (256,), (x, partial, np.int32(x.size)))
+        kernel("reduce.cu", name, sanitize=False)((8,), (256,), (x, partial, np.int32(x.size)))
         return partial
 
     reference = block_sums(x, 256)
@@ -95,14 +101,18 @@ def test_missing_syncthreads_shows_in_some_thread_order():
     assert any(wrong.values()), "the kernel without its barrier gave the right sums in both thread orders"
     for order, partial in in_both_orders(lambda: launch("block_sum")).items():
         validate(partial, reference, f"block_sum ({order})")
+    with pytest.raises(emu.KernelError, match=r"racecheck: writes byte \d+ of `s`, which thread \(\d+,0,0\) read"):
+        kernel("reduce.cu", "block_sum_missing_sync")((8,), (256,), (x, np.empty(8, np.float32), np.int32(x.size)))
 
 
 def test_unwritten_shared_memory_reads_as_nan():
+    """Without the sanitizer (which refuses the read itself: tests/test_sanitizer.py)."""
     x = rng().standard_normal(3 * 64).astype(np.float32)
 
     def launch():
         out, dynamic_out = np.zeros_like(x), np.zeros_like(x)
-        kernel("reduce.cu", "unwritten_shared")((3,), (64,), (x, out, dynamic_out), shared_mem=64 * 4)
+        kernel("reduce.cu", "unwritten_shared", sanitize=False)((3,), (64,), (x, out, dynamic_out),
+                                                                 shared_mem=64 * 4)
         return out, dynamic_out
 
     written = np.ones(3 * 64, bool)
@@ -241,14 +251,26 @@ def test_cuda_vocabulary():
 # ---- what the emulator catches ------------------------------------------------------------------
 
 def test_out_of_bounds_write_is_caught():
+    """At the access under the sanitizer; without it, by the canaries after the launch, or as a fault."""
     x = rng().standard_normal(100).astype(np.float32)
+    y = np.zeros(100, np.float32)
+    with pytest.raises(emu.KernelError, match=r"'write_one_past_end' failed: thread \(100,0,0\) of block \(0,0,0\): "
+                                              r"memcheck: out-of-bounds global write of 4 bytes at 0x[0-9a-f]+ at "
+                                              r"\S+:\d+ \(argument 1 \(float\* y\) of 100 elements: element 100, 0 "
+                                              r"bytes past its end\)$"):
+        kernel("faults.cu", "write_one_past_end")((1,), (128,), (x, y, np.int32(100)))
     y = np.zeros(100, np.float32)
     with pytest.raises(emu.KernelError, match=r"'write_one_past_end' wrote outside its arrays: argument 1 \(float"
                                               r"\* y\) of 100 elements: element 100, 0 bytes past its end$"):
-        kernel("faults.cu", "write_one_past_end")((1,), (128,), (x, y, np.int32(100)))
+        kernel("faults.cu", "write_one_past_end", sanitize=False)((1,), (128,), (x, y, np.int32(100)))
     validate(y, 2 * x.astype(np.float64), "the writes inside the array")
     with pytest.raises(emu.KernelError, match=r"'write_far_past_end' failed: thread \(1,0,0\) of block "
                                               r"\(0,0,0\): segmentation fault at address 0x[0-9a-f]+ \(argument "
+                                              r"0 \(float\* y\) of 100 elements: element 100000, 399600 bytes "
+                                              r"past its end\)"):
+        kernel("faults.cu", "write_far_past_end", sanitize=False)((1,), (4,), (y,))
+    with pytest.raises(emu.KernelError, match=r"'write_far_past_end' failed: thread \(1,0,0\) of block "
+                                              r"\(0,0,0\): memcheck: out-of-bounds global write .* \(argument "
                                               r"0 \(float\* y\) of 100 elements: element 100000, 399600 bytes "
                                               r"past its end\)"):
         kernel("faults.cu", "write_far_past_end")((1,), (4,), (y,))
@@ -268,8 +290,11 @@ def test_deadlock_device_assert_and_shared_overflow_are_reported():
                                               r"`x\[i\] >= 0'"):
         kernel("faults.cu", "checks_its_input")((2,), (32,), (x, np.int32(x.size)))
     with pytest.raises(emu.KernelError, match=r"block \(0,0,0\) wrote past the 128 bytes of dynamic shared"):
-        kernel("faults.cu", "write_past_dynamic_shared")((1,), (32,), (np.zeros(32, np.float32),),
-                                                         shared_mem=128)
+        kernel("faults.cu", "write_past_dynamic_shared", sanitize=False)((1,), (32,), (np.zeros(32, np.float32),),
+                                                                         shared_mem=128)
+    with pytest.raises(emu.KernelError, match=r"memcheck: out-of-bounds shared write of 4 bytes at offset 128 of "
+                                              r"`the dynamic shared memory \(extern __shared__, 128 bytes asked for\)`"):
+        kernel("faults.cu", "write_past_dynamic_shared")((1,), (32,), (np.zeros(32, np.float32),), shared_mem=128)
 
 
 def parameters_args(**changes):

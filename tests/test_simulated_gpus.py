@@ -414,12 +414,13 @@ def test_two_gpus_with_sync_bn_equal_one_gpu_with_the_whole_batch(data_dir, tmp_
 def test_a_gpu_run_multiplies_in_tf32_unless_told_fp32(data_dir, tmp_path):
     """The default precision on GPUs is tf32, recorded in the metrics of each epoch (also in the
     checkpoint's) and in the profile; --precision fp32 runs the fp32 kernels."""
-    run = train_resnet(1, data_dir, tmp_path / "run", "--gpus", "1")
+    tiny = ["--batch-size", "4", "--limit", "8", "--test-limit", "4"]   # the precision, not the learning
+    run = train_resnet(1, data_dir, tmp_path / "run", "--gpus", "1", *tiny)
     assert run.returncode == 0, run.stderr
     assert "precision tf32" in run.stdout
     assert checkpoint.load(tmp_path / "run")[1]["metrics"][0]["precision"] == "tf32"
     done = train_resnet(1, data_dir, tmp_path / "profile", "--gpus", "1", "--profile", "--profile-steps", "1",
-                        "--precision", "fp32")
+                        "--precision", "fp32", *tiny)
     assert done.returncode == 0, done.stderr
     document = json.loads((tmp_path / "profile" / "profile.json").read_text())
     assert document["config"]["precision"] == "fp32"

@@ -33,16 +33,23 @@ def source(family):
     """The CUDA C source of a family with each header of this folder it includes
     (``#include "common.cuh"``, ...) pasted in place of its first #include and dropped from
     the later ones, so that the text handed to the compiler, and hence its cache key, covers
-    the headers too."""
+    the headers too; #line directives keep each line's own file and number for the compilers'
+    messages and the emulator's sanitizer."""
     pasted = set()
 
-    def paste(match):
-        name = match.group(1)
-        if name in pasted:
-            return ""
-        pasted.add(name)
-        return _LOCAL_INCLUDE.sub(paste, (HERE / name).read_text())
-    return _LOCAL_INCLUDE.sub(paste, (HERE / f"{family}.cu").read_text())
+    def expand(name):
+        lines = [f'#line 1 "kernels/cuda/{name}"']
+        for number, line in enumerate((HERE / name).read_text().splitlines(), 1):
+            include = _LOCAL_INCLUDE.match(line)
+            if include is None:
+                lines.append(line)
+            elif include.group(1) not in pasted:
+                pasted.add(include.group(1))
+                lines += [expand(include.group(1)), f'#line {number + 1} "kernels/cuda/{name}"']
+            else:
+                lines.append("")
+        return "\n".join(lines)
+    return expand(f"{family}.cu") + "\n"
 
 
 def launcher(family):

@@ -36,7 +36,7 @@
 __device__ __forceinline__ unsigned tf32_round(float x) {
 #ifdef __CUDA_EMU__
     unsigned bits;
-    memcpy(&bits, &x, 4);
+    __builtin_memcpy(&bits, &x, 4);
     if ((bits & 0x7f800000u) == 0x7f800000u) return bits;  // infinity and NaN stay as they are
     return (bits + 0x1000u) & 0xffffe000u;  // half a TF32 unit added to the magnitude: ties away
 #else
@@ -46,34 +46,49 @@ __device__ __forceinline__ unsigned tf32_round(float x) {
 #endif
 }
 
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                         const float (&c)[4] TC_CALL_SITE) {
 #ifdef __CUDA_EMU__
-    struct Fragments { unsigned a[4], b[2]; } mine, all[32];
+// The emulation of mma.sync: its own arithmetic is not the kernel's memory traffic, so the sanitizer
+// does not instrument it (EMU_UNCHECKED); a call of its own, the call instance of the instruction is
+// the chain of calls that leads to it.
+struct EmuFragments {
+    unsigned a[4], b[2];
+};
+
+EMU_UNCHECKED inline double emu_tf32_value(unsigned bits) {
+    bits &= 0xffffe000u;  // what the tensor core reads
+    float v;
+    __builtin_memcpy(&v, &bits, 4);
+    return double(v);
+}
+
+EMU_UNCHECKED __attribute__((noinline)) void emu_mma_tf32(float (&d)[4], const unsigned (&a)[4],
+                                                           const unsigned (&b)[2], const float (&c)[4],
+                                                           const char* call_file, int call_line) {
+    EmuFragments mine, all[32];
     for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
     mine.b[0] = b[0];
     mine.b[1] = b[1];
     emu_warp_aligned("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", call_file, call_line, &mine,
                      sizeof mine, all);
-    const auto tf32 = [](unsigned bits) {
-        bits &= 0xffffe000u;  // what the tensor core reads
-        float v;
-        memcpy(&v, &bits, 4);
-        return double(v);
-    };
-    // A[row][k] and B[k][col] from the lanes that hold them
-    const auto A = [&](int row, int k) { return tf32(all[(row % 8) * 4 + k % 4].a[(row >= 8) + 2 * (k >= 4)]); };
-    const auto B = [&](int k, int col) { return tf32(all[col * 4 + k % 4].b[k >= 4]); };
     const int lane = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32;
     const int g = lane / 4, t = lane % 4;
     float out[4];
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
         double sum = c[i];  // products of TF32 values are exact; one rounding of the whole sum
-        for (int k = 0; k < 8; ++k) sum += A(row, k) * B(k, col);
+        for (int k = 0; k < 8; ++k)   // A[row][k] and B[k][col], from the lanes that hold them
+            sum += emu_tf32_value(all[(row % 8) * 4 + k % 4].a[(row >= 8) + 2 * (k >= 4)]) *
+                   emu_tf32_value(all[col * 4 + k % 4].b[k >= 4]);
         out[i] = float(sum);
     }
     for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+#endif
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                         const float (&c)[4] TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    emu_mma_tf32(d, a, b, c, call_file, call_line);
 #else
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
                  "{%8, %9}, {%10, %11, %12, %13};"
@@ -86,7 +101,8 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
 #ifdef __CUDA_EMU__
 // ldmatrix of M matrices: lanes 0..8M-1 give the rows; each lane gets register j of matrix j
 template <int M, bool TRANS>
-inline void emu_ldmatrix(unsigned (&r)[M], const void* row, const char* call_file, int call_line) {
+EMU_UNCHECKED __attribute__((noinline)) void emu_ldmatrix(unsigned (&r)[M], const void* row, const char* call_file,
+                                                           int call_line) {
     static const char* const names[2][3] = {
         {"ldmatrix.sync.aligned.m8n8.x1.shared.b16", "ldmatrix.sync.aligned.m8n8.x2.shared.b16",
          "ldmatrix.sync.aligned.m8n8.x4.shared.b16"},
@@ -95,14 +111,14 @@ inline void emu_ldmatrix(unsigned (&r)[M], const void* row, const char* call_fil
     const char* what = names[TRANS][M / 2];
     const int lane = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32;
     if (lane < 8 * M) emu_check_shared(row, 16, 16, what, call_file, call_line);
-    const unsigned char* rows[32];
-    emu_warp_aligned(what, call_file, call_line, &row, sizeof row, rows);
+    unsigned char rows[32][16];   // read by the instruction, once all 32 lanes are there
+    emu_warp_aligned_rows(what, call_file, call_line, lane < 8 * M ? row : nullptr, 16, rows);
     for (int j = 0; j < M; ++j) {
         unsigned short half[2];
         for (int h = 0; h < 2; ++h) {
             const int r8 = TRANS ? 2 * (lane % 4) + h : lane / 4;   // the row of matrix j read
             const int c8 = TRANS ? lane / 4 : 2 * (lane % 4) + h;   // and its b16 column
-            memcpy(&half[h], rows[8 * j + r8] + 2 * c8, 2);
+            __builtin_memcpy(&half[h], rows[8 * j + r8] + 2 * c8, 2);
         }
         r[j] = unsigned(half[0]) | unsigned(half[1]) << 16;
     }

@@ -4,10 +4,13 @@
 very same ``.cu`` source is compiled by g++ against ``cuda_emu.h`` and run with CUDA's
 execution semantics (threads of a block as fibers, barriers, warps of 32 lanes, shared
 memory per block). ``thread_order("descending")`` runs the threads of the launches inside it
-in the other order, which exposes a missing ``__syncthreads()``.
+in the other order. Modules are compiled for the sanitizer, which refuses each out-of-bounds
+or misaligned access, race, uninitialised read and divergent barrier where it happens (README.md);
+``sanitizer(level)`` sets its level ("full", "memcheck" or "off") for what is made and launched inside it.
 """
+from .build import sanitizer
 from .errors import CompileError, EmuError, KernelError, LaunchError
 from .raw import ORDERS, RawKernel, RawModule, thread_order
 
-__all__ = ["RawModule", "RawKernel", "thread_order", "ORDERS", "EmuError", "CompileError", "LaunchError",
-           "KernelError"]
+__all__ = ["RawModule", "RawKernel", "thread_order", "sanitizer", "ORDERS", "EmuError", "CompileError",
+           "LaunchError", "KernelError"]

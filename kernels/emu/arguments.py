@@ -198,8 +198,11 @@ def _describe_place(region, first, last=None):
     elements = f"element {relative // itemsize}"
     if last is not None and (last - (address - region.start)) // itemsize != relative // itemsize:
         elements = f"elements {relative // itemsize} to {(last - (address - region.start)) // itemsize}"
-    side = (f"{-relative} bytes before its start" if relative < 0
-            else f"{relative - array.nbytes} bytes past its end")
+    if 0 <= relative < array.nbytes:   # inside it (a misaligned access)
+        side = f"byte {relative % itemsize} of it" if relative % itemsize else "its first byte"
+    else:
+        side = (f"{-relative} bytes before its start" if relative < 0
+                else f"{relative - array.nbytes} bytes past its end")
     return f"{param.name()} of {array.size} elements: {elements}, {side}"
 
 

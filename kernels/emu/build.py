@@ -12,10 +12,13 @@ cached by a hash of everything that goes into them: the emulator's own sources, 
 version, the flags, the source, the options and the name expressions. The headers a source
 includes are recorded with their contents' hashes and checked on every cache hit.
 
-Environment: ``CUDA_EMU_CACHE_DIR`` (default ``$XDG_CACHE_HOME/resnet-cuda-from-scratch/emu``),
-``CUDA_EMU_CXXFLAGS`` (extra g++ flags, e.g. ``-O0 -g`` to debug a kernel in gdb).
+Modules are compiled for the sanitizer (SANITIZE_FLAGS; see README.md) unless
+``CUDA_EMU_SANITIZE=off`` (full, the default, or memcheck: see sanitize_level). Environment: ``CUDA_EMU_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/resnet-cuda-from-scratch/emu``), ``CUDA_EMU_CXXFLAGS`` (extra g++ flags, e.g.
+``-O0 -g`` to debug a kernel in gdb), ``CUDA_EMU_SANITIZE``.
 """
 import ast
+import contextlib
 import functools
 import hashlib
 import json
@@ -42,7 +45,59 @@ CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared",
              # A frame larger than a thread's stack would skip the guard page and land in the
              # next thread's stack: probe every page, so that it faults as a stack overflow.
              "-fstack-clash-protection",
+             # Frame pointers: the runtime tells a call instance (of a barrier, of a warp-wide
+             # instruction) by the chain of return addresses.
+             "-fno-omit-frame-pointer",
              "-fmax-errors=10")
+# The sanitizer (runtime.cpp): ThreadSanitizer's instrumentation makes every load and store of a
+# kernel call __tsan_{read,write}N, which the runtime defines (TSan's own runtime is never linked:
+# the module is compiled with these flags and linked without them); line tables, to name the .cu
+# line of an access; and no transformation that changes the accesses the source makes (vectorised
+# or merged loads and stores would look misaligned) or merges two call sites into one.
+SANITIZE_FLAGS = ("-fsanitize=thread", "-fno-plt", "-fno-exceptions", "-DEMU_SANITIZE=1", "-g1", "-fno-tree-vectorize",
+                  "-fno-tree-slp-vectorize", "-fno-tree-sra", "-fno-store-merging", "-fno-crossjumping", "-fno-tree-tail-merge",
+                  "-fno-optimize-sibling-calls")
+
+
+LEVELS = {"full": 2, "memcheck": 1, "off": 0}
+_ALIASES = {"1": "full", "": "full", "0": "off"}
+_levels = []   # what sanitizer() asked for, innermost last
+
+
+def sanitize_level():
+    """The sanitizer's level for what is compiled and launched now: "full" (every check), "memcheck"
+    (bounds, alignment and divergent barriers: not the shadow memory that races and uninitialised
+    reads need, which costs the most) or "off": as sanitizer() says, else CUDA_EMU_SANITIZE (full by
+    default)."""
+    if _levels:
+        return _levels[-1]
+    value = os.environ.get("CUDA_EMU_SANITIZE", "full").strip().lower()
+    level = _ALIASES.get(value, value)
+    if level not in LEVELS:
+        raise CompileError(f"CUDA_EMU_SANITIZE={value!r}: give full, memcheck or off (1 or 0)")
+    return level
+
+
+def sanitizing():
+    """Whether modules compiled now are instrumented for the sanitizer (at any level but off)."""
+    return sanitize_level() != "off"
+
+
+@contextlib.contextmanager
+def sanitizer(level="full"):
+    """Modules made and kernels launched inside the block run with the sanitizer at `level` ("full",
+    "memcheck" or "off"; True and False for full and off): a test of the emulation itself turns it off
+    (a kernel that reads a cp.async destination before its wait, to see the NaN there), whole networks
+    may run under memcheck only. A module compiled without the sanitizer runs without it."""
+    level = {True: "full", False: "off"}.get(level, level)
+    level = _ALIASES.get(str(level).strip().lower(), str(level).strip().lower())
+    if level not in LEVELS:
+        raise ValueError(f"sanitizer level {level!r}: full, memcheck or off")
+    _levels.append(level)
+    try:
+        yield
+    finally:
+        _levels.pop()
 
 
 def cache_dir():
@@ -283,7 +338,8 @@ def build_module(code, options=(), name_expressions=()):
     cxx, version = _compiler_identity()
     runtime = runtime_library()
     pre = preprocessor_flags(options)
-    flags = CXX_FLAGS + _extra_flags()
+    sanitize = sanitizing()
+    flags = CXX_FLAGS + (SANITIZE_FLAGS if sanitize else ()) + _extra_flags()
     name_expressions = tuple(name_expressions or ())
     key = _digest(HEADER.read_bytes(), ABI_HEADER.read_bytes(), version, flags, runtime.name,
                   code, pre, name_expressions)
@@ -315,9 +371,12 @@ def build_module(code, options=(), name_expressions=()):
     _write_atomically(entries_file, _entries_source(source, expressions, scan_extern_shared(scan.stdout)))
     library = folder / f"{key}-{_digest(json.dumps(dependencies, sort_keys=True))}.so"
     tmp = library.with_name(f"{library.name}.{os.getpid()}.tmp")
-    _run_compiler([cxx, *flags, *pre, str(entries_file), str(runtime),
-                   "-Wl,-z,defs", "-o", str(tmp)], f"compiling {source}")
+    objects = folder / f"{key}.{os.getpid()}.o"
+    _run_compiler([cxx, *flags, *pre, "-c", str(entries_file), "-o", str(objects)], f"compiling {source}")
+    _run_compiler([cxx, *CXX_FLAGS, str(objects), str(runtime), "-Wl,-z,defs", "-o", str(tmp)], f"linking {source}")
+    objects.unlink()
     os.replace(tmp, library)
-    meta = {"library": str(library), "source": str(source), "entries": entries, "dependencies": dependencies}
+    meta = {"library": str(library), "source": str(source), "entries": entries, "dependencies": dependencies,
+            "sanitize": sanitize}
     _write_atomically(meta_path, json.dumps(meta, indent=1))
     return meta

@@ -27,6 +27,7 @@
 #define __managed__
 #define __grid_constant__
 #define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
 // `thread_local` is the one C++ storage class that reads right both in a block-scope
@@ -67,16 +68,40 @@ inline T from_bits(std::uint64_t bits) {
 }
 }  // namespace emu
 
-#define threadIdx (::emu::self()->thread_idx)
-#define blockIdx (::emu::self()->block_idx)
-#define blockDim (::emu::self()->block_dim)
-#define gridDim (::emu::self()->grid_dim)
+// Not the kernel's memory traffic: what the sanitizer leaves alone (see EMU_SANITIZE below).
+#ifdef EMU_SANITIZE
+#define EMU_UNCHECKED __attribute__((no_sanitize_thread))
+#else
+#define EMU_UNCHECKED
+#endif
+
+namespace emu {
+// threadIdx & co. by value, read where the sanitizer does not look: a kernel reads them all the time,
+// and they are registers on a GPU.
+template <class T, T emu_thread::*field>
+EMU_UNCHECKED inline T descriptor() { return self()->*field; }
+}  // namespace emu
+
+#define threadIdx (::emu::descriptor<uint3, &emu_thread::thread_idx>())
+#define blockIdx (::emu::descriptor<uint3, &emu_thread::block_idx>())
+#define blockDim (::emu::descriptor<dim3, &emu_thread::block_dim>())
+#define gridDim (::emu::descriptor<dim3, &emu_thread::grid_dim>())
 
 // ---- synchronisation ---------------------------------------------------------------------
-inline void __syncthreads() { emu_syncthreads(); }
-inline int __syncthreads_count(int predicate) { return emu_syncthreads_reduce(predicate, 0); }
-inline int __syncthreads_and(int predicate) { return emu_syncthreads_reduce(predicate, 1); }
-inline int __syncthreads_or(int predicate) { return emu_syncthreads_reduce(predicate, 2); }
+// A barrier's call site (hidden arguments): the threads a barrier releases must all wait at one
+// (see emu_syncthreads_reduce).
+#define EMU_BARRIER_SITE const char *barrier_file = __builtin_FILE(), int barrier_line = __builtin_LINE()
+inline void __syncthreads(EMU_BARRIER_SITE) { emu_syncthreads_reduce(1, 0, barrier_file, barrier_line); }
+inline int __syncthreads_count(int predicate, EMU_BARRIER_SITE) {
+    return emu_syncthreads_reduce(predicate, 0, barrier_file, barrier_line);
+}
+inline int __syncthreads_and(int predicate, EMU_BARRIER_SITE) {
+    return emu_syncthreads_reduce(predicate, 1, barrier_file, barrier_line);
+}
+inline int __syncthreads_or(int predicate, EMU_BARRIER_SITE) {
+    return emu_syncthreads_reduce(predicate, 2, barrier_file, barrier_line);
+}
+#undef EMU_BARRIER_SITE
 // Blocks run one after another and each thread's writes are visible at once: fences order
 // nothing further, but they still stop the compiler from caching memory across them.
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
@@ -119,8 +144,20 @@ EMU_SHUFFLES(double)
 #undef EMU_SHUFFLES
 
 // ---- atomics: exactly CUDA's overloads -----------------------------------------------------
+// Under the sanitizer (EMU_SANITIZE, see build.py) an atomic is checked for bounds and alignment
+// but is not a plain store: atomics never race. So the compiler must not instrument them.
+#ifdef EMU_SANITIZE
+#define EMU_ATOMIC __attribute__((no_sanitize_thread)) inline
+#define EMU_CHECK_ATOMIC(address) emu_check_access(address, sizeof *(address), 2)
+#else
+#define EMU_ATOMIC inline
+#define EMU_CHECK_ATOMIC(address) ((void)0)
+#endif
 #define EMU_INTEGER_ATOMIC(name, T, builtin) \
-    inline T name(T* address, T val) { return builtin(address, val, __ATOMIC_RELAXED); }
+    EMU_ATOMIC T name(T* address, T val) {    \
+        EMU_CHECK_ATOMIC(address);              \
+        return builtin(address, val, __ATOMIC_RELAXED); \
+    }
 #define EMU_INTEGER_ATOMICS(T)                               \
     EMU_INTEGER_ATOMIC(atomicAdd, T, __atomic_fetch_add)     \
     EMU_INTEGER_ATOMIC(atomicExch, T, __atomic_exchange_n)   \
@@ -141,7 +178,7 @@ EMU_INTEGER_ATOMIC(atomicXor, long long, __atomic_fetch_xor)
 namespace emu {
 // Read-modify-write by compare-and-swap: what the operations without a fetch-op builtin need.
 template <class T, class F>
-inline T atomic_update(T* address, F update) {
+EMU_ATOMIC T atomic_update(T* address, F update) {
     T old = __atomic_load_n(address, __ATOMIC_RELAXED);
     while (!__atomic_compare_exchange_n(address, &old, update(old), false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
     }
@@ -149,29 +186,34 @@ inline T atomic_update(T* address, F update) {
 }
 
 template <class T, class Bits>
-inline T atomic_float_add(T* address, T val) {
+EMU_ATOMIC T atomic_float_add(T* address, T val) {
     Bits* word = reinterpret_cast<Bits*>(address);
     Bits old = atomic_update(word, [val](Bits b) { return Bits(to_bits(from_bits<T>(b) + val)); });
     return from_bits<T>(old);
 }
 }  // namespace emu
 
-inline float atomicAdd(float* address, float val) {
+EMU_ATOMIC float atomicAdd(float* address, float val) {
+    EMU_CHECK_ATOMIC(address);
     return emu::atomic_float_add<float, std::uint32_t>(address, val);
 }
-inline double atomicAdd(double* address, double val) {
+EMU_ATOMIC double atomicAdd(double* address, double val) {
+    EMU_CHECK_ATOMIC(address);
     return emu::atomic_float_add<double, std::uint64_t>(address, val);
 }
-inline float atomicExch(float* address, float val) {
+EMU_ATOMIC float atomicExch(float* address, float val) {
+    EMU_CHECK_ATOMIC(address);
     return emu::from_bits<float>(__atomic_exchange_n(reinterpret_cast<std::uint32_t*>(address),
                                                      std::uint32_t(emu::to_bits(val)), __ATOMIC_RELAXED));
 }
 
 #define EMU_MIN_MAX_ATOMICS(T)                                                                \
-    inline T atomicMin(T* address, T val) {                                                   \
+    EMU_ATOMIC T atomicMin(T* address, T val) {                                               \
+        EMU_CHECK_ATOMIC(address);                                                            \
         return emu::atomic_update(address, [val](T old) { return old < val ? old : val; });   \
     }                                                                                         \
-    inline T atomicMax(T* address, T val) {                                                   \
+    EMU_ATOMIC T atomicMax(T* address, T val) {                                               \
+        EMU_CHECK_ATOMIC(address);                                                            \
         return emu::atomic_update(address, [val](T old) { return old > val ? old : val; });   \
     }
 EMU_MIN_MAX_ATOMICS(int)
@@ -181,7 +223,8 @@ EMU_MIN_MAX_ATOMICS(unsigned long long)
 #undef EMU_MIN_MAX_ATOMICS
 
 #define EMU_CAS(T)                                                                            \
-    inline T atomicCAS(T* address, T compare, T val) {                                       \
+    EMU_ATOMIC T atomicCAS(T* address, T compare, T val) {                                   \
+        EMU_CHECK_ATOMIC(address);                                                            \
         __atomic_compare_exchange_n(address, &compare, val, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); \
         return compare;                                                                       \
     }
@@ -191,10 +234,12 @@ EMU_CAS(unsigned long long)
 EMU_CAS(unsigned short)
 #undef EMU_CAS
 
-inline unsigned int atomicInc(unsigned int* address, unsigned int val) {
+EMU_ATOMIC unsigned int atomicInc(unsigned int* address, unsigned int val) {
+    EMU_CHECK_ATOMIC(address);
     return emu::atomic_update(address, [val](unsigned int old) { return old >= val ? 0u : old + 1; });
 }
-inline unsigned int atomicDec(unsigned int* address, unsigned int val) {
+EMU_ATOMIC unsigned int atomicDec(unsigned int* address, unsigned int val) {
+    EMU_CHECK_ATOMIC(address);
     return emu::atomic_update(address,
                               [val](unsigned int old) { return (old == 0 || old > val) ? val : old - 1; });
 }
@@ -422,14 +467,16 @@ inline void __trap() { emu_trap("__trap() called"); }
 // ---- what the generated entry points use -------------------------------------------------------
 namespace emu {
 // Calls a kernel with its arguments read from CUDA's kernelParams layout: one pointer per
-// parameter, pointing at a value of the parameter's declared type.
+// parameter, pointing at a value of the parameter's declared type. Not the kernel's own accesses:
+// the sanitizer leaves them alone (the launcher's memory, where the parameters come from).
 template <class... A, std::size_t... I>
-inline void invoke(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
+__attribute__((no_sanitize_thread)) inline void invoke(void (*kernel)(A...), void** args,
+                                                        std::index_sequence<I...>) {
     kernel(*static_cast<std::remove_cv_t<A>*>(args[I])...);
 }
 
 template <class... A>
-inline void invoke(void (*kernel)(A...), void** args) {
+__attribute__((no_sanitize_thread)) inline void invoke(void (*kernel)(A...), void** args) {
     invoke(kernel, args, std::index_sequence_for<A...>{});
 }
 
@@ -474,7 +521,27 @@ inline void signature(void (*)(A...), char* out, int n) {
 }
 }  // namespace emu
 
+// ---- the sanitizer's view of memcpy and memset ---------------------------------------------------
+// The compiler instruments a kernel's loads and stores but not the library calls memcpy and memset
+// make: under the sanitizer the kernel's own calls are checked as its accesses are. (Defined last,
+// after every use of them in this header.)
+#ifdef EMU_SANITIZE
+inline void* emu_checked_memcpy(void* to, const void* from, std::size_t n) {
+    emu_check_access(from, n, 0);
+    emu_check_access(to, n, 1);
+    return std::memcpy(to, from, n);
+}
+inline void* emu_checked_memset(void* to, int value, std::size_t n) {
+    emu_check_access(to, n, 1);
+    return std::memset(to, value, n);
+}
+#define memcpy emu_checked_memcpy
+#define memset emu_checked_memset
+#endif
+
 #define EMU_KERNEL_ENTRY(i, ...)                                                                      \
-    extern "C" void emu_entry_##i(void** args) { ::emu::invoke(&__VA_ARGS__, args); }                \
+    extern "C" __attribute__((no_sanitize_thread)) void emu_entry_##i(void** args) {                   \
+        ::emu::invoke(&__VA_ARGS__, args);                                                                \
+    }                                                                                                     \
     extern "C" void emu_signature_##i(char* out, int n) { ::emu::signature(&__VA_ARGS__, out, n); }  \
     extern "C" void* emu_kernel_##i() { return reinterpret_cast<void*>(&__VA_ARGS__); }

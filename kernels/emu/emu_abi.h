@@ -50,13 +50,20 @@ constexpr std::size_t kEmuDynamicSharedBytes = 227 * 1024;
 constexpr std::size_t kEmuSharedTailBytes = 256;
 
 extern "C" {
-void emu_syncthreads(void);
-int emu_syncthreads_reduce(int predicate, int how);   // how: 0 count, 1 and, 2 or
+// A barrier called at file:line; how: 0 count, 1 and, 2 or.
+int emu_syncthreads_reduce(int predicate, int how, const char* file, int line);
 std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, int arg, int width);
 // A warp-wide .aligned instruction named `what`, called at file:line: returns when all 32 lanes
 // of the warp have reached this very call, each lane's `bytes` at `in` gathered, lane by lane,
 // into every lane's `out` (32 * bytes). Lanes at another call, or returned, are an error.
 void emu_warp_aligned(const char* what, const char* file, int line, const void* in, int bytes, void* out);
+// A warp-wide .aligned instruction that loads rows of shared memory (ldmatrix): when all 32 lanes
+// have reached this very call, the `row_bytes` at each lane's `row` (none for a null row) are read,
+// all at once as the instruction does, into every lane's `out` (32 * row_bytes), lane by lane.
+void emu_warp_aligned_rows(const char* what, const char* file, int line, const void* row, int row_bytes, void* out);
+// The sanitizer's check of an access the compiler does not instrument (memcpy, memset, an atomic):
+// `how` 0 read, 1 write, 2 atomic (bounds and alignment only: atomics never race).
+void emu_check_access(const void* p, std::size_t bytes, int how);
 // An error unless [p, p + bytes) lies in the block's shared memory and p is a multiple of `align`.
 void emu_check_shared(const void* p, std::size_t bytes, std::size_t align, const char* what, const char* file,
                       int line);

@@ -1,6 +1,7 @@
 """ctypes bindings to the emulator's runtime and to the compiled kernel modules."""
 import ctypes
 import functools
+import re
 import struct
 from pathlib import Path
 
@@ -21,6 +22,7 @@ def runtime():
     lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint), ctypes.c_size_t,
                                ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int,
+                               ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_char_p,
                                ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p, ctypes.c_size_t]
     lib.emu_fenced_alloc.restype = ctypes.c_void_p
     lib.emu_fenced_alloc.argtypes = [ctypes.c_size_t]
@@ -73,6 +75,7 @@ class Module:
             raise CompileError(f"cannot load {meta['library']}: {err.value.decode()}")
         functions, tls = elf_symbols(meta["library"])
         dynamic = {offset for name, offset, _ in tls if name == "emu_dynamic_shared"}
+        self.library, self.sanitize = meta["library"], meta.get("sanitize", False)
         self.entries = []
         for i, entry in enumerate(meta["entries"]):
             address = self._symbol(f"emu_entry_{i}")
@@ -90,6 +93,9 @@ class Module:
             self.entries.append({**entry, "address": address, "symbol": symbol,
                                  "signature": _parse_signature(buf.value.decode()),
                                  "static_shared": _static_shared(symbol, tls, dynamic)})
+        kernels = {_locals_prefix(e["symbol"]) for e in self.entries}
+        for e in self.entries:
+            e["shared_variables"] = _shared_variables(_locals_prefix(e["symbol"]), kernels, tls, dynamic)
 
     def _symbol(self, name):
         address = runtime().emu_module_symbol(self.handle, name.encode())
@@ -107,10 +113,30 @@ def _parse_signature(text):
     return parameters
 
 
+def _locals_prefix(symbol):
+    """How the symbols of a function's block-scope statics begin: _ZZ<its encoding>E."""
+    encoding = symbol[2:] if symbol.startswith("_Z") else f"{len(symbol)}{symbol}"
+    return f"_ZZ{encoding}E"
+
+
 def _static_shared(symbol, tls, dynamic):
     """Bytes of the __shared__ arrays a kernel declares in its body (their symbols are
     _ZZ<kernel>E<name>), plus any at namespace scope."""
-    encoding = symbol[2:] if symbol.startswith("_Z") else f"{len(symbol)}{symbol}"
-    own = f"_ZZ{encoding}E"
+    own = _locals_prefix(symbol)
     return sum(size for name, offset, size in tls
                if offset not in dynamic and (name.startswith(own) or not name.startswith("_ZZ")))
+
+
+def _shared_variables(own, kernels, tls, dynamic):
+    """[(offset, bytes, name)] of the __shared__ variables a kernel may access (the sanitizer's
+    memcheck): its own, those at namespace scope and those of the device functions it may call;
+    not another kernel's (nor the dynamic shared memory, whose size the launch gives)."""
+    return [(offset, size, _short_name(name)) for name, offset, size in tls
+            if offset not in dynamic and size and (name.startswith(own) or not name.startswith("_ZZ") or
+                                                   not any(name.startswith(k) for k in kernels))]
+
+
+def _short_name(symbol):
+    """The source's name of a block-scope static (_ZZ...E4tile: tile), else the symbol."""
+    match = re.search(r"E(\d+)(\w+?)(?:_\d+)?$", symbol) if symbol.startswith("_ZZ") else None
+    return match.group(2)[:int(match.group(1))] if match and len(match.group(2)) >= int(match.group(1)) else symbol

@@ -2,6 +2,8 @@
 import contextlib
 import ctypes
 import os
+import re
+import subprocess
 
 import numpy as np
 
@@ -130,15 +132,20 @@ class RawKernel:
             err = ctypes.create_string_buffer(4096)
             fault = ctypes.c_uint64(0)
             ranges = staged.ranges()
-            failed = runtime().emu_launch(self.module._module.handle, self._entry["address"], pointers,
+            native = self.module._module
+            shared = [v for offset, size, _ in self._entry["shared_variables"] for v in (offset, size)]
+            names = "\n".join(name for _, _, name in self._entry["shared_variables"]).encode()
+            failed = runtime().emu_launch(native.handle, self._entry["address"], pointers,
                                           (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                                           int(_order[-1] == "descending"),
                                           (ctypes.c_uint64 * max(1, len(ranges)))(*ranges), len(ranges) // 2,
-                                          ctypes.byref(fault), err, len(err))
+                                          build.LEVELS[build.sanitize_level()] if native.sanitize else 0,
+                                          (ctypes.c_uint64 * max(1, len(shared)))(*shared),
+                                          len(shared) // 2, names, ctypes.byref(fault), err, len(err))
             problems = staged.finish()
             if failed:
                 near = staged.region_near(fault.value) if fault.value else ""
-                problems.append(f"failed: {err.value.decode()}{near}")
+                problems.append(f"failed: {source_lines(err.value.decode())}{near}")
             if problems:
                 raise KernelError(f"kernel '{self.name}' " + "\n".join(problems))
         finally:
@@ -199,3 +206,22 @@ class RawKernel:
 
 
 _ARRAY = object()  # placeholder for an array argument until its guarded copy exists
+_PC = re.compile(r" \{pc:([^:}]+):([0-9a-f]+)\}")
+_EMULATOR_HEADERS = ("cuda_emu.h", "tensor_core.cuh")   # the emulation's own lines: name the caller's
+
+
+def source_lines(message):
+    """The runtime's code addresses in ``message`` ({pc:module:offset}) as the .cu lines they are
+    (" at kernels/cuda/x.cu:12"), read from the module's line table by addr2line; dropped if it
+    cannot tell."""
+    def line(match):
+        try:
+            out = subprocess.run(["addr2line", "-e", match.group(1), "-i", match.group(2)], capture_output=True,
+                                 text=True, timeout=30).stdout.splitlines()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        places = [p.split(" (")[0] for p in out if not p.startswith("??")]
+        own = [p for p in places if not p.rsplit(":", 1)[0].endswith(_EMULATOR_HEADERS)]
+        chosen = (own or places)[:1]
+        return f" at {chosen[0]}" if chosen else ""
+    return re.sub(r" at (\S+) at \1(?=\W|$)", r" at \1", _PC.sub(line, message))   # a place said twice: once

@@ -13,6 +13,18 @@
 // Shared memory is the module's thread-local storage (cuda_emu.h), filled with 0xff bytes (NaN
 // in every float width) before each block. Faults (segmentation, bus, arithmetic errors) in a
 // kernel end the launch with an error naming the thread instead of killing the process.
+//
+// The sanitizer (a launch with `sanitize`, of a module compiled with -fsanitize=thread so that
+// every load and store of the kernel calls __tsan_{read,write}N, see build.py) checks
+// each access where it happens, as compute-sanitizer's tools do on a GPU: memcheck (global
+// accesses inside an argument's bytes or the module's own variables, shared ones inside the
+// kernel's __shared__ variables and the dynamic size the launch asked for, natural alignment),
+// racecheck (a shared byte written by one thread and read or written by another with no barrier
+// between, lanes of a warp needing a __syncwarp; a global byte written by two threads of the
+// launch with plain stores), initcheck (a shared byte read before any thread of the block wrote
+// it, or while a cp.async to it is in flight) and synccheck (the threads a barrier releases, and
+// the lanes of a warp-wide .aligned instruction, at one call instance: the same chain of return
+// addresses, which is why modules are compiled with frame pointers).
 #include "emu_abi.h"
 
 #include <dlfcn.h>
@@ -26,9 +38,11 @@
 #include <ucontext.h>
 #endif
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -60,6 +74,12 @@ struct Warp {
     int line[32], bytes[32];
     const void* in[32];
     void* out[32];
+    bool rows[32];                 // an .aligned load of rows (ldmatrix): `in` is the row's address
+    std::uint64_t path[32];        // the call instance of each lane's .aligned instruction
+    const void* pc[32];
+    // the __syncwarp()s completed since the block's last barrier: (generation, lanes); memory
+    // accesses of two lanes are ordered by one that both took part in after the first access
+    std::vector<std::pair<std::uint32_t, unsigned>> syncs;
 };
 
 // A cp.async in flight: the bytes it read at issue, written to `dst` by the wait that covers it.
@@ -84,6 +104,25 @@ struct Module {
     void* handle;
     void* (*dynamic_shared)();  // this OS thread's dynamic shared memory buffer
     std::size_t tls_bytes;       // the module's thread-local block: all of its shared memory
+    std::vector<std::pair<std::uintptr_t, std::uintptr_t>> segments;  // its loaded segments: __device__ variables
+};
+
+// A __shared__ variable a launch's kernel may access: [begin, end) in this OS thread's copy.
+struct SharedVariable {
+    std::uintptr_t begin, end;
+    std::string name;
+};
+
+// What the sanitizer knows of one 4-byte word of shared memory: its last write, the reads since
+// (two distinct readers are enough: any writer differs from one of them), and a cp.async in flight
+// to it. Phases number the stretches between a block's barriers, over all blocks ever run, so that
+// nothing is cleared between blocks: a record of an earlier block is older than the block's start.
+struct ShadowWord {
+    std::uint32_t w_phase, w_gen;      // the last write: its phase, and the warp's __syncwarp count then
+    std::uint32_t r_phase, r_gen[2];   // the reads of the word in phase r_phase
+    std::uint32_t pending;             // the phase in which a cp.async to it was issued, 0 once it landed
+    std::uint16_t writer, reader[2];
+    std::uint8_t readers, pad_;
 };
 
 // The canary after the dynamic shared memory a launch asked for.
@@ -114,19 +153,34 @@ struct Launch {
     // the kernel's argument buffers, [start, end): the global memory a cp.async may read
     std::vector<std::pair<std::uintptr_t, std::uintptr_t>> regions;
     std::vector<AsyncCopies> async;  // of each thread
+    // the sanitizer
+    const Module* module;
+    int sanitize;                                     // 0 off, 1 memcheck (and synccheck), 2 every check
+    std::vector<SharedVariable> shared;               // the kernel's, and the dynamic shared memory asked for
+    const SharedVariable* last_shared;                // the one the last shared access lay in
+    std::vector<std::uint32_t*> writers;              // of each region: the writer of each byte (global thread + 1)
+    std::uint32_t block_start, phase;                 // the phase this block started in; the phase now
+    std::vector<std::uint64_t> barrier_path;          // the call instance of each thread at the barrier
+    std::vector<std::pair<const char*, int>> barrier_site;   // and its source line
 };
 
 Launch* g_launch = nullptr;
 std::mutex g_launch_mutex;
+std::vector<ShadowWord> g_shadow;   // of the running module's shared memory, by word
+std::uint32_t g_phase = 0;          // of every stretch between barriers, over all blocks (see ShadowWord)
+std::uint32_t g_warp_gen = 0;       // of every completed __syncwarp()
+std::uintptr_t g_report_address = 0;  // an address the sanitizer refused, for the message's argument
 
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string format(const char* fmt, ...) {
-    char buf[512];
-    va_list ap;
+    va_list ap, again;
     va_start(ap, fmt);
-    std::vsnprintf(buf, sizeof buf, fmt, ap);
+    va_copy(again, ap);
+    std::string out(std::size_t(std::max(0, std::vsnprintf(nullptr, 0, fmt, ap))), '\0');
     va_end(ap);
-    return buf;
+    std::vsnprintf(out.data(), out.size() + 1, fmt, again);
+    va_end(again);
+    return out;
 }
 
 // ---- stack slots -------------------------------------------------------------------------------
@@ -269,6 +323,218 @@ void fail(std::string message) {
     std::abort();  // a failed launch never resumes its fibers
 }
 
+// ---- the sanitizer -----------------------------------------------------------------------------
+enum Access { READ = 0, WRITE = 1, ATOMIC = 2 };
+
+// A code address in a message: resolved to its .cu line by the Python side (raw.py), which reads
+// the module's line table.
+std::string at(const void* pc) {
+    Dl_info info{};
+    if (!pc || !dladdr(pc, &info) || !info.dli_fname) return "";
+    // a return address: the call is the instruction before it
+    return format(" {pc:%s:%lx}", info.dli_fname,
+                  static_cast<unsigned long>(reinterpret_cast<std::uintptr_t>(pc) - 1 -
+                                             reinterpret_cast<std::uintptr_t>(info.dli_fbase)));
+}
+
+// The call instance of the running thread's call into the runtime: a hash of the return addresses
+// of its frames, from the runtime function whose frame is `frame` up to the thread's first one,
+// but the `skip` innermost.
+std::uint64_t call_path(void* frame, const void** first, int skip = 0, const void** second = nullptr) {
+    const auto lo = reinterpret_cast<std::uintptr_t>(g_slots.guard(g_launch->current));
+    const auto hi = reinterpret_cast<std::uintptr_t>(g_slots.stack_top(g_launch->current));
+    std::uint64_t h = 1469598103934665603ull;
+    *first = nullptr;
+    auto** fp = static_cast<void**>(frame);
+    for (int depth = 0; depth < 64; ++depth) {
+        const auto at_fp = reinterpret_cast<std::uintptr_t>(fp);
+        if (at_fp < lo || at_fp + 2 * sizeof(void*) > hi) break;
+        void* ret = fp[1];
+        if (depth == 1 && second) *second = ret;
+        if (!*first) *first = ret;
+        if (depth >= skip) h = (h ^ reinterpret_cast<std::uintptr_t>(ret)) * 1099511628211ull;
+        fp = static_cast<void**>(fp[0]);
+    }
+    return h;
+}
+
+const char* verb(int how, bool past = false) {
+    if (how == WRITE) return past ? "wrote" : "writes";
+    if (how == READ) return past ? "read" : "reads";
+    return "atomically updates";
+}
+
+std::string thread_name(int i) {
+    const emu_thread& t = g_slots.slot(i)->pub;
+    return format("thread (%u,%u,%u)", t.thread_idx.x, t.thread_idx.y, t.thread_idx.z);
+}
+
+const SharedVariable* shared_variable(std::uintptr_t a, std::size_t n) {
+    Launch& g = *g_launch;
+    if (g.last_shared && a >= g.last_shared->begin && a + n <= g.last_shared->end) return g.last_shared;
+    for (const SharedVariable& v : g.shared)
+        if (a >= v.begin && a + n <= v.end) return g.last_shared = &v;
+    return nullptr;
+}
+
+// memcheck of shared memory: the variable [a, a + n) lies in, or an error naming the nearest one.
+const SharedVariable& shared_or_fail(std::uintptr_t a, std::size_t n, int how, const void* pc) {
+    if (const SharedVariable* v = shared_variable(a, n)) return *v;
+    const SharedVariable* near = nullptr;
+    long distance = 0;
+    for (const SharedVariable& v : g_launch->shared) {
+        const long d = a < v.begin ? long(v.begin - a) : a >= v.end ? long(a - v.end + 1) : 0;
+        if (!near || d < distance) near = &v, distance = d;
+    }
+    std::string where = near ? format("offset %ld of `%s` (%zu bytes)", long(a - near->begin), near->name.c_str(),
+                                      std::size_t(near->end - near->begin))
+                             : std::string("no __shared__ variable of the kernel");
+    fail_in_fiber(format("memcheck: out-of-bounds shared %s of %zu bytes at %s%s",
+                         how == WRITE ? "write" : how == READ ? "read" : "atomic", n, where.c_str(), at(pc).c_str()));
+}
+
+// Whether a __syncwarp() that lanes of threads a and b both took part in completed after generation g.
+bool warp_synced(int a, int b, std::uint32_t g) {
+    if (a / 32 != b / 32) return false;
+    const unsigned both = (1u << (a % 32)) | (1u << (b % 32));
+    for (const auto& [gen, lanes] : g_launch->warps[a / 32].syncs)
+        if (gen > g && (lanes & both) == both) return true;
+    return false;
+}
+
+// The failures of shared_shadow, out of its loop.
+[[noreturn, gnu::cold, gnu::noinline]] void shadow_failure(int what, int t, std::uintptr_t a, int how,
+                                                          const SharedVariable& v, const void* pc, int other) {
+    const std::string place = format("byte %ld of `%s`", long(a - v.begin), v.name.c_str());
+    const char* warp = other / 32 == t / 32 ? " (nor a __syncwarp() of both lanes)" : "";
+    if (what == 0)
+        fail_in_fiber(format("initcheck: %s %s while a cp.async to it is in flight: read it after the "
+                             "cp.async.wait_group that covers it (and a barrier, for another thread)%s",
+                             verb(how), place.c_str(), at(pc).c_str()));
+    if (what == 1)
+        fail_in_fiber(format("initcheck: reads %s, which no thread of the block has written%s", place.c_str(),
+                             at(pc).c_str()));
+    fail_in_fiber(format("racecheck: %s %s, which %s %s, with no __syncthreads() between them%s%s", verb(how),
+                         place.c_str(), thread_name(other).c_str(), what == 2 ? "wrote" : "read", warp,
+                         at(pc).c_str()));
+}
+
+// racecheck and initcheck of thread t's access to shared [a, a + n) of variable v, word by word: an
+// access of part of a word (a char, a short) is checked for initialisation, not for races (two
+// threads may write two bytes of one word). `record`: false for a read done by a warp-wide
+// instruction (ldmatrix), complete before any lane goes on: it is checked against earlier writes,
+// but no later write can race with it.
+void shared_shadow(int t, std::uintptr_t a, std::size_t n, int how, const SharedVariable& v, const void* pc,
+                   bool record = true) {
+    Launch& g = *g_launch;
+    const std::uint32_t start = g.block_start, phase = g.phase, gen = g_warp_gen;
+    const std::uintptr_t tls = reinterpret_cast<std::uintptr_t>(g.tls);
+    const bool whole = (a | n) % 4 == 0;
+    ShadowWord* s = &g_shadow[(a - tls) / 4];
+    for (std::uintptr_t word = (a - tls) / 4 * 4 + tls; word < a + n; word += 4, ++s) {
+        const std::uintptr_t at_ = word < a ? a : word;   // the access's first byte in this word
+        if (__builtin_expect(s->pending >= start && s->pending, 0)) shadow_failure(0, t, at_, how, v, pc, t);
+        const bool written = s->w_phase >= start && s->w_phase;
+        if (__builtin_expect(how == READ && !written, 0)) shadow_failure(1, t, at_, how, v, pc, t);
+        if (whole && s->w_phase == phase && s->writer != t && !warp_synced(s->writer, t, s->w_gen))
+            shadow_failure(2, t, at_, how, v, pc, s->writer);
+        const bool reads_now = s->r_phase == phase;
+        if (how == WRITE) {
+            for (int r = 0; whole && reads_now && r < s->readers; ++r)
+                if (s->reader[r] != t && !warp_synced(s->reader[r], t, s->r_gen[r]))
+                    shadow_failure(3, t, at_, how, v, pc, s->reader[r]);
+            s->w_phase = phase, s->w_gen = gen, s->writer = std::uint16_t(t);
+            s->r_phase = 0;
+        } else if (record) {
+            if (!reads_now) {
+                s->r_phase = phase, s->readers = 1;
+                s->reader[0] = std::uint16_t(t), s->r_gen[0] = gen;
+            } else if (s->reader[0] == t) {
+                s->r_gen[0] = gen;
+            } else if (s->readers == 1) {
+                s->reader[1] = std::uint16_t(t), s->r_gen[1] = gen, s->readers = 2;
+            } else if (s->reader[1] == t) {
+                s->r_gen[1] = gen;
+            }
+        }
+    }
+}
+
+// racecheck of a global write: two threads of the launch may not write one byte with plain stores.
+void global_write(std::size_t region, std::uintptr_t a, std::size_t n, const void* pc) {
+    Launch& g = *g_launch;
+    const auto [start, end] = g.regions[region];
+    if (!g.writers[region]) {
+        void* p = mmap(nullptr, (end - start) * sizeof(std::uint32_t), PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) return;   // no room to track it: unchecked rather than wrong
+        g.writers[region] = static_cast<std::uint32_t*>(p);
+    }
+    const std::uint32_t me = std::uint32_t((((g.block_idx.z * g.grid.y) + g.block_idx.y) * g.grid.x + g.block_idx.x) *
+                                           std::uint32_t(g.threads) + std::uint32_t(g.current) + 1);
+    for (std::size_t k = 0; k < n; ++k) {
+        std::uint32_t& w = g.writers[region][a + k - start];
+        if (w && w != me) {
+            g_report_address = a + k;
+            const std::uint32_t other = w - 1, threads = std::uint32_t(g.threads);
+            const std::uint32_t b = other / threads, x = b % g.grid.x, y = b / g.grid.x % g.grid.y,
+                                z = b / (g.grid.x * g.grid.y);
+            const dim3 bd = g.block;
+            const std::uint32_t o = other % threads;
+            fail_in_fiber(format("racecheck: writes global memory at 0x%lx that thread (%u,%u,%u) of block (%u,%u,%u) "
+                                 "wrote in this launch: two plain stores to one word race (one is lost); use an "
+                                 "atomic, or give each thread its own place%s",
+                                 static_cast<unsigned long>(a + k), o % bd.x, o / bd.x % bd.y, o / (bd.x * bd.y),
+                                 x, y, z, at(pc).c_str()));
+        }
+        w = me;
+    }
+}
+
+// Every check of a kernel's access to [a, a + n): `aligned`, the natural alignment of an n-byte access.
+void check_access(std::uintptr_t a, std::size_t n, int how, bool aligned, const void* pc) {
+    Launch& g = *g_launch;
+    if (aligned && (a & (n - 1))) {   // n is a power of 2 where `aligned`
+        g_report_address = a;
+        fail_in_fiber(format("memcheck: misaligned %zu-byte %s at 0x%lx (a multiple of %zu is needed)%s", n,
+                             how == WRITE ? "write" : how == READ ? "read" : "atomic", static_cast<unsigned long>(a), n,
+                             at(pc).c_str()));
+    }
+    const auto tls = reinterpret_cast<std::uintptr_t>(g.tls);
+    if (a + kEmuPageBytes >= tls && a < tls + g.tls_bytes + kEmuPageBytes) {   // shared memory, or just past it
+        const SharedVariable* last = g.last_shared;
+        const SharedVariable& v = last && a >= last->begin && a + n <= last->end ? *last : shared_or_fail(a, n, how, pc);
+        if (how != ATOMIC && g.sanitize > 1) shared_shadow(g.current, a, n, how, v, pc);
+        return;
+    }
+    for (std::size_t r = 0; r < g.regions.size(); ++r) {
+        const auto [start, end] = g.regions[r];
+        if (a < start || a >= end) continue;
+        if (a + n > end) break;
+        if (how == WRITE && g.sanitize > 1) global_write(r, a, n, pc);
+        return;
+    }
+    for (const auto& [start, end] : g.module->segments)
+        if (a >= start && a + n <= end) return;   // the module's own variables (__device__, constants)
+    g_report_address = a;
+    fail_in_fiber(format("memcheck: out-of-bounds global %s of %zu bytes at 0x%lx%s",
+                         how == WRITE ? "write" : how == READ ? "read" : "atomic", n, static_cast<unsigned long>(a),
+                         at(pc).c_str()));
+}
+
+inline void instrumented(std::uintptr_t a, std::size_t n, int how, bool aligned, const void* pc) {
+    Launch* g = g_launch;
+    if (!g || !g->sanitize || g->current < 0) return;
+    if (a - reinterpret_cast<std::uintptr_t>(g_slots.base) < std::size_t(g_slots.count) * kEmuSlotBytes) return;
+    // the common case: an aligned access to the shared variable of the last shared access
+    const SharedVariable* last = g->last_shared;
+    if (last && a >= last->begin && a + n <= last->end && !(aligned && (a & (n - 1)))) {
+        if (g->sanitize > 1 && how != ATOMIC) shared_shadow(g->current, a, n, how, *last, pc);
+        return;
+    }
+    check_access(a, n, how, aligned, pc);
+}
+
 // ---- warps -------------------------------------------------------------------------------------
 const char* warp_op_name(int op) {
     static const char* const names[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
@@ -331,6 +597,7 @@ void try_complete_warp(int wi, unsigned mask) {
         g.state[wi * 32 + lane] = RUNNABLE;
     }
     w.waiting &= ~group;
+    if (op == EMU_SYNCWARP) w.syncs.emplace_back(++g_warp_gen, group);
 }
 
 std::string lane_list(unsigned lanes);
@@ -342,17 +609,39 @@ void try_complete_aligned(int wi) {
     Warp& w = g.warps[wi];
     if (w.waiting != ~0u) return;
     for (int lane = 1; lane < 32; ++lane) {
-        if (w.op[lane] != w.op[0] || w.file[lane] != w.file[0] || w.line[lane] != w.line[0]) {
-            fail(format("warp %d diverged: lane 0 waits in %s, lane %d in %s: a warp-wide .aligned instruction "
-                        "needs all 32 lanes at the same call", wi, waits_in(w, 0).c_str(), lane,
-                        waits_in(w, lane).c_str()));
+        if (w.op[lane] != w.op[0] || w.path[lane] != w.path[0] || w.rows[lane] != w.rows[0]) {
+            fail(format("synccheck: warp %d diverged: lane 0 waits in %s%s, lane %d in %s%s: a warp-wide .aligned "
+                        "instruction needs all 32 lanes at the same call", wi, waits_in(w, 0).c_str(),
+                        at(w.pc[0]).c_str(), lane, waits_in(w, lane).c_str(), at(w.pc[lane]).c_str()));
             return;
         }
     }
     const int bytes = w.bytes[0];
-    for (int lane = 0; lane < 32; ++lane)
-        for (int src = 0; src < 32; ++src)
-            std::memcpy(static_cast<unsigned char*>(w.out[lane]) + src * bytes, w.in[src], bytes);
+    if (w.rows[0]) {   // the rows are read now, all at once, as the instruction reads them
+        const int arriving = g.current;
+        unsigned char rows[32][kEmuAlignedBytes];
+        for (int src = 0; src < 32; ++src) {
+            const auto row = reinterpret_cast<std::uintptr_t>(w.in[src]);
+            if (!row) {
+                std::memset(rows[src], 0, std::size_t(bytes));
+                continue;
+            }
+            if (g.sanitize > 1) {
+                g.current = wi * 32 + src;   // the lane that gave the row reads it
+                shared_shadow(g.current, row, std::size_t(bytes), READ,
+                              shared_or_fail(row, std::size_t(bytes), READ, w.pc[src]), w.pc[src], false);
+            }
+            std::memcpy(rows[src], w.in[src], std::size_t(bytes));
+        }
+        g.current = arriving;
+        for (int lane = 0; lane < 32; ++lane)
+            for (int src = 0; src < 32; ++src)
+                std::memcpy(static_cast<unsigned char*>(w.out[lane]) + src * bytes, rows[src], bytes);
+    } else {
+        for (int lane = 0; lane < 32; ++lane)
+            for (int src = 0; src < 32; ++src)
+                std::memcpy(static_cast<unsigned char*>(w.out[lane]) + src * bytes, w.in[src], bytes);
+    }
     for (int lane = 0; lane < 32; ++lane) g.state[wi * 32 + lane] = RUNNABLE;
     w.waiting = 0;
 }
@@ -407,8 +696,32 @@ std::string describe_deadlock() {
     return s;
 }
 
+// synccheck: the threads a barrier releases must wait at one call instance.
+bool barrier_converged() {
+    Launch& g = *g_launch;
+    int first = -1;
+    for (int i = 0; i < g.threads; ++i) {
+        if (g.state[i] != AT_BARRIER) continue;
+        if (first < 0) {
+            first = i;
+        } else if (g.barrier_path[i] != g.barrier_path[first]) {
+            const auto [first_file, first_line] = g.barrier_site[first];
+            const auto [file, line] = g.barrier_site[i];
+            fail(format("synccheck: %s waits at a __syncthreads() at %s:%d and %s at another at %s:%d%s: a barrier "
+                        "that part of the block skips (a barrier in divergent code) releases the wrong threads",
+                        describe_thread(first).c_str(), first_file, first_line, thread_name(i).c_str(), file, line,
+                        first_file == file && first_line == line ? " (the same line, reached through other calls)"
+                                                                   : ""));
+            return false;
+        }
+    }
+    return true;
+}
+
 void release_barrier() {
     Launch& g = *g_launch;
+    g.phase = ++g_phase;
+    for (Warp& w : g.warps) w.syncs.clear();
     const int results[] = {g.barrier_sum, g.barrier_and, g.barrier_or};
     for (int i = 0; i < g.threads; ++i) {
         if (g.state[i] != AT_BARRIER) continue;
@@ -451,7 +764,11 @@ void start_block(uint3 block_idx) {
         prepare_fiber(i);
     }
     g.state.assign(g.threads, RUNNABLE);
-    for (Warp& w : g.warps) w.returned = w.waiting = 0;
+    for (Warp& w : g.warps) {
+        w.returned = w.waiting = 0;
+        w.syncs.clear();
+    }
+    g.block_start = g.phase = ++g_phase;
     const int last = g.threads - (int(g.warps.size()) - 1) * 32;
     if (last < 32) g.warps.back().returned = ~0u << last;  // lanes that do not exist
     g.live = g.threads;
@@ -478,6 +795,7 @@ bool run_block(uint3 block_idx) {
         }
         if (g.live == 0) break;
         if (g.at_barrier == g.live) {
+            if (g.sanitize && !barrier_converged()) return false;
             release_barrier();
             continue;
         }
@@ -575,9 +893,16 @@ extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(std::uintpt
     std::abort();  // a returned fiber is never resumed
 }
 
-extern "C" int emu_syncthreads_reduce(int predicate, int how) {
+// A barrier's call instance is its source line and the calls that led to it: not its code address,
+// which the compiler may duplicate into the two sides of a divergent branch (it knows nothing of
+// barriers: nvcc never does that).
+extern "C" int emu_syncthreads_reduce(int predicate, int how, const char* file, int line) {
     Launch& g = *g_launch;
     const int i = g.current;
+    const void* innermost;
+    const std::uint64_t outer = call_path(__builtin_frame_address(0), &innermost, 1);
+    g.barrier_path[i] = outer ^ (reinterpret_cast<std::uintptr_t>(file) * 31 + std::uint64_t(line)) * 1099511628211ull;
+    g.barrier_site[i] = {file, line};
     g.state[i] = AT_BARRIER;
     g.how[i] = static_cast<unsigned char>(how);
     ++g.at_barrier;
@@ -588,7 +913,6 @@ extern "C" int emu_syncthreads_reduce(int predicate, int how) {
     return g.barrier_result[i];
 }
 
-extern "C" void emu_syncthreads(void) { emu_syncthreads_reduce(1, 0); }
 
 extern "C" std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, int arg, int width) {
     Launch& g = *g_launch;
@@ -611,21 +935,22 @@ extern "C" std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, in
     return w.result[lane];
 }
 
-extern "C" void emu_warp_aligned(const char* what, const char* file, int line, const void* in, int bytes,
-                                 void* out) {
+namespace {
+void warp_aligned(const char* what, const char* file, int line, const void* in, int bytes, void* out, bool rows,
+                  std::uint64_t path, const void* pc) {
     Launch& g = *g_launch;
     const int i = g.current, lane = i % 32;
     Warp& w = g.warps[i / 32];
     if (w.returned)
-        fail_in_fiber(format("%s at %s:%d with lanes %s of its warp returned or not there: all 32 lanes must "
-                             "execute it", what, file, line, lane_list(w.returned).c_str()));
+        fail_in_fiber(format("synccheck: %s at %s:%d with lanes %s of its warp returned or not there: all 32 lanes "
+                             "must execute it", what, file, line, lane_list(w.returned).c_str()));
     if (bytes < 0 || bytes > kEmuAlignedBytes) fail_in_fiber(format("%s: %d bytes a lane", what, bytes));
     for (unsigned rest = w.waiting; rest; rest &= rest - 1) {
         const int other = __builtin_ctz(rest);
-        if (w.op[other] == EMU_ALIGNED && (w.file[other] != file || w.line[other] != line))
-            fail_in_fiber(format("reached %s at %s:%d while lane %d waits in %s: a warp-wide .aligned "
-                                 "instruction needs all 32 lanes at the same call", what, file, line, other,
-                                 waits_in(w, other).c_str()));
+        if (w.op[other] == EMU_ALIGNED && w.path[other] != path)
+            fail_in_fiber(format("synccheck: reached %s at %s:%d%s while lane %d waits in %s%s: a warp-wide .aligned "
+                                 "instruction needs all 32 lanes at the same call", what, file, line, at(pc).c_str(),
+                                 other, waits_in(w, other).c_str(), at(w.pc[other]).c_str()));
     }
     g.state[i] = AT_WARP;
     w.waiting |= 1u << lane;
@@ -637,8 +962,28 @@ extern "C" void emu_warp_aligned(const char* what, const char* file, int line, c
     w.in[lane] = in;
     w.bytes[lane] = bytes;
     w.out[lane] = out;
+    w.rows[lane] = rows;
+    w.path[lane] = path;
+    w.pc[lane] = pc;
     try_complete_aligned(i / 32);
     switch_to_scheduler(i);
+}
+}  // namespace
+
+// The wrappers of tensor_core.cuh call these from their emulation, a function of its own: the place to
+// name is its caller's (the second return address).
+extern "C" void emu_warp_aligned(const char* what, const char* file, int line, const void* in, int bytes,
+                                 void* out) {
+    const void *first, *caller = nullptr;
+    const std::uint64_t path = call_path(__builtin_frame_address(0), &first, 0, &caller);
+    warp_aligned(what, file, line, in, bytes, out, false, path, caller ? caller : first);
+}
+
+extern "C" void emu_warp_aligned_rows(const char* what, const char* file, int line, const void* row, int row_bytes,
+                                      void* out) {
+    const void *first, *caller = nullptr;
+    const std::uint64_t path = call_path(__builtin_frame_address(0), &first, 0, &caller);
+    warp_aligned(what, file, line, row, row_bytes, out, true, path, caller ? caller : first);
 }
 
 namespace {
@@ -657,6 +1002,9 @@ bool in_argument(const void* p, std::size_t bytes) {
 
 extern "C" void emu_check_shared(const void* p, std::size_t bytes, std::size_t align, const char* what,
                                  const char* file, int line) {
+    if (g_launch->sanitize && in_shared(p, bytes) && !shared_variable(reinterpret_cast<std::uintptr_t>(p), bytes))
+        fail_in_fiber(format("memcheck: %s at %s:%d: %zu bytes at %p are not in a __shared__ variable of the kernel "
+                             "(nor in the dynamic shared memory the launch asked for)", what, file, line, bytes, p));
     if (!in_shared(p, bytes))
         fail_in_fiber(format("%s at %s:%d: %zu bytes at %p are not in the block's shared memory", what, file, line,
                              bytes, p));
@@ -680,6 +1028,8 @@ extern "C" void emu_cp_async(void* dst, const void* src, int bytes, int src_byte
     AsyncCopy copy{static_cast<unsigned char*>(dst), bytes, src_bytes, {}};
     std::memcpy(copy.data, src, std::size_t(src_bytes));
     std::memset(dst, 0xff, std::size_t(bytes));  // NaN until the wait that covers it
+    if (g_launch->sanitize > 1)   // dst is aligned to its size: whole words
+        for (int k = 0; k < bytes; k += 4) g_shadow[(static_cast<unsigned char*>(dst) + k - g_launch->tls) / 4].pending = g_launch->phase;
     g_launch->async[g_launch->current].open.push_back(copy);
 }
 
@@ -694,6 +1044,12 @@ extern "C" void emu_cp_async_wait(int pending_groups) {
     const std::size_t keep = std::size_t(pending_groups < 0 ? 0 : pending_groups);
     while (a.groups.size() > keep) {
         for (const AsyncCopy& c : a.groups.front()) {
+            if (g_launch->sanitize > 1) {   // it lands: a write by the thread that issued it
+                const auto dst = reinterpret_cast<std::uintptr_t>(c.dst);
+                for (int k = 0; k < c.bytes; k += 4) g_shadow[(c.dst + k - g_launch->tls) / 4].pending = 0;
+                shared_shadow(g_launch->current, dst, std::size_t(c.bytes), WRITE,
+                              shared_or_fail(dst, std::size_t(c.bytes), WRITE, nullptr), __builtin_return_address(0));
+            }
             std::memcpy(c.dst, c.data, std::size_t(c.src_bytes));
             std::memset(c.dst + c.src_bytes, 0, std::size_t(c.bytes - c.src_bytes));
         }
@@ -703,12 +1059,72 @@ extern "C" void emu_cp_async_wait(int pending_groups) {
 
 extern "C" void emu_trap(const char* what) { fail_in_fiber(what); }
 
+// What -fsanitize=thread makes a module call (see the sanitizer): every load and store, by its size
+// (aligned, or as the compiler knows it may not be), ranges, and function entries and exits; the
+// atomics of cuda_emu.h are not instrumented (they check themselves through emu_check_access).
+#define EMU_TSAN_HOOKS(N)                                                                                  \
+    extern "C" void __tsan_read##N(std::uintptr_t a) { instrumented(a, N, READ, true, __builtin_return_address(0)); } \
+    extern "C" void __tsan_write##N(std::uintptr_t a) {                                                   \
+        instrumented(a, N, WRITE, true, __builtin_return_address(0));                                    \
+    }
+EMU_TSAN_HOOKS(1)
+EMU_TSAN_HOOKS(2)
+EMU_TSAN_HOOKS(4)
+EMU_TSAN_HOOKS(8)
+EMU_TSAN_HOOKS(16)
+#undef EMU_TSAN_HOOKS
+#define EMU_TSAN_UNALIGNED_HOOKS(N)                                                                        \
+    extern "C" void __tsan_unaligned_read##N(std::uintptr_t a) {                                          \
+        instrumented(a, N, READ, false, __builtin_return_address(0));                                    \
+    }                                                                                                    \
+    extern "C" void __tsan_unaligned_write##N(std::uintptr_t a) {                                         \
+        instrumented(a, N, WRITE, false, __builtin_return_address(0));                                   \
+    }
+EMU_TSAN_UNALIGNED_HOOKS(2)
+EMU_TSAN_UNALIGNED_HOOKS(4)
+EMU_TSAN_UNALIGNED_HOOKS(8)
+EMU_TSAN_UNALIGNED_HOOKS(16)
+#undef EMU_TSAN_UNALIGNED_HOOKS
+// A copy of an 8- or 16-byte aggregate: a float2 or float4 (int2, ...), whose load a GPU makes in one
+// instruction that needs the natural alignment (the instrumentation does not tell a vector type
+// from another struct of that size).
+extern "C" void __tsan_read_range(std::uintptr_t a, std::size_t n) {
+    instrumented(a, n, READ, n == 8 || n == 16, __builtin_return_address(0));
+}
+extern "C" void __tsan_write_range(std::uintptr_t a, std::size_t n) {
+    instrumented(a, n, WRITE, n == 8 || n == 16, __builtin_return_address(0));
+}
+extern "C" void __tsan_func_entry(void*) {}
+extern "C" void __tsan_func_exit(void) {}
+extern "C" void __tsan_init(void) {}
+extern "C" void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+extern "C" void __tsan_atomic_signal_fence(int) {}
+
+extern "C" void emu_check_access(const void* p, std::size_t bytes, int how) {
+    instrumented(reinterpret_cast<std::uintptr_t>(p), bytes, how, how == ATOMIC, __builtin_return_address(0));
+}
+
 extern "C" void emu_assert_fail(const char* expr, const char* file, int line, const char* function) {
     fail_in_fiber(format("%s:%d: %s: device-side assertion `%s' failed", file, line, function, expr));
 }
 
 // ---- called from Python ------------------------------------------------------------------------
 namespace {
+struct SegmentSearch {
+    std::uintptr_t base;
+    std::vector<std::pair<std::uintptr_t, std::uintptr_t>>* segments;
+};
+
+int find_segments(dl_phdr_info* info, std::size_t, void* data) {
+    auto* want = static_cast<SegmentSearch*>(data);
+    if (info->dlpi_addr != want->base) return 0;
+    for (int i = 0; i < info->dlpi_phnum; ++i)
+        if (info->dlpi_phdr[i].p_type == PT_LOAD)
+            want->segments->emplace_back(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr,
+                                         info->dlpi_addr + info->dlpi_phdr[i].p_vaddr + info->dlpi_phdr[i].p_memsz);
+    return 1;
+}
+
 int find_tls_size(dl_phdr_info* info, std::size_t, void* data) {
     auto* want = static_cast<std::pair<std::size_t, std::size_t>*>(data);
     if (info->dlpi_tls_modid != want->first) return 0;
@@ -728,7 +1144,7 @@ extern "C" void* emu_module_load(const char* path, char* err, std::size_t errlen
         set_error(err, errlen, dlerror());
         return nullptr;
     }
-    auto* m = new Module{handle, nullptr, 0};
+    auto* m = new Module{handle, nullptr, 0, {}};
     m->dynamic_shared = reinterpret_cast<void* (*)()>(dlsym(handle, "emu_dynamic_shared_base"));
     std::size_t modid = 0;
     if (!m->dynamic_shared || dlinfo(handle, RTLD_DI_TLS_MODID, &modid) != 0 || modid == 0) {
@@ -740,6 +1156,11 @@ extern "C" void* emu_module_load(const char* path, char* err, std::size_t errlen
     std::pair<std::size_t, std::size_t> tls{modid, 0};
     dl_iterate_phdr(find_tls_size, &tls);
     m->tls_bytes = tls.second;
+    link_map* map = nullptr;
+    if (dlinfo(handle, RTLD_DI_LINKMAP, &map) == 0 && map) {
+        SegmentSearch search{map->l_addr, &m->segments};
+        dl_iterate_phdr(find_segments, &search);
+    }
     return m;
 }
 
@@ -764,16 +1185,23 @@ class FlushSubnormals {
 #endif
 };
 
-// Runs a grid. Returns 0, or 1 with a message in err (and, after a fault, its address).
-// `regions`: [start, end) of each argument buffer, `nregions` pairs.
+// Runs a grid. Returns 0, or 1 with a message in err (and, after a fault or an access the sanitizer
+// refused, its address). `regions`: [start, end) of each argument buffer, `nregions` pairs.
+// `sanitize`: 0, or check every access (a module compiled for it): 1 memcheck (and synccheck), 2 also
+// racecheck and initcheck; `shared`: the kernel's __shared__
+// variables, `nshared` pairs of (offset in the module's thread-local block, bytes), named by the
+// newline-separated `shared_names`.
 extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const unsigned* grid,
                           const unsigned* block, std::size_t dynamic_bytes, int descending,
-                          const std::uint64_t* regions, int nregions,
+                          const std::uint64_t* regions, int nregions, int sanitize,
+                          const std::uint64_t* shared, int nshared, const char* shared_names,
                           std::uint64_t* fault_address, char* err, std::size_t errlen) {
     std::lock_guard<std::mutex> lock(g_launch_mutex);
     Launch g{};
     g.entry = entry;
     g.args = args;
+    g.module = m;
+    g.sanitize = sanitize;
     for (int r = 0; r < nregions; ++r) g.regions.emplace_back(regions[2 * r], regions[2 * r + 1]);
     g.grid = dim3(grid[0], grid[1], grid[2]);
     g.block = dim3(block[0], block[1], block[2]);
@@ -804,6 +1232,24 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
         set_error(err, errlen, "emulator: cannot reserve the threads' stacks");
         return 1;
     }
+    g.barrier_path.assign(g.threads, 0);
+    g.barrier_site.assign(g.threads, {nullptr, 0});
+    if (g.sanitize) {
+        const auto tls = reinterpret_cast<std::uintptr_t>(g.tls);
+        const char* name = shared_names;
+        for (int v = 0; v < nshared; ++v) {
+            const char* end = std::strchr(name, '\n');
+            g.shared.push_back({tls + shared[2 * v], tls + shared[2 * v] + shared[2 * v + 1],
+                                std::string(name, end ? std::size_t(end - name) : std::strlen(name))});
+            name = end ? end + 1 : name + std::strlen(name);
+        }
+        const auto dynamic = reinterpret_cast<std::uintptr_t>(g.dynamic);
+        g.shared.push_back({dynamic, dynamic + dynamic_bytes,
+                            format("the dynamic shared memory (extern __shared__, %zu bytes asked for)", dynamic_bytes)});
+        g.writers.assign(g.regions.size(), nullptr);
+        if (g.sanitize > 1 && g_shadow.size() < g.tls_bytes / 4 + 1) g_shadow.resize(g.tls_bytes / 4 + 1);
+    }
+    g_report_address = 0;
     g_launch = &g;
     g_launch_thread = pthread_self();
     g_fault = Fault{0, 0, -1};
@@ -823,7 +1269,9 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
         }
     }
     g_launch = nullptr;
-    *fault_address = g_fault.address;
+    for (std::size_t r = 0; r < g.writers.size(); ++r)
+        if (g.writers[r]) munmap(g.writers[r], (g.regions[r].second - g.regions[r].first) * sizeof(std::uint32_t));
+    *fault_address = g_report_address ? g_report_address : g_fault.address;
     std::fflush(stdout);
     if (g.failed) set_error(err, errlen, g.error);
     return g.failed ? 1 : 0;

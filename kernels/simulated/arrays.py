@@ -15,6 +15,7 @@ waits for its stream, and is refused during a capture. ``RawModule`` is the CPU 
 a kernel forgets to write shows.
 """
 import math
+import os
 
 import numpy as np
 
@@ -130,6 +131,13 @@ def _queue(name, function, inputs, out=None, order="K"):
 
 
 _SLOT = object()   # where an operand is an array: its view, when the work runs
+
+
+def sanitize_level():
+    """The emulator's sanitizer for the kernels of whole networks that the simulated GPUs run: memcheck
+    (bounds, alignment, divergent barriers), unless CUDA_EMU_SANITIZE says otherwise; each kernel's
+    own tests run every check (kernels/emu/README.md)."""
+    return os.environ.get("CUDA_EMU_SANITIZE") or "memcheck"
 
 
 def _scalar(value):
@@ -476,7 +484,8 @@ class RawKernel:
             views = iter(views)
             values = tuple(next(views) if v is _SLOT else v for v in template)
             cuda.ledger["launches"][device] += 1
-            kernel(grid, block, values, **kwargs)
+            with emu.sanitizer(sanitize_level()):
+                kernel(grid, block, values, **kwargs)
         cuda.enqueue(stream, timeline.Work(f"kernel '{kernel.name}'", operands, run))
 
     def _argument(self, index, value):

@@ -1,0 +1,238 @@
+// sanitizer.cu: kernels that each hold one bug a GPU punishes, and correct kernels beside them that
+// do nearly the same and must run clean, for tests/test_sanitizer.py. Each bug is one that
+// compute-sanitizer reports on a GPU (memcheck, racecheck, synccheck, initcheck), but the race of
+// two plain stores to one global word, which no tool reports there (one update is lost).
+#include "common.cuh"
+#include "tensor_core.cuh"
+
+// ---- memcheck -----------------------------------------------------------------------------------
+
+extern "C" __global__ void read_past_end(const float* x, float* y, int n) {
+    const int i = threadIdx.x;
+    if (i < n) y[i] = x[i + 1];   // the last thread reads one past the end
+}
+
+extern "C" __global__ void read_before_start(const float* x, float* y, int n) {
+    const int i = threadIdx.x;
+    if (i < n) y[i] = i > n / 2 ? x[i] : x[i - 1];   // thread 0 reads x[-1]
+}
+
+extern "C" __global__ void read_a_row_too_far(const float* x, float* y, int rows, int columns) {
+    const int r = threadIdx.y, c = threadIdx.x;
+    if (r < rows && c < columns) y[r * columns + c] = x[(r + 1) * columns + c] - x[r * columns + c];
+}
+
+extern "C" __global__ void static_shared_written_past_its_end(float* y) {
+    __shared__ float tile[32];
+    tile[threadIdx.x] = float(threadIdx.x);   // launched with 33 threads
+    __syncthreads();
+    if (threadIdx.x < 32) y[threadIdx.x] = tile[threadIdx.x];
+}
+
+extern "C" __global__ void static_shared_read_past_its_end(float* y) {
+    __shared__ float tile[32];
+    tile[threadIdx.x] = float(threadIdx.x);
+    __syncthreads();
+    y[threadIdx.x] = tile[threadIdx.x + 1];   // thread 31 reads tile[32]
+}
+
+extern "C" __global__ void dynamic_shared_past_what_was_asked(float* y) {
+    extern __shared__ float dynamic[];
+    dynamic[threadIdx.x] = float(threadIdx.x);
+    __syncthreads();
+    y[threadIdx.x] = dynamic[threadIdx.x + 1];   // launched with 32 floats: thread 31 reads the 33rd
+}
+
+extern "C" __global__ void misaligned_float4_load(const float* x, float* y) {
+    const float4 v = *reinterpret_cast<const float4*>(x + 4 * threadIdx.x + 1);   // 4 bytes off
+    y[threadIdx.x] = v.x + v.y + v.z + v.w;
+}
+
+extern "C" __global__ void misaligned_shared_float2(float* y) {
+    __shared__ __align__(16) float s[64];
+    s[threadIdx.x] = float(threadIdx.x);   // 64 threads
+    __syncthreads();
+    if (threadIdx.x < 31) {
+        const float2 v = *reinterpret_cast<const float2*>(s + 2 * threadIdx.x + 1);   // 4 bytes off
+        y[threadIdx.x] = v.x + v.y;
+    }
+}
+
+extern "C" __global__ void memcpy_past_end(const float* x, float* y, int n) {
+    if (threadIdx.x == 0) memcpy(y, x, (n + 1) * sizeof(float));   // one float too many
+}
+
+__device__ float device_scale = 2.0f;
+
+extern "C" __global__ void scaled_by_a_device_variable(const float* x, float* y) {   // correct
+    y[threadIdx.x] = device_scale * x[threadIdx.x];
+}
+
+// ---- synccheck ----------------------------------------------------------------------------------
+
+extern "C" __global__ void barrier_in_divergent_code(const float* x, float* y) {
+    __shared__ float s[64];
+    const int t = threadIdx.x;
+    s[t] = x[t];
+    if (t < 32) {
+        __syncthreads();   // half the block waits here, the other half at the barrier below
+        s[t] += s[t + 32];
+    }
+    __syncthreads();
+    y[t] = s[t % 32];
+}
+
+__device__ __noinline__ void mma_step(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                      const float (&c)[4]) {
+    mma_tf32(d, a, b, c);
+}
+
+// Both halves of the warp call one helper, from two calls: the same source line of mma_tf32, but
+// not the same instruction.
+extern "C" __global__ void mma_by_two_halves_through_one_helper(float* out) {
+    const unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+    float d[4];
+    if (threadIdx.x < 16) {
+        const float c[4] = {1, 1, 1, 1};
+        mma_step(d, a, b, c);
+    } else {
+        const float c[4] = {2, 2, 2, 2};
+        mma_step(d, a, b, c);
+    }
+    out[threadIdx.x] = d[0];
+}
+
+extern "C" __global__ void mma_through_one_helper(float* out) {   // correct: one call
+    const unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+    const float c[4] = {float(threadIdx.x), 1, 1, 1};
+    float d[4];
+    mma_step(d, a, b, c);
+    out[threadIdx.x] = d[0];
+}
+
+// ---- racecheck ------------------------------------------------------------------------------------
+
+extern "C" __global__ void every_thread_writes_one_shared_word(float* y) {
+    __shared__ float s[1];
+    s[0] = float(threadIdx.x);
+    __syncthreads();
+    y[threadIdx.x] = s[0];
+}
+
+extern "C" __global__ void one_thread_writes_a_slot_the_others_read_without_a_barrier(float* y) {
+    __shared__ float s[64];
+    const int t = threadIdx.x;
+    s[t] = float(t);
+    __syncthreads();
+    if (t == 0) s[32] = -1.0f;
+    y[t] = s[32];   // written by thread 0 in this phase: which value a thread reads depends on the timing
+}
+
+extern "C" __global__ void overwrites_a_slot_before_its_reader_is_done(float* y) {
+    __shared__ float s[64];
+    const int t = threadIdx.x;
+    s[t] = float(t);
+    __syncthreads();
+    const float next = s[(t + 1) % 64];
+    s[t] = 2.0f * next;   // thread t - 1 may not have read s[t] yet
+    y[t] = next;
+}
+
+// A warp's sum through shared memory: each step needs a __syncwarp() (lanes of a warp do not run in
+// lockstep since Volta), which `with_syncwarp` has.
+extern "C" __global__ void warp_sum_without_syncwarp(const float* x, float* y) {
+    __shared__ float s[32];
+    const int t = threadIdx.x;
+    s[t] = x[t];
+    __syncwarp();
+    for (int k = 16; k > 0; k >>= 1)
+        if (t < k) s[t] += s[t + k];
+    if (t == 0) y[0] = s[0];
+}
+
+extern "C" __global__ void warp_sum_with_syncwarp(const float* x, float* y) {   // correct
+    __shared__ float s[32];
+    const int t = threadIdx.x;
+    s[t] = x[t];
+    __syncwarp();
+    for (int k = 16; k > 0; k >>= 1) {
+        const float other = t < k ? s[t + k] : 0.0f;
+        __syncwarp();
+        if (t < k) s[t] += other;
+        __syncwarp();
+    }
+    if (t == 0) y[0] = s[0];
+}
+
+extern "C" __global__ void every_thread_writes_one_global_word(float* y) {
+    y[0] = float(threadIdx.x);
+}
+
+extern "C" __global__ void every_block_adds_to_one_global_word(float* y) {
+    if (threadIdx.x == 0) y[0] += 1.0f;   // a plain read-modify-write: the blocks' updates are lost
+}
+
+extern "C" __global__ void every_block_adds_atomically(unsigned* count) {   // correct
+    if (threadIdx.x == 0) atomicAdd(count, 1u);
+}
+
+// The project's split reduction (common.cuh): every block writes its partial, the last to finish
+// adds them all after an atomic counter and a fence. Correct: no block writes another's partial.
+extern "C" __global__ void split_sum_finished_by_the_last_block(const float* x, float* partial, unsigned* counter,
+                                                                float* total) {
+    __shared__ float scratch[32];
+    const float sum = block_sum(x[blockIdx.x * blockDim.x + threadIdx.x], scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+    if (last_block(counter, gridDim.x) && threadIdx.x == 0) *total = added_partials(partial, gridDim.x, 1);
+}
+
+// ---- initcheck ------------------------------------------------------------------------------------
+
+extern "C" __global__ void reads_unwritten_shared_behind_fmaxf(const float* x, float* y) {
+    __shared__ float s[64];
+    const int t = threadIdx.x;
+    if (t % 2 == 0) s[t] = x[t];
+    __syncthreads();
+    y[t] = fmaxf(s[t | 1], 0.0f);   // the odd slots, never written: a NaN that fmaxf hides
+}
+
+extern "C" __global__ void compares_a_cp_async_destination_before_its_wait(const float* x, float* y) {
+    __shared__ __align__(16) float s[4 * 32];
+    const int t = threadIdx.x;
+    cp_async_ca<16>(s + 4 * t, x + 4 * t, 16);
+    cp_async_commit();
+    const bool positive = s[4 * t] > 0.0f;   // before the wait: NaN, which the comparison hides
+    cp_async_wait<0>();
+    y[t] = positive ? s[4 * t] : 0.0f;
+}
+
+extern "C" __global__ void reads_a_cp_async_destination_after_its_wait(const float* x, float* y) {   // correct
+    __shared__ __align__(16) float s[4 * 32];
+    const int t = threadIdx.x;
+    cp_async_ca<16>(s + 4 * t, x + 4 * t, 16);
+    cp_async_commit();
+    cp_async_wait<0>();
+    y[t] = s[4 * t] > 0.0f ? s[4 * t] : 0.0f;
+}
+
+extern "C" __global__ void reads_dynamic_shared_nobody_wrote(float* y) {
+    extern __shared__ float dynamic[];
+    y[threadIdx.x] = dynamic[threadIdx.x] > 0.0f ? 1.0f : 0.0f;
+}
+
+// ---- ldmatrix loads the rows at the instruction ---------------------------------------------------
+
+// Correct only because ldmatrix reads the warp's rows when all 32 lanes are there: lane 0 overwrites
+// row 7 right after it, which lane 7 gave and the lanes that hold its elements have read by then.
+extern "C" __global__ void overwrites_a_row_right_after_ldmatrix(const unsigned short* m, unsigned* out) {
+    __shared__ __align__(16) unsigned short rows[8 * 8];
+    const int lane = threadIdx.x;
+    if (lane < 8)
+        for (int c = 0; c < 8; ++c) rows[lane * 8 + c] = m[lane * 8 + c];
+    __syncwarp();
+    unsigned r[1];
+    ldmatrix_x1(r, rows + 8 * (lane % 8));
+    if (lane == 0)
+        for (int c = 0; c < 8; ++c) rows[7 * 8 + c] = 0xffff;
+    out[lane] = r[0];
+}
