@@ -3,7 +3,10 @@ and its linear layer at batch 256, and how that fills an H200; no GPU needed.
 
   PYTHONPATH=. python -m bench.tc_plan [--batch 256] [--arch sm_90] [--sms 132]
 
-For each GEMM (forward, backward-data, backward-weight) of each distinct layer: the kernel the
+Each tensor-core kernel's registers, shared memory and resident blocks, and its main loop in the SASS
+NVRTC makes (the loop with the most HMMA): its instructions, its HMMA and the instructions per
+HMMA, the issue slots the loop spends for each tensor-core instruction. Then for each GEMM
+(forward, backward-data, backward-weight) of each distinct layer: the kernel the
 launchers choose (kernels/cuda/conv_tc.py's plan), its grid in blocks, the split-K parts of
 backward-weight, and the waves of blocks over the SMs at the occupancy that the kernel's
 registers and shared memory allow (from ptxas through NVRTC, as kernels.cuda.ptxas_report gives
@@ -14,11 +17,13 @@ bench/gpu_check (tier c) when a GPU is lent.
 """
 import argparse
 import math
+import re
+import statistics
 import sys
 
 from bench import layers
 from kernels.cuda import conv_tc
-from kernels.cuda.ptxas_report import report
+from kernels.cuda.ptxas_report import compile_family, report
 
 REGISTERS, REGISTER_UNIT, SHARED, SHARED_RESERVED, MAX_BLOCKS, MAX_WARPS = 65536, 256, 233472, 1024, 32, 64
 
@@ -32,6 +37,32 @@ def blocks_per_sm(resources, threads=conv_tc.THREADS):
               "blocks": MAX_BLOCKS, "warps": MAX_WARPS // warps}
     limit = min(limits, key=limits.get)
     return limits[limit], limit
+
+
+_BRANCH = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+0x([0-9a-f]+)")
+
+
+def main_loop(instructions):
+    """(instructions, HMMA) of a kernel's main loop, from its SASS: of the loops (a backward branch
+    and the instructions from its target to it; each SASS instruction is 16 bytes) that hold the
+    most HMMA, the shortest; (0, 0) for a kernel without one."""
+    hmma = [i.startswith("HMMA") for i in instructions]
+    best = (0, 0)
+    for end, instruction in enumerate(instructions):
+        branch = _BRANCH.search(instruction)
+        start = int(branch.group(1), 16) // 16 if branch else end + 1
+        if start <= end:
+            size, count = end - start + 1, sum(hmma[start:end + 1])
+            if count > best[1] or (count and count == best[1] and size < best[0]):
+                best = (size, count)
+    return best
+
+
+def loops(arch, family="conv_tc"):
+    """{name expression: (loop instructions, HMMA per loop)} of a family's kernels for `arch`."""
+    compiled = compile_family(family, arch)
+    sass = compiled.sass()
+    return {name: main_loop(sass[mangled]) for name, mangled in compiled.lowered_names.items()}
 
 
 def geometry(layer):
@@ -68,13 +99,21 @@ def main(argv=None):
     p.add_argument("--sms", type=int, default=132, help="SMs of the GPU (default 132, an H200 SXM)")
     args = p.parse_args(argv)
     table, resources = rows(args.batch, args.arch, args.sms)
-    print(f"| kernel ({args.arch}) | registers | shared memory, bytes | blocks per SM (limit) |")
-    print("|---|---|---|---|")
+    main_loops = loops(args.arch)
+    launched = {row["kernel"] for row in table}
+    print(f"| kernel ({args.arch}) | registers | shared memory, bytes | blocks per SM (limit) | main loop: "
+          f"instructions | HMMA | instructions per HMMA | launched at batch {args.batch} |")
+    print("|---|---|---|---|---|---|---|---|")
     for kernel in conv_tc.KERNELS:
         if kernel.startswith("conv_tc_"):
             r = resources[kernel]
             resident, limit = blocks_per_sm(r)
-            print(f"| `{kernel}` | {r.registers} | {r.shared_bytes} | {resident} ({limit}) |")
+            size, hmma = main_loops[kernel]
+            print(f"| `{kernel}` | {r.registers} | {r.shared_bytes} | {resident} ({limit}) | {size} | {hmma} | "
+                  f"{size / hmma:.1f} | {'yes' if kernel in launched else 'no'} |")
+    ratios = [main_loops[k][0] / main_loops[k][1] for k in sorted(launched)]
+    print(f"\ninstructions per HMMA of the kernels launched: median {statistics.median(ratios):.1f}, "
+          f"most {max(ratios):.1f}")
     print(f"\n| layer (batch {args.batch}) | n | GEMM | kernel | grid | blocks | waves on {args.sms} SMs |")
     print("|---|---|---|---|---|---|---|")
     for row in table:
