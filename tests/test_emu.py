@@ -3,8 +3,9 @@
 Each kernel runs against NumPy, most of them once in each thread order (ascending, then
 descending), so that a result which depends on the order of the threads shows. Then the
 emulator's diagnostics: a missing __syncthreads(), unwritten shared memory, an out-of-bounds
-write, a float atomicMax, each kind of wrong argument or launch. Last, every test kernel
-through NVRTC for sm_80 and sm_90, as on a GPU.
+write, a float atomicMax, each kind of wrong argument or launch. The traffic counter (emu.traffic()),
+against the requests, sectors and bytes of loads counted by hand. Last, every test kernel through
+NVRTC for sm_80 and sm_90, as on a GPU.
 """
 import functools
 from pathlib import Path
@@ -432,6 +433,46 @@ def test_nvrtc_compiles_with_cupys_flush_to_zero():
         pytest.skip(reason)
     ptx = nvrtc.compile((KERNELS / "subnormal.cu").read_text(), "sm_90").ptx
     assert "mul.ftz.f32" in ptx and "mul.f32" not in ptx
+
+
+# ---- the traffic counter -------------------------------------------------------------------------
+
+def counted(name, grid, block, x, *extra, out_size=None):
+    """{kernel name: Traffic} of one launch of a kernel of traffic.cu on x, writing out_size floats (a float a
+    thread by default)."""
+    out = np.empty(out_size or grid * block, np.float32)
+    with emu.traffic() as counts:
+        kernel("traffic.cu", name)((grid,), (block,), (x, out, *extra))
+    return counts
+
+
+def test_the_traffic_counter_counts_the_sectors_of_each_warps_load():
+    """A request per warp and execution of a load; its distinct sectors and bytes: whole sectors for 32 consecutive
+    floats, a sector per lane for a stride of 32 bytes, one for a value every lane reads, a fifth one when the
+    floats start off a sector's edge."""
+    x = emu.aligned_empty(4096)
+    x[...] = rng().standard_normal(x.size)
+    warps = 2 * 128 // 32
+    for order in emu.ORDERS:
+        with emu.thread_order(order):
+            assert counted("coalesced", 2, 128, x) == {"coalesced": emu.Traffic(warps, 4 * warps, 128 * warps)}
+    assert counted("coalesced", 2, 128, x[1:]) == {"coalesced": emu.Traffic(warps, 5 * warps, 128 * warps)}
+    assert counted("strided", 2, 128, x, np.int32(8)) == {"strided": emu.Traffic(warps, 32 * warps, 128 * warps)}
+    assert counted("strided", 2, 128, x, np.int32(2)) == {"strided": emu.Traffic(warps, 8 * warps, 128 * warps)}
+    assert counted("broadcast", 2, 128, x) == {"broadcast": emu.Traffic(warps, warps, 4 * warps)}
+    assert counted("vectors", 2, 128, x, out_size=4 * 256) == {"vectors": emu.Traffic(warps, 16 * warps, 512 * warps)}
+    assert counted("rows", 2, 128, x, np.int32(3)) == {"rows": emu.Traffic(3 * warps, 12 * warps, 384 * warps)}
+
+
+def test_the_traffic_counter_needs_the_sanitizers_hooks_and_counts_only_inside_its_block():
+    x = emu.aligned_empty(256)
+    x[...] = rng().standard_normal(x.size)
+    with emu.traffic() as outer:
+        assert counted("coalesced", 2, 128, x)["coalesced"] == outer["coalesced"]
+    kernel("traffic.cu", "coalesced")((2,), (128,), (x, np.empty_like(x)))
+    assert outer == {"coalesced": emu.Traffic(8, 32, 1024)}
+    with emu.traffic(), pytest.raises(emu.LaunchError, match="compiled without"):
+        kernel("traffic.cu", "coalesced", sanitize=False)((2,), (128,), (x, np.empty_like(x)))
 
 
 # ---- the same sources through NVRTC --------------------------------------------------------------

@@ -1,6 +1,6 @@
 // batchnorm.cu: batch normalisation over (N, H, W) per channel of NCHW float32 arrays.
-// Launched by kernels/cuda/batchnorm.py; checked by tests/test_kernels_cuda.py against
-// tests/reference.py (float64) and kernels/cpu/batchnorm.py.
+// Launched by kernels/cuda/batchnorm.py; checked by tests/test_kernels_cuda.py and tests/test_bn_rows.py
+// against tests/reference.py (float64) and kernels/cpu/batchnorm.py.
 //
 // Training forward, two launches:
 //   bn_stats           one pass over x: per (channel, split) block, the sums of x - shift and of
@@ -10,15 +10,22 @@
 //                      each channel adds the splits in order (last_block) into mean and invstd
 //                      and moves the running statistics, or, for synchronised batch norm, into
 //                      the sums that replicas add (then bn_stats_finish reads the added sums)
+//   bn_stats_rows      the same for rows of C channels (channels-last memory, or 1x1 images), C a
+//                      multiple of 32: per (32-channel group, split) block, lane l of every warp sums
+//                      channel l of the group over the rows its warp takes, so that a warp reads 32
+//                      consecutive floats, whole sectors, and each sector of x is read once; bn_stats
+//                      reads 4 useful bytes of each 32-byte sector there (bench/bn_plan.py counts them)
 //   bn_apply<MODE>     y = x * scale + shift, scale = gamma * invstd, in one pass; MODE 1 adds
 //                      relu, MODE 2 relu(. + residual): the joins of a residual block
 // Training backward, two launches: bn_backward_sums (sum dy * xhat and sum dy in one pass, the
-//   last block per channel writing dgamma and dbeta), bn_backward_dx. Given the output y of a
-//   fused relu, both take dy where y > 0 and 0 elsewhere, and bn_backward_dx can also write that
-//   masked dy (the gradient of a residual join's shortcut).
+//   last block per channel writing dgamma and dbeta; bn_backward_sums_rows on channels-last memory,
+//   as bn_stats_rows), bn_backward_dx. Given the output y of a fused relu, both take dy where y > 0
+//   and 0 elsewhere, and bn_backward_dx can also write that masked dy (the gradient of a residual
+//   join's shortcut).
 // Inference: bn_invstd from the running variance, then bn_apply; its backward
-//   bn_backward_sums + bn_inference_dx.
+//   bn_backward_sums (or _rows) + bn_inference_dx.
 // bn_update_running: PyTorch's running-statistics update, in place (synchronised batch norm).
+// Every sum is added in an order fixed by the shapes alone: the same bits on every run.
 #include "common.cuh"
 
 // mean and 1/sqrt(biased variance + eps) of channel c from its sums of x - shift and of its square
@@ -57,29 +64,12 @@ __device__ __forceinline__ bool bn_channel_totals(float& a, float& b, int c, int
     return true;
 }
 
-// Per-channel statistics of x (N, C, plane): block (c, s) of a (C, splits) grid reduces channel
-// c's values e in [s * chunk, (s + 1) * chunk) of its N*plane, each thread a strided subset in
-// order, then block_sum, shifted by shifts[c * shift_stride]. With one split the block finishes
-// its channel itself; else it writes partial (splits, 2, C) and the channel's last block
-// (counters[c]) adds the splits in order. The totals go to sums (2, C) when it is not null, else
-// to mean and invstd, and then to the running statistics when running_mean is not null.
-extern "C" __global__ void __launch_bounds__(256)
-bn_stats(const float* __restrict__ x, const float* __restrict__ shifts, int shift_stride, int n, int channels,
-         int plane, int chunk, float* partial, unsigned* counters, float* __restrict__ sums, int count, float eps,
-         float* __restrict__ mean, float* __restrict__ invstd, float* __restrict__ running_mean,
-         float* __restrict__ running_var, float momentum, float correction) {
-    __shared__ float scratch[32];
-    const int c = blockIdx.x, begin = blockIdx.y * chunk, end = min(begin + chunk, n * plane);
-    const float shift = shifts[c * shift_stride];
-    float sum = 0.0f, squares = 0.0f;
-    for (int e = begin + threadIdx.x; e < end; e += blockDim.x) {
-        const float d = x[channel_element(e, c, channels, plane)] - shift;
-        sum += d;
-        squares = fmaf(d, d, squares);
-    }
-    sum = block_sum(sum, scratch);
-    squares = block_sum(squares, scratch);
-    if (!bn_channel_totals(sum, squares, c, channels, partial, counters) || threadIdx.x != 0) return;
+// What bn_stats and bn_stats_rows do with channel c's totals over all of its `count` values: the sums (2, C)
+// when sums is not null, else mean and invstd, and then the running statistics when running_mean is not null.
+__device__ __forceinline__ void bn_stats_store(int c, float sum, float squares, float shift, int channels, int count,
+                                               float* sums, float eps, float* mean, float* invstd,
+                                               float* running_mean, float* running_var, float momentum,
+                                               float correction) {
     if (sums) {
         sums[c] = sum;
         sums[channels + c] = squares;
@@ -87,6 +77,98 @@ bn_stats(const float* __restrict__ x, const float* __restrict__ shifts, int shif
     }
     bn_finish(c, sum, squares, shift, count, eps, mean, invstd);
     if (running_mean) bn_move_running(c, running_mean, running_var, mean, invstd, momentum, eps, correction);
+}
+
+// One value v of a channel into its sums of v - shift and of its square.
+__device__ __forceinline__ void bn_add_value(float v, float shift, float& sum, float& squares) {
+    const float d = v - shift;
+    sum += d;
+    squares = fmaf(d, d, squares);
+}
+
+// Per-channel statistics of x (N, C, plane): block (c, s) of a (C, splits) grid reduces channel
+// c's values e in [s * chunk, (s + 1) * chunk) of its N*plane, each thread a strided subset in
+// order, then block_sum, shifted by shifts[c * shift_stride]. With one split the block finishes
+// its channel itself; else it writes partial (splits, 2, C) and the channel's last block
+// (counters[c]) adds the splits in order. The totals go where bn_stats_store puts them.
+extern "C" __global__ void __launch_bounds__(256)
+bn_stats(const float* __restrict__ x, const float* __restrict__ shifts, int shift_stride, int n, int channels,
+         int plane, int chunk, float* partial, unsigned* counters, float* __restrict__ sums, float eps,
+         float* __restrict__ mean, float* __restrict__ invstd, float* __restrict__ running_mean,
+         float* __restrict__ running_var, float momentum, float correction) {
+    __shared__ float scratch[32];
+    const int c = blockIdx.x, begin = blockIdx.y * chunk, end = min(begin + chunk, n * plane);
+    const float shift = shifts[c * shift_stride];
+    float sum = 0.0f, squares = 0.0f;
+    for (int e = begin + threadIdx.x; e < end; e += blockDim.x)
+        bn_add_value(x[channel_element(e, c, channels, plane)], shift, sum, squares);
+    sum = block_sum(sum, scratch);
+    squares = block_sum(squares, scratch);
+    if (!bn_channel_totals(sum, squares, c, channels, partial, counters) || threadIdx.x != 0) return;
+    bn_stats_store(c, sum, squares, shift, channels, n * plane, sums, eps, mean, invstd, running_mean, running_var,
+                   momentum, correction);
+}
+
+// ---- channels-last memory: rows of C channels, C a multiple of 32 ----------------------------
+// A block (g, s) of a (C / 32, splits) grid reduces the 32 channels [32g, 32g + 32) over the rows
+// [s * chunk, (s + 1) * chunk): lane l of each warp channel 32g + l, warp w of the block the rows
+// begin + w, begin + w + warps, ..., each lane in row order. One channel per lane rather than more
+// (a float4 each): a block then spans the fewest channels, and the grid has the most blocks for the
+// fewest splits, which the last block of each group adds.
+
+// The sum, in warp order, of the values v that lane l of each warp of the block holds: every thread
+// gets its lane's. `scratch` holds a row of 32 floats of shared memory per warp; every thread must call it.
+__device__ __forceinline__ float bn_sum_over_warps(float v, float (*scratch)[32]) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    __syncthreads();  // an earlier call's readers are done with scratch
+    scratch[warp][lane] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) total += scratch[w][lane];
+    return total;
+}
+
+// bn_channel_totals for a block of 32 channels, c this lane's, from the block's sums (a, b) that every
+// warp holds (bn_sum_over_warps): warp 0 writes them to partial (splits, 2, C), and the group's last
+// block to finish (last_block on counters[blockIdx.x]) gets the sums over the splits: its warp w adds
+// the splits w, w + warps, ... in order (added_partials), then the warps' sums are added in warp order,
+// an order that does not depend on which block is last, with a chain of loads warps times shorter than
+// one thread's over every split. Every thread of the block must call it.
+__device__ __forceinline__ bool bn_rows_totals(float& a, float& b, int c, int channels, float* partial,
+                                               unsigned* counters, float (*scratch)[32]) {
+    if (gridDim.y == 1) return true;
+    const int warp = threadIdx.x / 32, warps = blockDim.x / 32, stride = warps * 2 * channels;
+    if (warp == 0) {
+        partial[(blockIdx.y * 2) * channels + c] = a;
+        partial[(blockIdx.y * 2 + 1) * channels + c] = b;
+    }
+    if (!last_block(counters + blockIdx.x, gridDim.y)) return false;
+    const int mine = (int(gridDim.y) - warp + warps - 1) / warps;  // splits warp, warp + warps, ... < splits
+    a = bn_sum_over_warps(added_partials(partial + (warp * 2) * channels + c, mine, stride), scratch);
+    b = bn_sum_over_warps(added_partials(partial + (warp * 2 + 1) * channels + c, mine, stride), scratch);
+    return true;
+}
+
+// bn_stats on channels-last x (rows, C), C a multiple of 32, by (32-channel group, split) blocks (see
+// above): the shift of channel c is shifts[c] (x's first row, or the replicas' shift); the totals go
+// where bn_stats_store puts them, from warp 0 of the group's last block.
+extern "C" __global__ void __launch_bounds__(256)
+bn_stats_rows(const float* __restrict__ x, const float* __restrict__ shifts, int rows, int channels, int chunk,
+              float* partial, unsigned* counters, float* __restrict__ sums, float eps, float* __restrict__ mean,
+              float* __restrict__ invstd, float* __restrict__ running_mean, float* __restrict__ running_var,
+              float momentum, float correction) {
+    __shared__ float scratch[256 / 32][32];
+    const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int c = blockIdx.x * 32 + threadIdx.x % 32, begin = blockIdx.y * chunk, end = min(begin + chunk, rows);
+    const float shift = shifts[c];
+    float sum = 0.0f, squares = 0.0f;
+#pragma unroll 8  // the loads of 8 rows in flight before their adds, in order: 32 bytes a lane
+    for (int r = begin + warp; r < end; r += warps) bn_add_value(x[r * channels + c], shift, sum, squares);
+    sum = bn_sum_over_warps(sum, scratch);
+    squares = bn_sum_over_warps(squares, scratch);
+    if (!bn_rows_totals(sum, squares, c, channels, partial, counters, scratch) || warp != 0) return;
+    bn_stats_store(c, sum, squares, shift, channels, rows, sums, eps, mean, invstd, running_mean, running_var,
+                   momentum, correction);
 }
 
 // mean and invstd per channel from sums (2, C) of x - shifts over `count` values (the sums of
@@ -134,6 +216,15 @@ __device__ __forceinline__ float bn_masked(const float* __restrict__ dy, const f
     return !y || y[i] > 0.0f ? dy[i] : 0.0f;
 }
 
+// Element i into the backward's sums of g * xhat and of g, g the masked dy (bn_masked), xhat = (x - m) * inv.
+__device__ __forceinline__ void bn_add_gradient(const float* __restrict__ dy, const float* __restrict__ y,
+                                                const float* __restrict__ x, int i, float m, float inv,
+                                                float& dy_xhat, float& dy_sum) {
+    const float g = bn_masked(dy, y, i);
+    dy_xhat = fmaf(g, (x[i] - m) * inv, dy_xhat);
+    dy_sum += g;
+}
+
 // The two per-channel sums of the backward, in one pass over dy (masked by y, see bn_masked) and
 // x: block (c, s) of a (C, splits) grid reduces channel c's values e in [s * chunk, ...), each
 // thread a strided subset in order, then block_sum, into dgamma[c] = sum(dy * xhat) and
@@ -148,12 +239,8 @@ bn_backward_sums(const float* __restrict__ dy, const float* __restrict__ y, cons
     const int c = blockIdx.x, begin = blockIdx.y * chunk, end = min(begin + chunk, n * plane);
     const float m = mean[c], inv = invstd[c];
     float dy_xhat = 0.0f, dy_sum = 0.0f;
-    for (int e = begin + threadIdx.x; e < end; e += blockDim.x) {
-        const int i = channel_element(e, c, channels, plane);
-        const float g = bn_masked(dy, y, i);
-        dy_xhat = fmaf(g, (x[i] - m) * inv, dy_xhat);
-        dy_sum += g;
-    }
+    for (int e = begin + threadIdx.x; e < end; e += blockDim.x)
+        bn_add_gradient(dy, y, x, channel_element(e, c, channels, plane), m, inv, dy_xhat, dy_sum);
     dy_xhat = block_sum(dy_xhat, scratch);
     dy_sum = block_sum(dy_sum, scratch);
     if (!bn_channel_totals(dy_xhat, dy_sum, c, channels, partial, counters)) return;
@@ -161,6 +248,28 @@ bn_backward_sums(const float* __restrict__ dy, const float* __restrict__ y, cons
         dgamma[c] = dy_xhat;
         dbeta[c] = dy_sum;
     }
+}
+
+// bn_backward_sums on channels-last dy, y and x (rows, C), C a multiple of 32, by (32-channel group,
+// split) blocks as bn_stats_rows: each sector of dy, y and x is read once.
+extern "C" __global__ void __launch_bounds__(256)
+bn_backward_sums_rows(const float* __restrict__ dy, const float* __restrict__ y, const float* __restrict__ x,
+                      const float* __restrict__ mean, const float* __restrict__ invstd, int rows, int channels,
+                      int chunk, float* partial, unsigned* counters, float* __restrict__ dgamma,
+                      float* __restrict__ dbeta) {
+    __shared__ float scratch[256 / 32][32];
+    const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int c = blockIdx.x * 32 + threadIdx.x % 32, begin = blockIdx.y * chunk, end = min(begin + chunk, rows);
+    const float m = mean[c], inv = invstd[c];
+    float dy_xhat = 0.0f, dy_sum = 0.0f;
+#pragma unroll 4  // the loads of 4 rows of dy, y and x in flight before their adds, in order: 48 bytes a lane
+    for (int r = begin + warp; r < end; r += warps)
+        bn_add_gradient(dy, y, x, r * channels + c, m, inv, dy_xhat, dy_sum);
+    dy_xhat = bn_sum_over_warps(dy_xhat, scratch);
+    dy_sum = bn_sum_over_warps(dy_sum, scratch);
+    if (!bn_rows_totals(dy_xhat, dy_sum, c, channels, partial, counters, scratch) || warp != 0) return;
+    dgamma[c] = dy_xhat;
+    dbeta[c] = dy_sum;
 }
 
 // dx of training-mode batch norm, gamma * invstd * (g - dbeta / M - xhat * dgamma / M) with g the

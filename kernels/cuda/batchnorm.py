@@ -2,7 +2,9 @@
 channels-last, in training and inference, with per-block partial sums added in a fixed order.
 
 The kernels see an array as (N, C, plane): a channels-last array (N, C, H, W) is, in memory, the
-NCHW array (N*H*W, C, 1, 1), so the same kernels serve both layouts; dy and the results take x's."""
+NCHW array (N*H*W, C, 1, 1), so the same kernels serve both layouts; dy and the results take x's.
+The two reductions over (N, plane), the statistics and the backward's sums, have kernels of their own
+for rows of channels (plane 1) when C is a multiple of 32, which read whole sectors (reduction())."""
 import numpy as np
 
 from .launch import THREADS, blocks, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, \
@@ -11,10 +13,11 @@ from .launch import THREADS, blocks, cdiv, dense, float32, gradient_outputs, in_
 OPS = ("batch_norm_forward", "batch_norm_backward", "batch_norm_update_running", "batch_norm_inference",
        "batch_norm_inference_backward", "batch_norm_sums", "batch_norm_stats", "batch_norm_apply",
        "batch_norm_backward_sums", "batch_norm_backward_dx")
-KERNELS = ("bn_stats", "bn_stats_finish", "bn_invstd", "bn_backward_sums", "bn_inference_dx", "bn_update_running",
-           "bn_backward_dx<1>", "bn_backward_dx<4>") + tuple(f"bn_apply<{mode}, {vec}>" for mode in (0, 1, 2)
-                                                           for vec in (1, 4))
+KERNELS = ("bn_stats", "bn_stats_rows", "bn_stats_finish", "bn_invstd", "bn_backward_sums", "bn_backward_sums_rows",
+           "bn_inference_dx", "bn_update_running", "bn_backward_dx<1>", "bn_backward_dx<4>") + \
+    tuple(f"bn_apply<{mode}, {vec}>" for mode in (0, 1, 2) for vec in (1, 4))
 APPLY_MODES = {(False, False): 0, (True, False): 1, (True, True): 2}   # (relu, residual) -> bn_apply's MODE
+GROUP = 32   # channels per block of the _rows reductions: one per lane of a warp
 
 
 def batch_norm_forward(be, x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None):
@@ -135,25 +138,52 @@ def batch_norm_inference_backward(be, dy, x, gamma, running_mean, running_var, e
     return dx, dgamma, dbeta
 
 
+def by_rows(c, plane):
+    """Whether the reductions over (N, plane) of (N, C, plane) run as their _rows kernels: on rows of
+    channels (channels-last memory, or 1x1 images) whose C is a multiple of GROUP, where a warp reading
+    GROUP consecutive channels reads whole 32-byte sectors, and the block-per-channel kernels 4 bytes of
+    each."""
+    return plane == 1 and c % GROUP == 0
+
+
+def reduction(n, c, plane):
+    """(suffix, grid, chunk) of bn_stats and bn_backward_sums over (N, C, plane): with by_rows, their
+    _rows kernels, a block per GROUP channels and split of the N rows, `chunk` rows each; else a block
+    per channel and split of its N*plane values, `chunk` values each."""
+    if by_rows(c, plane):
+        # split() sizes by elements, of which a row of a group holds GROUP
+        splits, chunk = split(n * GROUP, c // GROUP, GROUP)
+        return "_rows", (c // GROUP, splits), chunk // GROUP
+    splits, chunk = split(n * plane, c)
+    return "", (c, splits), chunk
+
+
 def _stats(be, x, shifts, shift_stride, sums=None, mean=None, invstd=None, eps=0.0, running=(None, None),
            momentum=0.0):
-    """One launch of bn_stats over x (see batchnorm.cu): the shift of channel c is
-    shifts[c * shift_stride]; the totals go to sums, else to mean and invstd (and the running pair)."""
+    """One launch of bn_stats or bn_stats_rows over x (see batchnorm.cu, reduction()): the shift of
+    channel c is shifts[c * shift_stride]; the totals go to sums, else to mean and invstd (and the running
+    pair)."""
     n, c, plane = _sizes(x, mean if sums is None else sums[0])
-    splits, chunk = split(n * plane, c)
-    partial = be.xp.empty((splits, 2, c), np.float32) if splits > 1 else None
-    launch(be, "batchnorm", "bn_stats", (c, splits),
-           (x, shifts, shift_stride, n, c, plane, chunk, partial, be.counters(c), sums, n * plane, float(eps),
-            mean, invstd, *running, float(momentum), _correction(n * plane)))
+    suffix, grid, chunk = reduction(n, c, plane)
+    geometry = (n, c, chunk) if suffix else (shift_stride, n, c, plane, chunk)   # rows: plane 1, shifts[c]
+    launch(be, "batchnorm", "bn_stats" + suffix, grid,
+           (x, shifts, *geometry, _partial(be, grid, c), be.counters(grid[0]), sums, float(eps), mean, invstd,
+            *running, float(momentum), _correction(n * plane)))
 
 
 def _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta):
-    """dgamma = sum(g * xhat) and dbeta = sum(g) per channel, g the dy masked by y (if given)."""
+    """dgamma = sum(g * xhat) and dbeta = sum(g) per channel, g the dy masked by y (if given): one launch
+    of bn_backward_sums or bn_backward_sums_rows (reduction())."""
     n, c, plane = _sizes(x, mean, dy)
-    splits, chunk = split(n * plane, c)
-    partial = be.xp.empty((splits, 2, c), np.float32) if splits > 1 else None
-    launch(be, "batchnorm", "bn_backward_sums", (c, splits),
-           (dy, y, x, mean, invstd, n, c, plane, chunk, partial, be.counters(c), dgamma, dbeta))
+    suffix, grid, chunk = reduction(n, c, plane)
+    geometry = (n, c, chunk) if suffix else (n, c, plane, chunk)
+    launch(be, "batchnorm", "bn_backward_sums" + suffix, grid,
+           (dy, y, x, mean, invstd, *geometry, _partial(be, grid, c), be.counters(grid[0]), dgamma, dbeta))
+
+
+def _partial(be, grid, c):
+    """The per-split sums (splits, 2, C) of a reduction's grid (blocks, splits), or None for one split."""
+    return be.xp.empty((grid[1], 2, c), np.float32) if grid[1] > 1 else None
 
 
 def _dx(be, dy, y, x, gamma, mean, invstd, dgamma, dbeta, count, masked):

@@ -7,10 +7,12 @@ memory per block). ``thread_order("descending")`` runs the threads of the launch
 in the other order. Modules are compiled for the sanitizer, which refuses each out-of-bounds
 or misaligned access, race, uninitialised read and divergent barrier where it happens (README.md);
 ``sanitizer(level)`` sets its level ("full", "memcheck" or "off") for what is made and launched inside it.
+``traffic()`` counts the global loads of the launches inside it as a GPU's memory system sees them: requests,
+32-byte sectors and bytes per kernel (``Traffic``), of arrays aligned as CuPy's (``aligned_empty``).
 """
 from .build import sanitizer
 from .errors import CompileError, EmuError, KernelError, LaunchError
-from .raw import ORDERS, RawKernel, RawModule, thread_order
+from .raw import ORDERS, RawKernel, RawModule, Traffic, aligned_empty, thread_order, traffic
 
-__all__ = ["RawModule", "RawKernel", "thread_order", "sanitizer", "ORDERS", "EmuError", "CompileError",
-           "LaunchError", "KernelError"]
+__all__ = ["RawModule", "RawKernel", "thread_order", "sanitizer", "traffic", "Traffic", "aligned_empty", "ORDERS",
+           "EmuError", "CompileError", "LaunchError", "KernelError"]

@@ -23,7 +23,8 @@ def runtime():
                                ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint), ctypes.c_size_t,
                                ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int,
                                ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_char_p,
-                               ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p, ctypes.c_size_t]
+                               ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p,
+                               ctypes.c_size_t]
     lib.emu_fenced_alloc.restype = ctypes.c_void_p
     lib.emu_fenced_alloc.argtypes = [ctypes.c_size_t]
     lib.emu_fenced_free.restype = None

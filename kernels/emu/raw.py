@@ -1,6 +1,8 @@
-"""RawModule and RawKernel: cupy.RawModule / cupy.RawKernel for NumPy arrays, run on the CPU."""
+"""RawModule and RawKernel: cupy.RawModule / cupy.RawKernel for NumPy arrays, run on the CPU; thread_order and
+the traffic counter of the launches inside a block."""
 import contextlib
 import ctypes
+import dataclasses
 import os
 import re
 import subprocess
@@ -37,6 +39,50 @@ def thread_order(order):
         yield
     finally:
         _order.pop()
+
+
+@dataclasses.dataclass
+class Traffic:
+    """A kernel's loads of global memory (its array arguments) as a GPU's memory system sees them (traffic()):
+    `requests`, the warp-wide load instructions (the lanes of a warp executing one load for their n-th time);
+    `sectors`, the distinct 32-byte sectors each request touches, and `bytes`, the distinct bytes its lanes
+    asked for (a value every lane loads counts once), each added over the requests. Whole sectors, every byte
+    of them used: sectors * 32 == bytes."""
+    requests: int = 0
+    sectors: int = 0
+    bytes: int = 0
+
+    def add(self, requests, sectors, bytes_):
+        self.requests += requests
+        self.sectors += sectors
+        self.bytes += bytes_
+
+
+_traffic = []   # the counts of the traffic() blocks open now
+
+
+def aligned_empty(shape, dtype=np.float32, alignment=256):
+    """np.empty(shape, dtype) at an address that is a multiple of `alignment` bytes, as CuPy's allocations are
+    (NumPy's are only at 16): which sectors a load touches depends on it (traffic())."""
+    dtype, count = np.dtype(dtype), int(np.prod(shape))
+    raw = np.empty(count * dtype.itemsize + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
+
+
+@contextlib.contextmanager
+def traffic():
+    """Count the global loads of the launches inside the block: yields {kernel name: Traffic}, which each
+    launch adds to under the name it was fetched by (get_function). The loads are those the sanitizer's
+    instrumentation reports, so a module compiled without it (CUDA_EMU_SANITIZE=off) cannot be counted, and a
+    counted launch runs with at least memcheck; loads through cp.async, ldmatrix and atomics are not counted.
+    Off, it costs nothing: the runtime tests for it only on the path of global accesses."""
+    counts = {}
+    _traffic.append(counts)
+    try:
+        yield counts
+    finally:
+        _traffic.remove(counts)
 
 
 class RawModule:
@@ -120,6 +166,15 @@ class RawKernel:
             raise LaunchError(f"kernel '{self.name}': the emulator does not support cooperative launches")
         grid, block = self._launch_shape(grid, block)
         shared_mem = self._check_shared_memory(shared_mem)
+        native = self.module._module
+        level = build.LEVELS[build.sanitize_level()] if native.sanitize else 0
+        counted = None
+        if _traffic:
+            if not native.sanitize:
+                raise LaunchError(f"kernel '{self.name}': emu.traffic() counts the loads the sanitizer's "
+                                  "instrumentation reports, and this module was compiled without it "
+                                  "(CUDA_EMU_SANITIZE=off, or emu.sanitizer('off'))")
+            counted, level = (ctypes.c_uint64 * 3)(), max(level, build.LEVELS["memcheck"])
         arrays, values = self._convert(args)
         staged = StagedArguments(arrays)
         try:
@@ -132,22 +187,23 @@ class RawKernel:
             err = ctypes.create_string_buffer(4096)
             fault = ctypes.c_uint64(0)
             ranges = staged.ranges()
-            native = self.module._module
             shared = [v for offset, size, _ in self._entry["shared_variables"] for v in (offset, size)]
             names = "\n".join(name for _, _, name in self._entry["shared_variables"]).encode()
             failed = runtime().emu_launch(native.handle, self._entry["address"], pointers,
                                           (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                                           int(_order[-1] == "descending"),
                                           (ctypes.c_uint64 * max(1, len(ranges)))(*ranges), len(ranges) // 2,
-                                          build.LEVELS[build.sanitize_level()] if native.sanitize else 0,
-                                          (ctypes.c_uint64 * max(1, len(shared)))(*shared),
-                                          len(shared) // 2, names, ctypes.byref(fault), err, len(err))
+                                          level, (ctypes.c_uint64 * max(1, len(shared)))(*shared),
+                                          len(shared) // 2, names, counted, ctypes.byref(fault), err, len(err))
             problems = staged.finish()
             if failed:
                 near = staged.region_near(fault.value) if fault.value else ""
                 problems.append(f"failed: {source_lines(err.value.decode())}{near}")
             if problems:
                 raise KernelError(f"kernel '{self.name}' " + "\n".join(problems))
+            if counted is not None:
+                for counts in _traffic:
+                    counts.setdefault(self.name, Traffic()).add(*counted)
         finally:
             staged.free()
 

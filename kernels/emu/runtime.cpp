@@ -25,6 +25,10 @@
 // it, or while a cp.async to it is in flight) and synccheck (the threads a barrier releases, and
 // the lanes of a warp-wide .aligned instruction, at one call instance: the same chain of return
 // addresses, which is why modules are compiled with frame pointers).
+//
+// The traffic counter (a launch with `traffic`, emu.traffic() in Python) rides on the same hooks: it
+// groups the global loads of a warp into the requests a GPU's memory system sees and counts the 32-byte
+// sectors they touch (LoadTraffic). Off, it costs a test on the path of global accesses only.
 #include "emu_abi.h"
 
 #include <dlfcn.h>
@@ -44,8 +48,10 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -128,6 +134,48 @@ struct ShadowWord {
 // The canary after the dynamic shared memory a launch asked for.
 constexpr unsigned char kSharedTail = 0xa5;
 
+// The traffic counter's view of a launch's global loads. The lanes of one warp that execute one load
+// instruction (its code address) for their n-th time make one request, as a warp's load is one request
+// on a GPU; a request reads each distinct 32-byte sector its lanes touch once and delivers the distinct
+// bytes they asked for (a float that all lanes load counts 4 bytes, as a broadcast). A block's requests are
+// complete when it ends (blocks run one at a time): then they are added to `totals`, {requests,
+// sectors, bytes}.
+class LoadTraffic {
+  public:
+    explicit LoadTraffic(std::uint64_t* totals) : totals_(totals) {}
+
+    void load(int thread, std::uintptr_t a, std::size_t n, const void* pc) {
+        if (n == 0) return;   // a memcpy of nothing
+        const std::uint32_t nth = executions_[{thread, pc}]++;
+        requests_[{thread / 32, pc, nth}].emplace_back(a, a + n);
+    }
+
+    void end_block() {
+        for (auto& [key, ranges] : requests_) {
+            std::sort(ranges.begin(), ranges.end());
+            // by start: what an earlier range covered lies below `covered`, its sectors below `next_sector`
+            std::uintptr_t covered = 0, next_sector = 0;
+            for (const auto& [begin, end] : ranges) {
+                totals_[2] += end > std::max(begin, covered) ? end - std::max(begin, covered) : 0;
+                covered = std::max(covered, end);
+                const std::uintptr_t first = std::max(begin / 32, next_sector), last = (end - 1) / 32;
+                if (last >= first) totals_[1] += last - first + 1;
+                next_sector = std::max(next_sector, last + 1);
+            }
+            totals_[0] += 1;
+        }
+        requests_.clear();
+        executions_.clear();
+    }
+
+  private:
+    std::uint64_t* totals_;
+    std::map<std::pair<int, const void*>, std::uint32_t> executions_;   // (thread, pc): how often so far
+    // (warp, pc, n-th execution): the [begin, end) its lanes loaded
+    std::map<std::tuple<int, const void*, std::uint32_t>, std::vector<std::pair<std::uintptr_t, std::uintptr_t>>>
+        requests_;
+};
+
 struct Launch {
     void (*entry)(void**);
     void** args;
@@ -162,6 +210,7 @@ struct Launch {
     std::uint32_t block_start, phase;                 // the phase this block started in; the phase now
     std::vector<std::uint64_t> barrier_path;          // the call instance of each thread at the barrier
     std::vector<std::pair<const char*, int>> barrier_site;   // and its source line
+    LoadTraffic* traffic;                             // the traffic counter, or null
 };
 
 Launch* g_launch = nullptr;
@@ -512,6 +561,7 @@ void check_access(std::uintptr_t a, std::size_t n, int how, bool aligned, const 
         if (a < start || a >= end) continue;
         if (a + n > end) break;
         if (how == WRITE && g.sanitize > 1) global_write(r, a, n, pc);
+        if (how == READ && g.traffic) g.traffic->load(g.current, a, n, pc);
         return;
     }
     for (const auto& [start, end] : g.module->segments)
@@ -809,6 +859,7 @@ bool run_block(uint3 block_idx) {
                     block_idx.x, block_idx.y, block_idx.z, g.dynamic_bytes));
         return false;
     }
+    if (g.traffic) g.traffic->end_block();
     return true;
 }
 
@@ -1190,18 +1241,21 @@ class FlushSubnormals {
 // `sanitize`: 0, or check every access (a module compiled for it): 1 memcheck (and synccheck), 2 also
 // racecheck and initcheck; `shared`: the kernel's __shared__
 // variables, `nshared` pairs of (offset in the module's thread-local block, bytes), named by the
-// newline-separated `shared_names`.
+// newline-separated `shared_names`. `traffic`: null, or {requests, sectors, bytes} to which the launch's
+// loads of its argument buffers are added (LoadTraffic; the sanitizer's hooks see them: `sanitize` 1 or 2).
 extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const unsigned* grid,
                           const unsigned* block, std::size_t dynamic_bytes, int descending,
                           const std::uint64_t* regions, int nregions, int sanitize,
                           const std::uint64_t* shared, int nshared, const char* shared_names,
-                          std::uint64_t* fault_address, char* err, std::size_t errlen) {
+                          std::uint64_t* traffic, std::uint64_t* fault_address, char* err, std::size_t errlen) {
     std::lock_guard<std::mutex> lock(g_launch_mutex);
     Launch g{};
     g.entry = entry;
     g.args = args;
     g.module = m;
     g.sanitize = sanitize;
+    LoadTraffic counter(traffic);
+    g.traffic = traffic ? &counter : nullptr;
     for (int r = 0; r < nregions; ++r) g.regions.emplace_back(regions[2 * r], regions[2 * r + 1]);
     g.grid = dim3(grid[0], grid[1], grid[2]);
     g.block = dim3(block[0], block[1], block[2]);
