@@ -9,8 +9,10 @@ import time
 import numpy as np
 
 
-# The modules whose products run on the tensor cores under the tf32 precision (kernels.precision()).
-TENSOR_CORE_KINDS = ("Conv2d", "Linear")
+# The modules whose products run on the tensor cores under the tf32 precision (kernels.precision()):
+# the convolutions (but for channel counts that are not multiples of 4, ResNet-18's stem, which
+# run in FP32: kernels/cuda/conv_tc.py's supports); the linear layer runs in FP32 under both.
+TENSOR_CORE_KINDS = ("Conv2d",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +30,7 @@ class Peak:
 
     def of(self, kind, precision):
         """The roofs of a row of this kind (a module's class) under `precision`: the TF32 tensor
-        cores' compute roof for the convolutions and the linear layer under tf32, else these."""
+        cores' compute roof for the convolutions under tf32, else these."""
         if precision == "tf32" and kind in TENSOR_CORE_KINDS and self.tensor_tflops:
             return dataclasses.replace(self, tflops=self.tensor_tflops)
         return self

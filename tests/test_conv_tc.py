@@ -1,7 +1,9 @@
-"""The tf32 precision: the tensor-core convolutions and linear layer of conv_tc.cu.
+"""The tf32 precision: the tensor-core convolutions of conv_tc.cu (those whose channel counts are
+multiples of 4; tests/test_conv_layouts.py covers the others, and the linear layer, which run the
+FP32 kernels under tf32 too).
 
 - On the CPU emulator, every output (y, dx, dw, db) at odd shapes and at every convolution of
-  ResNet-18 (width 8), against two float64 references:
+  ResNet-18 (width 8) but the stem, against two float64 references:
   - of the TF32-rounded inputs (rounded here by frexp, independently of the kernels), within
     the float32 rounding of a K-term sum: |ours - ref| <= (K + 16) 2^-24 (|A| |B|), where
     |A| |B| is the same product of the inputs' magnitudes (elementwise);
@@ -9,7 +11,10 @@
     2 * 2^-11 (|A| |B|) (10 explicit mantissa bits, rounded to nearest).
   New arrays start as NaN (conftest's poisoned_empty), so an element a kernel forgets to write
   fails; the emulator runs its threads in ascending and in descending order, with the large
-  tile and with split-K forced on small shapes too.
+  tile and with split-K forced on small shapes too (its sums in two levels where the parts are
+  many); channel counts that are multiples of 16 take the aligned iterators, other multiples of 4
+  the gathered copies.
+- The launch plan: split-K, backward-weight in two waves of an H200, FastDivmod's arithmetic.
 - The layouts: NCHW and channels-last inputs give the same results; outputs and dx are
   channels-last.
 - A training step of the whole ResNet-18 (width 8) on the emulator against NumPy in float32.
@@ -22,7 +27,7 @@ import pytest
 import kernels
 import reference as R
 from bench.layers import distinct, resnet18_layers
-from helpers import CONV_SHAPES, reproduce_hint, rng, validate
+from helpers import reproduce_hint, rng, validate
 from kernels import nvrtc
 from kernels.cuda import conv_tc
 from test_kernels_cuda import OnDevice, gpu_unavailable_reason, poisoned_device_empty, resnet_step  # noqa: F401
@@ -108,17 +113,19 @@ def variant(request, monkeypatch):
     """The launchers' choices, or the large tile (where the copies allow it) or many-way split-K
     forced, so that small shapes exercise those code paths too."""
     if request.param == "large tile":
-        monkeypatch.setattr(conv_tc, "choose_tile", lambda rows, columns, vec: "Tc128x64" if vec == 4 else "Tc64x64")
-    elif request.param == "split":   # every GEMM in parts of one k step
+        monkeypatch.setattr(conv_tc, "choose_tile", lambda rows: "Tc128x64")
+    elif request.param == "split":   # every GEMM in parts of one k step, in two levels past ONE_LEVEL_PARTS
         monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 10**9)
+        monkeypatch.setattr(conv_tc, "WGRAD_SPLIT_TARGET", 10**9)
         monkeypatch.setattr(conv_tc, "MIN_SPLIT_K", conv_tc.BK)
+        monkeypatch.setattr(conv_tc, "WGRAD_MIN_SPLIT_K", conv_tc.BK)
     conv_tc.plan.cache_clear()   # plans are cached by shape: none made under other choices
     yield request.param
     conv_tc.plan.cache_clear()
 
 
-# Beyond CONV_SHAPES (mostly channel counts off the 16-byte copies): channel counts that are
-# multiples of 4, with partial tiles on every side.
+# Channel counts that are multiples of 4 (the gathered copies, ALIGN = 4), with partial tiles on
+# every side.
 VECTOR_SHAPES = [
     ((2, 12, 9, 7), (20, 12, 3, 3), 2, 1, True),
     ((3, 8, 6, 5), (68, 8, 3, 3), 1, 1, True),
@@ -127,15 +134,32 @@ VECTOR_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("x_shape, w_shape, stride, padding, bias", CONV_SHAPES + VECTOR_SHAPES)
+# Channel counts that are multiples of 16: the copies' addresses worked out before the loop
+# (ALIGN = 16), at strides whose phases have one tap, several or none, 5x5 (25 taps), and 7x7,
+# whose 49 taps take the ALIGN = 4 kernels.
+ALIGNED_SHAPES = [
+    ((2, 16, 9, 7), (32, 16, 3, 3), 2, 1, True),
+    ((3, 32, 6, 5), (16, 32, 3, 3), 1, 1, False),
+    ((2, 16, 7, 7), (48, 16, 1, 1), 2, 0, True),    # phases no tap reaches
+    ((1, 16, 9, 7), (16, 16, 5, 5), 1, 2, False),
+    ((2, 16, 6, 9), (16, 16, 2, 3), (2, 1), (0, 1), True),
+    ((1, 16, 2, 7), (16, 16, 1, 3), (3, 2), (0, 1), False),   # fewer rows than the stride
+    ((2, 16, 3, 3), (16, 16, 3, 3), 3, 1, True),
+    ((1, 16, 8, 8), (16, 16, 7, 7), 1, 3, False),
+    ((2, 16, 10, 10), (16, 16, 3, 3), 1, 1, True),   # 200 pixels: backward-weight's sum in two levels when split
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, bias", VECTOR_SHAPES + ALIGNED_SHAPES)
 def test_conv_at_odd_shapes(emu, variant, x_shape, w_shape, stride, padding, bias):
     check_conv(emu, x_shape, w_shape, stride, padding, bias)
 
 
 def resnet18_convolutions(batch, width):
-    """(x shape, w shape, stride, padding) of every distinct convolution of nn.resnet18."""
+    """(x shape, w shape, stride, padding) of every distinct convolution of nn.resnet18 that the
+    tensor cores take (all but the stem)."""
     return [(layer.x, layer.w, layer.stride, layer.padding) for layer, _ in distinct(resnet18_layers(batch, width))
-            if layer.op == "conv2d"]
+            if layer.op == "conv2d" and conv_tc.supports(layer.w[1], layer.w[0])]
 
 
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=2, width=8))
@@ -148,7 +172,7 @@ def channels_last(a):
 
 
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", [((2, 8, 7, 6), (12, 8, 3, 3), 2, 1),
-                                                               ((3, 1, 5, 5), (4, 1, 3, 3), 1, 1),
+                                                               ((2, 16, 5, 5), (32, 16, 3, 3), 1, 1),
                                                                ((2, 4, 6, 6), (8, 4, 3, 3), 1, 1)])
 def test_channels_last_inputs_give_the_same_results(variant, x_shape, w_shape, stride, padding):
     """Activations and weights (as a flat buffer holds them) NCHW or channels-last, and gradients
@@ -173,7 +197,8 @@ def test_channels_last_inputs_give_the_same_results(variant, x_shape, w_shape, s
 
 def test_small_grids_split_their_k_and_large_ones_do_not():
     """At batch 256: stage 4's 4096 output pixels give too few tiles for an H200 without split-K;
-    stage 1's 200,704 give plenty."""
+    stage 1's 200,704 give plenty. Backward-weight splits at every layer, in two levels where the
+    parts are many."""
     stage = {layer.label: (layer.x, layer.w, layer.stride, layer.padding)
              for layer, _ in distinct(resnet18_layers(256)) if layer.op == "conv2d"}
 
@@ -183,41 +208,60 @@ def test_small_grids_split_their_k_and_large_ones_do_not():
         return {gemm: conv_tc.plan(gemm, (n, c, h, w, o, kh, kw, s, s, p, p, oh, ow))
                 for gemm in ("forward", "dgrad", "wgrad")}
     for gemm, p in plans("conv 3x3/1 512->512 4->4").items():
-        assert p.grid[0] * p.grid[1] * p.grid[2] >= conv_tc.SPLIT_TARGET, (gemm, p)
-        assert p.splits > 1 or gemm == "wgrad", (gemm, p)   # 4096 pixels are wgrad's k
-        assert p.chunk % conv_tc.BK == 0 and p.chunk >= conv_tc.MIN_SPLIT_K
+        target = conv_tc.WGRAD_SPLIT_TARGET if gemm == "wgrad" else conv_tc.SPLIT_TARGET
+        assert p.grid[0] * p.grid[1] * p.grid[2] >= target and p.splits > 1, (gemm, p)
+        assert p.chunk % conv_tc.BK == 0
+        assert p.chunk >= (conv_tc.WGRAD_MIN_SPLIT_K if gemm == "wgrad" else conv_tc.MIN_SPLIT_K)
     stage1 = plans("conv 3x3/1 64->64 28->28")
     assert stage1["forward"].splits == stage1["dgrad"].splits == 1
-    assert stage1["forward"].kernel == "conv_tc_forward<Tc128x64, 4>" and stage1["wgrad"].splits > 1
+    assert stage1["forward"].kernel == "conv_tc_forward<Tc128x64, 16>"
+    wgrad = stage1["wgrad"]
+    assert wgrad.kernel == "conv_tc_wgrad<Tc128x64, 16>" and wgrad.grid[2] == wgrad.splits > conv_tc.ONE_LEVEL_PARTS
+    assert 1 < wgrad.group < wgrad.splits and wgrad.chunk * (wgrad.splits - 1) < 256 * 28 * 28 <= wgrad.chunk * \
+        wgrad.splits
+
+
+def test_channel_counts_choose_the_copies():
+    """Multiples of 16 (at most 32 taps) take the aligned iterators, other multiples of 4 the
+    gathered copies; the others are not the tensor cores' (conv.py runs them on conv.cu)."""
+    def kernel(c, o, k=3):
+        return conv_tc.plan("forward", (2, c, 8, 8, o, k, k, 1, 1, k // 2, k // 2, 8, 8)).kernel
+    assert kernel(64, 128).endswith(", 16>") and kernel(16, 16, 5).endswith(", 16>")
+    assert kernel(16, 16, 7).endswith(", 4>") and kernel(8, 16).endswith(", 4>") and kernel(16, 12).endswith(", 4>")
+    assert not conv_tc.supports(1, 64) and not conv_tc.supports(64, 10) and conv_tc.supports(4, 4)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        conv_tc.plan("forward", (2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1, 8, 8))
+
+
+def test_fast_divmod_divides_exactly():
+    """conv_geometry.cuh's FastDivmod, (umulhi(n, m) + n) >> shift, with the launcher's multiplier
+    and shift, against integer division, for divisors from 1 to 2^31 - 1 and dividends up to
+    2^31 - 1, the ends of each divisor's range and random ones."""
+    g = rng()
+    divisors = np.unique(np.concatenate([np.arange(1, 300), [784, 196, 49, 28, 14, 7, 4, 2**16 + 1, 2**31 - 1],
+                                         g.integers(1, 2**31, 200)]))
+    for d in divisors.tolist():
+        multiplier, shift = conv_tc.fast_divmod(d)
+        n = np.unique(np.concatenate([g.integers(0, 2**31, 2000), np.arange(0, 4 * d + 2) if d < 1000 else [],
+                                      [d - 1, d, d + 1, 2**31 - 1, (2**31 - 1) // d * d, (2**31 - 1) // d * d - 1]]))
+        n = n[(n >= 0) & (n < 2**31)].astype(np.uint64)
+        high = (n * np.uint64(multiplier)) >> np.uint64(32)
+        quotient = (high + n) >> np.uint64(shift)
+        assert np.array_equal(quotient, n // np.uint64(d)), d
+    with pytest.raises(ValueError, match="divisors"):
+        conv_tc.fast_divmod(0)
 
 
 def test_inputs_at_an_odd_offset_are_copied_for_the_16_byte_copies():
     """A parameter is a view into the flat buffer, at any offset; the 16-byte cp.async needs 16."""
     be = kernels._device_backend("emu")
-    (flat,) = draw(1 + 8 * 4 + 6 * 4)
-    w, lw = flat[1:33].reshape(8, 4, 1, 1), flat[33:].reshape(6, 4)   # 4 bytes past 16
-    x, xl = draw((2, 4, 5, 5), (3, 4))
+    (flat,) = draw(1 + 8 * 4)
+    w = flat[1:33].reshape(8, 4, 1, 1)   # 4 bytes past 16
+    (x,) = draw((2, 4, 5, 5))
     y = be.conv2d_forward(x, w, None, 1, 0)
     validate(y, R.conv2d_forward(x, w, None, 1, 0), "1x1 conv of a weight at an odd offset", rtol=2e-3)
-    validate(be.linear_forward(xl, lw, None), R.linear_forward(xl, lw, None), "linear", rtol=2e-3)
     dx, dw, _ = be.conv2d_backward(y, x, w, 1, 0)
     validate(dx, R.conv2d_backward(y, x, w, 1, 0)[0], "dx", rtol=2e-3)
-
-
-LINEARS = [(4, 5, 3), (6, 16, 12), (70, 33, 65), (3, 512, 10)]
-
-
-@pytest.mark.parametrize("n, i, o", LINEARS)
-def test_linear(emu, variant, n, i, o):
-    x, w, b = draw((n, i), (o, i), (o,))
-    y = emu.linear_forward(x, w, b)
-    (dy,) = draw(y.shape)
-    dx, dw, db = emu.linear_backward(dy, x, w)
-    name = f"linear {n} x {i} -> {o}"
-    check_products(name + " forward", (y,), [x, w], lambda x, w, b: (R.linear_forward(x, w, b),), (i,), b)
-    check_products(name + " backward", (dx, dw), [dy, x, w], lambda dy, x, w, _: R.linear_backward(dy, x, w)[:2],
-                   (o, n))
-    validate(db, R.linear_backward(dy, x, w)[2], name + " bias gradient")
 
 
 def test_the_precision_is_a_setting_with_tf32_the_default():
@@ -242,9 +286,10 @@ def test_fp32_runs_the_fp32_kernels_and_tf32_the_tensor_cores(monkeypatch):
             be.conv2d_backward(y, x, w, 1, 1)
             be.linear_backward(*draw((3, 6), (3, 5), (6, 5)))
         tensor_core = [name for name in launched if name.startswith("conv_tc_")]
-        if precision == "tf32":
+        if precision == "tf32":   # the linear layer computes in float32 under both
             assert {name.partition("<")[0] for name in tensor_core} == set(conv_tc.GEMMS), launched
-            assert not any(name.startswith(("conv2d_", "matmul")) for name in launched), launched
+            assert not any(name.startswith("conv2d_") for name in launched), launched
+            assert any(name.startswith("matmul") for name in launched), launched
         else:
             assert not tensor_core and any(name.startswith("matmul") for name in launched), launched
 
@@ -281,7 +326,7 @@ def test_every_tensor_core_kernel_runs_hmma(arch):
     compiled = compile_family("conv_tc", arch)
     sass = compiled.sass()
     gemms = [name for name in conv_tc.KERNELS if name.startswith("conv_tc_")]
-    assert len(gemms) == 9
+    assert len(gemms) == 10
     for name in gemms:
         instructions = sass[compiled.lowered_names[name]]
         assert any(i.startswith("HMMA.1688.F32.TF32") for i in instructions), f"{name} for {arch}: no HMMA"
@@ -301,7 +346,7 @@ def gpu_backend(request):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=2, width=16)
-                         + [s[:4] for s in CONV_SHAPES])
+                         + [s[:4] for s in VECTOR_SHAPES + ALIGNED_SHAPES])
 def test_gpu_conv_against_the_tf32_references(gpu_backend, x_shape, w_shape, stride, padding):
     check_conv(gpu_backend, x_shape, w_shape, stride, padding)
 
@@ -324,14 +369,17 @@ def test_gpu_conv_beside_cudnn_tf32(gpu_backend):
 
 
 def test_the_launch_plan_of_resnet18_covers_every_product():
-    """bench/tc_plan.py: a plan for each GEMM of every convolution and the linear layer, with the
-    kernel's occupancy from its registers and shared memory."""
+    """bench/tc_plan.py: a plan for each GEMM of every convolution but the stem, with the kernel's
+    occupancy from its registers and shared memory; backward-weight in at least two waves of the
+    blocks that fit on an H200's 132 SMs at every layer."""
     reason = nvrtc.unavailable_reason()
     if reason:
         pytest.skip(reason)
     from bench import tc_plan
-    rows, resources = tc_plan.rows(256, "sm_90", 132)
+    rows, resources, fp32 = tc_plan.rows(256, "sm_90", 132)
     products = [layer for layer, _ in distinct(resnet18_layers(256)) if layer.op in ("conv2d", "linear")]
-    assert len(rows) == 3 * len(products) == 3 * 12
+    assert len(rows) == 3 * (len(products) - 2) == 3 * 10
+    assert fp32 == ["conv 3x3/1 1->64 28->28", "linear 512->10"]
     assert all(1 <= row["resident"] <= 16 and row["blocks"] >= 1 for row in rows), rows
     assert all(resources[row["kernel"]].spill_stores == 0 for row in rows)
+    assert all(row["waves"] >= 2 for row in rows if row["gemm"] == "wgrad"), rows

@@ -91,7 +91,7 @@ def tiny_data(tmp_path_factory):
 
 @pytest.mark.parametrize("which, race", [
     ("ready", r"NCCL allReduce of rank \d \(sendbuf\) on stream 0x[0-9a-f]+ of device \d reads .* which kernel "
-              r"'conv_tc_wgrad<[^>]*>' \(argument 2 \(float\* __restrict__ dw\)\) on the null stream of device \d wrote"),
+              r"'\w+(<[^>]*>)?' \(argument \d \(float\* __restrict__ \w+\)\) on the null stream of device \d wrote"),
     ("done", r"kernel 'sgd_update' \(argument 1 \(const float\* __restrict__ grad\)\) on the null stream of device \d "
              r"reads .* which NCCL allReduce of rank \d \(recvbuf\) on stream 0x[0-9a-f]+ of device \d wrote")])
 def test_data_parallel_without_either_event_wait_is_a_race(gpus, tiny_data, tmp_path, which, race):

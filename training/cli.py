@@ -53,9 +53,10 @@ def parse_args(argv):
                         f"(default {D.init})")
     p.add_argument("--width", type=int, help=f"channels of the first stage; 64 is ResNet-18 (default {D.width})")
     p.add_argument("--precision", choices=kernels.PRECISIONS,
-                   help="of the convolutions and the linear layer on GPUs: tf32 multiplies on the tensor cores "
-                        "with the inputs rounded to TF32 (10-bit mantissa) and sums in float32, as PyTorch does "
-                        "for convolutions by default; fp32 multiplies in float32 throughout, several times slower "
+                   help="of the convolutions on GPUs: tf32 multiplies on the tensor cores with the inputs rounded "
+                        "to TF32 (10-bit mantissa) and sums in float32, as PyTorch does for convolutions by default "
+                        "(the stem, of one input channel, and the linear layer multiply in float32 either way); fp32 "
+                        "multiplies in float32 throughout, several times slower "
                         "(default: tf32 with --gpus, fp32 on the CPU, which has no other)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction,
                    help="on GPUs, capture the training step once as a CUDA graph and replay it every step, "

@@ -41,7 +41,7 @@ class Config:
     overwrite: bool = False   # a new run may replace the run whose files --out holds
     init_from: str = None     # a safetensors file of the model's weights to start from
     export: str = None        # where to write the trained weights as safetensors
-    precision: str = None     # of the convolutions and linear layer on GPUs (compute_precision)
+    precision: str = None     # of the convolutions on GPUs (compute_precision)
     graph: bool = None        # the training step as a CUDA graph (replayed_step)
 
     @property
@@ -50,8 +50,9 @@ class Config:
 
     @property
     def compute_precision(self):
-        """The precision of the convolutions and the linear layer (kernels.precision()): --precision,
-        else tf32 on GPUs, PyTorch's default for convolutions; a CPU run computes in float32."""
+        """The precision of the convolutions (kernels.precision(); the linear layer computes in float32
+        under both): --precision, else tf32 on GPUs, PyTorch's default for convolutions; a CPU run
+        computes in float32."""
         return self.precision or ("tf32" if self.gpus else "fp32")
 
     @property

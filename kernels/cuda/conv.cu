@@ -1,8 +1,13 @@
-// conv.cu: 2-D convolution (cross-correlation, as in PyTorch) on NCHW float32 arrays, as
-// implicit GEMMs: the im2col matrix is never built; the tile loaders gather its elements
-// from the image straight into shared memory. Launched by kernels/cuda/conv.py; checked by
-// tests/test_kernels_cuda.py against tests/reference.py (float64) and kernels/cpu/conv.py,
-// on the CPU emulator in CI and on a GPU under `pytest -m gpu`.
+// conv.cu: 2-D convolution (cross-correlation, as in PyTorch) in FP32 as implicit GEMMs: the
+// im2col matrix is never built; the tile loaders gather its elements from the image straight
+// into shared memory. Every array but the bias is NCHW or channels-last (NHWC memory; for the
+// weights and dw, (O, KH, KW, C) memory), each told at run time (Layout): the fp32 precision runs
+// every convolution here on NCHW activations, the tf32 precision those its tensor cores do not
+// take (channel counts not multiples of 4, as the stem's one input channel) on its channels-last
+// activations and weights as they are (no copies: a step of kernels only replays as a graph).
+// Launched by kernels/cuda/conv.py; checked by tests/test_kernels_cuda.py (NCHW) and
+// tests/test_conv_layouts.py (channels-last) against tests/reference.py (float64) and
+// kernels/cpu/conv.py, on the CPU emulator in CI and on a GPU under `pytest -m gpu`.
 //
 //   conv2d_forward   y (O x N*OH*OW)   = w (O x C*KH*KW)  . im2col(x) (C*KH*KW x N*OH*OW) + b
 //   conv2d_dgrad     dx (C x N*H*W)    = w^T gathered (C x O*KH*KW) . dy gathered at the outputs
@@ -16,9 +21,64 @@
 //
 // Each GEMM is templated on the tile (Tile64, Tile128 in common.cuh) and, but for the strided
 // backward-data, on the kernel size (KH, KW), 0 meaning "given at run time": the 3x3 and 1x1
-// instantiations divide by constants.
+// instantiations divide by constants. The layouts are run-time arguments, not template ones, so
+// one instantiation serves both.
+//
+// The loads and stores run along pixels or filter taps (consecutive threads, consecutive pixels
+// or taps): coalesced on NCHW. On NHWC memory those lie C (or O) floats apart, so a warp's access
+// touches up to 32 sectors for 4 to 16 useful bytes of each, instead of 4 whole sectors; the
+// block's other warps and later k steps use the rest of those sectors through L1 and L2. A
+// coalesced NHWC path would need the GEMMs transposed (threads along channels), a second set of
+// instantiations. In ResNet-18 only the stem comes here under tf32: its x and weights have one
+// channel (both layouts are the same memory); its y (the forward's stores, 16 sectors per warp
+// store) and dy are channels-last. At its shape (64 channels of 28x28) emu.traffic() counts 3.9
+// bytes read from L2 per byte used by backward-weight's loads of dy (1.6 on NCHW) and 8.0 by
+// bias_grad's, a channel per block (1.3 on NCHW); the time that costs is unmeasured.
 #include "common.cuh"
 #include "conv_geometry.cuh"
+
+// Where value (channel c, pixel hw = h * W + w) of one image of an activation, or of one output
+// channel's filter (plane = KH * KW taps), lies from its first value: c * plane + hw in NCHW,
+// hw * channels + c in NHWC.
+struct Layout {
+    int channel_stride, pixel_stride;
+
+    __device__ Layout(int channels, int plane, int channels_last)
+        : channel_stride(channels_last ? 1 : plane), pixel_stride(channels_last ? channels : 1) {}
+    __device__ int at(int c, int hw) const { return c * channel_stride + hw * pixel_stride; }
+};
+
+// im2col(x)[(ci, r, s), (img, p, q)] for the window at (h0, w0) = (p*sh - ph, q*sw - pw) of the
+// image x_img (laid out as xl): zero in the padding.
+template <int KH, int KW>
+__device__ __forceinline__ float im2col(const Geometry<KH, KW>& g, const Layout& xl, const float* x_img, int crs,
+                                        int h0, int w0) {
+    const int ci = crs / g.taps(), rs = crs - ci * g.taps(), r = rs / g.kw(), s = rs - r * g.kw();
+    const int hh = h0 + r, ww = w0 + s;
+    return unsigned(hh) < unsigned(g.h) && unsigned(ww) < unsigned(g.w) ? x_img[xl.at(ci, hh * g.w + ww)] : 0.0f;
+}
+
+// Forward A(m, k) = w[m, ci, r, s] for output channel m and k = (ci, r, s).
+template <class T, int KH, int KW>
+struct ForwardWeights : Staged<T, T::BM, true> {
+    using Map = TileMap<T, T::BM, true>;
+    Geometry<KH, KW> g;
+    Layout wl;
+    const float* w;
+    int m0;
+
+    __device__ ForwardWeights(const Geometry<KH, KW>& geometry, const float* weight, int w_channels_last, int m0_)
+        : g(geometry), wl(g.c, g.taps(), w_channels_last), w(weight), m0(m0_) {}
+
+    __device__ void fetch(int k0, int k_end) {
+        const int k = k0 + Map::k(0), ci = k / g.taps(), at = wl.at(ci, k - ci * g.taps());
+#pragma unroll
+        for (int i = 0; i < Map::COUNT; ++i) {
+            const int m = m0 + Map::w(i);
+            this->staged[i] = (k < k_end && m < g.o) ? w[m * g.c * g.taps() + at] : 0.0f;
+        }
+    }
+};
 
 // Forward B(k, n) = x[img, ci, p*sh - ph + r, q*sw - pw + s] for k = (ci, r, s), n = (img, p, q):
 // each thread keeps one column n across the K loop, so its window origin is computed once.
@@ -26,11 +86,13 @@ template <class T, int KH, int KW>
 struct ForwardColumns : Staged<T, T::BN, false> {
     using Map = TileMap<T, T::BN, false>;
     Geometry<KH, KW> g;
+    Layout xl;
     const float* x_img;
     int h0, w0;
     bool valid;
 
-    __device__ ForwardColumns(const Geometry<KH, KW>& geometry, const float* x, int n0) : g(geometry) {
+    __device__ ForwardColumns(const Geometry<KH, KW>& geometry, const float* x, int x_channels_last, int n0)
+        : g(geometry), xl(g.c, g.h * g.w, x_channels_last) {
         const int col = n0 + Map::w(0);
         valid = col < g.n * g.out_plane();
         const int img = valid ? col / g.out_plane() : 0;
@@ -44,24 +106,26 @@ struct ForwardColumns : Staged<T, T::BN, false> {
 #pragma unroll
         for (int i = 0; i < Map::COUNT; ++i) {
             const int k = k0 + Map::k(i);
-            this->staged[i] = valid && k < k_end ? g.im2col(x_img, k, h0, w0) : 0.0f;
+            this->staged[i] = valid && k < k_end ? im2col(g, xl, x_img, k, h0, w0) : 0.0f;
         }
     }
 };
 
 // y = conv(x, w) + b (bias may be null): one block per Tile::BM output channels x Tile::BN output pixels
-// (grid.x over N*OH*OW, grid.y over O), each thread TM x TN of them (common.cuh's GEMM).
+// (grid.x over N*OH*OW, grid.y over O), each thread TM x TN of them (common.cuh's GEMM); x, w and
+// y each NCHW or channels-last (the flags).
 template <class T, int KH, int KW>
 __global__ void __launch_bounds__(T::THREADS)
 conv2d_forward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias,
-               float* __restrict__ y, CONV_PARAMS) {
+               float* __restrict__ y, CONV_PARAMS, int x_channels_last, int w_channels_last, int y_channels_last) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
-    const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN, depth = g.c * g.taps();
-    MatrixTile<T, T::BM, true> a(weight, m0, g.o, depth, 1);
-    ForwardColumns<T, KH, KW> b(g, x, n0);
+    const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
+    ForwardWeights<T, KH, KW> a(g, weight, w_channels_last, m0);
+    ForwardColumns<T, KH, KW> b(g, x, x_channels_last, n0);
     float acc[T::TM][T::TN];
-    gemm_mainloop<T>(a, b, 0, depth, acc);
+    gemm_mainloop<T>(a, b, 0, g.c * g.taps(), acc);
     const int plane = g.out_plane();
+    const Layout yl(g.o, plane, y_channels_last);
 #pragma unroll
     for (int j = 0; j < T::TN; ++j) {
         const int col = n0 + T::col(j);
@@ -70,7 +134,7 @@ conv2d_forward(const float* __restrict__ x, const float* __restrict__ weight, co
 #pragma unroll
         for (int i = 0; i < T::TM; ++i) {
             const int m = m0 + T::row(i);
-            if (m < g.o) y[(img * g.o + m) * plane + pq] = bias ? acc[i][j] + bias[m] : acc[i][j];
+            if (m < g.o) y[img * g.o * plane + yl.at(m, pq)] = bias ? acc[i][j] + bias[m] : acc[i][j];
         }
     }
 }
@@ -81,20 +145,22 @@ struct DataWeights : Staged<T, T::BM, true> {
     using Map = TileMap<T, T::BM, true>;
     Geometry<KH, KW> g;
     Phase f;
+    Layout wl;
     const float* w;
     int m0;
 
-    __device__ DataWeights(const Geometry<KH, KW>& geometry, const Phase& phase, const float* weight, int m0_)
-        : g(geometry), f(phase), w(weight), m0(m0_) {}
+    __device__ DataWeights(const Geometry<KH, KW>& geometry, const Phase& phase, const float* weight,
+                           int w_channels_last, int m0_)
+        : g(geometry), f(phase), wl(g.c, g.taps(), w_channels_last), w(weight), m0(m0_) {}
 
     __device__ void fetch(int k0, int k_end) {
         const int k = k0 + Map::k(0);
         const int co = k / f.taps(), t = k - co * f.taps(), i = t / f.taps_w, j = t - i * f.taps_w;
-        const int base = (co * g.c * g.kh() + f.a + g.sh * i) * g.kw() + f.b + g.sw * j;
+        const int base = co * g.c * g.taps() + wl.at(0, (f.a + g.sh * i) * g.kw() + f.b + g.sw * j);
 #pragma unroll
         for (int n = 0; n < Map::COUNT; ++n) {
             const int m = m0 + Map::w(n);
-            this->staged[n] = (k < k_end && m < g.c) ? w[base + m * g.taps()] : 0.0f;
+            this->staged[n] = (k < k_end && m < g.c) ? w[base + wl.at(m, 0)] : 0.0f;
         }
     }
 };
@@ -106,12 +172,14 @@ struct DataColumns : Staged<T, T::BN, false> {
     using Map = TileMap<T, T::BN, false>;
     Geometry<KH, KW> g;
     Phase f;
+    Layout dyl;
     const float* dy_img;
     int p0, q0;  // t_h + u, t_w + v
     bool valid;
 
-    __device__ DataColumns(const Geometry<KH, KW>& geometry, const Phase& phase, const float* dy, int n0)
-        : g(geometry), f(phase) {
+    __device__ DataColumns(const Geometry<KH, KW>& geometry, const Phase& phase, const float* dy,
+                           int dy_channels_last, int n0)
+        : g(geometry), f(phase), dyl(g.o, g.out_plane(), dy_channels_last) {
         const int col = n0 + Map::w(0);
         valid = col < g.n * f.cells();
         const int img = valid ? col / f.cells() : 0;
@@ -129,7 +197,7 @@ struct DataColumns : Staged<T, T::BN, false> {
             if (valid && k < k_end) {
                 const int co = k / f.taps(), t = k - co * f.taps(), i = t / f.taps_w;
                 const int p = p0 - i, q = q0 - (t - i * f.taps_w);
-                if (unsigned(p) < unsigned(g.oh) && unsigned(q) < unsigned(g.ow)) v = dy_img[(co * g.oh + p) * g.ow + q];
+                if (unsigned(p) < unsigned(g.oh) && unsigned(q) < unsigned(g.ow)) v = dy_img[dyl.at(co, p * g.ow + q)];
             }
             this->staged[n] = v;
         }
@@ -138,16 +206,19 @@ struct DataColumns : Staged<T, T::BN, false> {
 
 // dx of one phase: Tile::BM input channels x Tile::BN of the phase's cells per block (grid.x
 // over N * cells, grid.y over C), each thread TM x TN of them; blocks past the phase's cells
-// (the phases differ in size by a row or column) leave at once.
+// (the phases differ in size by a row or column) leave at once. dy, w and dx each NCHW or
+// channels-last (the flags).
 template <class T, int KH, int KW>
 __device__ __forceinline__ void data_gradient(const Geometry<KH, KW>& g, const Phase& f, const float* dy,
-                                              const float* weight, float* dx) {
+                                              const float* weight, float* dx, int dy_channels_last,
+                                              int w_channels_last, int dx_channels_last) {
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
     if (n0 >= g.n * f.cells()) return;  // the same for the whole block
-    DataWeights<T, KH, KW> a(g, f, weight, m0);
-    DataColumns<T, KH, KW> b(g, f, dy, n0);
+    DataWeights<T, KH, KW> a(g, f, weight, w_channels_last, m0);
+    DataColumns<T, KH, KW> b(g, f, dy, dy_channels_last, n0);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a, b, 0, g.o * f.taps(), acc);
+    const Layout dxl(g.c, g.h * g.w, dx_channels_last);
 #pragma unroll
     for (int j = 0; j < T::TN; ++j) {
         const int col = n0 + T::col(j);
@@ -157,7 +228,7 @@ __device__ __forceinline__ void data_gradient(const Geometry<KH, KW>& g, const P
 #pragma unroll
         for (int i = 0; i < T::TM; ++i) {
             const int m = m0 + T::row(i);
-            if (m < g.c) dx[(img * g.c + m) * g.h * g.w + hw] = acc[i][j];
+            if (m < g.c) dx[img * g.c * g.h * g.w + dxl.at(m, hw)] = acc[i][j];
         }
     }
 }
@@ -166,9 +237,10 @@ __device__ __forceinline__ void data_gradient(const Geometry<KH, KW>& g, const P
 // kernel size a template constant for 3x3 and 1x1 (see data_gradient for the split of work).
 template <class T, int KH, int KW>
 __global__ void __launch_bounds__(T::THREADS)
-conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ weight, float* __restrict__ dx, CONV_PARAMS) {
+conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ weight, float* __restrict__ dx, CONV_PARAMS,
+             int dy_channels_last, int w_channels_last, int dx_channels_last) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
-    data_gradient<T>(g, unit_stride_phase(g), dy, weight, dx);
+    data_gradient<T>(g, unit_stride_phase(g), dy, weight, dx, dy_channels_last, w_channels_last, dx_channels_last);
 }
 
 // dx = the gradient of conv(x, w) with respect to x at any stride: grid.z over the sh*sw
@@ -176,9 +248,10 @@ conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ weight, flo
 template <class T>
 __global__ void __launch_bounds__(T::THREADS)
 conv2d_dgrad_strided(const float* __restrict__ dy, const float* __restrict__ weight, float* __restrict__ dx,
-                     CONV_PARAMS) {
+                     CONV_PARAMS, int dy_channels_last, int w_channels_last, int dx_channels_last) {
     const Geometry<0, 0> g CONV_GEOMETRY;
-    data_gradient<T>(g, stride_phase(g, blockIdx.z), dy, weight, dx);
+    data_gradient<T>(g, stride_phase(g, blockIdx.z), dy, weight, dx, dy_channels_last, w_channels_last,
+                     dx_channels_last);
 }
 
 // Backward-weight A(m, k) = dy[img, m, p, q] for output channel m and k = (img, p, q).
@@ -186,19 +259,21 @@ template <class T, int KH, int KW>
 struct WeightGradRows : Staged<T, T::BM, true> {
     using Map = TileMap<T, T::BM, true>;
     Geometry<KH, KW> g;
+    Layout dyl;
     const float* dy;
     int m0;
 
-    __device__ WeightGradRows(const Geometry<KH, KW>& geometry, const float* dy_, int m0_)
-        : g(geometry), dy(dy_), m0(m0_) {}
+    __device__ WeightGradRows(const Geometry<KH, KW>& geometry, const float* dy_, int dy_channels_last, int m0_)
+        : g(geometry), dyl(g.o, g.out_plane(), dy_channels_last), dy(dy_), m0(m0_) {}
 
     __device__ void fetch(int k0, int k_end) {
         const int k = k0 + Map::k(0), plane = g.out_plane();
-        const int img = k / plane, base = img * g.o * plane + (k - img * plane);
+        const int img = k / plane, pq = k - img * plane;
+        const float* dy_img = dy + img * g.o * plane;
 #pragma unroll
         for (int i = 0; i < Map::COUNT; ++i) {
             const int m = m0 + Map::w(i);
-            this->staged[i] = (k < k_end && m < g.o) ? dy[base + m * plane] : 0.0f;
+            this->staged[i] = (k < k_end && m < g.o) ? dy_img[dyl.at(m, pq)] : 0.0f;
         }
     }
 };
@@ -209,11 +284,12 @@ template <class T, int KH, int KW>
 struct WeightGradColumns : Staged<T, T::BN, true> {
     using Map = TileMap<T, T::BN, true>;
     Geometry<KH, KW> g;
+    Layout xl;
     const float* x;
     int n0;
 
-    __device__ WeightGradColumns(const Geometry<KH, KW>& geometry, const float* x_, int n0_)
-        : g(geometry), x(x_), n0(n0_) {}
+    __device__ WeightGradColumns(const Geometry<KH, KW>& geometry, const float* x_, int x_channels_last, int n0_)
+        : g(geometry), xl(g.c, g.h * g.w, x_channels_last), x(x_), n0(n0_) {}
 
     __device__ void fetch(int k0, int k_end) {
         const int k = k0 + Map::k(0), plane = g.out_plane();
@@ -223,41 +299,44 @@ struct WeightGradColumns : Staged<T, T::BN, true> {
 #pragma unroll
         for (int i = 0; i < Map::COUNT; ++i) {
             const int col = n0 + Map::w(i);
-            this->staged[i] = k < k_end && col < columns ? g.im2col(x_img, col, h0, w0) : 0.0f;
+            this->staged[i] = k < k_end && col < columns ? im2col(g, xl, x_img, col, h0, w0) : 0.0f;
         }
     }
 };
 
 // One split's share of dw = the gradient of conv(x, w) with respect to w: block (x, y, z) sums
 // k = (img, p, q) in [z * k_chunk, (z + 1) * k_chunk) for Tile::BM output channels (grid.y) x
-// Tile::BN columns (ci, r, s) (grid.x), into partial[z] (O x C*KH*KW), each thread TM x TN.
+// Tile::BN columns (ci, r, s) (grid.x), into partial[z] (O x C*KH*KW, in dw's layout), each thread
+// TM x TN; dy, x and dw each NCHW or channels-last (the flags).
 template <class T, int KH, int KW>
 __global__ void __launch_bounds__(T::THREADS)
 conv2d_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ partial, CONV_PARAMS,
-             int k_chunk) {
+             int k_chunk, int dy_channels_last, int x_channels_last, int dw_channels_last) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN, columns = g.c * g.taps();
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
-    WeightGradRows<T, KH, KW> a(g, dy, m0);
-    WeightGradColumns<T, KH, KW> b(g, x, n0);
+    WeightGradRows<T, KH, KW> a(g, dy, dy_channels_last, m0);
+    WeightGradColumns<T, KH, KW> b(g, x, x_channels_last, n0);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a, b, k_begin, k_end, acc);
     float* out = partial + blockIdx.z * g.o * columns;
+    const Layout dwl(g.c, g.taps(), dw_channels_last);
 #pragma unroll
     for (int i = 0; i < T::TM; ++i) {
         const int m = m0 + T::row(i);
 #pragma unroll
         for (int j = 0; j < T::TN; ++j) {
-            const int col = n0 + T::col(j);
-            if (m < g.o && col < columns) out[m * columns + col] = acc[i][j];
+            const int col = n0 + T::col(j), ci = col / g.taps();
+            if (m < g.o && col < columns) out[m * columns + dwl.at(ci, col - ci * g.taps())] = acc[i][j];
         }
     }
 }
 
 // ---- bias gradient ----------------------------------------------------------------------
 
-// db (O) = the per-channel sums of dy (N, O, OH*OW): block (c, s) of an (O, splits) grid adds
-// channel c's values e in [s * chunk, (s + 1) * chunk) of its N*OH*OW, each thread a strided subset
+// db (O) = the per-channel sums of dy (n, O, plane) as channel_element walks it: (N, O, OH*OW) for
+// NCHW, (N*OH*OW, O, 1) for channels-last. Block (c, s) of an (O, splits) grid adds channel c's
+// values e in [s * chunk, (s + 1) * chunk) of its n * plane, each thread a strided subset
 // in order, then block_sum; with one split it writes db[c], else partial[s * O + c], and the last
 // of the channel's blocks adds the splits in order into db[c] (last_block, counters[c]).
 extern "C" __global__ void __launch_bounds__(256)

@@ -1,7 +1,10 @@
-"""The convolution ops: under the tf32 precision (kernels.precision(), the default), the
-tensor-core GEMMs of conv_tc.cu on channels-last memory, whose outputs and dx are channels-last;
-under fp32, the launchers of conv.cu: forward, backward-data, backward-weight and the bias
-gradient as FP32 implicit GEMMs on NCHW float32 arrays (see the header of conv.cu)."""
+"""The convolution ops. Under the tf32 precision (kernels.precision(), the default) the network's
+activations are channels-last (NCHW views of NHWC memory): the convolutions whose channel counts
+the tensor cores take (conv_tc.supports) run the TF32 GEMMs of conv_tc.cu, the others (ResNet-18's
+stem) conv.cu's FP32 kernels, which read x, dy and w in whichever layout they come, write dw in its
+own and y and dx channels-last alike, so that nothing copies. Under fp32, conv.cu's kernels on NCHW
+float32 arrays, NCHW out. conv.cu's launchers: forward, backward-data, backward-weight and the bias
+gradient as FP32 implicit GEMMs (see the header of conv.cu)."""
 import numpy as np
 
 import kernels
@@ -38,38 +41,37 @@ def choose_tile(rows, columns):
 
 
 def conv2d_forward(be, x, w, b, stride, padding):
-    if kernels.precision() == "tf32":
-        x, w, (b,) = dense(be, "conv2d_forward", x), dense(be, "conv2d_forward", w), float32(be, "conv2d_forward", b)
-        geometry = _geometry(x, w, stride, padding, b)
-        return conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry).transpose(0, 3, 1, 2)
-    x, w, b = float32(be, "conv2d_forward", x, w, b)
+    tf32 = kernels.precision() == "tf32"   # whose activations are channels-last
+    x, w = _operands(be, "conv2d_forward", tf32, x, w)
+    (b,) = float32(be, "conv2d_forward", b)
     geometry = _geometry(x, w, stride, padding, b)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    y = be.xp.empty((n, o, oh, ow), np.float32)
+    if tf32 and conv_tc.supports(c, o):
+        return conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry).transpose(0, 3, 1, 2)
+    y = _empty(be, (n, o, oh, ow), channels_last=tf32)
     tile = choose_tile(o, n * oh * ow)
     launch(be, "conv", _kernel("conv2d_forward", tile, kh, kw),
-           (cdiv(n * oh * ow, TILES[tile]), cdiv(o, TILES[tile])), (x, w, b, y, *geometry))
+           (cdiv(n * oh * ow, TILES[tile]), cdiv(o, TILES[tile])), (x, w, b, y, *geometry, *_layouts(x, w, y)))
     return y
 
 
 def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None):
     """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
     (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
-    to add_dx_to in place (in the backward-data kernel's epilogue under tf32) when it is given."""
-    if kernels.precision() == "tf32":
-        dy, x, w = (dense(be, "conv2d_backward", a) for a in (dy, x, w))
-    else:
-        dy, x, w = float32(be, "conv2d_backward", dy, x, w)
+    to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given."""
+    tf32 = kernels.precision() == "tf32"   # whose activations are channels-last
+    dy, x, w = _operands(be, "conv2d_backward", tf32, dy, x, w)
     geometry = _geometry(x, w, stride, padding)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if dy.shape != (n, o, oh, ow):
         raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output {(n, o, oh, ow)}")
     dw, db = gradient_outputs(be, "conv2d_backward", out, (w.shape, w.shape[:1]))
+    dw = _empty(be, w.shape, is_channels_last(w)) if dw is None else dw
     if add_dx_to is not None:
         in_place(be, "conv2d_backward", add_dx_to)
         if add_dx_to.shape != x.shape:
             raise ValueError(f"conv2d_backward: add_dx_to has shape {add_dx_to.shape}, dx {x.shape}")
-    if kernels.precision() == "tf32":
+    if tf32 and conv_tc.supports(c, o):
         dy, x = nhwc(be, dy), nhwc(be, x)
         dx = None
         if need_dx:
@@ -79,11 +81,17 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
                 dx = dx if into is None else add_dx_to
             else:   # an NCHW add_dx_to: added by a kernel of its own
                 dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry).transpose(0, 3, 1, 2))
-        dw, db = conv_tc.backward_weight(be, dy, x, geometry, _like_layout(be, w) if dw is None else dw,
-                                         be.xp.empty((o,), np.float32) if db is None else db)
+        dw, db = conv_tc.backward_weight(be, dy, x, geometry, dw, be.xp.empty((o,), np.float32) if db is None else db)
         return dx, dw, db
-    dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry)) if need_dx else None
-    return dx, _backward_weight(be, dy, x, geometry, dw), bias_grad(be, dy.reshape(n, o, -1), db)
+    dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry, channels_last=tf32)) if need_dx else None
+    return dx, _backward_weight(be, dy, x, geometry, dw), bias_grad(be, dy, db)
+
+
+def _operands(be, op, tf32, *arrays):
+    """The float32 arrays: under tf32 dense ones as they are (its kernels read NCHW and channels-last
+    memory alike: no copies, so that a step is kernels only, which a graph replays on the emulator
+    too), under fp32 C-contiguous (NCHW, copied if need be)."""
+    return tuple(dense(be, op, a) for a in arrays) if tf32 else float32(be, op, *arrays)
 
 
 def _added(be, total, dx):
@@ -91,12 +99,17 @@ def _added(be, total, dx):
     return dx if total is None else be.add(total, dx, out=total)
 
 
-def _like_layout(be, a):
-    """A new float32 array of a's shape and memory layout (NCHW or channels-last)."""
-    if is_channels_last(a):
-        n, c, h, w = a.shape
+def _empty(be, shape, channels_last):
+    """A new float32 array of an NCHW shape: channels-last (an NCHW view of NHWC memory) or NCHW."""
+    if channels_last:
+        n, c, h, w = shape
         return be.xp.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2)
-    return be.xp.empty(a.shape, np.float32)
+    return be.xp.empty(shape, np.float32)
+
+
+def _layouts(*arrays):
+    """conv.cu's layout flags of its arrays: 1 for channels-last, 0 for NCHW (C-contiguous)."""
+    return tuple(int(is_channels_last(a)) for a in arrays)
 
 
 def nhwc(be, x):
@@ -105,48 +118,49 @@ def nhwc(be, x):
     return be.xp.ascontiguousarray(x.transpose(0, 2, 3, 1))
 
 
-def _backward_data(be, dy, w, geometry):
-    """dx; at a stride above 1, one GEMM per stride phase of the input cells (conv.cu)."""
+def _backward_data(be, dy, w, geometry, channels_last):
+    """dx, channels-last or NCHW; at a stride above 1, one GEMM per stride phase of the input cells
+    (conv.cu)."""
     n, c, h, wd, o, kh, kw, sh, sw = geometry[:9]
-    dx = be.xp.empty((n, c, h, wd), np.float32)
+    dx = _empty(be, (n, c, h, wd), channels_last)
     columns = n * cdiv(h, sh) * cdiv(wd, sw)   # of the largest phase
     tile = choose_tile(c, columns)
     grid = (cdiv(columns, TILES[tile]), cdiv(c, TILES[tile]))
     if (sh, sw) == (1, 1):
-        launch(be, "conv", _kernel("conv2d_dgrad", tile, kh, kw), grid, (dy, w, dx, *geometry))
+        launch(be, "conv", _kernel("conv2d_dgrad", tile, kh, kw), grid, (dy, w, dx, *geometry, *_layouts(dy, w, dx)))
     else:
-        launch(be, "conv", f"conv2d_dgrad_strided<{tile}>", grid + (sh * sw,), (dy, w, dx, *geometry))
+        launch(be, "conv", f"conv2d_dgrad_strided<{tile}>", grid + (sh * sw,),
+               (dy, w, dx, *geometry, *_layouts(dy, w, dx)))
     return dx
 
 
-def _backward_weight(be, dy, x, geometry, dw=None):
-    """dw (into `dw` when given, through a copy when it is channels-last), split over the N*OH*OW
-    sum into partials when the (O x C*KH*KW) grid is small."""
+def _backward_weight(be, dy, x, geometry, dw):
+    """dw into `dw` (C-contiguous or channels-last), split over the N*OH*OW sum into partials (in
+    dw's layout) when the (O x C*KH*KW) grid is small."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     columns = c * kh * kw
     tile = choose_tile(o, columns)
     grid = (cdiv(columns, TILES[tile]), cdiv(o, TILES[tile]))
     splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=16)   # whole K tiles of either tile
-    target = dw
-    dw = be.xp.empty((o, c, kh, kw), np.float32) if dw is None or not dw.flags.c_contiguous else dw
-    partial = dw if splits == 1 else be.xp.empty((splits, o, c, kh, kw), np.float32)
-    launch(be, "conv", _kernel("conv2d_wgrad", tile, kh, kw), grid + (splits,), (dy, x, partial, *geometry, chunk))
+    partial = dw if splits == 1 else be.xp.empty((splits, dw.size), np.float32)
+    launch(be, "conv", _kernel("conv2d_wgrad", tile, kh, kw), grid + (splits,),
+           (dy, x, partial, *geometry, chunk, *_layouts(dy, x, dw)))
     if splits > 1:
         sum_partials(be, "conv", partial, splits, dw)
-    if target is not None and target is not dw:   # a channels-last target (a flat buffer's parameter)
-        target[...] = dw
-        return target
     return dw
 
 
 def bias_grad(be, dy, db=None):
-    """The per-channel sums of dy (N, O, OH*OW), in one launch, into db (O,) when given (a bias's
-    gradient, say), else a new array."""
-    n, o, plane = dy.shape
-    splits, chunk = split(n * plane, o)
+    """The per-channel sums of dy (N, O, OH, OW; NCHW or channels-last), in one launch, into db (O,)
+    when given (a bias's gradient, say), else a new array."""
+    n, o, oh, ow = dy.shape
+    # the (rows, O, plane) array that common.cuh's channel_element walks: channels-last memory is
+    # N*OH*OW rows of O channels of one value each
+    rows, plane = (n * oh * ow, 1) if is_channels_last(dy) else (n, oh * ow)
+    splits, chunk = split(rows * plane, o)
     db = be.xp.empty((o,), np.float32) if db is None else db
     partial = be.xp.empty((splits, o), np.float32) if splits > 1 else None
-    launch(be, "conv", "bias_grad", (o, splits), (dy, n, o, plane, chunk, partial, be.counters(o), db))
+    launch(be, "conv", "bias_grad", (o, splits), (dy, rows, o, plane, chunk, partial, be.counters(o), db))
     return db
 
 

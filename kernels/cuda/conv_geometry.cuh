@@ -10,14 +10,19 @@ struct Geometry {
     __device__ int kw() const { return KW ? KW : kw_run; }
     __device__ int taps() const { return kh() * kw(); }
     __device__ int out_plane() const { return oh * ow; }
+};
 
-    // im2col(x)[(ci, r, s), (img, p, q)] for the window at (h0, w0) = (p*sh - ph, q*sw - pw)
-    // of the image x_img: zero in the padding
-    __device__ float im2col(const float* x_img, int crs, int h0, int w0) const {
-        const int ci = crs / taps(), rs = crs - ci * taps(), r = rs / kw(), s = rs - r * kw();
-        const int hh = h0 + r, ww = w0 + s;
-        return unsigned(hh) < unsigned(h) && unsigned(ww) < unsigned(w) ? x_img[(ci * h + hh) * w + ww] : 0.0f;
-    }
+// n / d and n % d for 0 <= n < 2^31 by a divisor d >= 1 known only at run time, in a multiply-high,
+// an add and a shift instead of the dozen instructions of an integer division (Granlund and
+// Montgomery, "Division by invariant integers using multiplication", 1994, figure 4.1, whose
+// (t + (n - t) / 2) >> (l - 1) is (t + n) >> l while t + n < 2^32): with l = ceil(log2 d) and
+// multiplier = floor(2^32 (2^l - d) / d) + 1, which the launcher works out (fast_divmod in
+// kernels/cuda/conv_tc.py) and passes as kernel parameters.
+struct FastDivmod {
+    int d;
+    unsigned multiplier, shift;
+    __device__ int div(int n) const { return int((__umulhi(unsigned(n), multiplier) + unsigned(n)) >> shift); }
+    __device__ int mod(int n, int quotient) const { return n - quotient * d; }
 };
 
 // The kernels' size parameters, named apart from the Geometry fields they initialise.

@@ -1,11 +1,8 @@
-"""The linear layer, y = x @ w.T + b and its backward: under the tf32 precision
-(kernels.precision()), conv_tc.cu's tensor-core GEMMs, the layer being the 1x1 convolution of
-1x1 images; under fp32, linear.cu's tiled FP32 GEMMs."""
+"""The linear layer, y = x @ w.T + b and its backward, on linear.cu's tiled FP32 GEMMs under either
+precision (kernels.precision()): ResNet-18's is N x 512 -> 10, products too small, and with too
+few outputs, to pay for the tensor cores' tiles."""
 import numpy as np
 
-import kernels
-
-from . import conv_tc
 from .launch import cdiv, float32, gradient_outputs, launch, sum_partials
 
 OPS = ("linear_forward", "linear_backward")
@@ -22,8 +19,6 @@ def linear_forward(be, x, w, b):
     n, i, o = _sizes(x, w)
     if b is not None and b.shape != (o,):
         raise ValueError(f"linear bias shape {b.shape} does not match {o} outputs")
-    if kernels.precision() == "tf32":
-        return conv_tc.forward(be, x, w, b, _as_conv(n, i, o)).reshape(n, o)
     y = be.xp.empty((n, o), np.float32)
     _matmul(be, FORWARD, x, w, b, y, (n, o, i), (i, 1, i, 1))
     return y
@@ -38,11 +33,6 @@ def linear_backward(be, dy, x, w, *, out=None):
     dw, db = gradient_outputs(be, "linear_backward", out, (w.shape, w.shape[:1]))
     dw = be.xp.empty((o, i), np.float32) if dw is None else dw
     db = be.xp.empty((o,), np.float32) if db is None else db
-    if kernels.precision() == "tf32":
-        geometry = _as_conv(n, i, o)
-        dx = conv_tc.backward_data(be, dy, w, geometry).reshape(n, i)   # w (O, I) is (O, 1, 1, I)
-        conv_tc.backward_weight(be, dy, x, geometry, dw.reshape(o, i, 1, 1), db)
-        return dx, dw, db
     dx = be.xp.empty((n, i), np.float32)
     _matmul(be, DATA, dy, w, None, dx, (n, i, o), (o, 1, 1, i))
     _matmul(be, WEIGHT, dy, x, None, dw, (o, i, n), (1, o, 1, i))
@@ -54,11 +44,6 @@ def _matmul(be, kernel, a, b, bias, c, sizes, strides):
     """c (M x N) = A . B (+ bias), sizes (M, N, K), strides (a_m, a_k, b_n, b_k) as in linear.cu."""
     m, n, _ = sizes
     launch(be, "linear", kernel, (cdiv(n, TILE_SIZE), cdiv(m, TILE_SIZE)), (a, b, bias, c, *sizes, *strides))
-
-
-def _as_conv(n, i, o):
-    """The geometry (conv.py's) of the 1x1 convolution of N 1x1 images of I channels to O."""
-    return n, i, 1, 1, o, 1, 1, 1, 1, 0, 0, 1, 1
 
 
 def _sizes(x, w):

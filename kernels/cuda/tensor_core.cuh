@@ -4,8 +4,13 @@
 // punishes (kernels/emu/README.md). tests/test_tensor_core.py holds each wrapper to a NumPy model
 // of its fragment layout on the emulator, and, marked gpu, the GPU to the emulator.
 //
-//   tf32_round(x)                 cvt.rna.tf32.f32: x rounded to TF32 (10 mantissa bits), to
-//                                 nearest, ties away from zero; the low 13 bits of the result are 0
+//   tf32_round(x)                 x rounded to TF32 (10 mantissa bits), to nearest, ties away from
+//                                 zero, as the mma reads it: the top 19 bits of the result are
+//                                 cvt.rna.tf32.f32's, the low 13 are x's plus 0x1000 (half a TF32
+//                                 unit added to the magnitude), not cleared, since the tensor core
+//                                 ignores them: two instructions (a test for infinity and NaN, which
+//                                 stay as they are, and an add), where cvt.rna and a use outside an
+//                                 mma take three
 //   mma_tf32(d, a, b, c)          mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: d = a b + c for
 //                                 a warp's 16x8 A (row), 8x8 B (col), 16x8 C and D; with g = lane / 4,
 //                                 t = lane % 4, a lane holds A[g][t], A[g+8][t], A[g][t+4],
@@ -34,16 +39,8 @@
 #endif
 
 __device__ __forceinline__ unsigned tf32_round(float x) {
-#ifdef __CUDA_EMU__
-    unsigned bits;
-    __builtin_memcpy(&bits, &x, 4);
-    if ((bits & 0x7f800000u) == 0x7f800000u) return bits;  // infinity and NaN stay as they are
-    return (bits + 0x1000u) & 0xffffe000u;  // half a TF32 unit added to the magnitude: ties away
-#else
-    unsigned bits;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
-    return bits;
-#endif
+    const unsigned bits = __float_as_uint(x);
+    return fabsf(x) < __uint_as_float(0x7f800000u) ? bits + 0x1000u : bits;   // infinity and NaN stay
 }
 
 #ifdef __CUDA_EMU__
