@@ -195,6 +195,24 @@ def test_channels_last_inputs_give_the_same_results(variant, x_shape, w_shape, s
         assert out is None or (got[1] is out[0] and got[2] is out[1])
 
 
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", [((2, 16, 10, 10), (16, 16, 3, 3), 1, 1),
+                                                               ((2, 12, 9, 7), (20, 12, 3, 3), 2, 1)])
+def test_split_sums_do_not_depend_on_which_block_finishes_last(variant, x_shape, w_shape, stride, padding):
+    """y, dx, dw and db bit for bit the same whichever part of a tile finishes last (the emulator's
+    blocks in ascending and in descending order): the parts, and the groups of the two-level sums,
+    are added in a fixed order."""
+    from kernels.emu import thread_order
+    be = kernels._device_backend("emu")
+    x, w, b = draw(x_shape, w_shape, (w_shape[0],))
+    results = []
+    for order in ("ascending", "descending"):
+        with thread_order(order):
+            y = be.conv2d_forward(x, w, b, stride, padding)
+            results.append([np.array(a) for a in (y, *be.conv2d_backward(y, x, w, stride, padding))])
+    for what, first, second in zip(("y", "dx", "dw", "db"), *results):
+        assert np.array_equal(first, second), f"{what} under {variant}"
+
+
 def test_small_grids_split_their_k_and_large_ones_do_not():
     """At batch 256: stage 4's 4096 output pixels give too few tiles for an H200 without split-K;
     stage 1's 200,704 give plenty. Backward-weight splits at every layer, in two levels where the
