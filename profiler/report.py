@@ -13,7 +13,7 @@ import numpy as np
 from nn.serialization import atomic_write
 from . import costs, trace
 from .measure import PHASES, UNTRACKED, label
-from .roofs import TENSOR_CORE_KINDS, Peak
+from .roofs import Peak
 
 
 @dataclasses.dataclass
@@ -144,9 +144,9 @@ class Report:
                                for (n, c), (ms, overlap) in self.concurrent.items()]}
 
     def roofs(self, row):
-        """The roofs of a row: the device's, with the tensor cores' compute roof for the products
-        that run on them (roofs.Peak.of); None for a GPU without figures."""
-        return self.peak.of(row.kind, self.config.get("precision")) if self.peak else None
+        """The roofs of a row: the device's, with the tensor cores' compute roof for a row whose
+        kernels multiply on them (roofs.Peak.of); None for a GPU without figures."""
+        return self.peak.of([name for names in row.kernels.values() for name in names]) if self.peak else None
 
     def groups(self):
         """Medians added up by stage and by residual block: [{group, level, forward_ms, ...}]."""
@@ -166,10 +166,10 @@ class Report:
         roof = (f"{peak.device}: {peak.tflops:.3g} TFLOP/s, {peak.gbs:.4g} GB/s, ridge {peak.ridge:.1f} FLOP/B "
                 f"({peak.source})") if peak else "roofs unknown for this GPU: add it to PEAKS in profiler/roofs.py"
         rows = self.by_cost()
+        if peak and peak.tensor_tflops and any(self.roofs(r) is not peak for r in rows):
+            roof += f"; the rows on the TF32 tensor cores: {peak.tensor_tflops:.4g} TFLOP/s"
         lines = [f"{c['model']}, batch {c['batch_size']}, {c['backend']} backend, {c['precision']} ({c['clock']}): "
                  f"medians of {c['steps']} steps after {c['warmup']} warm-up", roof, "", TABLE_HEADER]
-        if peak and peak.tensor_tflops and c.get("precision") == "tf32":
-            roof += f"; {', '.join(TENSOR_CORE_KINDS)}: TF32 tensor cores, {peak.tensor_tflops:.4g} TFLOP/s"
         lines += [_table_line(r.metrics(self.roofs(r), self.step_ms), self.step_ms) for r in rows[:top]]
         if rows[top:]:
             lines.append(_times_line(f"... {len(rows[top:])} more rows", rows[top:], self.step_ms))

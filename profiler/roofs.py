@@ -8,11 +8,15 @@ import time
 
 import numpy as np
 
+from kernels.cuda import conv_tc
 
-# The modules whose products run on the tensor cores under the tf32 precision (kernels.precision()):
-# the convolutions (but for channel counts that are not multiples of 4, ResNet-18's stem, which
-# run in FP32: kernels/cuda/conv_tc.py's supports); the linear layer runs in FP32 under both.
-TENSOR_CORE_KINDS = ("Conv2d",)
+
+def on_tensor_cores(kernel_names):
+    """Whether any of these kernels (a row's, as the CUDA launchers name them) multiplies on the
+    tensor cores: conv_tc.cu's GEMMs, which the convolutions launch under the tf32 precision when
+    the tensor cores take their channel counts (conv_tc.supports; ResNet-18's stem runs conv.cu's
+    FP32 kernels, the linear layer linear.cu's, under either precision)."""
+    return any(name.split("<")[0] in conv_tc.GEMMS for name in kernel_names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +32,10 @@ class Peak:
         """FLOPs per byte at which the two roofs meet."""
         return self.tflops * 1e3 / self.gbs
 
-    def of(self, kind, precision):
-        """The roofs of a row of this kind (a module's class) under `precision`: the TF32 tensor
-        cores' compute roof for the convolutions under tf32, else these."""
-        if precision == "tf32" and kind in TENSOR_CORE_KINDS and self.tensor_tflops:
+    def of(self, kernel_names):
+        """The roofs of a row that launched these kernels: the TF32 tensor cores' compute roof when
+        one of them multiplies on the tensor cores (on_tensor_cores), else these."""
+        if self.tensor_tflops and on_tensor_cores(kernel_names):
             return dataclasses.replace(self, tflops=self.tensor_tflops)
         return self
 

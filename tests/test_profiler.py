@@ -5,6 +5,7 @@ at batch 256 on CUDA."""
 import collections
 import contextlib
 import csv
+import dataclasses
 import json
 import re
 import subprocess
@@ -322,12 +323,37 @@ def test_the_cuda_kernels_are_named_through_the_emulator(precision, forward, bac
     assert report.config["precision"] == precision and f"emu backend, {precision}" in report.table()
 
 
-def test_tensor_core_rows_sit_under_the_tensor_cores_roof():
+def test_rows_whose_kernels_multiply_on_the_tensor_cores_sit_under_their_roof():
     h200 = profiler.gpu_peak("NVIDIA H200")
-    assert h200.of("Conv2d", "tf32").tflops == h200.tensor_tflops == 494.7
-    assert h200.of("Linear", "tf32") is h200   # linear.cu's FP32 GEMMs under either precision
-    assert h200.of("Conv2d", "fp32") is h200 and h200.of("BatchNorm2d", "tf32") is h200
-    assert profiler.measured_cpu_peak().of("Conv2d", "tf32").tflops == profiler.measured_cpu_peak().tflops
+    assert h200.of(["conv_tc_forward<Tc128x64, 16>", "bn_stats_rows"]).tflops == h200.tensor_tflops == 494.7
+    assert h200.of(["conv_tc_wgrad<Tc128x64, 4>"]).tflops == 494.7
+    assert h200.of(["conv2d_forward<Tile64, 3, 3>", "bias_grad"]) is h200   # the stem: FP32 under tf32 too
+    assert h200.of(["linear_forward"]) is h200 and h200.of([]) is h200
+    assert profiler.measured_cpu_peak().of(["conv_tc_forward<Tc64x64, 4>"]) is profiler.measured_cpu_peak()
+
+
+def test_the_stem_sits_under_the_fp32_roof_and_the_tensor_core_convolutions_under_theirs():
+    """Under tf32 a 1-channel convolution runs conv.cu's FP32 kernels and a 4-channel one conv_tc.cu's:
+    the report places each by the kernels it launched, not by its module's class."""
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+    images, labels = batch(2, size=8)
+    with kernels.emulate(), kernels.use_precision("tf32"):
+        report = run_profile(model, images, labels, batch_size=2, steps=1, warmup=0)
+    h200 = profiler.gpu_peak("NVIDIA H200")
+    report = dataclasses.replace(report, peak=h200)
+    rows = rows_by_name(report)
+    stem, conv, linear = rows["0", "layer"], rows["2", "layer"], rows["5", "layer"]
+    assert any(k.startswith("conv_tc_forward") for k in conv.kernels["forward"])
+    assert not any(k.startswith("conv_tc") for p in stem.kernels.values() for k in p)
+    assert report.roofs(stem) is h200 and report.roofs(linear) is h200
+    assert report.roofs(conv).tflops == h200.tensor_tflops
+    metrics = {m["name"]: m for m in report.to_json()["rows"]}
+    assert metrics[conv.label]["flops_fraction"] == pytest.approx(
+        metrics[conv.label]["tflops"] / h200.tensor_tflops)
+    assert metrics[stem.label]["flops_fraction"] == pytest.approx(metrics[stem.label]["tflops"] / h200.tflops)
+    assert "the rows on the TF32 tensor cores: 494.7 TFLOP/s" in report.table().splitlines()[1]
 
 
 def test_the_peak_table():
