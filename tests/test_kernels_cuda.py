@@ -589,10 +589,14 @@ def test_channels_last_arrays_stay_channels_last(name, others):
             assert cuda_launch.is_channels_last(o), f"{name} output {i} is not channels-last: strides {o.strides}"
 
 
-def test_global_average_pool_backward_is_channels_last():
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+def test_global_average_pool_backward_takes_the_layout_of_the_activations(precision):
+    """Channels-last under tf32, as the convolutions' activations are, C-contiguous NCHW under fp32
+    (new arrays start as NaN: every element written)."""
     be, dy = kernels._device_backend("emu"), rng().standard_normal((3, 6)).astype(np.float32)
-    dx = be.global_avg_pool_backward(dy, (3, 6, 5, 4))
-    assert cuda_launch.is_channels_last(dx)
+    with kernels.use_precision(precision):
+        dx = be.global_avg_pool_backward(dy, (3, 6, 5, 4))
+    assert cuda_launch.is_channels_last(dx) if precision == "tf32" else dx.flags.c_contiguous, dx.strides
     validate(dx, K.global_avg_pool_backward(dy, (3, 6, 5, 4)), "global average pool backward")
 
 

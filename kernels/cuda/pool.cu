@@ -64,10 +64,11 @@ global_avg_pool_forward(const float* __restrict__ x, int planes, int plane, int 
     if (lane == 0) y[row] = total / float(plane);
 }
 
-// dx (N, plane, C), channels-last = dy (N, C) / plane broadcast over each plane: threads over
-// dx's elements, grid-stride.
+// dx (N, C, plane) or, channels-last, (N, plane, C) = dy (N, C) / plane broadcast over each
+// plane: threads over dx's elements, grid-stride.
 extern "C" __global__ void __launch_bounds__(256)
-global_avg_pool_backward(const float* __restrict__ dy, int total, int plane, int channels, float* __restrict__ dx) {
+global_avg_pool_backward(const float* __restrict__ dy, int total, int plane, int channels, int channels_last,
+                         float* __restrict__ dx) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x)
-        dx[i] = dy[i / (plane * channels) * channels + i % channels] / float(plane);
+        dx[i] = dy[channels_last ? i / (plane * channels) * channels + i % channels : i / plane] / float(plane);
 }

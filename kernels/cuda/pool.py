@@ -1,7 +1,11 @@
 """Launchers of pool.cu: max pooling with int64 argmax (NCHW: a channels-last input is copied to
 NCHW first; no ResNet of this project max-pools), and global average pooling of NCHW or
-channels-last arrays, whose gradient is channels-last, as the CPU backend's is."""
+channels-last arrays, whose gradient takes the layout of the activations it flows back into:
+channels-last under the tf32 precision (kernels.precision()), as the CPU backend's is, NCHW under
+fp32, so that the batch norm it reaches copies nothing."""
 import numpy as np
+
+import kernels
 
 from kernels.cpu._util import output_size, pair
 
@@ -57,6 +61,8 @@ def global_avg_pool_backward(be, dy, x_shape):
     n, c, h, w = x_shape
     if dy.shape != (n, c):
         raise ValueError(f"global_avg_pool_backward: dy {dy.shape} does not fit x {tuple(x_shape)}")
-    dx = be.xp.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2)
-    launch(be, "pool", "global_avg_pool_backward", blocks(dx.size), (dy, dx.size, h * w, c, dx))
+    channels_last = kernels.precision() == "tf32"   # whose activations are channels-last
+    dx = be.xp.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2) if channels_last else \
+        be.xp.empty((n, c, h, w), np.float32)
+    launch(be, "pool", "global_avg_pool_backward", blocks(dx.size), (dy, dx.size, h * w, c, int(channels_last), dx))
     return dx
