@@ -160,6 +160,34 @@ def test_the_fp32_kernels_copy_nothing_so_a_graph_replays_them(precision, layout
         validate(got, ref, f"{what} replayed")
 
 
+@pytest.mark.parametrize("precision, layout", [("tf32", "channels-last"), ("fp32", "NCHW")])
+def test_backward_weight_adds_its_splits_in_its_own_launch_whichever_block_is_last(monkeypatch, precision, layout):
+    """conv.cu's backward-weight split over the batch's pixels: the last block of each tile to
+    finish adds the splits in order, in the same launch (no sum_partials), so the bits do not
+    depend on which block that is (the emulator's blocks run in both orders) and every element of
+    dw (NaN-filled first) is written."""
+    from kernels import emu as emu_module
+    be = kernels._device_backend("emu")
+    monkeypatch.setattr(cuda_launch, "MIN_SPLIT_LENGTH", 4)
+    grids = []
+    launch = cuda_conv.launch
+    monkeypatch.setattr(cuda_conv, "launch", lambda be, family, kernel, grid, args, **kw: (
+        grids.append((kernel, grid)), launch(be, family, kernel, grid, args, **kw))[1])
+    x, w, dy = draw((2, 1, 9, 7), (8, 1, 3, 3), (2, 8, 9, 7))
+    x, dy, w = as_layout(x, layout), as_layout(dy, layout), as_layout(w, "channels-last")
+    results = []
+    for order in emu_module.ORDERS:
+        dw = as_layout(np.full_like(w, np.nan), "channels-last")
+        with emu_module.thread_order(order), kernels.use_precision(precision):
+            be.conv2d_backward(dy, x, w, 1, 1, need_dx=False, out=(dw, None))
+        results.append(dw.copy())
+    wgrad = [grid for kernel, grid in grids if kernel.startswith("conv2d_wgrad")]
+    assert len(wgrad) == 2 and all(grid[2] > 1 for grid in wgrad), grids
+    assert all(kernel == "bias_grad" or kernel.startswith("conv2d_wgrad") for kernel, _ in grids), grids
+    validate(results[0], R.conv2d_backward(dy, x, w, 1, 1)[1], "dw")
+    np.testing.assert_array_equal(results[0], results[1], err_msg="the order of the blocks shows in dw")
+
+
 @pytest.mark.parametrize("c, o, family", [(4, 8, "conv_tc"), (3, 8, "conv"), (4, 6, "conv"), (1, 4, "conv")])
 def test_only_channel_counts_that_are_multiples_of_4_go_to_the_tensor_cores(launched, c, o, family):
     be = kernels._device_backend("emu")

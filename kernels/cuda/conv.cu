@@ -16,7 +16,8 @@
 //                                        stride > 1 (conv2d_dgrad_strided) one GEMM per stride
 //                                        phase of the input cells, over the taps that reach it
 //   conv2d_wgrad     dw (O x C*KH*KW)  = dy (O x N*OH*OW) . im2col(x)^T, split over K = N*OH*OW
-//                                        into per-split partials that sum_partials adds in order
+//                                        into per-split partials that the last block of each tile
+//                                        to finish adds in split order (last_block), in the launch
 //   bias_grad        per-channel sums of dy, in one launch
 //
 // Each GEMM is templated on the tile (Tile64, Tile128 in common.cuh) and, but for the strided
@@ -304,32 +305,42 @@ struct WeightGradColumns : Staged<T, T::BN, true> {
     }
 };
 
-// One split's share of dw = the gradient of conv(x, w) with respect to w: block (x, y, z) sums
-// k = (img, p, q) in [z * k_chunk, (z + 1) * k_chunk) for Tile::BM output channels (grid.y) x
-// Tile::BN columns (ci, r, s) (grid.x), into partial[z] (O x C*KH*KW, in dw's layout), each thread
-// TM x TN; dy, x and dw each NCHW or channels-last (the flags).
+// dw = the gradient of conv(x, w) with respect to w: block (x, y, z) sums k = (img, p, q) in
+// [z * k_chunk, (z + 1) * k_chunk) for Tile::BM output channels (grid.y) x Tile::BN columns
+// (ci, r, s) (grid.x), each thread TM x TN; dy, x and dw each NCHW or channels-last (the flags).
+// With one split (grid.z = 1) it writes dw; else partial[z] (O x C*KH*KW, in dw's layout), and the
+// last of the tile's blocks to finish (last_block on counters[tile]) adds the splits in order into
+// dw, each thread the elements it wrote.
 template <class T, int KH, int KW>
 __global__ void __launch_bounds__(T::THREADS)
-conv2d_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ partial, CONV_PARAMS,
-             int k_chunk, int dy_channels_last, int x_channels_last, int dw_channels_last) {
+conv2d_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* partial, unsigned* counters,
+             float* __restrict__ dw, CONV_PARAMS, int k_chunk, int dy_channels_last, int x_channels_last,
+             int dw_channels_last) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
-    const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN, columns = g.c * g.taps();
+    const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN, columns = g.c * g.taps(), size = g.o * columns;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
     WeightGradRows<T, KH, KW> a(g, dy, dy_channels_last, m0);
     WeightGradColumns<T, KH, KW> b(g, x, x_channels_last, n0);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a, b, k_begin, k_end, acc);
-    float* out = partial + blockIdx.z * g.o * columns;
     const Layout dwl(g.c, g.taps(), dw_channels_last);
+    // where this thread's element (i, j) lies in dw (and in each split's partial), -1 outside
+    const auto at = [&](int i, int j) {
+        const int m = m0 + T::row(i), col = n0 + T::col(j), ci = col / g.taps();
+        return m < g.o && col < columns ? m * columns + dwl.at(ci, col - ci * g.taps()) : -1;
+    };
+    float* out = gridDim.z == 1 ? dw : partial + blockIdx.z * size;
 #pragma unroll
-    for (int i = 0; i < T::TM; ++i) {
-        const int m = m0 + T::row(i);
+    for (int i = 0; i < T::TM; ++i)
 #pragma unroll
-        for (int j = 0; j < T::TN; ++j) {
-            const int col = n0 + T::col(j), ci = col / g.taps();
-            if (m < g.o && col < columns) out[m * columns + dwl.at(ci, col - ci * g.taps())] = acc[i][j];
-        }
-    }
+        for (int j = 0; j < T::TN; ++j)
+            if (at(i, j) >= 0) out[at(i, j)] = acc[i][j];
+    if (gridDim.z == 1 || !last_block(counters + blockIdx.y * gridDim.x + blockIdx.x, gridDim.z)) return;
+#pragma unroll
+    for (int i = 0; i < T::TM; ++i)
+#pragma unroll
+        for (int j = 0; j < T::TN; ++j)
+            if (at(i, j) >= 0) dw[at(i, j)] = added_partials(partial + at(i, j), gridDim.z, size);
 }
 
 // ---- bias gradient ----------------------------------------------------------------------

@@ -12,8 +12,7 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
-from .launch import cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
-    sum_partials
+from .launch import cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split
 
 OPS = ("conv2d_forward", "conv2d_backward")
 
@@ -31,7 +30,7 @@ def _gemm(kernel, tile, kh, kw):
 
 
 KERNELS = tuple(_gemm(k, t, *s) for k in GEMMS for t in TILES for s in SIZES) + tuple(
-    f"conv2d_dgrad_strided<{t}>" for t in TILES) + ("bias_grad", "sum_partials")
+    f"conv2d_dgrad_strided<{t}>" for t in TILES) + ("bias_grad",)
 
 
 def choose_tile(rows, columns):
@@ -140,17 +139,15 @@ def _backward_data(be, dy, w, geometry, channels_last):
 
 def _backward_weight(be, dy, x, geometry, dw):
     """dw into `dw` (C-contiguous or channels-last), split over the N*OH*OW sum into partials (in
-    dw's layout) when the (O x C*KH*KW) grid is small."""
+    dw's layout) when the (O x C*KH*KW) grid is small, added in the same launch."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     columns = c * kh * kw
     tile = choose_tile(o, columns)
     grid = (cdiv(columns, TILES[tile]), cdiv(o, TILES[tile]))
     splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=16)   # whole K tiles of either tile
-    partial = dw if splits == 1 else be.xp.empty((splits, dw.size), np.float32)
+    partial = be.xp.empty((splits, dw.size), np.float32) if splits > 1 else None
     launch(be, "conv", _kernel("conv2d_wgrad", tile, kh, kw), grid + (splits,),
-           (dy, x, partial, *geometry, chunk, *_layouts(dy, x, dw)))
-    if splits > 1:
-        sum_partials(be, "conv", partial, splits, dw)
+           (dy, x, partial, be.counters(grid[0] * grid[1]), dw, *geometry, chunk, *_layouts(dy, x, dw)))
     return dw
 
 
