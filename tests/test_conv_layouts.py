@@ -110,7 +110,7 @@ def test_odd_channel_counts_run_the_fp32_kernels_on_channels_last_memory_under_t
         assert nhwc_memory(array), f"{name}: {what} is not channels-last: strides {array.strides}"
     assert is_channels_last(dw) == is_channels_last(as_layout(w, layout)), f"{name}: dw strides {dw.strides}"
     assert families(launched) == {"conv"}, launched
-    assert {"conv2d_forward", "conv2d_wgrad", "bias_grad"} <= gemms(launched), launched
+    assert {"conv2d_forward", "conv2d_wgrad"} <= gemms(launched) and "bias_grad" not in gemms(launched), launched
     assert gemms(launched) & {"conv2d_dgrad", "conv2d_dgrad_strided"}, launched
 
 
@@ -161,11 +161,13 @@ def test_the_fp32_kernels_copy_nothing_so_a_graph_replays_them(precision, layout
 
 
 @pytest.mark.parametrize("precision, layout", [("tf32", "channels-last"), ("fp32", "NCHW")])
-def test_backward_weight_adds_its_splits_in_its_own_launch_whichever_block_is_last(monkeypatch, precision, layout):
-    """conv.cu's backward-weight split over the batch's pixels: the last block of each tile to
-    finish adds the splits in order, in the same launch (no sum_partials), so the bits do not
-    depend on which block that is (the emulator's blocks run in both orders) and every element of
-    dw (NaN-filled first) is written."""
+def test_backward_weight_and_the_bias_gradient_finish_in_one_launch_whichever_block_is_last(
+        monkeypatch, precision, layout):
+    """conv.cu's backward-weight split over the batch's pixels, two tiles of output channels and of
+    columns: one launch computes dw and db (the bias from the dy that the first column of tiles
+    loads), and the last block of each tile to finish adds the splits in order, so the bits do not
+    depend on which block that is (the emulator's blocks run in both orders); dw and db start as
+    NaN: every element written."""
     from kernels import emu as emu_module
     be = kernels._device_backend("emu")
     monkeypatch.setattr(cuda_launch, "MIN_SPLIT_LENGTH", 4)
@@ -173,19 +175,20 @@ def test_backward_weight_adds_its_splits_in_its_own_launch_whichever_block_is_la
     launch = cuda_conv.launch
     monkeypatch.setattr(cuda_conv, "launch", lambda be, family, kernel, grid, args, **kw: (
         grids.append((kernel, grid)), launch(be, family, kernel, grid, args, **kw))[1])
-    x, w, dy = draw((2, 1, 9, 7), (8, 1, 3, 3), (2, 8, 9, 7))
+    x, w, dy = draw((2, 9, 9, 7), (66, 9, 3, 3), (2, 66, 9, 7))   # 81 columns, 66 channels: 2 x 2 tiles
     x, dy, w = as_layout(x, layout), as_layout(dy, layout), as_layout(w, "channels-last")
     results = []
     for order in emu_module.ORDERS:
-        dw = as_layout(np.full_like(w, np.nan), "channels-last")
+        dw, db = as_layout(np.full_like(w, np.nan), "channels-last"), np.full((66,), np.nan, np.float32)
         with emu_module.thread_order(order), kernels.use_precision(precision):
-            be.conv2d_backward(dy, x, w, 1, 1, need_dx=False, out=(dw, None))
-        results.append(dw.copy())
-    wgrad = [grid for kernel, grid in grids if kernel.startswith("conv2d_wgrad")]
-    assert len(wgrad) == 2 and all(grid[2] > 1 for grid in wgrad), grids
-    assert all(kernel == "bias_grad" or kernel.startswith("conv2d_wgrad") for kernel, _ in grids), grids
-    validate(results[0], R.conv2d_backward(dy, x, w, 1, 1)[1], "dw")
-    np.testing.assert_array_equal(results[0], results[1], err_msg="the order of the blocks shows in dw")
+            be.conv2d_backward(dy, x, w, 1, 1, need_dx=False, out=(dw, db))
+        results.append((dw.copy(), db.copy()))
+    assert [kernel.partition("<")[0] for kernel, _ in grids] == ["conv2d_wgrad"] * 2, grids
+    assert all(grid[:2] == (2, 2) and grid[2] > 1 for _, grid in grids), grids
+    for got, ref, what in zip(results[0], R.conv2d_backward(dy, x, w, 1, 1)[1:], ("dw", "db")):
+        validate(got, ref, what)
+    for ascending, descending, what in zip(*results, ("dw", "db")):
+        np.testing.assert_array_equal(ascending, descending, err_msg=f"the order of the blocks shows in {what}")
 
 
 @pytest.mark.parametrize("c, o, family", [(4, 8, "conv_tc"), (3, 8, "conv"), (4, 6, "conv"), (1, 4, "conv")])

@@ -17,8 +17,9 @@
 //                                        phase of the input cells, over the taps that reach it
 //   conv2d_wgrad     dw (O x C*KH*KW)  = dy (O x N*OH*OW) . im2col(x)^T, split over K = N*OH*OW
 //                                        into per-split partials that the last block of each tile
-//                                        to finish adds in split order (last_block), in the launch
-//   bias_grad        per-channel sums of dy, in one launch
+//                                        to finish adds in split order (last_block), in the launch,
+//                    and the bias gradient db (O), the per-channel sums of dy, from the dy that the
+//                    blocks of the first column tile load for the product
 //
 // Each GEMM is templated on the tile (Tile64, Tile128 in common.cuh) and, but for the strided
 // backward-data, on the kernel size (KH, KW), 0 meaning "given at run time": the 3x3 and 1x1
@@ -34,7 +35,8 @@
 // channel (both layouts are the same memory); its y (the forward's stores, 16 sectors per warp
 // store) and dy are channels-last. At its shape (64 channels of 28x28) emu.traffic() counts 3.9
 // bytes read from L2 per byte used by backward-weight's loads of dy (1.6 on NCHW) and 8.0 by
-// bias_grad's, a channel per block (1.3 on NCHW); the time that costs is unmeasured.
+// the bias gradient's former kernel of its own, a channel per block (1.3 on NCHW): it is now
+// summed from backward-weight's loads. The time that costs is unmeasured.
 #include "common.cuh"
 #include "conv_geometry.cuh"
 
@@ -264,8 +266,17 @@ struct WeightGradRows : Staged<T, T::BM, true> {
     const float* dy;
     int m0;
 
-    __device__ WeightGradRows(const Geometry<KH, KW>& geometry, const float* dy_, int dy_channels_last, int m0_)
-        : g(geometry), dyl(g.o, g.out_plane(), dy_channels_last), dy(dy_), m0(m0_) {}
+    // with `sums`, bias[i] adds up, in k order, the values staged[i] takes: row m0 + Map::w(i) of
+    // dy over this thread's k (bias_total adds the threads that share the row)
+    bool sums;
+    float bias[Map::COUNT];
+
+    __device__ WeightGradRows(const Geometry<KH, KW>& geometry, const float* dy_, int dy_channels_last, int m0_,
+                              bool sums_)
+        : g(geometry), dyl(g.o, g.out_plane(), dy_channels_last), dy(dy_), m0(m0_), sums(sums_) {
+#pragma unroll
+        for (int i = 0; i < Map::COUNT; ++i) bias[i] = 0.0f;
+    }
 
     __device__ void fetch(int k0, int k_end) {
         const int k = k0 + Map::k(0), plane = g.out_plane();
@@ -275,7 +286,17 @@ struct WeightGradRows : Staged<T, T::BM, true> {
         for (int i = 0; i < Map::COUNT; ++i) {
             const int m = m0 + Map::w(i);
             this->staged[i] = (k < k_end && m < g.o) ? dy_img[dyl.at(m, pq)] : 0.0f;
+            if (sums) bias[i] += this->staged[i];
         }
+    }
+
+    // The sum of row m0 + Map::w(i) over the block's k: the T::BK neighbouring lanes that load the
+    // row's k (Map::k) add their sums in a fixed butterfly, every one of them getting the total.
+    __device__ float bias_total(int i) const {
+        float v = bias[i];
+#pragma unroll
+        for (int offset = T::BK / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+        return v;
     }
 };
 
@@ -310,19 +331,32 @@ struct WeightGradColumns : Staged<T, T::BN, true> {
 // (ci, r, s) (grid.x), each thread TM x TN; dy, x and dw each NCHW or channels-last (the flags).
 // With one split (grid.z = 1) it writes dw; else partial[z] (O x C*KH*KW, in dw's layout), and the
 // last of the tile's blocks to finish (last_block on counters[tile]) adds the splits in order into
-// dw, each thread the elements it wrote.
+// dw, each thread the elements it wrote. The blocks of column tile 0 also sum their rows of dy
+// (WeightGradRows::bias_total) into db, or into db_partial[z] (O) when split, which the last block
+// of each such tile adds in split order into db.
 template <class T, int KH, int KW>
 __global__ void __launch_bounds__(T::THREADS)
-conv2d_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* partial, unsigned* counters,
-             float* __restrict__ dw, CONV_PARAMS, int k_chunk, int dy_channels_last, int x_channels_last,
-             int dw_channels_last) {
+conv2d_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* partial, float* db_partial,
+             unsigned* counters, float* __restrict__ dw, float* __restrict__ db, CONV_PARAMS, int k_chunk,
+             int dy_channels_last, int x_channels_last, int dw_channels_last) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN, columns = g.c * g.taps(), size = g.o * columns;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
-    WeightGradRows<T, KH, KW> a(g, dy, dy_channels_last, m0);
+    const bool bias_block = blockIdx.x == 0;
+    WeightGradRows<T, KH, KW> a(g, dy, dy_channels_last, m0, bias_block);
     WeightGradColumns<T, KH, KW> b(g, x, x_channels_last, n0);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a, b, k_begin, k_end, acc);
+    using RowMap = typename WeightGradRows<T, KH, KW>::Map;
+    if (bias_block) {   // the whole block: every lane takes part in the shuffles
+        float* bias_out = gridDim.z == 1 ? db : db_partial + blockIdx.z * g.o;
+#pragma unroll
+        for (int i = 0; i < RowMap::COUNT; ++i) {
+            const float total = a.bias_total(i);
+            const int m = m0 + RowMap::w(i);
+            if (RowMap::k(i) == 0 && m < g.o) bias_out[m] = total;
+        }
+    }
     const Layout dwl(g.c, g.taps(), dw_channels_last);
     // where this thread's element (i, j) lies in dw (and in each split's partial), -1 outside
     const auto at = [&](int i, int j) {
@@ -341,28 +375,7 @@ conv2d_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* p
 #pragma unroll
         for (int j = 0; j < T::TN; ++j)
             if (at(i, j) >= 0) dw[at(i, j)] = added_partials(partial + at(i, j), gridDim.z, size);
+    const int m = m0 + int(threadIdx.x);
+    if (bias_block && int(threadIdx.x) < T::BM && m < g.o) db[m] = added_partials(db_partial + m, gridDim.z, g.o);
 }
 
-// ---- bias gradient ----------------------------------------------------------------------
-
-// db (O) = the per-channel sums of dy (n, O, plane) as channel_element walks it: (N, O, OH*OW) for
-// NCHW, (N*OH*OW, O, 1) for channels-last. Block (c, s) of an (O, splits) grid adds channel c's
-// values e in [s * chunk, (s + 1) * chunk) of its n * plane, each thread a strided subset
-// in order, then block_sum; with one split it writes db[c], else partial[s * O + c], and the last
-// of the channel's blocks adds the splits in order into db[c] (last_block, counters[c]).
-extern "C" __global__ void __launch_bounds__(256)
-bias_grad(const float* __restrict__ dy, int n, int channels, int plane, int chunk, float* partial,
-          unsigned* counters, float* __restrict__ db) {
-    __shared__ float scratch[32];
-    const int c = blockIdx.x, begin = blockIdx.y * chunk, end = min(begin + chunk, n * plane);
-    float total = 0.0f;
-    for (int e = begin + threadIdx.x; e < end; e += blockDim.x) total += dy[channel_element(e, c, channels, plane)];
-    total = block_sum(total, scratch);
-    if (gridDim.y == 1) {
-        if (threadIdx.x == 0) db[c] = total;
-        return;
-    }
-    if (threadIdx.x == 0) partial[blockIdx.y * channels + c] = total;
-    if (last_block(counters + c, gridDim.y) && threadIdx.x == 0)
-        db[c] = added_partials(partial + c, gridDim.y, channels);
-}

@@ -4,8 +4,9 @@ the tensor cores take (conv_tc.supports) run the TF32 GEMMs of conv_tc.cu, the o
 stem) conv.cu's FP32 kernels, which read x, dy and w in whichever layout they come, write dw in its
 own and y and dx channels-last alike, so that nothing copies. Under fp32, conv.cu's kernels on NCHW
 float32 activations (copied if need be), NCHW out, and the weights in their own layout (a flat
-buffer's channels-last ones in place, dw in the same layout). conv.cu's launchers: forward, backward-data, backward-weight and the bias
-gradient as FP32 implicit GEMMs (see the header of conv.cu)."""
+buffer's channels-last ones in place, dw in the same layout). conv.cu's launchers: forward,
+backward-data and backward-weight (with the bias gradient) as FP32 implicit GEMMs (see the header
+of conv.cu)."""
 import numpy as np
 
 import kernels
@@ -30,7 +31,7 @@ def _gemm(kernel, tile, kh, kw):
 
 
 KERNELS = tuple(_gemm(k, t, *s) for k in GEMMS for t in TILES for s in SIZES) + tuple(
-    f"conv2d_dgrad_strided<{t}>" for t in TILES) + ("bias_grad",)
+    f"conv2d_dgrad_strided<{t}>" for t in TILES)
 
 
 def choose_tile(rows, columns):
@@ -67,6 +68,7 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
         raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output {(n, o, oh, ow)}")
     dw, db = gradient_outputs(be, "conv2d_backward", out, (w.shape, w.shape[:1]))
     dw = _empty(be, w.shape, is_channels_last(w)) if dw is None else dw
+    db = be.xp.empty((o,), np.float32) if db is None else db
     if add_dx_to is not None:
         in_place(be, "conv2d_backward", add_dx_to)
         if add_dx_to.shape != x.shape:
@@ -81,10 +83,9 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
                 dx = dx if into is None else add_dx_to
             else:   # an NCHW add_dx_to: added by a kernel of its own
                 dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry).transpose(0, 3, 1, 2))
-        dw, db = conv_tc.backward_weight(be, dy, x, geometry, dw, be.xp.empty((o,), np.float32) if db is None else db)
-        return dx, dw, db
+        return (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db))
     dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry, channels_last=tf32)) if need_dx else None
-    return dx, _backward_weight(be, dy, x, geometry, dw), bias_grad(be, dy, db)
+    return (dx, *_backward_weight(be, dy, x, geometry, dw, db))
 
 
 def _operands(be, op, tf32, w, *activations):
@@ -137,32 +138,21 @@ def _backward_data(be, dy, w, geometry, channels_last):
     return dx
 
 
-def _backward_weight(be, dy, x, geometry, dw):
-    """dw into `dw` (C-contiguous or channels-last), split over the N*OH*OW sum into partials (in
-    dw's layout) when the (O x C*KH*KW) grid is small, added in the same launch."""
+def _backward_weight(be, dy, x, geometry, dw, db):
+    """(dw, db): dw into `dw` (C-contiguous or channels-last) and the bias gradient into `db`, in
+    one launch, split over the N*OH*OW sum into partials (dw's in its layout) when the
+    (O x C*KH*KW) grid is small, added in the same launch."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     columns = c * kh * kw
     tile = choose_tile(o, columns)
     grid = (cdiv(columns, TILES[tile]), cdiv(o, TILES[tile]))
     splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=16)   # whole K tiles of either tile
-    partial = be.xp.empty((splits, dw.size), np.float32) if splits > 1 else None
+    partial, db_partial = ((be.xp.empty((splits, dw.size), np.float32), be.xp.empty((splits, o), np.float32))
+                           if splits > 1 else (None, None))
     launch(be, "conv", _kernel("conv2d_wgrad", tile, kh, kw), grid + (splits,),
-           (dy, x, partial, be.counters(grid[0] * grid[1]), dw, *geometry, chunk, *_layouts(dy, x, dw)))
-    return dw
-
-
-def bias_grad(be, dy, db=None):
-    """The per-channel sums of dy (N, O, OH, OW; NCHW or channels-last), in one launch, into db (O,)
-    when given (a bias's gradient, say), else a new array."""
-    n, o, oh, ow = dy.shape
-    # the (rows, O, plane) array that common.cuh's channel_element walks: channels-last memory is
-    # N*OH*OW rows of O channels of one value each
-    rows, plane = (n * oh * ow, 1) if is_channels_last(dy) else (n, oh * ow)
-    splits, chunk = split(rows * plane, o)
-    db = be.xp.empty((o,), np.float32) if db is None else db
-    partial = be.xp.empty((splits, o), np.float32) if splits > 1 else None
-    launch(be, "conv", "bias_grad", (o, splits), (dy, rows, o, plane, chunk, partial, be.counters(o), db))
-    return db
+           (dy, x, partial, db_partial, be.counters(grid[0] * grid[1]), dw, db, *geometry, chunk,
+            *_layouts(dy, x, dw)))
+    return dw, db
 
 
 def _kernel(name, tile, kh, kw):
