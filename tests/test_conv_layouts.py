@@ -10,8 +10,7 @@
   they copy nothing (a record of their launches replays on new values); channel counts that are
   multiples of 4 still go to the tensor cores.
 - The linear layer runs linear.cu's FP32 GEMMs under tf32 too.
-- Under fp32: NCHW activations in (a channels-last one is copied), NCHW out; the weights read in
-  their own layout (a flat buffer's channels-last ones in place), dw written in it.
+- Under fp32 nothing changes: NCHW in (a channels-last input is copied), NCHW out.
 
 Inputs are fresh random numbers (helpers.rng); new arrays start as NaN (conftest's
 poisoned_empty), so an element a kernel forgets to write fails.
@@ -134,14 +133,13 @@ def test_gradients_go_where_they_are_told_under_tf32(launched, layout):
 
 
 @pytest.mark.parametrize("precision, layout, w_layout", [
-    ("tf32", "NCHW", "NCHW"), ("tf32", "channels-last", "channels-last"),
-    ("fp32", "NCHW", "channels-last"), ("fp32", "NCHW", "NCHW")])
+    ("tf32", "NCHW", "NCHW"), ("tf32", "channels-last", "channels-last"), ("fp32", "NCHW", "NCHW")])
 def test_the_fp32_kernels_copy_nothing_so_a_graph_replays_them(precision, layout, w_layout):
-    """Each kernel reads and writes the very arrays it is given (weights and dw channels-last as a
-    flat buffer holds them, under either precision; the activations in either layout under tf32,
-    NCHW under fp32): a record of the launches (kernels/cuda/graph.py on the emulator, which does
-    not record NumPy copies), replayed after new values are written into the same arrays, computes
-    what the eager ops compute from those values."""
+    """Each kernel reads and writes the very arrays it is given (under tf32 in either layout,
+    weights and dw channels-last as a flat buffer holds them too; under fp32 NCHW ones): a record of
+    the launches (kernels/cuda/graph.py on the emulator, which does not record NumPy copies),
+    replayed after new values are written into the same arrays, computes what the eager ops compute
+    from those values."""
     from kernels.cuda import graph
     be = kernels._device_backend("emu")
     x, w, b, dy = draw((2, 3, 6, 5), (6, 3, 3, 3), (6,), (2, 6, 6, 5))

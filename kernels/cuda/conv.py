@@ -3,8 +3,8 @@ activations are channels-last (NCHW views of NHWC memory): the convolutions whos
 the tensor cores take (conv_tc.supports) run the TF32 GEMMs of conv_tc.cu, the others (ResNet-18's
 stem) conv.cu's FP32 kernels, which read x, dy and w in whichever layout they come, write dw in its
 own and y and dx channels-last alike, so that nothing copies. Under fp32, conv.cu's kernels on NCHW
-float32 activations (copied if need be), NCHW out, and the weights in their own layout (a flat
-buffer's channels-last ones in place, dw in the same layout). conv.cu's launchers: forward,
+float32 arrays (copied if need be: the flat buffer's channels-last weights are), NCHW out, dw in
+the layout it is given. conv.cu's launchers: forward,
 backward-data and backward-weight (with the bias gradient) as FP32 implicit GEMMs (see the header
 of conv.cu)."""
 import numpy as np
@@ -43,7 +43,7 @@ def choose_tile(rows, columns):
 
 def conv2d_forward(be, x, w, b, stride, padding):
     tf32 = kernels.precision() == "tf32"   # whose activations are channels-last
-    w, x = _operands(be, "conv2d_forward", tf32, w, x)
+    x, w = _operands(be, "conv2d_forward", tf32, x, w)
     (b,) = float32(be, "conv2d_forward", b)
     geometry = _geometry(x, w, stride, padding, b)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
@@ -61,7 +61,7 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
     to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given."""
     tf32 = kernels.precision() == "tf32"   # whose activations are channels-last
-    w, dy, x = _operands(be, "conv2d_backward", tf32, w, dy, x)
+    dy, x, w = _operands(be, "conv2d_backward", tf32, dy, x, w)
     geometry = _geometry(x, w, stride, padding)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if dy.shape != (n, o, oh, ow):
@@ -88,14 +88,14 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     return (dx, *_backward_weight(be, dy, x, geometry, dw, db))
 
 
-def _operands(be, op, tf32, w, *activations):
-    """The float32 weights and activations. The weights as they are when dense, under either
-    precision (both families' kernels read NCHW and channels-last weights, which is how a flat
-    buffer holds them: no copy per step). The activations: under tf32 dense ones as they are (no
-    copies, so that a step is kernels only, which a graph replays on the emulator too), under fp32
-    C-contiguous (NCHW, copied if need be: conv.cu's loads run along pixels, coalesced on NCHW)."""
-    activations = tuple(dense(be, op, a) for a in activations) if tf32 else float32(be, op, *activations)
-    return (dense(be, op, w), *activations)
+def _operands(be, op, tf32, *arrays):
+    """The float32 arrays: under tf32 dense ones as they are (its kernels read NCHW and channels-last
+    memory alike: no copies, so that a step is kernels only, which a graph replays on the emulator
+    too), under fp32 C-contiguous (NCHW, copied if need be). conv.cu reads channels-last weights
+    too, but its loads run along k, which they scatter: with them the forward's loads touch 2.4x
+    the 32-byte sectors, backward-data's 1.6x (emu.traffic(), 64 and 128 channels, 3x3), in every
+    block that re-reads the weights, where the copy is one coalesced pass."""
+    return tuple(dense(be, op, a) for a in arrays) if tf32 else float32(be, op, *arrays)
 
 
 def _added(be, total, dx):
