@@ -234,6 +234,24 @@ def write_fashion_mnist(folder, n_train, n_test, seed=0):
     return folder
 
 
+def run_cli(data_dir, out, small, *flags):
+    """train_resnet.py's command line (training.cli.main) on the IDX files in data_dir with the
+    settings `small`, writing to `out` (None: no --out), and `flags` after them."""
+    from training import cli
+    return cli.main(["--data-dir", str(data_dir), *(["--out", str(out)] if out else []), *small, *map(str, flags)])
+
+
+def usage_error(capsys, run, *args):
+    """The stderr of run(*args), which must stop with exit code 2 (a usage error) before training,
+    with no traceback."""
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        run(*args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    return err
+
+
 def batch_norm_over_replicas(m, x, gamma, beta, dy, cut, eps):
     """Training batch norm of the batch ``x`` as two replicas holding x[:cut] and x[cut:]
     compute it with the contract's parts (module ``m``), adding their per-channel sums

@@ -12,7 +12,7 @@ import pytest
 
 import kernels
 import nn
-from helpers import write_fashion_mnist
+from helpers import run_cli, write_fashion_mnist
 from training import checkpoint, cli, loop
 from training import step as training_step
 
@@ -26,7 +26,7 @@ def data_dir(tmp_path_factory):
 
 
 def run(data_dir, out, *flags):
-    return cli.main(["--data-dir", str(data_dir), "--out", str(out), *SMALL, *map(str, flags)])
+    return run_cli(data_dir, out, SMALL, *flags)
 
 
 def test_one_epoch_from_the_command_line(data_dir, tmp_path):

@@ -29,7 +29,7 @@ import pytest
 
 import kernels
 import nn
-from helpers import write_fashion_mnist
+from helpers import run_cli, usage_error, write_fashion_mnist
 from training import checkpoint, cli, loop, output
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,16 +42,12 @@ def data_dir(tmp_path_factory):
 
 
 def run(data_dir, out, *flags):
-    return cli.main(["--data-dir", str(data_dir), *(["--out", str(out)] if out else []), *SMALL, *map(str, flags)])
+    return run_cli(data_dir, out, SMALL, *flags)
 
 
 def refused(capsys, data_dir, out, *flags):
     """The one line of a run refused with exit code 2 before training."""
-    with pytest.raises(SystemExit) as e:
-        run(data_dir, out, *flags)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "Traceback" not in err, err
-    return err.strip().splitlines()[-1]
+    return usage_error(capsys, run, data_dir, out, *flags).strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")

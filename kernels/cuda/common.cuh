@@ -16,10 +16,13 @@
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // The lanes of a warp exchange partial sums in a butterfly: every lane ends with the same
-// total, added in the same order.
+// total, added in the same order. LANES < 32: the sums of aligned groups of LANES lanes (a power
+// of two), each lane getting its group's; every lane of the warp must call it.
+template <int LANES = 32>
 __device__ __forceinline__ float warp_sum(float v) {
+    static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "a power of two of lanes");
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+    for (int offset = LANES / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
     return v;
 }
 

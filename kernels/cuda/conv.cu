@@ -292,12 +292,7 @@ struct WeightGradRows : Staged<T, T::BM, true> {
 
     // The sum of row m0 + Map::w(i) over the block's k: the T::BK neighbouring lanes that load the
     // row's k (Map::k) add their sums in a fixed butterfly, every one of them getting the total.
-    __device__ float bias_total(int i) const {
-        float v = bias[i];
-#pragma unroll
-        for (int offset = T::BK / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-        return v;
-    }
+    __device__ float bias_total(int i) const { return warp_sum<T::BK>(bias[i]); }
 };
 
 // Backward-weight B(k, n) = x[img, ci, p*sh - ph + r, q*sw - pw + s] for k = (img, p, q) and

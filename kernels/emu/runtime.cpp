@@ -1113,29 +1113,23 @@ extern "C" void emu_trap(const char* what) { fail_in_fiber(what); }
 // What -fsanitize=thread makes a module call (see the sanitizer): every load and store, by its size
 // (aligned, or as the compiler knows it may not be), ranges, and function entries and exits; the
 // atomics of cuda_emu.h are not instrumented (they check themselves through emu_check_access).
-#define EMU_TSAN_HOOKS(N)                                                                                  \
-    extern "C" void __tsan_read##N(std::uintptr_t a) { instrumented(a, N, READ, true, __builtin_return_address(0)); } \
-    extern "C" void __tsan_write##N(std::uintptr_t a) {                                                   \
-        instrumented(a, N, WRITE, true, __builtin_return_address(0));                                    \
-    }
-EMU_TSAN_HOOKS(1)
-EMU_TSAN_HOOKS(2)
-EMU_TSAN_HOOKS(4)
-EMU_TSAN_HOOKS(8)
-EMU_TSAN_HOOKS(16)
-#undef EMU_TSAN_HOOKS
-#define EMU_TSAN_UNALIGNED_HOOKS(N)                                                                        \
-    extern "C" void __tsan_unaligned_read##N(std::uintptr_t a) {                                          \
-        instrumented(a, N, READ, false, __builtin_return_address(0));                                    \
+#define EMU_TSAN_HOOKS(PREFIX, N, ALIGNED)                                                                 \
+    extern "C" void __tsan_##PREFIX##read##N(std::uintptr_t a) {                                          \
+        instrumented(a, N, READ, ALIGNED, __builtin_return_address(0));                                  \
     }                                                                                                    \
-    extern "C" void __tsan_unaligned_write##N(std::uintptr_t a) {                                         \
-        instrumented(a, N, WRITE, false, __builtin_return_address(0));                                   \
+    extern "C" void __tsan_##PREFIX##write##N(std::uintptr_t a) {                                         \
+        instrumented(a, N, WRITE, ALIGNED, __builtin_return_address(0));                                 \
     }
-EMU_TSAN_UNALIGNED_HOOKS(2)
-EMU_TSAN_UNALIGNED_HOOKS(4)
-EMU_TSAN_UNALIGNED_HOOKS(8)
-EMU_TSAN_UNALIGNED_HOOKS(16)
-#undef EMU_TSAN_UNALIGNED_HOOKS
+EMU_TSAN_HOOKS(, 1, true)
+EMU_TSAN_HOOKS(, 2, true)
+EMU_TSAN_HOOKS(, 4, true)
+EMU_TSAN_HOOKS(, 8, true)
+EMU_TSAN_HOOKS(, 16, true)
+EMU_TSAN_HOOKS(unaligned_, 2, false)
+EMU_TSAN_HOOKS(unaligned_, 4, false)
+EMU_TSAN_HOOKS(unaligned_, 8, false)
+EMU_TSAN_HOOKS(unaligned_, 16, false)
+#undef EMU_TSAN_HOOKS
 // A copy of an 8- or 16-byte aggregate: a float2 or float4 (int2, ...), whose load a GPU makes in one
 // instruction that needs the natural alignment (the instrumentation does not tell a vector type
 // from another struct of that size).
