@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 
+import ml_dtypes
 import numpy as np
 
 from . import cpu
@@ -45,16 +46,32 @@ def emulate():
         _emulating = previous
 
 
-PRECISIONS = ("tf32", "fp32")
+PRECISIONS = ("tf32", "bf16", "fp32")
 _precision = "tf32"
+bfloat16 = np.dtype(ml_dtypes.bfloat16)   # NumPy's bfloat16 (ml_dtypes), which CuPy 14 takes too
 
 
 def precision():
     """The precision of the CUDA backend's convolutions and linear layers: "tf32" (the default, as
     PyTorch's for convolutions): float32 in and out, the products on TF32 tensor cores (inputs
-    rounded to 10 mantissa bits, sums in float32); "fp32": float32 FMA throughout. The NumPy
-    backend computes in float32 either way."""
+    rounded to 10 mantissa bits, sums in float32); "bf16": mixed precision as PyTorch's autocast to
+    bfloat16, the activations and their gradients stored as bfloat16 between kernels (storage_dtype),
+    the convolutions on BF16 tensor cores with float32 sums, every statistic, the loss, the linear
+    layer, the weights the optimizer updates and the gradients it reads in float32; "fp32": float32
+    FMA throughout. The NumPy backend computes in float32 whatever the precision."""
     return _precision
+
+
+def storage_dtype():
+    """The dtype of the activations and their gradients between the CUDA backend's kernels:
+    bfloat16 under the bf16 precision, else float32."""
+    return bfloat16 if _precision == "bf16" else np.dtype(np.float32)
+
+
+def channels_last():
+    """Whether the CUDA backend's activations are channels-last (NCHW views of NHWC memory, as the
+    tensor-core convolutions read and write them): under tf32 and bf16; NCHW under fp32."""
+    return _precision != "fp32"
 
 
 def set_precision(name):

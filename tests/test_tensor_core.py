@@ -2,7 +2,8 @@
 
 - On the emulator, in both thread orders: each wrapper against a NumPy model of its fragment
   layout, written from the PTX ISA's tables, on random data: cvt.rna.tf32.f32 (ties too),
-  mma.sync m16n8k8 TF32 (two warps of a block apart), ldmatrix x1/x2/x4 with and without .trans
+  cvt.rn.bf16.f32 and cvt.rn.bf16x2.f32 (bf16.cuh) against NumPy's bfloat16 (ml_dtypes), mma.sync
+  m16n8k8 TF32 and m16n8k16 BF16 (two warps of a block apart), ldmatrix x1/x2/x4 with and without .trans
   from rows scattered in shared memory, cp.async of 4, 8 and 16 bytes with zero-fill, in two
   groups, reading NaN until the wait that covers it.
 - What the emulation refuses, each naming the call: a divergent mma, an mma after lanes
@@ -15,6 +16,7 @@
 import functools
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -78,6 +80,28 @@ def mma_model(a, b, c):
     return np.array([[D[fragment_places(lane)["c", i]] for i in range(4)] for lane in range(32)], np.float32)
 
 
+def bf16_fragment_places(lane):
+    """{(matrix, index of the b16 element in the lane's fragment): (row, column)} of mma.m16n8k16
+    .bf16: element 2r + h is the half h (0 low) of register r."""
+    g, t = lane // 4, lane % 4
+    return {**{("a", i): (g + 8 * (i // 2 % 2), 2 * t + i % 2 + 8 * (i // 4)) for i in range(8)},
+            **{("b", i): (2 * t + i % 2 + 8 * (i // 2), g) for i in range(4)},
+            **{("c", i): (g + 8 * (i // 2), 2 * t + i % 2) for i in range(4)}}
+
+
+def mma_bf16_model(a, b, c):
+    """(32, 4) D fragments of one warp from its (32, 4) A and (32, 2) B registers (uint32, each two
+    bfloat16) and (32, 4) float32 C: D = A B + C."""
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    halves = lambda regs: regs.view(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731  (little-endian: low half first)
+    for lane in range(32):
+        for (name, i), (r, col) in bf16_fragment_places(lane).items():
+            matrix, fragment = {"a": (A, halves(a)), "b": (B, halves(b)), "c": (C, c.astype(np.float64))}[name]
+            matrix[r, col] = fragment[lane, i]
+    D = A @ B + C
+    return np.array([[D[bf16_fragment_places(lane)["c", i]] for i in range(4)] for lane in range(32)], np.float32)
+
+
 def ldmatrix_model(m, count, trans):
     """(32, 4) registers of ldmatrix .x{count}[.trans] of the (4, 8, 8) uint16 matrices m."""
     out = np.zeros((32, 4), np.uint32)
@@ -111,6 +135,46 @@ def test_tf32_rounding(order):
     nan = np.full(1, 0xDEADBEEF, np.uint32)
     launch("round_tf32", (1,), (32,), np.array([np.nan], np.float32), nan, np.int32(1))
     assert np.isnan(nan.view(np.float32)).all()
+
+
+def test_bf16_rounding(order):
+    """Nearest, ties to even (ties both ways, the largest finite float to infinity, subnormals
+    rounded as any other), one at a time and in pairs, as NumPy's bfloat16 rounds; NaN stays NaN."""
+    g = rng()
+    tie_down, tie_up = np.float32(1.0 + 2.0 ** -8), np.float32(1.0 + 3 * 2.0 ** -8)   # halfway, even below / above
+    x = np.concatenate([g.standard_normal(400) * 10.0 ** g.integers(-38, 38, 400),
+                        [0.0, -0.0, np.inf, -np.inf, 3.4028235e38, -3.3e38, tie_down, -tie_down, tie_up, 1e-40,
+                         -3e-39, 1.1754942e-38, np.nextafter(tie_down, 2, dtype=np.float32)]]).astype(np.float32)
+    n = x.size + x.size % 2
+    x = np.append(x, np.float32(0.5))[:n]
+    single = np.zeros(n, ml_dtypes.bfloat16)
+    pairs = np.zeros(n // 2, np.uint32)
+    wide = np.zeros(n, np.float32)
+    launch("round_bf16", (4,), (128,), x, single, pairs, wide, np.int32(n))
+    expected = x.astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(single.view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(pairs.view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(wide, expected.astype(np.float32))
+    bits = dict(zip(x.tolist(), single.view(np.uint16).tolist()))
+    assert (bits[float(tie_down)], bits[float(tie_up)], bits[float(-tie_down)]) == (0x3F80, 0x3F82, 0xBF80), "ties go to the even neighbour"
+    assert bits[float(np.float32(3.4028235e38))] == 0x7F80, "the largest float rounds to infinity"
+    nan = np.zeros(2, ml_dtypes.bfloat16)
+    launch("round_bf16", (1,), (32,), np.array([np.nan, -np.nan], np.float32), nan, np.zeros(1, np.uint32),
+           np.zeros(2, np.float32), np.int32(2))
+    assert np.isnan(nan.astype(np.float32)).all()
+
+
+def test_mma_bf16_of_two_warps(order):
+    g = rng()
+    bf16_bits = lambda shape: g.standard_normal(shape).astype(ml_dtypes.bfloat16).view(np.uint16)  # noqa: E731
+    a = bf16_bits((64, 8)).view(np.uint32)
+    b = bf16_bits((64, 4)).view(np.uint32)
+    c = g.standard_normal((64, 4)).astype(np.float32)
+    d = np.full((64, 4), np.nan, np.float32)
+    launch("mma_bf16_fragments", (1,), (64,), a, b, c, d)
+    for warp in (slice(0, 32), slice(32, 64)):
+        expected = mma_bf16_model(a[warp], b[warp], c[warp])
+        assert ulps(d[warp], expected).max() <= 1, (d[warp], expected)
 
 
 def test_mma_of_two_warps(order):
@@ -162,6 +226,9 @@ def test_cp_async_lands_at_the_wait_that_covers_it(order, bytes_, src_bytes, cg)
     ("divergent_mma", lambda: (np.zeros(32, np.float32),),
      r"reached mma\.sync\.aligned\.m16n8k8\.row\.col\.f32\.tf32\.tf32\.f32 at \S+:\d+ while lane \d+ waits in "
      r"mma\.sync\S+ at \S+:\d+: a warp-wide \.aligned instruction needs all 32 lanes at the same call"),
+    ("divergent_mma_bf16", lambda: (np.zeros(32, np.float32),),
+     r"reached mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32 at \S+:\d+ while lane \d+ waits in "
+     r"mma\.sync\S+ at \S+:\d+: a warp-wide \.aligned instruction needs all 32 lanes at the same call"),
     ("mma_after_half_the_warp_returned", lambda: (np.zeros(32, np.float32),),
      # lanes 0-15 wait when 16 returns (ascending order), or find 16-31 returned (descending)
      r"(lanes 16 returned while lanes 0-15 wait in mma\.sync\S+ at \S+:\d+, which all 32 lanes must execute|"
@@ -194,6 +261,8 @@ def test_the_wrappers_compile_to_tensor_core_instructions(arch):
     sass = nvrtc.compile(SOURCE.read_text(), arch, OPTIONS).sass()
     joined = {name: " ; ".join(instructions) for name, instructions in sass.items()}
     assert "HMMA.1688.F32.TF32" in joined["mma_fragments"]
+    assert "HMMA.16816.F32.BF16" in joined["mma_bf16_fragments"]
+    assert "F2FP.BF16" in joined["round_bf16"] and "PACK_AB" in joined["round_bf16"]
     for form in ("LDSM.16.M88 ", "LDSM.16.M88.2", "LDSM.16.M88.4", "LDSM.16.MT88 ", "LDSM.16.MT88.2",
                  "LDSM.16.MT88.4"):
         assert form in joined["ldmatrix_fragments"], form
@@ -239,6 +308,21 @@ def test_the_gpu_computes_what_the_emulation_does():
     # float32's rounding of a sum of 8 products and C, relative to the sum of their magnitudes
     magnitude = mma_model(a & np.uint32(0x7FFFFFFF), b & np.uint32(0x7FFFFFFF), np.abs(c)).astype(np.float64)
     excess = np.abs(real.astype(np.float64) - emulated) - (8 + 16) * 2.0**-24 * magnitude
+    assert excess.max() <= 0, (real.ravel()[excess.argmax()], emulated.ravel()[excess.argmax()])
+
+    x = np.concatenate([(g.standard_normal(998) * 10.0 ** g.integers(-38, 38, 998)), [1.0 + 2.0 ** -8, 3e38]])
+    x = x.astype(np.float32)
+    single, pairs, wide = on_both("round_bf16", (8,), (128,), x, np.zeros(1000, ml_dtypes.bfloat16),
+                                  np.zeros(500, np.uint32), np.zeros(1000, np.float32), np.int32(1000))[1:]
+    for name, (emulated, real) in (("cvt.rn.bf16.f32", single), ("cvt.rn.bf16x2.f32", pairs), ("widened", wide)):
+        np.testing.assert_array_equal(real.view(np.uint16), emulated.view(np.uint16), err_msg=name)
+
+    a = g.standard_normal((32, 8)).astype(ml_dtypes.bfloat16).view(np.uint32)
+    b = g.standard_normal((32, 4)).astype(ml_dtypes.bfloat16).view(np.uint32)
+    c = g.standard_normal((32, 4)).astype(np.float32)
+    *_, (emulated, real) = on_both("mma_bf16_fragments", (1,), (32,), a, b, c, np.zeros((32, 4), np.float32))
+    magnitude = mma_bf16_model(a & np.uint32(0x7FFF7FFF), b & np.uint32(0x7FFF7FFF), np.abs(c)).astype(np.float64)
+    excess = np.abs(real.astype(np.float64) - emulated) - (16 + 16) * 2.0**-24 * magnitude
     assert excess.max() <= 0, (real.ravel()[excess.argmax()], emulated.ravel()[excess.argmax()])
 
     for count in (1, 2, 4):

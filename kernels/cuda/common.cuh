@@ -6,12 +6,15 @@
 //   the same order and gets the same bits (DESIGN.md: no order-dependent atomics).
 // - sum_partials: the fixed-order final pass over per-block partial results, as a launch of its
 //   own; last_block and added_partials: the same pass inside the launch that wrote them.
+// - Floats, load_floats, store_floats, to_float, stored: VEC values of float32 or bfloat16 storage
+//   (bf16.cuh) as floats, the storage type a kernel's template parameter.
 // - channel_element: where the e-th value of one channel lies in an NCHW array.
 // - Tile64, Tile128 and gemm_mainloop: the shared-memory tiled matrix product that the
 //   convolutions and the linear layer feed through their own tile loaders.
 //
 // Launchers guarantee that every index fits in an int (kernels/cuda/launch.py).
 #pragma once
+#include "bf16.cuh"
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -102,6 +105,41 @@ __device__ __forceinline__ void store_floats(float* p, const Floats<VEC>& f) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) p[e] = f.v[e];
     }
+}
+
+// VEC consecutive bfloat16 (VEC = 4 at an 8-byte-aligned address: one 8-byte access), widened;
+// stored rounded to nearest even, two at a time (bf16.cuh).
+template <int VEC>
+__device__ __forceinline__ Floats<VEC> load_floats(const bf16* p) {
+    Floats<VEC> f;
+    if constexpr (VEC == 4) {
+        const uint2 q = *reinterpret_cast<const uint2*>(p);
+        f.v[0] = bf16x2_low(q.x), f.v[1] = bf16x2_high(q.x), f.v[2] = bf16x2_low(q.y), f.v[3] = bf16x2_high(q.y);
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) f.v[e] = bf16_float(p[e]);
+    }
+    return f;
+}
+
+template <int VEC>
+__device__ __forceinline__ void store_floats(bf16* p, const Floats<VEC>& f) {
+    if constexpr (VEC == 4) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(bf16x2_round(f.v[0], f.v[1]), bf16x2_round(f.v[2], f.v[3]));
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) p[e] = bf16_round(f.v[e]);
+    }
+}
+
+// One value of float32 or bfloat16 storage as a float, and a float as the storage type T.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 h) { return bf16_float(h); }
+
+template <class T>
+__device__ __forceinline__ T stored(float x) {
+    if constexpr (sizeof(T) == 2) return bf16_round(x);
+    else return x;
 }
 
 // Offset in an (N, C, HW) array of the e-th value of channel c, e in [0, N * HW).

@@ -7,6 +7,8 @@ Nothing here synchronises with the device: sizes come from shapes, never from va
 """
 import numpy as np
 
+from kernels import bfloat16
+
 THREADS = 256            # threads per block of every 1-D kernel
 ELEMENTWISE_BLOCKS = 4096  # grid-stride kernels: at most this many blocks, each loops
 # Reductions over long axes are split into per-block partials. How many depends on the shapes
@@ -21,6 +23,9 @@ _INT_LIMIT = 2**31  # kernels take their sizes as int
 _ELEMENT_LIMIT = _INT_LIMIT - ELEMENTWISE_BLOCKS * THREADS
 
 C_TYPES = {np.dtype(np.uint8): "unsigned char", np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+# The storage of activations and their gradients (kernels.storage_dtype()): the C type a kernel's
+# template takes for each (bf16.cuh's bf16 for NumPy's bfloat16).
+STORAGE_TYPES = {np.dtype(np.float32): "float", bfloat16: "bf16"}
 
 
 def cdiv(a, b):
@@ -67,12 +72,25 @@ def to_channels_last(be, a):
 
 
 def dense(be, op, a):
-    """A float32 array as it is when its memory is dense (C-contiguous or channels-last), else a
-    C-contiguous copy."""
-    if a is not None and isinstance(a, be.xp.ndarray) and a.dtype == np.float32 and is_channels_last(a):
+    """An activation or its gradient, float32 or bfloat16 (STORAGE_TYPES), as it is when its memory is
+    dense (C-contiguous or channels-last), else a C-contiguous copy; TypeError for another dtype."""
+    if a is None:
+        return None
+    dtype = a.dtype if getattr(a, "dtype", None) in STORAGE_TYPES else np.float32
+    if isinstance(a, be.xp.ndarray) and a.dtype == dtype and is_channels_last(a):
         _check_size(op, a)
         return a
-    return None if a is None else typed(be, op, a, np.float32)
+    return typed(be, op, a, dtype)
+
+
+def storage(op, *arrays):
+    """The C type (STORAGE_TYPES) of arrays that share one storage dtype, for a kernel's template;
+    TypeError when they differ."""
+    dtypes = {a.dtype for a in arrays if a is not None}
+    if len(dtypes) != 1:
+        raise TypeError(f"{op}: takes activations of one dtype, float32 or bfloat16, got "
+                        f"{', '.join(sorted(map(str, dtypes)))}")
+    return STORAGE_TYPES[dtypes.pop()]
 
 
 def like(be, op, reference, *arrays):
@@ -104,12 +122,12 @@ def _address(a):
 
 
 def vector_width(total, *arrays):
-    """4 when the element-wise kernels may move 4 floats at a time (16-byte loads and stores): the
-    count a multiple of 4, every array (None aside) at a 16-byte-aligned address, and the grid's
-    last step still within an int; else 1. Checked, not assumed: a view into a flat buffer may
-    start anywhere."""
+    """4 when the element-wise kernels may move 4 values at a time (16-byte loads and stores of
+    float32, 8-byte ones of bfloat16): the count a multiple of 4, every array (None aside) at an
+    address that is a multiple of 4 of its elements, and the grid's last step still within an int;
+    else 1. Checked, not assumed: a view into a flat buffer may start anywhere."""
     fits = total % 4 == 0 and total < _ELEMENT_LIMIT - 3 * ELEMENTWISE_BLOCKS * THREADS
-    return 4 if fits and all(a is None or _address(a) % 16 == 0 for a in arrays) else 1
+    return 4 if fits and all(a is None or _address(a) % (4 * a.itemsize) == 0 for a in arrays) else 1
 
 
 def gradient_outputs(be, op, out, shapes):

@@ -16,6 +16,12 @@
 //                                 t = lane % 4, a lane holds A[g][t], A[g+8][t], A[g][t+4],
 //                                 A[g+8][t+4]; B[t][g], B[t+4][g]; C[g][2t], C[g][2t+1], C[g+8][2t],
 //                                 C[g+8][2t+1]. The tensor core reads the top 19 bits of each input.
+//   mma_bf16(d, a, b, c)          mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: d = a b + c for
+//                                 a warp's 16x16 A (row), 16x8 B (col), 16x8 C and D, a register
+//                                 holding two b16 elements, the lower index in the low half; a lane
+//                                 holds A[g][2t..2t+1], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..];
+//                                 B[2t..2t+1][g], B[2t+8..2t+9][g]; C and D as for mma_tf32. The
+//                                 products of bfloat16 are exact in float32.
 //   ldmatrix_x1/x2/x4[_trans]     ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16: lanes
 //                                 8j..8j+7 give the 16-byte rows of matrix j; register j of lane l
 //                                 holds row l/4, b16 elements 2(l%4), 2(l%4)+1 of matrix j (.trans:
@@ -26,7 +32,7 @@
 //   cp_async_commit()             cp.async.commit_group
 //   cp_async_wait<N>()            cp.async.wait_group N: all but the N most recent groups have landed
 //
-// Every lane of a warp must call mma_tf32 and ldmatrix together, at the same call; the emulator
+// Every lane of a warp must call mma_tf32, mma_bf16 and ldmatrix together, at the same call; the emulator
 // says which call a divergent lane reached instead. A cp.async destination reads as NaN there
 // until the wait that covers it, and its source must lie in one of the kernel's arguments.
 #pragma once
@@ -88,6 +94,51 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
     emu_mma_tf32(d, a, b, c, call_file, call_line);
 #else
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%10, %11, %12, %13};"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+                   "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#endif
+}
+
+#ifdef __CUDA_EMU__
+EMU_UNCHECKED inline double emu_bf16_value(unsigned pair, int high) {
+    const unsigned bits = high ? pair & 0xffff0000u : pair << 16;
+    float v;
+    __builtin_memcpy(&v, &bits, 4);
+    return double(v);
+}
+
+EMU_UNCHECKED __attribute__((noinline)) void emu_mma_bf16(float (&d)[4], const unsigned (&a)[4],
+                                                           const unsigned (&b)[2], const float (&c)[4],
+                                                           const char* call_file, int call_line) {
+    EmuFragments mine, all[32];
+    for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
+    mine.b[0] = b[0];
+    mine.b[1] = b[1];
+    emu_warp_aligned("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", call_file, call_line, &mine,
+                     sizeof mine, all);
+    const int lane = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32;
+    const int g = lane / 4, t = lane % 4;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        double sum = c[i];  // products of bfloat16 values are exact; one rounding of the whole sum
+        for (int k = 0; k < 16; ++k)   // A[row][k] and B[k][col], from the lanes and halves that hold them
+            sum += emu_bf16_value(all[(row % 8) * 4 + k % 8 / 2].a[(row >= 8) + 2 * (k >= 8)], k % 2) *
+                   emu_bf16_value(all[col * 4 + k % 8 / 2].b[k >= 8], k % 2);
+        out[i] = float(sum);
+    }
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+#endif
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                         const float (&c)[4] TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    emu_mma_bf16(d, a, b, c, call_file, call_line);
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
                  "{%8, %9}, {%10, %11, %12, %13};"
                  : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),

@@ -38,7 +38,7 @@ _CTYPES = {("i", 1): ctypes.c_int8, ("i", 2): ctypes.c_int16, ("i", 4): ctypes.c
 _C_NAMES = {("i", 1): "signed char", ("i", 2): "short", ("i", 4): "int", ("i", 8): "long long",
             ("u", 1): "unsigned char", ("u", 2): "unsigned short", ("u", 4): "unsigned int",
             ("u", 8): "unsigned long long", ("c", 1): "char", ("f", 4): "float", ("f", 8): "double",
-            ("b", 1): "bool", ("v", 0): "void"}
+            ("b", 1): "bool", ("v", 0): "void", ("B", 2): "bf16"}
 _VECTOR_PREFIX = {("i", 1): "char", ("u", 1): "uchar", ("i", 2): "short", ("u", 2): "ushort",
                   ("i", 4): "int", ("u", 4): "uint", ("i", 8): "longlong", ("u", 8): "ulonglong",
                   ("f", 4): "float", ("f", 8): "double"}
@@ -91,6 +91,8 @@ def _dtype_fits(dtype, p):
         return True
     if kind == "c":
         return dtype in (np.int8, np.uint8)
+    if kind == "B":   # bf16.cuh's bf16
+        return dtype.name == "bfloat16"
     return dtype.kind == kind and dtype.itemsize == p["size"]
 
 

@@ -481,16 +481,23 @@ __attribute__((no_sanitize_thread)) inline void invoke(void (*kernel)(A...), voi
 }
 
 // One parameter as "pointer,const,kind,size,count,align": pointer 0/1; for a pointer, what
-// it points to; kind i/u/f/b/v (void)/s (anything else); size of a component, count of
-// components (vector types); the alignment the pointee needs.
-template <class T>
-inline int describe_value(char* out, int n, int pointer, int is_const) {
-    using C = typename vector_info<T>::component;
-    char kind = std::is_same_v<C, bool>          ? 'b'
+// it points to; kind i/u/f/b/v (void)/s (anything else), or a struct's own `emu_kind` (bf16.cuh's
+// bf16: 'B'); size of a component, count of components (vector types); the alignment the pointee
+// needs.
+template <class C>
+constexpr char kind_of() {
+    if constexpr (requires { C::emu_kind; }) return C::emu_kind;
+    else return std::is_same_v<C, bool>          ? 'b'
                 : std::is_floating_point_v<C>    ? 'f'
                 : std::is_integral_v<C>          ? (std::is_signed_v<C> ? 'i' : 'u')
                 : std::is_void_v<C>              ? 'v'
                                                  : 's';
+}
+
+template <class T>
+inline int describe_value(char* out, int n, int pointer, int is_const) {
+    using C = typename vector_info<T>::component;
+    const char kind = kind_of<C>();
     int size = 0, align = 1;
     if constexpr (!std::is_void_v<T>) {
         size = int(sizeof(C));

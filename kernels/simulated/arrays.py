@@ -48,7 +48,7 @@ def _operand(call, value):
 
 
 def _poison(array):
-    if array.dtype.kind == "f":
+    if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
         array.fill(np.nan)
     elif array.dtype.kind in "iu":
         array.fill(np.iinfo(array.dtype).min)

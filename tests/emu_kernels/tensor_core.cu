@@ -2,6 +2,7 @@
 // the same kernels run on the emulator against NumPy models of the fragment layouts and, marked
 // gpu, on a GPU against the emulator. Then kernels that break what the hardware assumes.
 #include "tensor_core.cuh"
+#include "bf16.cuh"
 
 extern "C" __global__ void round_tf32(const float* x, unsigned* y, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -17,6 +18,27 @@ extern "C" __global__ void mma_fragments(const unsigned* a, const unsigned* b, c
     float fd[4];
     mma_tf32(fd, fa, fb, fc);
     for (int i = 0; i < 4; ++i) d[4 * l + i] = fd[i];
+}
+
+// One warp: as mma_fragments, on bfloat16 pairs.
+extern "C" __global__ void mma_bf16_fragments(const unsigned* a, const unsigned* b, const float* c, float* d) {
+    const int l = threadIdx.x;
+    const unsigned fa[4] = {a[4 * l], a[4 * l + 1], a[4 * l + 2], a[4 * l + 3]};
+    const unsigned fb[2] = {b[2 * l], b[2 * l + 1]};
+    const float fc[4] = {c[4 * l], c[4 * l + 1], c[4 * l + 2], c[4 * l + 3]};
+    float fd[4];
+    mma_bf16(fd, fa, fb, fc);
+    for (int i = 0; i < 4; ++i) d[4 * l + i] = fd[i];
+}
+
+// x rounded to bfloat16: one at a time into single[], two at a time (x[2i] low, x[2i+1] high) into
+// pairs[], and widened back into wide[].
+extern "C" __global__ void round_bf16(const float* x, bf16* single, unsigned* pairs, float* wide, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    single[i] = bf16_round(x[i]);
+    wide[i] = bf16_float(single[i]);
+    if (i % 2 == 0 && i + 1 < n) pairs[i / 2] = bf16x2_round(x[i], x[i + 1]);
 }
 
 // Up to four 8x8 b16 matrices m[j][r][c] go to shared memory row by row, row (j, r) to the
@@ -78,6 +100,17 @@ extern "C" __global__ void cp_async_groups(const float* src, float* early, float
 }
 
 // ---- what the hardware punishes ----------------------------------------------------------
+
+extern "C" __global__ void divergent_mma_bf16(float* d) {
+    const unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+    const float c[4] = {1, 1, 1, 1};
+    float r[4];
+    if (threadIdx.x % 2)
+        mma_bf16(r, a, b, c);
+    else
+        mma_bf16(r, a, b, c);
+    d[threadIdx.x] = r[0];
+}
 
 extern "C" __global__ void divergent_mma(float* d) {
     const unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
