@@ -113,7 +113,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     (["--bucket-mb", "inf"], "--bucket-mb must be positive and finite, got inf"),
     (["--seed", "-1"], "--seed must be 0 or more, got -1"),
     (["--precision", "tf32"], "--precision tf32 runs on GPU tensor cores: add --gpus N"),
-    (["--precision", "bf16"], "invalid choice: 'bf16'"),
+    (["--precision", "bf16"], "--precision bf16 runs on GPU tensor cores: add --gpus N"),
 ])
 def test_bad_flags_are_clear_errors(data_dir, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as e:
@@ -132,6 +132,40 @@ def test_resuming_with_another_width_is_an_error(data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--resume", str(tmp_path / "run"), "--epochs", "1"])
     assert "finished 1 epochs already" in capsys.readouterr().err
+
+
+def as_if_trained_on_a_gpu(out, precision):
+    """Rewrite the record of the checkpoint in `out` (a CPU run's) as a run of --gpus 1 --precision
+    `precision` would have written it: what resuming it on the CPU meets."""
+    arrays, record = checkpoint.load(out)
+    record["config"].update(gpus=1, precision=precision)
+    for row in record["metrics"]:
+        row["precision"] = precision
+    np.savez(out / checkpoint.FILENAME, **arrays, record=np.array(json.dumps(record)))
+
+
+def test_a_resumed_run_keeps_its_precision_unless_told_and_says_so(data_dir, tmp_path, capsys):
+    """--precision, like --gpus, says how a run computes, not what it trains (the float32 weights are the
+    whole state under every precision): a resumed run may change it, and says so; a run moved to the
+    CPU from a tensor-core precision must say --precision fp32 rather than have it changed unasked."""
+    out = tmp_path / "run"
+    assert run(data_dir, out, "--epochs", "1") == 0
+    as_if_trained_on_a_gpu(out, "bf16")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--resume", str(out), "--epochs", "2", "--gpus", "0"])
+    assert e.value.code == 2
+    assert "the checkpoint's run trained with --precision bf16, which runs on GPUs: add --precision fp32 to " \
+           "continue it on the CPU" in capsys.readouterr().err
+    assert cli.main(["--resume", str(out), "--epochs", "2", "--gpus", "0", "--precision", "fp32"]) == 0
+    printed = capsys.readouterr().out
+    assert "the checkpoint's run trained with --gpus 1; it continues with --gpus 0 (on the CPU)" in printed
+    assert "the checkpoint's run trained in precision bf16; it continues in fp32" in printed
+    record = checkpoint.load(out)[1]
+    assert [m["precision"] for m in record["metrics"]] == ["bf16", "fp32"]
+    assert record["config"]["precision"] == "fp32"
+    assert cli.main(["--resume", str(out), "--epochs", "3"]) == 0   # kept from now on, silently
+    assert "continues" not in capsys.readouterr().out
 
 
 def test_export_writes_the_trained_weights_and_init_from_starts_from_them(data_dir, tmp_path, monkeypatch, capsys):

@@ -53,11 +53,16 @@ def parse_args(argv):
                         f"(default {D.init})")
     p.add_argument("--width", type=int, help=f"channels of the first stage; 64 is ResNet-18 (default {D.width})")
     p.add_argument("--precision", choices=kernels.PRECISIONS,
-                   help="of the convolutions on GPUs: tf32 multiplies on the tensor cores with the inputs rounded "
-                        "to TF32 (10-bit mantissa) and sums in float32, as PyTorch does for convolutions by default "
-                        "(the stem, of one input channel, and the linear layer multiply in float32 either way); fp32 "
-                        "multiplies in float32 throughout, several times slower "
-                        "(default: tf32 with --gpus, fp32 on the CPU, which has no other)")
+                   help="of the step on GPUs: tf32 multiplies the convolutions on the tensor cores with the inputs "
+                        "rounded to TF32 (10-bit mantissa) and sums in float32, as PyTorch does for convolutions by "
+                        "default (the stem, of one input channel, and the linear layer multiply in float32); bf16 is "
+                        "mixed precision as PyTorch's torch.autocast('cuda', torch.bfloat16) with channels_last: the "
+                        "activations and their gradients are stored in bfloat16 and the convolutions multiply "
+                        "bfloat16 on the tensor cores, summing in float32, while batch norm's statistics, the loss, "
+                        "the linear layer, the gradients and the weights the optimizer updates stay float32 (float32 "
+                        "master weights: checkpoints and --export hold them); fp32 multiplies in float32 throughout, "
+                        "several times slower (default: tf32 with --gpus, fp32 on the CPU, which has no other; a "
+                        "resumed run: the checkpoint's, and it says so when told another)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction,
                    help="on GPUs, capture the training step once as a CUDA graph and replay it every step, "
                         "which takes the Python side off the step's time; each step's batch and learning rate are "
@@ -82,7 +87,8 @@ def parse_args(argv):
                         "safetensors.torch.save_file(net.state_dict(), FILE)); the optimizer starts afresh")
     p.add_argument("--export", metavar="FILE",
                    help="after the last epoch, write the trained weights to FILE as safetensors under the keys of "
-                        "d2l's PyTorch ResNet-18, so that net.load_state_dict(safetensors.torch.load_file(FILE)) "
+                        "d2l's PyTorch ResNet-18, in float32 whatever the precision (under bf16 the master weights, as "
+                        "the state dict of a PyTorch model trained under autocast holds them), so that net.load_state_dict(safetensors.torch.load_file(FILE)) "
                         "loads them (with --resume of a finished run: export only); checked at the start: a regular "
                         "file (a symbolic link is followed), none of the run's own files")
     p.add_argument("--profile", action="store_true",

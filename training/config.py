@@ -8,6 +8,7 @@ from nn import init
 from parallel.ddp import DEFAULT_BUCKET_MB
 
 SCHEDULES = ("constant", "cosine")
+GPU_PRECISIONS = ("tf32", "bf16")   # the tensor cores' (kernels.precision()): a CPU run computes in float32
 # flags that must agree between a checkpoint and the run that resumes it
 RUN_DEFINING = ("width", "batch_size", "lr", "momentum", "weight_decay", "schedule", "seed",
                 "limit", "test_limit", "init")
@@ -41,7 +42,7 @@ class Config:
     overwrite: bool = False   # a new run may replace the run whose files --out holds
     init_from: str = None     # a safetensors file of the model's weights to start from
     export: str = None        # where to write the trained weights as safetensors
-    precision: str = None     # of the convolutions on GPUs (compute_precision)
+    precision: str = None     # of the products on GPUs (compute_precision)
     graph: bool = None        # the training step as a CUDA graph (replayed_step)
 
     @property
@@ -50,9 +51,9 @@ class Config:
 
     @property
     def compute_precision(self):
-        """The precision of the convolutions (kernels.precision(); the linear layer computes in float32
-        under both): --precision, else tf32 on GPUs, PyTorch's default for convolutions; a CPU run
-        computes in float32."""
+        """The precision of the step (kernels.precision(): tf32 and fp32 differ in the convolutions, bf16
+        also stores the activations in bfloat16; the linear layer computes in float32 under all three):
+        --precision, else tf32 on GPUs, PyTorch's default for convolutions; a CPU run computes in float32."""
         return self.precision or ("tf32" if self.gpus else "fp32")
 
     @property
@@ -81,9 +82,9 @@ class Config:
             raise ConfigError(f"--gpus must be 0 or more, got {self.gpus}")
         if self.precision not in (None, *kernels.PRECISIONS):
             raise ConfigError(f"unknown precision {self.precision!r}: choose one of {kernels.PRECISIONS}")
-        if self.precision == "tf32" and not self.gpus:
-            raise ConfigError("--precision tf32 runs on GPU tensor cores: add --gpus N (on the CPU, NumPy computes "
-                              "in float32)")
+        if self.precision in GPU_PRECISIONS and not self.gpus:
+            raise ConfigError(f"--precision {self.precision} runs on GPU tensor cores: add --gpus N (on the CPU, NumPy "
+                              f"computes in float32)")
         if self.graph and not self.gpus:
             raise ConfigError("--graph captures the step as a CUDA graph, on GPUs: add --gpus N (or drop --graph)")
         for name in ("limit", "test_limit"):
@@ -105,9 +106,33 @@ class Config:
 def merge_resumed(given, saved):
     """The configuration of a resumed run: the checkpoint's, except where a flag was
     given; a given run-defining flag that disagrees with the checkpoint is an error.
-    ``given`` holds only the flags on the command line."""
+    ``given`` holds only the flags on the command line.
+
+    --gpus and --precision say how the run computes, not what it trains (the checkpoint's float32
+    weights and momentum are the whole state under every precision: the bf16 precision's bfloat16
+    weights are remade from them), so a resumed run may change them, as it may move to other
+    devices; it then continues as a run started so would, and no longer bit for bit (see
+    resumed_changes). A run moved to the CPU whose checkpoint names a tensor-core precision is told
+    to say --precision fp32, rather than have it changed unasked."""
     for name in RUN_DEFINING:
         if name in given and given[name] != saved[name]:
             raise ConfigError(f"--{name.replace('_', '-')} {given[name]} does not match the "
                               f"checkpoint's {saved[name]}")
+    if given.get("gpus") == 0 and "precision" not in given and saved.get("precision") in GPU_PRECISIONS:
+        raise ConfigError(f"the checkpoint's run trained with --precision {saved['precision']}, which runs on GPUs: "
+                          f"add --precision fp32 to continue it on the CPU")
     return Config(**{**saved, **given})
+
+
+def resumed_changes(saved, cfg):
+    """Lines saying how a resumed run computes otherwise than its checkpoint's run did (the GPUs, the
+    precision), for the log; none when it continues as it was."""
+    before = Config(**saved)
+    lines = []
+    if cfg.gpus != before.gpus:
+        lines.append(f"the checkpoint's run trained with --gpus {before.gpus}; it continues with --gpus {cfg.gpus}"
+                     + (" (on the CPU)" if not cfg.gpus else ""))
+    if cfg.compute_precision != before.compute_precision:
+        lines.append(f"the checkpoint's run trained in precision {before.compute_precision}; it continues in "
+                     f"{cfg.compute_precision}")
+    return lines

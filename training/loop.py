@@ -26,7 +26,7 @@ from nn.tensor import Tensor, no_grad
 from parallel.comm import NCCLCommunicator, SingleProcess
 from parallel.ddp import DataParallel, shard_bounds
 from . import checkpoint, fashion_mnist, output
-from .config import Config, ConfigError, merge_resumed
+from .config import Config, ConfigError, merge_resumed, resumed_changes
 from .reports import Progress, finite_or_none, write_reports
 from .step import GraphedStep, train_step
 
@@ -178,9 +178,8 @@ def prepare(given, log=print, world_size=1, lead=True, profiling=False, dry=Fals
         home = checkpoint.resolve(given["resume"]).parent
         saved = {**record["config"], "out": str(home)}
         cfg = merge_resumed(given, saved)
-        if "gpus" in given and given["gpus"] != record["config"]["gpus"]:
-            log(f"the checkpoint's run trained with --gpus {record['config']['gpus']}; it continues with "
-                f"--gpus {given['gpus']}" + (" (on the CPU)" if not given["gpus"] else ""))
+        for line in resumed_changes(saved, cfg):
+            log(line)
     else:
         cfg = Config(**given)
     cfg.check()
