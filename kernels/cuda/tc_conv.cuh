@@ -1,0 +1,588 @@
+// tc_conv.cuh: what the tensor-core convolutions share whatever their precision (conv_tc.cu on
+// TF32, conv_bf16.cu on BF16): the tile of a block, where each operand's 16-byte chunks come from
+// in global memory (the iterators), where the outputs go, and the end of a GEMM split over k.
+//
+// A precision brings its own shared-memory stages, fragments and main loop, and a Copy map: which
+// chunks of a stage a thread copies. A Copy map has
+//   Element              float or bf16, the operand's storage
+//   BK                   the k of a stage
+//   ELEMENTS             elements per 16-byte chunk (4 or 8)
+//   CHUNKS               chunks per thread and stage
+//   LINE_THREADS         (not K_MAJOR) the threads that share a stage's line of k: the lanes t and
+//                        t + LINE_THREADS hold the same rows
+//   row(c), k(c)         where chunk c of this thread lies in the stage (row: m or n)
+//   offset(c)            its place in the stage's shared memory, in elements
+// and, as the iterators below assume, consecutive chunks of a thread 32 rows apart.
+#pragma once
+#include "common.cuh"
+#include "conv_geometry.cuh"
+#include "tensor_core.cuh"
+
+constexpr int TC_THREADS = 128;
+
+// The tile of a block: BM x BN outputs, 2 x 2 warps, each MI x NI mma tiles of 16 x 8.
+template <int BM_, int BN_>
+struct TcTile {
+    static constexpr int BM = BM_, BN = BN_, WARP_M = BM / 2, WARP_N = BN / 2;
+    static constexpr int MI = WARP_M / 16, NI = WARP_N / 8;
+    static_assert(WARP_M % 16 == 0 && NI % 2 == 0, "warp tiles of whole m16 x n16 pieces");
+};
+
+// Copies this thread's chunks of one stage into `tile`: it.at(c, offset) says whether chunk c
+// holds data, at it.base + offset in global memory, or is zero (padding, past the matrix or the
+// part's k); a zero chunk copies nothing from it.base, a valid address that keeps the instruction
+// well formed.
+template <class Copy, class Iterator>
+__device__ __forceinline__ void tc_load_stage(typename Copy::Element* tile, const Iterator& it) {
+#pragma unroll
+    for (int c = 0; c < Copy::CHUNKS; ++c) {
+        int offset = 0;
+        const bool data = it.at(c, offset);
+        // an unsigned offset: a 64-bit address in one multiply-add, where a signed one is extended first
+        cp_async_cg(tile + Copy::offset(c), it.base + unsigned(data ? offset : 0), data ? 16 : 0);
+    }
+}
+
+// What a main loop hands a GEMM's end besides its accumulators, as each stage of B lands: nothing.
+struct NoChunkWork {
+    static constexpr bool active = false;
+    template <class V>
+    __device__ void add(int, const V&) const {}
+};
+
+// ---- where the outputs go -------------------------------------------------------------------------
+
+// Where the GEMM's outputs go: element (m, n) at out.row(m) + out.column(n), either -1 past the
+// end. The Out structs below keep the two apart so that a row's offset is computed once; their
+// M_CONTIGUOUS says whether neighbouring m (else n) are neighbours in memory.
+//
+// Writes the warp's accumulators to base + that offset, adding bias[n] when bias is not null and
+// what is there already when `add` is set, rounded once to the storage E (float, or bf16: a pair
+// of columns 2t, 2t + 1 at a time, neighbours in memory since the columns of a bf16 output are n,
+// a multiple of 8 of them). M_PERMUTED: the order of rows in the mma tiles is conv_tc.cu's permuted
+// one (A not K_MAJOR).
+template <class T, bool M_PERMUTED, class Out, class E>
+__device__ __forceinline__ void tc_store(const Out& out, E* base, int m0, int n0, const float* bias, bool add,
+                                         const float (&acc)[T::MI][T::NI][4]) {
+    const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, g = lane / 4, t = lane % 4;
+    const int wm = m0 + (warp / 2) * T::WARP_M, wn = n0 + (warp % 2) * T::WARP_N;
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {   // the accumulator rows g + 8h of the mma tile
+            const int row = out.row(wm + 16 * i + (M_PERMUTED ? 2 * g + h : g + 8 * h));
+            if (row < 0) continue;
+#pragma unroll
+            for (int j = 0; j < T::NI; ++j) {
+                if constexpr (sizeof(E) == 2) {   // the columns 2t and 2t + 1, a pair in memory
+                    static_assert(!Out::M_CONTIGUOUS, "bf16 outputs run along n");
+                    const int n = wn + 8 * j + 2 * t, column = out.column(n);
+                    if (column < 0) continue;
+                    unsigned* pair = reinterpret_cast<unsigned*>(base + row + column);
+                    float v[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) v[e] = acc[i][j][2 * h + e] + (bias ? bias[n + e] : 0.0f);
+                    if (add) {
+                        v[0] += bf16x2_low(*pair);
+                        v[1] += bf16x2_high(*pair);
+                    }
+                    *pair = bf16x2_round(v[0], v[1]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {   // the columns 2t + e
+                        const int n = wn + 8 * j + 2 * t + e, column = out.column(n);
+                        if (column >= 0)
+                            base[row + column] = acc[i][j][2 * h + e] + (bias ? bias[n] : 0.0f) +
+                                                 (add ? base[row + column] : 0.0f);
+                    }
+                }
+            }
+        }
+}
+
+// The parts of a split k: `parts` of them, in groups of `group` consecutive parts (the last
+// group may be smaller), this block's being `part`.
+struct SplitK {
+    int parts, group, part;
+    __device__ int groups() const { return (parts + group - 1) / group; }
+};
+
+// What a GEMM's end adds besides its tile (backward-weight's bias gradient), at each step of
+// tc_finish, into slots of its own partials like the tile's; nothing here.
+struct NoSideSums {
+    __device__ void part(int) const {}
+    __device__ void group(int, int, int) const {}
+    __device__ void total(int, int) const {}
+    __device__ void whole() const {}
+};
+
+// The end of a GEMM: with one part, the accumulators and bias go to y; else to this part's
+// partial output, slot `part` of `partial` (float32 slots of `size` elements, the size of y), and
+// then, with one group, the last block to finish adds the parts in order into y, with the bias;
+// with several (two levels), the last block of each group to finish adds the group's partials in
+// order into slot parts + group (a slot no block wrote before), and the last group's adds those
+// slots in order into y. `add`: to what y holds (a gradient accumulated in place). `counters`:
+// the tile's groups + 1 counters (last_block). side: the same steps for other sums (NoSideSums).
+// Returns whether this block finished the tile. Every thread of the block must call it.
+template <class T, bool M_PERMUTED, class Out, class E, class Side = NoSideSums>
+__device__ __forceinline__ bool tc_finish(const Out& out, E* y, float* partial, int size, const SplitK& split,
+                                          unsigned* counters, int m0, int n0, const float* bias, bool add,
+                                          const float (&acc)[T::MI][T::NI][4], const Side& side = Side()) {
+    if (split.parts == 1) {
+        tc_store<T, M_PERMUTED>(out, y, m0, n0, bias, add, acc);
+        side.whole();
+        return true;
+    }
+    tc_store<T, M_PERMUTED>(out, partial + split.part * size, m0, n0, nullptr, false, acc);
+    side.part(split.part);
+    // the tile's elements, one per thread at a time, along the output's contiguous side
+    const auto element = [&](int idx, int& row, int& column, int& n) {
+        const int m = m0 + (Out::M_CONTIGUOUS ? idx % T::BM : idx / T::BN);
+        n = n0 + (Out::M_CONTIGUOUS ? idx / T::BM : idx % T::BN);
+        row = out.row(m);
+        column = out.column(n);
+        return row >= 0 && column >= 0;
+    };
+    int terms = split.parts, first_term = 0;   // the slots that the tile's last block adds
+    const int groups = split.groups();
+    if (groups > 1) {
+        const int group = split.part / split.group, first = group * split.group;
+        const int members = min(split.group, split.parts - first);
+        if (!last_block(counters + 1 + group, members)) return false;
+        float* sums = partial + (split.parts + group) * size;
+        for (int idx = int(threadIdx.x); idx < T::BM * T::BN; idx += TC_THREADS) {
+            int row, column, n;
+            if (element(idx, row, column, n))
+                sums[row + column] = added_partials(partial + first * size + row + column, members, size);
+        }
+        side.group(split.parts + group, first, members);
+        terms = groups;
+        first_term = split.parts;
+    }
+    if (!last_block(counters, terms)) return false;
+    for (int idx = int(threadIdx.x); idx < T::BM * T::BN; idx += TC_THREADS) {
+        int row, column, n;
+        if (element(idx, row, column, n))
+            y[row + column] = stored<E>(added_partials(partial + first_term * size + row + column, terms, size) +
+                                        (bias ? bias[n] : 0.0f) + (add ? to_float(y[row + column]) : 0.0f));
+    }
+    side.total(first_term, terms);
+    return true;
+}
+
+// The counters (of the backend's, see last_block) of this block's output tile, in phase `phase`:
+// groups + 1 of them per tile (tc_finish).
+__device__ __forceinline__ unsigned* tile_counters(unsigned* counters, int phase, const SplitK& split) {
+    return counters + ((phase * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (split.groups() + 1);
+}
+
+// The elements of a row-major (rows x columns) matrix.
+struct RowsOut {
+    static constexpr bool M_CONTIGUOUS = false;
+    int rows, columns;
+    __device__ int row(int m) const { return m < rows ? m * columns : -1; }
+    __device__ int column(int n) const { return n < columns ? n : -1; }
+};
+
+// The dx rows (NHWC) of the phase's cells.
+struct PhaseRowsOut {
+    static constexpr bool M_CONTIGUOUS = false;
+    Geometry<0, 0> g;
+    Phase f;
+    __device__ int row(int m) const {
+        if (m >= g.n * f.cells()) return -1;
+        const int img = m / f.cells(), uv = m - img * f.cells(), u = uv / f.cols, v = uv - u * f.cols;
+        return ((img * g.h + f.h_first + g.sh * u) * g.w + f.w_first + g.sw * v) * g.c;
+    }
+    __device__ int column(int n) const { return n < g.c ? n : -1; }
+};
+
+// The elements of dw for the GEMM's rows m = (r, s, ci) and columns n = o: in (O, KH, KW, C) order
+// (krsc: the model's weights channels-last, as the parameters of a flat buffer are), else in
+// (O, C, KH, KW) order.
+struct WeightsOut {
+    static constexpr bool M_CONTIGUOUS = true;
+    Geometry<0, 0> g;
+    int krsc;
+    __device__ int row(int m) const {
+        if (m >= g.taps() * g.c) return -1;
+        const int tap = m / g.c;
+        return krsc ? m : (m - tap * g.c) * g.taps() + tap;
+    }
+    __device__ int column(int n) const { return n < g.o ? n * g.c * g.taps() : -1; }
+};
+
+// The bias gradient of backward-weight's blocks of the first row of tiles (x = 0): db[n] = the sum
+// of dy[k, n] over the pixels k. Each thread adds the raw values of its chunks of dy as they land
+// (its line, one pixel of each stage, and its ELEMENTS x CHUNKS channels), in k order; then the block
+// adds the threads of each channel in a fixed order (a butterfly within the warp over the lanes that
+// share the channels, the warps in order). With several parts each writes its slot of db_partial
+// (slots of O), which tc_finish's steps add in order, like the tile's.
+template <class T, class Copy>
+struct BiasSums {
+    float* db;
+    float* db_partial;
+    int o, n0;
+    bool active;
+    float sum[Copy::CHUNKS][Copy::ELEMENTS];
+    float* block_sums;   // [BN] in shared memory: the block's sums, after reduce()
+
+    __device__ void add(int c, const Floats<Copy::ELEMENTS>& v) {
+        if (!active) return;
+#pragma unroll
+        for (int e = 0; e < Copy::ELEMENTS; ++e) sum[c][e] += v.v[e];
+    }
+    // every thread of the block calls it; `warps` may be shared memory that the main loop used
+    __device__ void reduce(float (&warps)[4][T::BN]) {
+        if (!active) return;   // the same for the whole block
+        const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+        __syncthreads();       // every warp is done with the main loop's shared memory
+#pragma unroll
+        for (int c = 0; c < Copy::CHUNKS; ++c)
+#pragma unroll
+            for (int e = 0; e < Copy::ELEMENTS; ++e) {
+                float v = sum[c][e];   // the lanes lane % LINE_THREADS + LINE_THREADS i hold the same channels
+#pragma unroll
+                for (int offset = Copy::LINE_THREADS; offset < 32; offset *= 2)
+                    v += __shfl_xor_sync(kFullMask, v, offset);
+                if (lane < Copy::LINE_THREADS) warps[warp][Copy::row(c) + e] = v;
+            }
+        __syncthreads();
+        block_sums = warps[0];
+        if (threadIdx.x < T::BN)
+            block_sums[threadIdx.x] = ((warps[0][threadIdx.x] + warps[1][threadIdx.x]) + warps[2][threadIdx.x]) +
+                                      warps[3][threadIdx.x];
+    }
+    __device__ int channel() const { return n0 + int(threadIdx.x); }
+    __device__ bool mine() const { return active && int(threadIdx.x) < T::BN && channel() < o; }
+    __device__ void whole() const {
+        if (mine()) db[channel()] = block_sums[threadIdx.x];
+    }
+    __device__ void part(int part) const {
+        if (mine()) db_partial[part * o + channel()] = block_sums[threadIdx.x];
+    }
+    __device__ void group(int slot, int first, int members) const {
+        if (mine()) db_partial[slot * o + channel()] = added_partials(db_partial + first * o + channel(), members, o);
+    }
+    __device__ void total(int first, int terms) const {
+        if (mine()) db[channel()] = added_partials(db_partial + first * o + channel(), terms, o);
+    }
+};
+
+// ---- the copies' addresses with divisions (any channel counts the chunks take) -------------------
+
+// A Source's chunks: chunk c of a stage at source.offset(row0 + row(c), k0 + k(c)) from base,
+// with the divisions that the Source does; none past k_end.
+template <class Copy, class Source>
+struct Gathered {
+    const typename Copy::Element* base;
+    Source source;
+    int row0, k0, k_end;
+    __device__ bool at(int c, int& offset) const {
+        const int k = k0 + Copy::k(c);
+        offset = k < k_end ? source.offset(row0 + Copy::row(c), k) : -1;
+        return offset >= 0;
+    }
+    __device__ void next() { k0 += Copy::BK; }
+};
+
+// The im2col element of the NHWC image x for the output pixel (img, p, q) and the column (r, s, ci):
+// the offset of x[img, p*sh - ph + r, q*sw - pw + s, ci], or -1 in the padding.
+__device__ __forceinline__ int im2col_offset(const Geometry<0, 0>& g, int pixel, int column) {
+    const int img = pixel / g.out_plane(), pq = pixel - img * g.out_plane(), p = pq / g.ow, q = pq - p * g.ow;
+    const int tap = column / g.c, ci = column - tap * g.c, r = tap / g.kw(), s = tap - r * g.kw();
+    const int hh = p * g.sh - g.ph + r, ww = q * g.sw - g.pw + s;
+    if (unsigned(hh) >= unsigned(g.h) || unsigned(ww) >= unsigned(g.w)) return -1;
+    return ((img * g.h + hh) * g.w + ww) * g.c + ci;
+}
+
+// The Sources below give the offset of an operand's element (row, k) in its array, or -1 where it
+// is zero.
+
+// im2col(x) for the output pixel `row` and the column k = (r, s, ci) (the forward's A).
+struct ImageRows {
+    Geometry<0, 0> g;
+    __device__ int offset(int row, int k) const { return row < g.n * g.out_plane() ? im2col_offset(g, row, k) : -1; }
+};
+
+// Row `row` of a row-major (rows x ld) matrix, read along k (the forward's B).
+struct MatrixRows {
+    int rows, ld;
+    __device__ int offset(int row, int k) const { return row < rows ? row * ld + k : -1; }
+};
+
+// dy[img, t_h + u - i, t_w + v - j, co] for the phase's cell `row` = (img, u, v) and
+// k = (i, j, co), none where that falls outside the output (backward-data's A).
+struct GradientRows {
+    Geometry<0, 0> g;
+    Phase f;
+    __device__ int offset(int row, int k) const {
+        if (row >= g.n * f.cells()) return -1;
+        const int img = row / f.cells(), uv = row - img * f.cells(), u = uv / f.cols, v = uv - u * f.cols;
+        const int tap = k / g.o, co = k - tap * g.o, i = tap / f.taps_w, j = tap - i * f.taps_w;
+        const int p = f.t_h + u - i, q = f.t_w + v - j;
+        if (unsigned(p) >= unsigned(g.oh) || unsigned(q) >= unsigned(g.ow)) return -1;
+        return ((img * g.oh + p) * g.ow + q) * g.o + co;
+    }
+};
+
+// w_krsc[co, a + sh*i, b + sw*j, ci] for the input channel `row` = ci and k = (i, j, co), read
+// along the channels: the weights as the forward reads them, no copy in another order
+// (backward-data's B).
+struct WeightRows {
+    Geometry<0, 0> g;
+    Phase f;
+    __device__ int offset(int ci, int k) const {
+        if (ci >= g.c) return -1;
+        const int tap = k / g.o, co = k - tap * g.o, i = tap / f.taps_w, j = tap - i * f.taps_w;
+        return ((co * g.kh() + f.a + g.sh * i) * g.kw() + f.b + g.sw * j) * g.c + ci;
+    }
+};
+
+// im2col(x) for the column `row` = (r, s, ci) and the pixel k (backward-weight's A).
+struct ImageColumns {
+    Geometry<0, 0> g;
+    __device__ int offset(int row, int k) const { return row < g.taps() * g.c ? im2col_offset(g, k, row) : -1; }
+};
+
+// dy[k, row]: the output channel `row` of the pixel k (backward-weight's B).
+struct ChannelsOfPixels {
+    int channels;
+    __device__ int offset(int row, int k) const { return row < channels ? k * channels + row : -1; }
+};
+
+// ---- the copies' addresses worked out before the loop (aligned channel counts) -------------------
+// Every channel count a multiple of the stage's BK (a stage's k in one filter tap) and at most 32
+// filter taps: each thread's iterators work out the image, row and column of their rows once, before
+// the loop; a stage then adds a constant to an offset and tests a precomputed bit of the tap's padding
+// mask (CUTLASS's "optimized" convolution iterators work the same way). Backward-weight's k is the
+// pixel: a thread's chunks of im2col share one pixel, split into image, row and column by FastDivmod
+// once per stage.
+
+// The forward's A: im2col(x) for the output pixels m (the thread's rows) and k = (r, s, ci). Per
+// row, the offset of its window's first element and a bit per tap inside the image; per stage, the
+// tap and the offset of (r, s, ci) from the window's start.
+template <class Copy>
+struct ImageRowsAligned {
+    const typename Copy::Element* base;   // x
+    int offset[Copy::CHUNKS];
+    unsigned inside[Copy::CHUNKS];   // bit r * KW + s: the tap (r, s) of the row is in the image
+    int tap, s, ci, shift;           // the stage's tap (r, s) and channel; shift = (r * W + s) * C + ci
+    int c, kw, row_skip;             // row_skip = (W - KW) * C
+
+    __device__ ImageRowsAligned(const Geometry<0, 0>& g, const typename Copy::Element* x, int m0, int k_begin)
+        : base(x), c(g.c), kw(g.kw()), row_skip((g.w - g.kw()) * g.c) {
+#pragma unroll
+        for (int i = 0; i < Copy::CHUNKS; ++i) {
+            const int m = m0 + Copy::row(i);
+            const int img = m / g.out_plane(), pq = m - img * g.out_plane(), p = pq / g.ow, q = pq - p * g.ow;
+            const int h0 = p * g.sh - g.ph, w0 = q * g.sw - g.pw;
+            offset[i] = ((img * g.h + h0) * g.w + w0) * g.c + Copy::k(i);
+            unsigned bits = 0;
+            for (int r = 0; r < g.kh(); ++r)
+                for (int t = 0; t < g.kw(); ++t)
+                    if (unsigned(h0 + r) < unsigned(g.h) && unsigned(w0 + t) < unsigned(g.w)) bits |= 1u << (r * kw + t);
+            inside[i] = m < g.n * g.out_plane() ? bits : 0u;
+        }
+        tap = k_begin / c;
+        ci = k_begin - tap * c;
+        const int r = tap / kw;
+        s = tap - r * kw;
+        shift = (r * g.w + s) * c + ci;
+    }
+    __device__ bool at(int i, int& at_offset) const {
+        at_offset = offset[i] + shift;
+        return inside[i] >> tap & 1u;
+    }
+    __device__ void next() {
+        shift += Copy::BK;   // the next channels, or the first of the next tap along the row
+        ci += Copy::BK;
+        if (ci == c) {
+            ci = 0;
+            ++tap;
+            if (++s == kw) {
+                s = 0;
+                shift += row_skip;
+            }
+        }
+    }
+};
+
+// The forward's B: rows of a row-major (rows x ld) matrix read along k, ld a multiple of BK.
+template <class Copy>
+struct MatrixRowsAligned {
+    const typename Copy::Element* base;   // the matrix
+    int first, ld32;     // the offset of the thread's chunk 0 in the current stage; chunk i is 32 i rows further
+    unsigned inside;     // bit i: chunk i's row is in the matrix
+    __device__ MatrixRowsAligned(const typename Copy::Element* matrix, int rows, int ld, int n0, int k_begin)
+        : base(matrix), first((n0 + Copy::row(0)) * ld + k_begin + Copy::k(0)), ld32(ld * 32), inside(0) {
+#pragma unroll
+        for (int i = 0; i < Copy::CHUNKS; ++i) inside |= unsigned(n0 + Copy::row(i) < rows) << i;
+    }
+    __device__ bool at(int i, int& offset) const {
+        offset = first + i * ld32;
+        return inside >> i & 1u;
+    }
+    __device__ void next() { first += Copy::BK; }
+};
+
+// Backward-data's A: dy gathered for the phase's cells m (the thread's rows) and k = (i, j, co),
+// at most 32 taps in the phase. Per row, the offset of dy at (t_h + u, t_w + v) and a bit per tap
+// (i, j) whose output (t_h + u - i, t_w + v - j) exists; per stage, the offset -(i * OW + j) * O + co.
+template <class Copy>
+struct GradientRowsAligned {
+    const typename Copy::Element* base;   // dy
+    int offset[Copy::CHUNKS];
+    unsigned inside[Copy::CHUNKS];   // bit i * taps_w + j
+    int tap, j, co, shift, o, taps_w, row_skip;   // row_skip = (OW - taps_w) * O
+
+    __device__ GradientRowsAligned(const Geometry<0, 0>& g, const Phase& f, const typename Copy::Element* dy, int m0,
+                                   int k_begin)
+        : base(dy), o(g.o), taps_w(f.taps_w), row_skip((g.ow - f.taps_w) * g.o) {
+#pragma unroll
+        for (int r = 0; r < Copy::CHUNKS; ++r) {
+            const int m = m0 + Copy::row(r);
+            const int img = m / f.cells(), uv = m - img * f.cells(), u = uv / f.cols, v = uv - u * f.cols;
+            const int p0 = f.t_h + u, q0 = f.t_w + v;
+            offset[r] = ((img * g.oh + p0) * g.ow + q0) * g.o + Copy::k(r);
+            unsigned bits = 0;
+            for (int i = 0; i < f.taps_h; ++i)
+                for (int t = 0; t < f.taps_w; ++t)
+                    if (unsigned(p0 - i) < unsigned(g.oh) && unsigned(q0 - t) < unsigned(g.ow)) bits |= 1u << (i * taps_w + t);
+            inside[r] = m < g.n * f.cells() ? bits : 0u;
+        }
+        tap = k_begin / o;
+        co = k_begin - tap * o;
+        const int i = taps_w ? tap / taps_w : 0;   // a phase no tap reaches has no stage
+        j = tap - i * taps_w;
+        shift = co - (i * g.ow + j) * o;
+    }
+    __device__ bool at(int r, int& at_offset) const {
+        at_offset = offset[r] + shift;
+        return inside[r] >> tap & 1u;
+    }
+    __device__ void next() {
+        shift += Copy::BK;
+        co += Copy::BK;
+        if (co == o) {   // the next tap: one output column to the left, or the row above
+            co = 0;
+            ++tap;
+            shift -= 2 * o;
+            if (++j == taps_w) {
+                j = 0;
+                shift -= row_skip;
+            }
+        }
+    }
+};
+
+// Backward-data's B: w_krsc[co, a + sh*i, b + sw*j, ci] for the line k = (i, j, co) of the stage
+// (the thread's one) and the input channels ci (its chunks): a stage's BK k are BK consecutive co of
+// one tap, KH*KW*C apart.
+template <class Copy>
+struct WeightRowsAligned {
+    const typename Copy::Element* base;   // w_krsc
+    int first;           // the offset of chunk 0 of the current stage; chunk c is 32 c channels further
+    unsigned inside;     // bit c: chunk c's channels exist
+    int co, j, o, taps_w, co_step, co_wrap, tap_step, row_step;
+
+    __device__ WeightRowsAligned(const Geometry<0, 0>& g, const Phase& f, const typename Copy::Element* w_krsc, int n0,
+                                 int k_begin)
+        : base(w_krsc), inside(0), o(g.o), taps_w(f.taps_w) {
+        const int per_co = g.taps() * g.c;   // between consecutive co
+        const int tap = k_begin / o, i = taps_w ? tap / taps_w : 0;   // a phase no tap reaches has no stage
+        co = k_begin - tap * o;
+        j = tap - i * taps_w;
+        first = (co + Copy::k(0)) * per_co + ((f.a + g.sh * i) * g.kw() + f.b + g.sw * j) * g.c + n0 + Copy::row(0);
+#pragma unroll
+        for (int c = 0; c < Copy::CHUNKS; ++c) inside |= unsigned(n0 + Copy::row(c) < g.c) << c;
+        co_step = Copy::BK * per_co;
+        co_wrap = o * per_co;        // back to co = 0
+        tap_step = g.sw * g.c;       // the next j
+        row_step = g.sh * g.kw() * g.c - taps_w * g.sw * g.c;   // the next i, j = 0
+    }
+    __device__ bool at(int c, int& offset) const {
+        offset = first + 32 * c;
+        return inside >> c & 1u;
+    }
+    __device__ void next() {
+        first += co_step;
+        co += Copy::BK;
+        if (co == o) {
+            co = 0;
+            first += tap_step - co_wrap;
+            if (++j == taps_w) {
+                j = 0;
+                first += row_step;
+            }
+        }
+    }
+};
+
+// Backward-weight's A: im2col(x) for the columns m = (r, s, ci) (the thread's chunks, fixed) and
+// the pixel k of the stage's line (the thread's one), C a multiple of the chunk's elements so that a
+// chunk's columns share their tap. Per chunk, its tap and the offset of (r, s, ci) from a window's
+// start; per stage, the pixel's image, row and column by FastDivmod (by OH*OW and by OW) and its
+// window's offset.
+template <class Copy>
+struct ImageColumnsAligned {
+    Geometry<0, 0> g;
+    const typename Copy::Element* base;   // x
+    FastDivmod plane, width;
+    int column[Copy::CHUNKS], r[Copy::CHUNKS], s[Copy::CHUNKS];
+    unsigned inside;   // bit c: chunk c's columns exist
+    int pixel, k_end, window, h0, w0;
+
+    __device__ ImageColumnsAligned(const Geometry<0, 0>& g_, const typename Copy::Element* x, const FastDivmod& plane_,
+                                   const FastDivmod& width_, int m0, int k_begin, int k_end_)
+        : g(g_), base(x), plane(plane_), width(width_), inside(0), pixel(k_begin + Copy::k(0)), k_end(k_end_) {
+#pragma unroll
+        for (int c = 0; c < Copy::CHUNKS; ++c) {
+            const int m = m0 + Copy::row(c), tap = m / g.c, ci = m - tap * g.c;
+            r[c] = tap / g.kw();
+            s[c] = tap - r[c] * g.kw();
+            column[c] = (r[c] * g.w + s[c]) * g.c + ci;
+            inside |= unsigned(m < g.taps() * g.c) << c;
+        }
+        locate();
+    }
+    __device__ void locate() {
+        const int img = plane.div(pixel), pq = plane.mod(pixel, img), p = width.div(pq), q = width.mod(pq, p);
+        h0 = p * g.sh - g.ph;
+        w0 = q * g.sw - g.pw;
+        window = ((img * g.h + h0) * g.w + w0) * g.c;
+    }
+    __device__ bool at(int c, int& offset) const {
+        offset = window + column[c];
+        return pixel < k_end && (inside >> c & 1u) && unsigned(h0 + r[c]) < unsigned(g.h) &&
+               unsigned(w0 + s[c]) < unsigned(g.w);
+    }
+    __device__ void next() {
+        pixel += Copy::BK;
+        locate();
+    }
+};
+
+// Backward-weight's B: dy[k, n] for the pixel k of the stage's line (the thread's one) and the
+// output channels n (its chunks).
+template <class Copy>
+struct PixelChannelsAligned {
+    const typename Copy::Element* base;   // dy
+    int first;           // the offset of chunk 0 of the current stage; chunk c is 32 c channels further
+    int pixel, k_end, step;
+    unsigned inside;     // bit c: chunk c's channels exist
+    __device__ PixelChannelsAligned(const typename Copy::Element* dy, int channels, int n0, int k_begin, int k_end_)
+        : base(dy), first((k_begin + Copy::k(0)) * channels + n0 + Copy::row(0)), pixel(k_begin + Copy::k(0)),
+          k_end(k_end_), step(Copy::BK * channels), inside(0) {
+#pragma unroll
+        for (int c = 0; c < Copy::CHUNKS; ++c) inside |= unsigned(n0 + Copy::row(c) < channels) << c;
+    }
+    __device__ bool at(int c, int& offset) const {
+        offset = first + 32 * c;
+        return pixel < k_end && (inside >> c & 1u);
+    }
+    __device__ void next() {
+        first += step;
+        pixel += Copy::BK;
+    }
+};
