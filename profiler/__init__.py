@@ -38,9 +38,10 @@ Per row, from one extra step in which every op of the kernel contract and every 
 launch is recorded against the row that ran it: the kernels by name, FLOPs and the fewest bytes
 they must move (profiler/costs.py), the achieved TFLOP/s and GB/s, and which roof bounds it: its
 arithmetic intensity against the device's ridge point (PEAKS; the CPU's is measured at start),
-with the fraction of that roof reached; a row whose kernels multiply on the tensor cores (the
-convolutions under the tf32 precision but for the stem, which runs in FP32) sits under the TF32
-tensor cores' compute roof, the rest under FP32's. The precision is in the report's config. Grouped by stage and residual block by module name.
+with the fraction of that roof reached; a row whose kernels multiply on the tensor cores sits under
+their compute roof: TF32's for the convolutions under the tf32 precision (but for the stem, which
+runs in FP32), BF16's, twice as high, for those under bf16; the rest under FP32's. The precision is
+in the report's config. Grouped by stage and residual block by module name.
 
 Its own overhead: each profiled step runs beside a plain one timed by one pair of marks, and the
 report states both medians and their difference.

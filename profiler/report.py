@@ -144,8 +144,8 @@ class Report:
                                for (n, c), (ms, overlap) in self.concurrent.items()]}
 
     def roofs(self, row):
-        """The roofs of a row: the device's, with the tensor cores' compute roof for a row whose
-        kernels multiply on them (roofs.Peak.of); None for a GPU without figures."""
+        """The roofs of a row: the device's, with the compute roof of the tensor cores (TF32's or BF16's)
+        for a row whose kernels multiply on them (roofs.Peak.of); None for a GPU without figures."""
         return self.peak.of([name for names in row.kernels.values() for name in names]) if self.peak else None
 
     def groups(self):
@@ -166,8 +166,8 @@ class Report:
         roof = (f"{peak.device}: {peak.tflops:.3g} TFLOP/s, {peak.gbs:.4g} GB/s, ridge {peak.ridge:.1f} FLOP/B "
                 f"({peak.source})") if peak else "roofs unknown for this GPU: add it to PEAKS in profiler/roofs.py"
         rows = self.by_cost()
-        if peak and peak.tensor_tflops and any(self.roofs(r) is not peak for r in rows):
-            roof += f"; the rows on the TF32 tensor cores: {peak.tensor_tflops:.4g} TFLOP/s"
+        tensor_roofs = {(r.compute, r.tflops) for r in map(self.roofs, rows) if r is not None and r is not peak}
+        roof += "".join(f"; the rows on the {compute}: {tflops:.4g} TFLOP/s" for compute, tflops in sorted(tensor_roofs))
         lines = [f"{c['model']}, batch {c['batch_size']}, {c['backend']} backend, {c['precision']} ({c['clock']}): "
                  f"medians of {c['steps']} steps after {c['warmup']} warm-up", roof, "", TABLE_HEADER]
         lines += [_table_line(r.metrics(self.roofs(r), self.step_ms), self.step_ms) for r in rows[:top]]

@@ -327,6 +327,11 @@ def test_rows_whose_kernels_multiply_on_the_tensor_cores_sit_under_their_roof():
     h200 = profiler.gpu_peak("NVIDIA H200")
     assert h200.of(["conv_tc_forward<Tc128x64, 16>", "bn_stats_rows"]).tflops == h200.tensor_tflops == 494.7
     assert h200.of(["conv_tc_wgrad<Tc128x64, 4>"]).tflops == 494.7
+    assert h200.of(["conv_tc_dgrad<Tc128x64, 16>"]).compute == "TF32 tensor cores" and h200.compute == "FP32"
+    for gemm in ("conv_bf16_forward", "conv_bf16_dgrad", "conv_bf16_wgrad"):   # the bf16 precision's
+        bf16 = h200.of([f"{gemm}<Tc128x64, 16>", "bn_stats_rows"])
+        assert bf16.tflops == h200.bf16_tflops == 989.4 and bf16.compute == "BF16 tensor cores", gemm
+        assert bf16.gbs == h200.gbs and bf16.ridge == 2 * h200.of(["conv_tc_forward<Tc64x64, 4>"]).ridge
     assert h200.of(["conv2d_forward<Tile64, 3, 3>", "conv2d_wgrad<Tile64, 3, 3>"]) is h200   # the stem: FP32
     assert h200.of(["linear_forward"]) is h200 and h200.of([]) is h200
     assert profiler.measured_cpu_peak().of(["conv_tc_forward<Tc64x64, 4>"]) is profiler.measured_cpu_peak()
@@ -358,6 +363,10 @@ def test_the_stem_sits_under_the_fp32_roof_and_the_tensor_core_convolutions_unde
 
 def test_the_peak_table():
     assert profiler.gpu_peak("NVIDIA H200").tflops == 67 and profiler.gpu_peak("NVIDIA H200").gbs == 4800
+    assert profiler.gpu_peak("NVIDIA H200 NVL").bf16_tflops == 835.5
+    assert profiler.gpu_peak("NVIDIA H100 PCIe").bf16_tflops == 2 * profiler.gpu_peak("NVIDIA H100 PCIe").tensor_tflops \
+        + 0.5   # the datasheet's 1,513 with sparsity
+    assert profiler.gpu_peak("NVIDIA A100-SXM4-40GB").bf16_tflops == 312
     assert profiler.gpu_peak("NVIDIA H100 80GB HBM3").gbs == 3350
     assert profiler.gpu_peak("NVIDIA H100 PCIe").tflops == 51
     assert profiler.gpu_peak("NVIDIA A100-SXM4-80GB").gbs == 2039
