@@ -6,6 +6,14 @@ computes in the dtype it is given. ``stride``, ``padding`` and ``kernel_size``
 are ints or (h, w) pairs. What a backward needs from its forward is returned by
 the forward and passed back explicitly.
 
+The device backends take float32 and, for activations and their gradients,
+bfloat16 (``kernels.bfloat16``, the bf16 precision's storage): an op's activations
+share one dtype, which its activation outputs take, and it computes in float32,
+rounding what it stores to bfloat16 once; statistics, parameters, their gradients,
+the loss and the linear layer stay float32. The CPU backend meets bfloat16 only
+where a signature names it (cast, sgd_update's copy, global_avg_pool_backward's
+dtype).
+
 The CPU backend's 4-D results are channels-last in memory (NCHW shape over NHWC
 strides, like PyTorch's channels_last format), the layout its convolutions compute
 in, so that a network of them never transposes. Every kernel accepts any memory
@@ -88,6 +96,10 @@ images_to_float(images, idx=None) -> x
     those images (images[idx]), gathered in the same pass.
 take(a, idx) -> a[idx]
     a 1-D int32 array (the labels) gathered at 1-D integer indices: a batch's labels.
+cast(a, dtype, out=None) -> y
+    a (float32 or bfloat16; on the CPU backend float64 too) converted to dtype (float32 or
+    bfloat16: rounded to nearest even), into out when given (a's shape, dense, that dtype:
+    a flat buffer's view at any offset, say), else a new array in a's memory layout.
 """
 from .conv import conv2d_forward, conv2d_backward
 from .batchnorm import (batch_norm_forward, batch_norm_backward, batch_norm_update_running,
@@ -100,6 +112,6 @@ from .pool import (max_pool2d_forward, max_pool2d_backward, global_avg_pool_forw
 from .linear import linear_forward, linear_backward
 from .loss import softmax_cross_entropy_forward, softmax_cross_entropy_backward, count_correct
 from .optim import sgd_update
-from .convert import images_to_float, take
+from .convert import images_to_float, take, cast
 
 name = "cpu"

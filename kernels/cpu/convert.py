@@ -1,5 +1,6 @@
 """uint8 images to float32 in [0, 1], with a channel axis: (N, H, W) -> (N, 1, H, W), those of a
-batch's indices; and the gather of a batch's labels."""
+batch's indices; the gather of a batch's labels; and the conversion of an array to another float
+dtype (float32 to bfloat16 and back, for the bf16 precision's copies)."""
 import numpy as np
 
 
@@ -23,3 +24,14 @@ def _indices(op, idx):
     if idx.dtype.kind not in "iu" or idx.ndim != 1:
         raise ValueError(f"{op} expects 1-D integer indices, got {idx.dtype} {idx.shape}")
     return idx
+
+
+def cast(a, dtype, out=None):
+    """NumPy's astype, which keeps a's memory layout and rounds to nearest even (ml_dtypes' bfloat16
+    too); into `out` when given."""
+    if out is None:
+        return a.astype(dtype)
+    if out.shape != a.shape or out.dtype != np.dtype(dtype):
+        raise ValueError(f"cast: out is {out.dtype} {out.shape}, where {np.dtype(dtype)} {a.shape} is due")
+    out[...] = a
+    return out

@@ -1,11 +1,14 @@
-// elementwise.cu: relu, its backward, the residual join relu(a + b), uint8 images (gathered by
-// a batch's indices) to float32 and the gather of labels, on flat contiguous arrays. Launched by
-// kernels/cuda/elementwise.py; checked by tests/test_kernels_cuda.py against tests/reference.py
-// and kernels/cpu/elementwise.py.
+// elementwise.cu: relu, its backward, the residual join relu(a + b), the conversion between float32
+// and bfloat16, uint8 images (gathered by a batch's indices) to float32 and the gather of labels, on
+// flat contiguous arrays. Launched by kernels/cuda/elementwise.py; checked by
+// tests/test_kernels_cuda.py (float32) and tests/test_bf16_ops.py (bfloat16) against
+// tests/reference.py and kernels/cpu/elementwise.py.
 // Every kernel is memory-bound: VEC elements per thread and step (VEC = 4: 16-byte loads and
-// stores, where the launcher found every array 16-byte aligned and the count a multiple of 4),
-// grid-stride, coalesced. relu keeps a NaN as NaN (as NumPy's maximum and PyTorch do), so that a
-// NaN upstream is not hidden.
+// stores of float32, 8-byte ones of bfloat16, where the launcher found every array aligned to 4
+// elements and the count a multiple of 4), grid-stride, coalesced. The activations' kernels take
+// their storage type T last, float32 by default, or bfloat16 (bf16.cuh): they compute in float32
+// and round what they store once. relu keeps a NaN as NaN (as NumPy's maximum and PyTorch do), so
+// that a NaN upstream is not hidden.
 #include "common.cuh"
 
 // The first element of this thread's VEC, and the stride of the grid, in elements.
@@ -13,9 +16,9 @@
     for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * VEC; i < (total); i += gridDim.x * blockDim.x * VEC)
 
 // y = max(x, 0).
-template <int VEC>
+template <int VEC, class T = float>
 __global__ void __launch_bounds__(256)
-relu_forward(const float* __restrict__ x, int total, float* __restrict__ y) {
+relu_forward(const T* __restrict__ x, int total, T* __restrict__ y) {
     VEC_LOOP(i, total) {
         Floats<VEC> v = load_floats<VEC>(x + i);
 #pragma unroll
@@ -25,9 +28,9 @@ relu_forward(const float* __restrict__ x, int total, float* __restrict__ y) {
 }
 
 // dx = dy where y > 0, else 0 (the mask from the output, which serves relu and add_relu alike).
-template <int VEC>
+template <int VEC, class T = float>
 __global__ void __launch_bounds__(256)
-relu_backward(const float* __restrict__ dy, const float* __restrict__ y, int total, float* __restrict__ dx) {
+relu_backward(const T* __restrict__ dy, const T* __restrict__ y, int total, T* __restrict__ dx) {
     VEC_LOOP(i, total) {
         Floats<VEC> g = load_floats<VEC>(dy + i);
         const Floats<VEC> out = load_floats<VEC>(y + i);
@@ -38,9 +41,9 @@ relu_backward(const float* __restrict__ dy, const float* __restrict__ y, int tot
 }
 
 // y = a + b (y may be a or b: gradient accumulation in place).
-template <int VEC>
+template <int VEC, class T = float>
 __global__ void __launch_bounds__(256)
-add(const float* a, const float* b, int total, float* y) {
+add(const T* a, const T* b, int total, T* y) {
     VEC_LOOP(i, total) {
         Floats<VEC> u = load_floats<VEC>(a + i);
         const Floats<VEC> v = load_floats<VEC>(b + i);
@@ -51,9 +54,9 @@ add(const float* a, const float* b, int total, float* y) {
 }
 
 // y = max(a + b, 0).
-template <int VEC>
+template <int VEC, class T = float>
 __global__ void __launch_bounds__(256)
-add_relu_forward(const float* __restrict__ a, const float* __restrict__ b, int total, float* __restrict__ y) {
+add_relu_forward(const T* __restrict__ a, const T* __restrict__ b, int total, T* __restrict__ y) {
     VEC_LOOP(i, total) {
         Floats<VEC> u = load_floats<VEC>(a + i);
         const Floats<VEC> v = load_floats<VEC>(b + i);
@@ -64,6 +67,14 @@ add_relu_forward(const float* __restrict__ a, const float* __restrict__ b, int t
         }
         store_floats<VEC>(y + i, u);
     }
+}
+
+// y = x converted from TIn to TOut, float32 or bfloat16: widened exactly, or rounded to nearest even
+// (the bfloat16 copy of the flat float32 parameter buffer, say).
+template <int VEC, class TIn, class TOut>
+__global__ void __launch_bounds__(256)
+cast(const TIn* __restrict__ x, int total, TOut* __restrict__ y) {
+    VEC_LOOP(i, total) store_floats<VEC>(y + i, load_floats<VEC>(x + i));
 }
 
 // x = images[idx] / 255 as float32, image n of x being image idx[n] of images (n itself when idx

@@ -1,13 +1,18 @@
-"""Launchers of elementwise.cu: a + b, relu, relu's backward, relu(a + b), uint8 images (of a
-batch's indices) to float, and the gather of labels."""
+"""Launchers of elementwise.cu: a + b, relu, relu's backward, relu(a + b) on float32 or bfloat16
+activations, the conversion between the two, uint8 images (of a batch's indices) to float, and the
+gather of labels."""
 import numpy as np
 
-from .launch import C_TYPES, blocks, dense, in_place, integers, launch, like, typed, vector_width
+from .launch import C_TYPES, STORAGE_TYPES, blocks, dense, in_place, integers, launch, like, storage, \
+    storage_argument, typed, vector_width
 
-OPS = ("add", "relu_forward", "relu_backward", "add_relu_forward", "images_to_float", "take")
-KERNELS = tuple(f"{kernel}<{vec}>" for kernel in ("add", "relu_forward", "relu_backward", "add_relu_forward")
-                for vec in (1, 4)) + tuple(f"{kernel}<{t}>" for kernel in ("images_to_float", "take")
-                                           for t in C_TYPES.values())
+OPS = ("add", "relu_forward", "relu_backward", "add_relu_forward", "cast", "images_to_float", "take")
+KERNELS = tuple(f"{kernel}<{vec}{storage_argument(t)}>"
+                for kernel in ("add", "relu_forward", "relu_backward", "add_relu_forward")
+                for vec in (1, 4) for t in STORAGE_TYPES.values()) + \
+    tuple(f"cast<{vec}, {source}, {target}>" for vec in (1, 4) for source in STORAGE_TYPES.values()
+          for target in STORAGE_TYPES.values()) + \
+    tuple(f"{kernel}<{t}>" for kernel in ("images_to_float", "take") for t in C_TYPES.values())
 
 
 def add(be, a, b, out=None):
@@ -26,20 +31,42 @@ def add_relu_forward(be, a, b):
     return _elementwise(be, "add_relu_forward", a, b)
 
 
+def cast(be, a, dtype, out=None):
+    """`a` (float32 or bfloat16) converted to `dtype` (one of those), into `out` when given (dense,
+    of that dtype), else into a new array in a's layout."""
+    dtype = np.dtype(dtype)
+    if dtype not in STORAGE_TYPES:
+        raise TypeError(f"cast: converts to float32 or bfloat16, not {dtype}")
+    a = dense(be, "cast", a)
+    if out is None:
+        out = be.xp.empty_like(a, dtype=dtype)
+    else:
+        in_place(be, "cast", out, dtype=dtype)
+    (a,) = like(be, "cast", out, a)
+    _same_shape("cast", a, out)
+    vec = vector_width(out.size, a, out)
+    launch(be, "elementwise", f"cast<{vec}, {STORAGE_TYPES[a.dtype]}, {STORAGE_TYPES[dtype]}>",
+           blocks(out.size // vec), (a, out.size, out))
+    return out
+
+
 def _elementwise(be, kernel, *operands, out=None):
-    """One launch of a float32 kernel(operands..., total, out) over operands of one shape, element
-    by element of their memory: every operand in the layout (NCHW or channels-last) of the first
-    one, or of `out` when given (which must then be dense); the result in that layout."""
+    """One launch of kernel(operands..., total, out) over operands of one shape and one storage dtype
+    (float32 or bfloat16), element by element of their memory: every operand in the layout (NCHW or
+    channels-last) of the first one, or of `out` when given (which must then be dense, of their
+    dtype); the result in that layout."""
     first = dense(be, kernel, operands[0])
     if out is None:
         out = be.xp.empty_like(first)
     else:
-        in_place(be, kernel, out)
+        in_place(be, kernel, out, dtype=first.dtype)
     operands = like(be, kernel, out, first, *operands[1:])
     for other in (*operands[1:], out):
         _same_shape(kernel, operands[0], other)
+    t = storage(kernel, *operands)
     vec = vector_width(out.size, *operands, out)
-    launch(be, "elementwise", f"{kernel}<{vec}>", blocks(out.size // vec), (*operands, out.size, out))
+    launch(be, "elementwise", f"{kernel}<{vec}{storage_argument(t)}>", blocks(out.size // vec),
+           (*operands, out.size, out))
     return out
 
 

@@ -94,7 +94,7 @@ def storage(op, *arrays):
 
 
 def like(be, op, reference, *arrays):
-    """The float32 arrays in the memory layout of `reference` (a dense array), copied if need be."""
+    """The activations (dense()) in the memory layout of `reference` (a dense array), copied if need be."""
     out = []
     for a in arrays:
         a = dense(be, op, a)
@@ -119,6 +119,13 @@ def aligned(a, alignment=16):
 
 def _address(a):
     return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def storage_argument(t):
+    """The last template argument of a kernel's name expression for storage type `t` (STORAGE_TYPES): none
+    for float, the default of the kernels that were templates (on VEC) before bfloat16, whose float32
+    instantiations keep their names; ", bf16" for bfloat16."""
+    return "" if t == "float" else f", {t}"
 
 
 def vector_width(total, *arrays):
@@ -152,15 +159,15 @@ def integers(be, op, a):
     return _contiguous(be, op, a)
 
 
-def in_place(be, op, *arrays):
-    """Arrays that a kernel updates in place: float32 and dense already (C-contiguous, or
-    channels-last, whose memory the kernel walks; a copy would leave the caller's array
-    unchanged), or an error that says so."""
+def in_place(be, op, *arrays, dtype=np.float32):
+    """Arrays that a kernel updates or writes in place: of `dtype` (float32 unless said) and dense
+    already (C-contiguous, or channels-last, whose memory the kernel walks; a copy would leave the
+    caller's array unchanged), or an error that says so."""
     for a in arrays:
         if a is None:
             continue
-        if not isinstance(a, be.xp.ndarray) or a.dtype != np.float32:
-            raise _type_error(be, op, a, np.float32)
+        if not isinstance(a, be.xp.ndarray) or a.dtype != dtype:
+            raise _type_error(be, op, a, dtype)
         _check_size(op, a)
         if not (a.flags.c_contiguous or is_channels_last(a)):
             raise ValueError(f"{op}: updates its arguments in place and needs dense arrays (C-contiguous or "
