@@ -1,11 +1,17 @@
-// batchnorm.cu: batch normalisation over (N, H, W) per channel of NCHW float32 arrays.
+// batchnorm.cu: batch normalisation over (N, H, W) per channel of NCHW arrays.
 // Launched by kernels/cuda/batchnorm.py; checked by tests/test_kernels_cuda.py and tests/test_bn_rows.py
-// against tests/reference.py (float64) and kernels/cpu/batchnorm.py.
+// (float32), tests/test_bf16_ops.py (bfloat16) against tests/reference.py (float64) and
+// kernels/cpu/batchnorm.py.
+//
+// The kernels that read or write activations or their gradients (x, y, dy, dx, residual, the masked
+// dy) take their storage type T, float32 or bfloat16 (bf16.cuh): last and float32 by default where
+// they were templates before. They widen what they load, compute and sum in float32, and round what
+// they store once; the statistics, the parameters and their gradients are float32 whatever T.
 //
 // Training forward, two launches:
 //   bn_stats           one pass over x: per (channel, split) block, the sums of x - shift and of
-//                      its square, shift a value near the channel's mean (its first value, read
-//                      through the channel's stride, or the mean over every replica), so that the
+//                      its square, shift a value near the channel's mean (its first value, or the
+//                      mean over every replica), so that the
 //                      variance does not cancel when the mean is far from zero; the last block of
 //                      each channel adds the splits in order (last_block) into mean and invstd
 //                      and moves the running statistics, or, for synchronised batch norm, into
@@ -88,20 +94,22 @@ __device__ __forceinline__ void bn_add_value(float v, float shift, float& sum, f
 
 // Per-channel statistics of x (N, C, plane): block (c, s) of a (C, splits) grid reduces channel
 // c's values e in [s * chunk, (s + 1) * chunk) of its N*plane, each thread a strided subset in
-// order, then block_sum, shifted by shifts[c * shift_stride]. With one split the block finishes
-// its channel itself; else it writes partial (splits, 2, C) and the channel's last block
-// (counters[c]) adds the splits in order. The totals go where bn_stats_store puts them.
-extern "C" __global__ void __launch_bounds__(256)
-bn_stats(const float* __restrict__ x, const float* __restrict__ shifts, int shift_stride, int n, int channels,
-         int plane, int chunk, float* partial, unsigned* counters, float* __restrict__ sums, float eps,
-         float* __restrict__ mean, float* __restrict__ invstd, float* __restrict__ running_mean,
-         float* __restrict__ running_var, float momentum, float correction) {
+// order, then block_sum, shifted by shifts[c], or by the channel's first value of x when shifts is
+// null. With one split the block finishes its channel itself; else it writes partial (splits, 2, C)
+// and the channel's last block (counters[c]) adds the splits in order. The totals go where
+// bn_stats_store puts them.
+template <class T>
+__global__ void __launch_bounds__(256)
+bn_stats(const T* __restrict__ x, const float* __restrict__ shifts, int n, int channels, int plane, int chunk,
+         float* partial, unsigned* counters, float* __restrict__ sums, float eps, float* __restrict__ mean,
+         float* __restrict__ invstd, float* __restrict__ running_mean, float* __restrict__ running_var,
+         float momentum, float correction) {
     __shared__ float scratch[32];
     const int c = blockIdx.x, begin = blockIdx.y * chunk, end = min(begin + chunk, n * plane);
-    const float shift = shifts[c * shift_stride];
+    const float shift = shifts ? shifts[c] : to_float(x[channel_element(0, c, channels, plane)]);
     float sum = 0.0f, squares = 0.0f;
     for (int e = begin + threadIdx.x; e < end; e += blockDim.x)
-        bn_add_value(x[channel_element(e, c, channels, plane)], shift, sum, squares);
+        bn_add_value(to_float(x[channel_element(e, c, channels, plane)]), shift, sum, squares);
     sum = block_sum(sum, scratch);
     squares = block_sum(squares, scratch);
     if (!bn_channel_totals(sum, squares, c, channels, partial, counters) || threadIdx.x != 0) return;
@@ -150,20 +158,22 @@ __device__ __forceinline__ bool bn_rows_totals(float& a, float& b, int c, int ch
 }
 
 // bn_stats on channels-last x (rows, C), C a multiple of 32, by (32-channel group, split) blocks (see
-// above): the shift of channel c is shifts[c] (x's first row, or the replicas' shift); the totals go
-// where bn_stats_store puts them, from warp 0 of the group's last block.
-extern "C" __global__ void __launch_bounds__(256)
-bn_stats_rows(const float* __restrict__ x, const float* __restrict__ shifts, int rows, int channels, int chunk,
+// above): the shift of channel c is shifts[c] (the replicas' shift), or x's first row when shifts is
+// null; the totals go where bn_stats_store puts them, from warp 0 of the group's last block.
+template <class T>
+__global__ void __launch_bounds__(256)
+bn_stats_rows(const T* __restrict__ x, const float* __restrict__ shifts, int rows, int channels, int chunk,
               float* partial, unsigned* counters, float* __restrict__ sums, float eps, float* __restrict__ mean,
               float* __restrict__ invstd, float* __restrict__ running_mean, float* __restrict__ running_var,
               float momentum, float correction) {
     __shared__ float scratch[256 / 32][32];
     const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const int c = blockIdx.x * 32 + threadIdx.x % 32, begin = blockIdx.y * chunk, end = min(begin + chunk, rows);
-    const float shift = shifts[c];
+    const float shift = shifts ? shifts[c] : to_float(x[c]);
     float sum = 0.0f, squares = 0.0f;
-#pragma unroll 8  // the loads of 8 rows in flight before their adds, in order: 32 bytes a lane
-    for (int r = begin + warp; r < end; r += warps) bn_add_value(x[r * channels + c], shift, sum, squares);
+#pragma unroll 8  // the loads of 8 rows in flight before their adds, in order: 32 (bfloat16: 16) bytes a lane
+    for (int r = begin + warp; r < end; r += warps)
+        bn_add_value(to_float(x[r * channels + c]), shift, sum, squares);
     sum = bn_sum_over_warps(sum, scratch);
     squares = bn_sum_over_warps(squares, scratch);
     if (!bn_rows_totals(sum, squares, c, channels, partial, counters, scratch) || warp != 0) return;
@@ -183,11 +193,11 @@ bn_stats_finish(const float* __restrict__ shifts, const float* __restrict__ sums
 // y = gamma * (x - mean) * invstd + beta over x (N, C, plane), then for MODE 1 relu(y), for MODE 2
 // relu(y + residual) (residual in x's layout): VEC elements per thread and step (common.cuh's
 // Floats; 4 where the launcher found the arrays aligned), grid-stride.
-template <int MODE, int VEC>
+template <int MODE, int VEC, class T = float>
 __global__ void __launch_bounds__(256)
-bn_apply(const float* __restrict__ x, const float* __restrict__ mean, const float* __restrict__ invstd,
-         const float* __restrict__ gamma, const float* __restrict__ beta, const float* __restrict__ residual,
-         int total, int channels, int plane, float* __restrict__ y) {
+bn_apply(const T* __restrict__ x, const float* __restrict__ mean, const float* __restrict__ invstd,
+         const float* __restrict__ gamma, const float* __restrict__ beta, const T* __restrict__ residual,
+         int total, int channels, int plane, T* __restrict__ y) {
     for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * VEC; i < total; i += gridDim.x * blockDim.x * VEC) {
         Floats<VEC> v = load_floats<VEC>(x + i);
         Floats<VEC> r;
@@ -212,16 +222,18 @@ bn_invstd(const float* __restrict__ var, int channels, float eps, float* __restr
 }
 
 // dy where a relu's output y is positive, else 0; dy itself without a relu (y null).
-__device__ __forceinline__ float bn_masked(const float* __restrict__ dy, const float* __restrict__ y, int i) {
-    return !y || y[i] > 0.0f ? dy[i] : 0.0f;
+template <class T>
+__device__ __forceinline__ float bn_masked(const T* __restrict__ dy, const T* __restrict__ y, int i) {
+    return !y || to_float(y[i]) > 0.0f ? to_float(dy[i]) : 0.0f;
 }
 
 // Element i into the backward's sums of g * xhat and of g, g the masked dy (bn_masked), xhat = (x - m) * inv.
-__device__ __forceinline__ void bn_add_gradient(const float* __restrict__ dy, const float* __restrict__ y,
-                                                const float* __restrict__ x, int i, float m, float inv,
+template <class T>
+__device__ __forceinline__ void bn_add_gradient(const T* __restrict__ dy, const T* __restrict__ y,
+                                                const T* __restrict__ x, int i, float m, float inv,
                                                 float& dy_xhat, float& dy_sum) {
     const float g = bn_masked(dy, y, i);
-    dy_xhat = fmaf(g, (x[i] - m) * inv, dy_xhat);
+    dy_xhat = fmaf(g, (to_float(x[i]) - m) * inv, dy_xhat);
     dy_sum += g;
 }
 
@@ -230,8 +242,9 @@ __device__ __forceinline__ void bn_add_gradient(const float* __restrict__ dy, co
 // thread a strided subset in order, then block_sum, into dgamma[c] = sum(dy * xhat) and
 // dbeta[c] = sum(dy), xhat = (x - mean) * invstd; with several splits through partial
 // (splits, 2, C), added in order by the channel's last block (counters[c]).
-extern "C" __global__ void __launch_bounds__(256)
-bn_backward_sums(const float* __restrict__ dy, const float* __restrict__ y, const float* __restrict__ x,
+template <class T>
+__global__ void __launch_bounds__(256)
+bn_backward_sums(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
                  const float* __restrict__ mean, const float* __restrict__ invstd, int n, int channels, int plane,
                  int chunk, float* partial, unsigned* counters, float* __restrict__ dgamma,
                  float* __restrict__ dbeta) {
@@ -252,8 +265,9 @@ bn_backward_sums(const float* __restrict__ dy, const float* __restrict__ y, cons
 
 // bn_backward_sums on channels-last dy, y and x (rows, C), C a multiple of 32, by (32-channel group,
 // split) blocks as bn_stats_rows: each sector of dy, y and x is read once.
-extern "C" __global__ void __launch_bounds__(256)
-bn_backward_sums_rows(const float* __restrict__ dy, const float* __restrict__ y, const float* __restrict__ x,
+template <class T>
+__global__ void __launch_bounds__(256)
+bn_backward_sums_rows(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
                       const float* __restrict__ mean, const float* __restrict__ invstd, int rows, int channels,
                       int chunk, float* partial, unsigned* counters, float* __restrict__ dgamma,
                       float* __restrict__ dbeta) {
@@ -262,7 +276,7 @@ bn_backward_sums_rows(const float* __restrict__ dy, const float* __restrict__ y,
     const int c = blockIdx.x * 32 + threadIdx.x % 32, begin = blockIdx.y * chunk, end = min(begin + chunk, rows);
     const float m = mean[c], inv = invstd[c];
     float dy_xhat = 0.0f, dy_sum = 0.0f;
-#pragma unroll 4  // the loads of 4 rows of dy, y and x in flight before their adds, in order: 48 bytes a lane
+#pragma unroll 4  // the loads of 4 rows of dy, y and x in flight before their adds, in order: 48 (24) bytes a lane
     for (int r = begin + warp; r < end; r += warps)
         bn_add_gradient(dy, y, x, r * channels + c, m, inv, dy_xhat, dy_sum);
     dy_xhat = bn_sum_over_warps(dy_xhat, scratch);
@@ -275,12 +289,12 @@ bn_backward_sums_rows(const float* __restrict__ dy, const float* __restrict__ y,
 // dx of training-mode batch norm, gamma * invstd * (g - dbeta / M - xhat * dgamma / M) with g the
 // masked dy (dy where y > 0, dy itself without y) and M = count, and g itself into masked when it
 // is not null: VEC elements per thread and step, grid-stride.
-template <int VEC>
+template <int VEC, class T = float>
 __global__ void __launch_bounds__(256)
-bn_backward_dx(const float* __restrict__ dy, const float* __restrict__ y, const float* __restrict__ x,
+bn_backward_dx(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
                const float* __restrict__ mean, const float* __restrict__ invstd, const float* __restrict__ gamma,
                const float* __restrict__ dgamma, const float* __restrict__ dbeta, int count, int total,
-               int channels, int plane, float* __restrict__ dx, float* __restrict__ masked) {
+               int channels, int plane, T* __restrict__ dx, T* __restrict__ masked) {
     for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * VEC; i < total; i += gridDim.x * blockDim.x * VEC) {
         Floats<VEC> g = load_floats<VEC>(dy + i);
         const Floats<VEC> xs = load_floats<VEC>(x + i);
@@ -303,12 +317,13 @@ bn_backward_dx(const float* __restrict__ dy, const float* __restrict__ y, const 
 }
 
 // dx of inference-mode batch norm, dy * gamma * invstd: threads over elements, grid-stride.
-extern "C" __global__ void __launch_bounds__(256)
-bn_inference_dx(const float* __restrict__ dy, const float* __restrict__ invstd, const float* __restrict__ gamma,
-                int total, int channels, int plane, float* __restrict__ dx) {
+template <class T>
+__global__ void __launch_bounds__(256)
+bn_inference_dx(const T* __restrict__ dy, const float* __restrict__ invstd, const float* __restrict__ gamma,
+                int total, int channels, int plane, T* __restrict__ dx) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         const int c = (i / plane) % channels;
-        dx[i] = dy[i] * (gamma[c] * invstd[c]);
+        dx[i] = stored<T>(to_float(dy[i]) * (gamma[c] * invstd[c]));
     }
 }
 

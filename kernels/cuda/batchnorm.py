@@ -1,21 +1,26 @@
-"""Launchers of batchnorm.cu: batch normalisation per channel of float32 arrays, NCHW or
-channels-last, in training and inference, with per-block partial sums added in a fixed order.
+"""Launchers of batchnorm.cu: batch normalisation per channel of float32 or bfloat16 activations,
+NCHW or channels-last, in training and inference, with per-block partial sums added in a fixed order.
 
 The kernels see an array as (N, C, plane): a channels-last array (N, C, H, W) is, in memory, the
-NCHW array (N*H*W, C, 1, 1), so the same kernels serve both layouts; dy and the results take x's.
+NCHW array (N*H*W, C, 1, 1), so the same kernels serve both layouts; dy and the results take x's, and
+dy, y and residual must have x's dtype too (the results have it); the statistics, the parameters and
+their gradients are float32.
 The two reductions over (N, plane), the statistics and the backward's sums, have kernels of their own
 for rows of channels (plane 1) when C is a multiple of 32, which read whole sectors (reduction())."""
 import numpy as np
 
-from .launch import THREADS, blocks, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, \
-    like, split, vector_width
+from .launch import STORAGE_TYPES, THREADS, blocks, cdiv, dense, float32, gradient_outputs, in_place, \
+    is_channels_last, launch, like, split, storage, storage_argument, vector_width
 
 OPS = ("batch_norm_forward", "batch_norm_backward", "batch_norm_update_running", "batch_norm_inference",
        "batch_norm_inference_backward", "batch_norm_sums", "batch_norm_stats", "batch_norm_apply",
        "batch_norm_backward_sums", "batch_norm_backward_dx")
-KERNELS = ("bn_stats", "bn_stats_rows", "bn_stats_finish", "bn_invstd", "bn_backward_sums", "bn_backward_sums_rows",
-           "bn_inference_dx", "bn_update_running", "bn_backward_dx<1>", "bn_backward_dx<4>") + \
-    tuple(f"bn_apply<{mode}, {vec}>" for mode in (0, 1, 2) for vec in (1, 4))
+KERNELS = ("bn_stats_finish", "bn_invstd", "bn_update_running") + \
+    tuple(f"{kernel}<{t}>" for kernel in ("bn_stats", "bn_stats_rows", "bn_backward_sums", "bn_backward_sums_rows",
+                                          "bn_inference_dx") for t in STORAGE_TYPES.values()) + \
+    tuple(f"bn_backward_dx<{vec}{storage_argument(t)}>" for vec in (1, 4) for t in STORAGE_TYPES.values()) + \
+    tuple(f"bn_apply<{mode}, {vec}{storage_argument(t)}>" for mode in (0, 1, 2) for vec in (1, 4)
+          for t in STORAGE_TYPES.values())
 APPLY_MODES = {(False, False): 0, (True, False): 1, (True, True): 2}   # (relu, residual) -> bn_apply's MODE
 GROUP = 32   # channels per block of the _rows reductions: one per lane of a warp
 
@@ -28,9 +33,8 @@ def batch_norm_forward(be, x, gamma, beta, eps, *, running=None, momentum=0.1, r
     n, c, plane = _sizes(x, gamma)
     running_mean, running_var = in_place(be, op, *running) if running is not None else (None, None)
     mean, invstd = be.xp.empty((2, c), np.float32)
-    # a sample of each channel (its first value, read through the channel stride) centres its sums
-    _stats(be, x, x, plane, mean=mean, invstd=invstd, eps=eps, running=(running_mean, running_var),
-           momentum=momentum)
+    # no shifts: a sample of each channel (its first value of x) centres its sums
+    _stats(be, x, None, mean=mean, invstd=invstd, eps=eps, running=(running_mean, running_var), momentum=momentum)
     return apply(be, x, gamma, beta, mean, invstd, relu, residual), mean, invstd
 
 
@@ -38,7 +42,7 @@ def batch_norm_sums(be, x, shift):
     x, (shift,) = dense(be, "batch_norm_sums", x), float32(be, "batch_norm_sums", shift)
     _sizes(x, shift)
     sums = be.xp.empty((2, shift.size), np.float32)
-    _stats(be, x, shift, 1, sums=sums)
+    _stats(be, x, shift, sums=sums)
     return sums
 
 
@@ -64,10 +68,11 @@ def apply(be, x, gamma, beta, mean, invstd, relu=False, residual=None):
     if residual is not None:
         (residual,) = like(be, "batch_norm_forward", x, residual)
         _sizes(x, gamma, residual)
+    t = storage("batch_norm_forward", x, residual)
     y = be.xp.empty_like(x)
     mode = APPLY_MODES[relu or residual is not None, residual is not None]
     vec = vector_width(x.size, x, residual, y)
-    launch(be, "batchnorm", f"bn_apply<{mode}, {vec}>", blocks(x.size // vec),
+    launch(be, "batchnorm", f"bn_apply<{mode}, {vec}{storage_argument(t)}>", blocks(x.size // vec),
            (x, mean, invstd, gamma, beta, residual, x.size, c, plane, y))
     return y
 
@@ -77,6 +82,7 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, out=None, sho
     op = "batch_norm_backward"
     x = dense(be, op, x)
     dy, y = like(be, op, x, dy, y)
+    storage(op, x, dy, y)
     gamma, mean, invstd = float32(be, op, gamma, mean, invstd)
     _sizes(x, gamma, dy)
     if y is not None:
@@ -91,9 +97,10 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, out=None, sho
 
 
 def batch_norm_backward_sums(be, dy, x, mean, invstd):
-    x = dense(be, "batch_norm_backward_sums", x)
-    (dy,), (mean, invstd) = like(be, "batch_norm_backward_sums", x, dy), float32(be, "batch_norm_backward_sums",
-                                                                                  mean, invstd)
+    op = "batch_norm_backward_sums"
+    x = dense(be, op, x)
+    (dy,), (mean, invstd) = like(be, op, x, dy), float32(be, op, mean, invstd)
+    storage(op, x, dy)
     _sizes(x, mean, dy)
     sums = be.xp.empty((2, mean.size), np.float32)
     _affine_grads(be, dy, None, x, mean, invstd, sums[0], sums[1])
@@ -101,9 +108,11 @@ def batch_norm_backward_sums(be, dy, x, mean, invstd):
 
 
 def batch_norm_backward_dx(be, dy, x, gamma, mean, invstd, sums, count):
-    x = dense(be, "batch_norm_backward_dx", x)
-    (dy,) = like(be, "batch_norm_backward_dx", x, dy)
-    gamma, mean, invstd, sums = float32(be, "batch_norm_backward_dx", gamma, mean, invstd, sums)
+    op = "batch_norm_backward_dx"
+    x = dense(be, op, x)
+    (dy,) = like(be, op, x, dy)
+    storage(op, x, dy)
+    gamma, mean, invstd, sums = float32(be, op, gamma, mean, invstd, sums)
     _sizes(x, gamma, dy)
     return _dx(be, dy, None, x, gamma, mean, invstd, sums[0], sums[1], count, None)
 
@@ -125,16 +134,17 @@ def batch_norm_inference(be, x, gamma, beta, running_mean, running_var, eps):
 
 
 def batch_norm_inference_backward(be, dy, x, gamma, running_mean, running_var, eps):
-    x = dense(be, "batch_norm_inference_backward", x)
-    (dy,) = like(be, "batch_norm_inference_backward", x, dy)
-    gamma, running_mean, running_var = float32(be, "batch_norm_inference_backward", gamma, running_mean,
-                                               running_var)
+    op = "batch_norm_inference_backward"
+    x = dense(be, op, x)
+    (dy,) = like(be, op, x, dy)
+    t = storage(op, x, dy)
+    gamma, running_mean, running_var = float32(be, op, gamma, running_mean, running_var)
     n, c, plane = _sizes(x, gamma, dy)
     invstd = _invstd(be, running_var, eps)
     dgamma, dbeta = be.xp.empty((2, c), np.float32)
     _affine_grads(be, dy, None, x, running_mean, invstd, dgamma, dbeta)
     dx = be.xp.empty_like(x)
-    launch(be, "batchnorm", "bn_inference_dx", blocks(x.size), (dy, invstd, gamma, x.size, c, plane, dx))
+    launch(be, "batchnorm", f"bn_inference_dx<{t}>", blocks(x.size), (dy, invstd, gamma, x.size, c, plane, dx))
     return dx, dgamma, dbeta
 
 
@@ -158,15 +168,14 @@ def reduction(n, c, plane):
     return "", (c, splits), chunk
 
 
-def _stats(be, x, shifts, shift_stride, sums=None, mean=None, invstd=None, eps=0.0, running=(None, None),
-           momentum=0.0):
+def _stats(be, x, shifts, sums=None, mean=None, invstd=None, eps=0.0, running=(None, None), momentum=0.0):
     """One launch of bn_stats or bn_stats_rows over x (see batchnorm.cu, reduction()): the shift of
-    channel c is shifts[c * shift_stride]; the totals go to sums, else to mean and invstd (and the running
-    pair)."""
+    channel c is shifts[c], or its first value of x when shifts is None; the totals go to sums, else to
+    mean and invstd (and the running pair)."""
     n, c, plane = _sizes(x, mean if sums is None else sums[0])
     suffix, grid, chunk = reduction(n, c, plane)
-    geometry = (n, c, chunk) if suffix else (shift_stride, n, c, plane, chunk)   # rows: plane 1, shifts[c]
-    launch(be, "batchnorm", "bn_stats" + suffix, grid,
+    geometry = (n, c, chunk) if suffix else (n, c, plane, chunk)   # rows: plane 1
+    launch(be, "batchnorm", f"bn_stats{suffix}<{STORAGE_TYPES[x.dtype]}>", grid,
            (x, shifts, *geometry, _partial(be, grid, c), be.counters(grid[0]), sums, float(eps), mean, invstd,
             *running, float(momentum), _correction(n * plane)))
 
@@ -177,7 +186,7 @@ def _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta):
     n, c, plane = _sizes(x, mean, dy)
     suffix, grid, chunk = reduction(n, c, plane)
     geometry = (n, c, chunk) if suffix else (n, c, plane, chunk)
-    launch(be, "batchnorm", "bn_backward_sums" + suffix, grid,
+    launch(be, "batchnorm", f"bn_backward_sums{suffix}<{STORAGE_TYPES[x.dtype]}>", grid,
            (dy, y, x, mean, invstd, *geometry, _partial(be, grid, c), be.counters(grid[0]), dgamma, dbeta))
 
 
@@ -190,7 +199,7 @@ def _dx(be, dy, y, x, gamma, mean, invstd, dgamma, dbeta, count, masked):
     n, c, plane = _sizes(x, gamma, dy)
     dx = be.xp.empty_like(x)
     vec = vector_width(x.size, dy, y, x, dx, masked)
-    launch(be, "batchnorm", f"bn_backward_dx<{vec}>", blocks(x.size // vec),
+    launch(be, "batchnorm", f"bn_backward_dx<{vec}{storage_argument(STORAGE_TYPES[x.dtype])}>", blocks(x.size // vec),
            (dy, y, x, mean, invstd, gamma, dgamma, dbeta, count, x.size, c, plane, dx, masked))
     return dx
 
