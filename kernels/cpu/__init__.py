@@ -71,8 +71,9 @@ add_relu_forward(a, b) -> y           relu(a + b), the residual join
 max_pool2d_forward(x, kernel_size, stride, padding) -> (y, argmax)
     argmax: int64 (N, C, OH, OW), flat index h * W + w into the input plane.
 max_pool2d_backward(dy, argmax, x_shape) -> dx
-global_avg_pool_forward(x) -> y       (N, C, H, W) -> (N, C)
-global_avg_pool_backward(dy, x_shape) -> dx
+global_avg_pool_forward(x) -> y       (N, C, H, W) -> (N, C); float32 y of float32 or bfloat16 x
+global_avg_pool_backward(dy, x_shape, *, dtype=None) -> dx
+    dx of dtype `dtype` (None: dy's), e.g. the bfloat16 of the activations it flows back into
 
 linear_forward(x, w, b) -> y          x (N, I), w (O, I), b (O,) or None
 linear_backward(dy, x, w, *, out=None) -> (dx, dw, db)

@@ -39,10 +39,10 @@ def global_avg_pool_forward(x):
     return x.mean(axis=(2, 3))
 
 
-def global_avg_pool_backward(dy, x_shape):
+def global_avg_pool_backward(dy, x_shape, *, dtype=None):
     # channels-last, like the convolutions' arrays that it flows back into
     n, c, h, w = x_shape
-    dx = np.empty((n, h, w, c), dtype=dy.dtype)
+    dx = np.empty((n, h, w, c), dtype=dy.dtype if dtype is None else dtype)
     dx[...] = (dy / (h * w))[:, None, None, :]
     return dx.transpose(0, 3, 1, 2)
 
