@@ -85,12 +85,15 @@ softmax_cross_entropy_backward(dloss, probs, labels) -> dlogits
 count_correct(logits, labels) -> n
     0-d int64: rows whose first largest logit is at the label (accuracy, on the device).
 
-sgd_update(param, grad, velocity, lr, momentum, weight_decay) -> None
+sgd_update(param, grad, velocity, lr, momentum, weight_decay, copy=None) -> None
     In place on flat buffers, PyTorch's rule: g = grad + wd * param;
     velocity = momentum * velocity + g; param -= lr * velocity
     (velocity may be None when momentum is 0; then param -= lr * g). lr: a number, or a
     1-element array of param's dtype read when the update runs (on a GPU, device memory that
-    a CUDA graph's replay reads anew).
+    a CUDA graph's replay reads anew). copy: a bfloat16 array of param's shape and memory
+    layout (C-contiguous), set to the updated param rounded to nearest even in the same pass
+    (the weights the bf16 precision's forward reads); param, grad and velocity are float32
+    and updated as without it.
 
 images_to_float(images, idx=None) -> x
     uint8 (N, H, W) -> float32 (N, 1, H, W) scaled to [0, 1]; with 1-D integer indices idx,
