@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("conv", "conv_tc", "batchnorm", "elementwise", "pool", "linear", "loss", "optim")
+FAMILIES = ("conv", "conv_tc", "conv_bf16", "batchnorm", "elementwise", "pool", "linear", "loss", "optim")
 OPTIONS = ("--std=c++17",)
 HERE = Path(__file__).resolve().parent
 COUNTERS = 4096   # the backend's counters per device, at least (Backend.counters)

@@ -21,10 +21,13 @@
 //                    and the bias gradient db (O), the per-channel sums of dy, from the dy that the
 //                    blocks of the first column tile load for the product
 //
-// Each GEMM is templated on the tile (Tile64, Tile128 in common.cuh) and, but for the strided
-// backward-data, on the kernel size (KH, KW), 0 meaning "given at run time": the 3x3 and 1x1
-// instantiations divide by constants. The layouts are run-time arguments, not template ones, so
-// one instantiation serves both.
+// Each GEMM is templated on the tile (Tile64, Tile128 in common.cuh), on the kernel size (KH, KW),
+// but for the strided backward-data, 0 meaning "given at run time": the 3x3 and 1x1 instantiations
+// divide by constants; and on the storage S of the activations, the weights and their gradients:
+// float, or bf16 under the bf16 precision (its convolutions whose channel counts the BF16 tensor
+// cores do not take: the stem), read widened and stored rounded once, the weight and bias
+// gradients float32 either way. The layouts are run-time arguments, not template ones, so one
+// instantiation serves both.
 //
 // The loads and stores run along pixels or filter taps (consecutive threads, consecutive pixels
 // or taps): coalesced on NCHW. On NHWC memory those lie C (or O) floats apart, so a warp's access
@@ -53,24 +56,25 @@ struct Layout {
 
 // im2col(x)[(ci, r, s), (img, p, q)] for the window at (h0, w0) = (p*sh - ph, q*sw - pw) of the
 // image x_img (laid out as xl): zero in the padding.
-template <int KH, int KW>
-__device__ __forceinline__ float im2col(const Geometry<KH, KW>& g, const Layout& xl, const float* x_img, int crs,
-                                        int h0, int w0) {
+template <int KH, int KW, class S>
+__device__ __forceinline__ float im2col(const Geometry<KH, KW>& g, const Layout& xl, const S* x_img, int crs, int h0,
+                                        int w0) {
     const int ci = crs / g.taps(), rs = crs - ci * g.taps(), r = rs / g.kw(), s = rs - r * g.kw();
     const int hh = h0 + r, ww = w0 + s;
-    return unsigned(hh) < unsigned(g.h) && unsigned(ww) < unsigned(g.w) ? x_img[xl.at(ci, hh * g.w + ww)] : 0.0f;
+    return unsigned(hh) < unsigned(g.h) && unsigned(ww) < unsigned(g.w) ? to_float(x_img[xl.at(ci, hh * g.w + ww)])
+                                                                        : 0.0f;
 }
 
 // Forward A(m, k) = w[m, ci, r, s] for output channel m and k = (ci, r, s).
-template <class T, int KH, int KW>
+template <class T, int KH, int KW, class S>
 struct ForwardWeights : Staged<T, T::BM, true> {
     using Map = TileMap<T, T::BM, true>;
     Geometry<KH, KW> g;
     Layout wl;
-    const float* w;
+    const S* w;
     int m0;
 
-    __device__ ForwardWeights(const Geometry<KH, KW>& geometry, const float* weight, int w_channels_last, int m0_)
+    __device__ ForwardWeights(const Geometry<KH, KW>& geometry, const S* weight, int w_channels_last, int m0_)
         : g(geometry), wl(g.c, g.taps(), w_channels_last), w(weight), m0(m0_) {}
 
     __device__ void fetch(int k0, int k_end) {
@@ -78,23 +82,23 @@ struct ForwardWeights : Staged<T, T::BM, true> {
 #pragma unroll
         for (int i = 0; i < Map::COUNT; ++i) {
             const int m = m0 + Map::w(i);
-            this->staged[i] = (k < k_end && m < g.o) ? w[m * g.c * g.taps() + at] : 0.0f;
+            this->staged[i] = (k < k_end && m < g.o) ? to_float(w[m * g.c * g.taps() + at]) : 0.0f;
         }
     }
 };
 
 // Forward B(k, n) = x[img, ci, p*sh - ph + r, q*sw - pw + s] for k = (ci, r, s), n = (img, p, q):
 // each thread keeps one column n across the K loop, so its window origin is computed once.
-template <class T, int KH, int KW>
+template <class T, int KH, int KW, class S>
 struct ForwardColumns : Staged<T, T::BN, false> {
     using Map = TileMap<T, T::BN, false>;
     Geometry<KH, KW> g;
     Layout xl;
-    const float* x_img;
+    const S* x_img;
     int h0, w0;
     bool valid;
 
-    __device__ ForwardColumns(const Geometry<KH, KW>& geometry, const float* x, int x_channels_last, int n0)
+    __device__ ForwardColumns(const Geometry<KH, KW>& geometry, const S* x, int x_channels_last, int n0)
         : g(geometry), xl(g.c, g.h * g.w, x_channels_last) {
         const int col = n0 + Map::w(0);
         valid = col < g.n * g.out_plane();
@@ -116,15 +120,16 @@ struct ForwardColumns : Staged<T, T::BN, false> {
 
 // y = conv(x, w) + b (bias may be null): one block per Tile::BM output channels x Tile::BN output pixels
 // (grid.x over N*OH*OW, grid.y over O), each thread TM x TN of them (common.cuh's GEMM); x, w and
-// y each NCHW or channels-last (the flags).
-template <class T, int KH, int KW>
+// y each NCHW or channels-last (the flags), stored as S (float, or bf16 under the bf16 precision:
+// read widened, y rounded once).
+template <class T, int KH, int KW, class S = float>
 __global__ void __launch_bounds__(T::THREADS)
-conv2d_forward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias,
-               float* __restrict__ y, CONV_PARAMS, int x_channels_last, int w_channels_last, int y_channels_last) {
+conv2d_forward(const S* __restrict__ x, const S* __restrict__ weight, const float* __restrict__ bias,
+               S* __restrict__ y, CONV_PARAMS, int x_channels_last, int w_channels_last, int y_channels_last) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
-    ForwardWeights<T, KH, KW> a(g, weight, w_channels_last, m0);
-    ForwardColumns<T, KH, KW> b(g, x, x_channels_last, n0);
+    ForwardWeights<T, KH, KW, S> a(g, weight, w_channels_last, m0);
+    ForwardColumns<T, KH, KW, S> b(g, x, x_channels_last, n0);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a, b, 0, g.c * g.taps(), acc);
     const int plane = g.out_plane();
@@ -137,22 +142,22 @@ conv2d_forward(const float* __restrict__ x, const float* __restrict__ weight, co
 #pragma unroll
         for (int i = 0; i < T::TM; ++i) {
             const int m = m0 + T::row(i);
-            if (m < g.o) y[img * g.o * plane + yl.at(m, pq)] = bias ? acc[i][j] + bias[m] : acc[i][j];
+            if (m < g.o) y[img * g.o * plane + yl.at(m, pq)] = stored<S>(bias ? acc[i][j] + bias[m] : acc[i][j]);
         }
     }
 }
 
 // Backward-data A(m, k) = w[co, m, a + sh*i, b + sw*j] for input channel m, k = (co, i, j).
-template <class T, int KH, int KW>
+template <class T, int KH, int KW, class S>
 struct DataWeights : Staged<T, T::BM, true> {
     using Map = TileMap<T, T::BM, true>;
     Geometry<KH, KW> g;
     Phase f;
     Layout wl;
-    const float* w;
+    const S* w;
     int m0;
 
-    __device__ DataWeights(const Geometry<KH, KW>& geometry, const Phase& phase, const float* weight,
+    __device__ DataWeights(const Geometry<KH, KW>& geometry, const Phase& phase, const S* weight,
                            int w_channels_last, int m0_)
         : g(geometry), f(phase), wl(g.c, g.taps(), w_channels_last), w(weight), m0(m0_) {}
 
@@ -163,24 +168,24 @@ struct DataWeights : Staged<T, T::BM, true> {
 #pragma unroll
         for (int n = 0; n < Map::COUNT; ++n) {
             const int m = m0 + Map::w(n);
-            this->staged[n] = (k < k_end && m < g.c) ? w[base + wl.at(m, 0)] : 0.0f;
+            this->staged[n] = (k < k_end && m < g.c) ? to_float(w[base + wl.at(m, 0)]) : 0.0f;
         }
     }
 };
 
 // Backward-data B(k, n) = dy[img, co, t_h + u - i, t_w + v - j] for k = (co, i, j) and the
 // phase's cell n = (img, u, v), 0 where that falls outside the output.
-template <class T, int KH, int KW>
+template <class T, int KH, int KW, class S>
 struct DataColumns : Staged<T, T::BN, false> {
     using Map = TileMap<T, T::BN, false>;
     Geometry<KH, KW> g;
     Phase f;
     Layout dyl;
-    const float* dy_img;
+    const S* dy_img;
     int p0, q0;  // t_h + u, t_w + v
     bool valid;
 
-    __device__ DataColumns(const Geometry<KH, KW>& geometry, const Phase& phase, const float* dy,
+    __device__ DataColumns(const Geometry<KH, KW>& geometry, const Phase& phase, const S* dy,
                            int dy_channels_last, int n0)
         : g(geometry), f(phase), dyl(g.o, g.out_plane(), dy_channels_last) {
         const int col = n0 + Map::w(0);
@@ -200,7 +205,7 @@ struct DataColumns : Staged<T, T::BN, false> {
             if (valid && k < k_end) {
                 const int co = k / f.taps(), t = k - co * f.taps(), i = t / f.taps_w;
                 const int p = p0 - i, q = q0 - (t - i * f.taps_w);
-                if (unsigned(p) < unsigned(g.oh) && unsigned(q) < unsigned(g.ow)) v = dy_img[dyl.at(co, p * g.ow + q)];
+                if (unsigned(p) < unsigned(g.oh) && unsigned(q) < unsigned(g.ow)) v = to_float(dy_img[dyl.at(co, p * g.ow + q)]);
             }
             this->staged[n] = v;
         }
@@ -211,14 +216,14 @@ struct DataColumns : Staged<T, T::BN, false> {
 // over N * cells, grid.y over C), each thread TM x TN of them; blocks past the phase's cells
 // (the phases differ in size by a row or column) leave at once. dy, w and dx each NCHW or
 // channels-last (the flags).
-template <class T, int KH, int KW>
-__device__ __forceinline__ void data_gradient(const Geometry<KH, KW>& g, const Phase& f, const float* dy,
-                                              const float* weight, float* dx, int dy_channels_last,
-                                              int w_channels_last, int dx_channels_last) {
+template <class T, int KH, int KW, class S>
+__device__ __forceinline__ void data_gradient(const Geometry<KH, KW>& g, const Phase& f, const S* dy, const S* weight,
+                                              S* dx, int dy_channels_last, int w_channels_last,
+                                              int dx_channels_last) {
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
     if (n0 >= g.n * f.cells()) return;  // the same for the whole block
-    DataWeights<T, KH, KW> a(g, f, weight, w_channels_last, m0);
-    DataColumns<T, KH, KW> b(g, f, dy, dy_channels_last, n0);
+    DataWeights<T, KH, KW, S> a(g, f, weight, w_channels_last, m0);
+    DataColumns<T, KH, KW, S> b(g, f, dy, dy_channels_last, n0);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a, b, 0, g.o * f.taps(), acc);
     const Layout dxl(g.c, g.h * g.w, dx_channels_last);
@@ -231,16 +236,16 @@ __device__ __forceinline__ void data_gradient(const Geometry<KH, KW>& g, const P
 #pragma unroll
         for (int i = 0; i < T::TM; ++i) {
             const int m = m0 + T::row(i);
-            if (m < g.c) dx[img * g.c * g.h * g.w + dxl.at(m, hw)] = acc[i][j];
+            if (m < g.c) dx[img * g.c * g.h * g.w + dxl.at(m, hw)] = stored<S>(acc[i][j]);
         }
     }
 }
 
 // dx = the gradient of conv(x, w) with respect to x at stride 1: one phase, all taps, the
 // kernel size a template constant for 3x3 and 1x1 (see data_gradient for the split of work).
-template <class T, int KH, int KW>
+template <class T, int KH, int KW, class S = float>
 __global__ void __launch_bounds__(T::THREADS)
-conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ weight, float* __restrict__ dx, CONV_PARAMS,
+conv2d_dgrad(const S* __restrict__ dy, const S* __restrict__ weight, S* __restrict__ dx, CONV_PARAMS,
              int dy_channels_last, int w_channels_last, int dx_channels_last) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
     data_gradient<T>(g, unit_stride_phase(g), dy, weight, dx, dy_channels_last, w_channels_last, dx_channels_last);
@@ -248,22 +253,22 @@ conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ weight, flo
 
 // dx = the gradient of conv(x, w) with respect to x at any stride: grid.z over the sh*sw
 // stride phases, each a dense GEMM (see data_gradient for the split of work).
-template <class T>
+template <class T, class S = float>
 __global__ void __launch_bounds__(T::THREADS)
-conv2d_dgrad_strided(const float* __restrict__ dy, const float* __restrict__ weight, float* __restrict__ dx,
-                     CONV_PARAMS, int dy_channels_last, int w_channels_last, int dx_channels_last) {
+conv2d_dgrad_strided(const S* __restrict__ dy, const S* __restrict__ weight, S* __restrict__ dx, CONV_PARAMS,
+                     int dy_channels_last, int w_channels_last, int dx_channels_last) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     data_gradient<T>(g, stride_phase(g, blockIdx.z), dy, weight, dx, dy_channels_last, w_channels_last,
                      dx_channels_last);
 }
 
 // Backward-weight A(m, k) = dy[img, m, p, q] for output channel m and k = (img, p, q).
-template <class T, int KH, int KW>
+template <class T, int KH, int KW, class S>
 struct WeightGradRows : Staged<T, T::BM, true> {
     using Map = TileMap<T, T::BM, true>;
     Geometry<KH, KW> g;
     Layout dyl;
-    const float* dy;
+    const S* dy;
     int m0;
 
     // with `sums`, bias[i] adds up, in k order, the values staged[i] takes: row m0 + Map::w(i) of
@@ -271,7 +276,7 @@ struct WeightGradRows : Staged<T, T::BM, true> {
     bool sums;
     float bias[Map::COUNT];
 
-    __device__ WeightGradRows(const Geometry<KH, KW>& geometry, const float* dy_, int dy_channels_last, int m0_,
+    __device__ WeightGradRows(const Geometry<KH, KW>& geometry, const S* dy_, int dy_channels_last, int m0_,
                               bool sums_)
         : g(geometry), dyl(g.o, g.out_plane(), dy_channels_last), dy(dy_), m0(m0_), sums(sums_) {
 #pragma unroll
@@ -281,11 +286,11 @@ struct WeightGradRows : Staged<T, T::BM, true> {
     __device__ void fetch(int k0, int k_end) {
         const int k = k0 + Map::k(0), plane = g.out_plane();
         const int img = k / plane, pq = k - img * plane;
-        const float* dy_img = dy + img * g.o * plane;
+        const S* dy_img = dy + img * g.o * plane;
 #pragma unroll
         for (int i = 0; i < Map::COUNT; ++i) {
             const int m = m0 + Map::w(i);
-            this->staged[i] = (k < k_end && m < g.o) ? dy_img[dyl.at(m, pq)] : 0.0f;
+            this->staged[i] = (k < k_end && m < g.o) ? to_float(dy_img[dyl.at(m, pq)]) : 0.0f;
             if (sums) bias[i] += this->staged[i];
         }
     }
@@ -297,22 +302,22 @@ struct WeightGradRows : Staged<T, T::BM, true> {
 
 // Backward-weight B(k, n) = x[img, ci, p*sh - ph + r, q*sw - pw + s] for k = (img, p, q) and
 // n = (ci, r, s): im2col transposed, read k-fastest so that a warp's loads run along q.
-template <class T, int KH, int KW>
+template <class T, int KH, int KW, class S>
 struct WeightGradColumns : Staged<T, T::BN, true> {
     using Map = TileMap<T, T::BN, true>;
     Geometry<KH, KW> g;
     Layout xl;
-    const float* x;
+    const S* x;
     int n0;
 
-    __device__ WeightGradColumns(const Geometry<KH, KW>& geometry, const float* x_, int x_channels_last, int n0_)
+    __device__ WeightGradColumns(const Geometry<KH, KW>& geometry, const S* x_, int x_channels_last, int n0_)
         : g(geometry), xl(g.c, g.h * g.w, x_channels_last), x(x_), n0(n0_) {}
 
     __device__ void fetch(int k0, int k_end) {
         const int k = k0 + Map::k(0), plane = g.out_plane();
         const int img = k / plane, pq = k - img * plane, p = pq / g.ow, q = pq - p * g.ow;
         const int h0 = p * g.sh - g.ph, w0 = q * g.sw - g.pw, columns = g.c * g.taps();
-        const float* x_img = x + (k < k_end ? img : 0) * g.c * g.h * g.w;
+        const S* x_img = x + (k < k_end ? img : 0) * g.c * g.h * g.w;
 #pragma unroll
         for (int i = 0; i < Map::COUNT; ++i) {
             const int col = n0 + Map::w(i);
@@ -329,20 +334,20 @@ struct WeightGradColumns : Staged<T, T::BN, true> {
 // dw, each thread the elements it wrote. The blocks of column tile 0 also sum their rows of dy
 // (WeightGradRows::bias_total) into db, or into db_partial[z] (O) when split, which the last block
 // of each such tile adds in split order into db.
-template <class T, int KH, int KW>
+template <class T, int KH, int KW, class S = float>
 __global__ void __launch_bounds__(T::THREADS)
-conv2d_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* partial, float* db_partial,
+conv2d_wgrad(const S* __restrict__ dy, const S* __restrict__ x, float* partial, float* db_partial,
              unsigned* counters, float* __restrict__ dw, float* __restrict__ db, CONV_PARAMS, int k_chunk,
              int dy_channels_last, int x_channels_last, int dw_channels_last) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN, columns = g.c * g.taps(), size = g.o * columns;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
     const bool bias_block = blockIdx.x == 0;
-    WeightGradRows<T, KH, KW> a(g, dy, dy_channels_last, m0, bias_block);
-    WeightGradColumns<T, KH, KW> b(g, x, x_channels_last, n0);
+    WeightGradRows<T, KH, KW, S> a(g, dy, dy_channels_last, m0, bias_block);
+    WeightGradColumns<T, KH, KW, S> b(g, x, x_channels_last, n0);
     float acc[T::TM][T::TN];
     gemm_mainloop<T>(a, b, k_begin, k_end, acc);
-    using RowMap = typename WeightGradRows<T, KH, KW>::Map;
+    using RowMap = typename WeightGradRows<T, KH, KW, S>::Map;
     if (bias_block) {   // the whole block: every lane takes part in the shuffles
         float* bias_out = gridDim.z == 1 ? db : db_partial + blockIdx.z * g.o;
 #pragma unroll

@@ -1,10 +1,13 @@
-"""The convolution ops. Under the tf32 precision (kernels.precision(), the default) the network's
-activations are channels-last (NCHW views of NHWC memory): the convolutions whose channel counts
-the tensor cores take (conv_tc.supports) run the TF32 GEMMs of conv_tc.cu, the others (ResNet-18's
-stem) conv.cu's FP32 kernels, which read x, dy and w in whichever layout they come, write dw in its
-own and y and dx channels-last alike, so that nothing copies. Under fp32, conv.cu's kernels on NCHW
-float32 arrays (copied if need be: the flat buffer's channels-last weights are), NCHW out, dw in
-the layout it is given. conv.cu's launchers: forward,
+"""The convolution ops. Under the tf32 and bf16 precisions (kernels.precision(); tf32 the default)
+the network's activations are channels-last (NCHW views of NHWC memory): the convolutions whose
+channel counts the tensor cores take (conv_tc.supports) run the GEMMs of conv_tc.cu (TF32) or
+conv_bf16.cu (BF16), the others (ResNet-18's stem) conv.cu's FP32 kernels, which read x, dy and w in
+whichever layout they come, write dw in its own and y and dx channels-last alike, so that nothing
+copies. Under bf16 the activations, their gradients and the weights the products read are bfloat16
+(kernels.storage_dtype(); a float32 one is rounded first, as autocast casts a convolution's inputs),
+y and dx bfloat16 too, dw and db float32; conv.cu's kernels take that storage as well, computing in
+float32. Under fp32, conv.cu's kernels on NCHW float32 arrays (copied if need be: the flat buffer's
+channels-last weights are), NCHW out, dw in the layout it is given. conv.cu's launchers: forward,
 backward-data and backward-weight (with the bias gradient) as FP32 implicit GEMMs (see the header
 of conv.cu)."""
 import numpy as np
@@ -13,25 +16,29 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
-from .launch import cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split
+from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
+    storage_argument
 
 OPS = ("conv2d_forward", "conv2d_backward")
 
 # BM = BN of each tile of common.cuh; the kernel sizes with their own instantiation, (0, 0)
-# being the one that takes any size at run time.
+# being the one that takes any size at run time; those of bfloat16 storage (the stem of the bf16
+# precision, and the convolutions whose channel counts the BF16 tensor cores do not take).
 TILES = {"Tile64": 64, "Tile128": 128}
 SIZES = ((3, 3), (1, 1), (0, 0))
+BF16_SIZES = ((3, 3), (0, 0))
 GEMMS = ("conv2d_forward", "conv2d_dgrad", "conv2d_wgrad")
 # The large tile does 4x the work per block: worth it only while the grid stays large.
 LARGE_TILE_MIN_BLOCKS = 256
 
 
-def _gemm(kernel, tile, kh, kw):
-    return f"{kernel}<{tile}, {kh}, {kw}>"
+def _gemm(kernel, tile, kh, kw, storage="float"):
+    return f"{kernel}<{tile}, {kh}, {kw}{storage_argument(storage)}>"
 
 
-KERNELS = tuple(_gemm(k, t, *s) for k in GEMMS for t in TILES for s in SIZES) + tuple(
-    f"conv2d_dgrad_strided<{t}>" for t in TILES)
+KERNELS = tuple(_gemm(k, t, *s, storage) for storage, sizes in (("float", SIZES), ("bf16", BF16_SIZES))
+                for k in GEMMS for t in TILES for s in sizes) + tuple(
+    f"conv2d_dgrad_strided<{t}{storage_argument(storage)}>" for storage in STORAGE_TYPES.values() for t in TILES)
 
 
 def choose_tile(rows, columns):
@@ -42,16 +49,16 @@ def choose_tile(rows, columns):
 
 
 def conv2d_forward(be, x, w, b, stride, padding):
-    tf32 = kernels.precision() == "tf32"   # whose activations are channels-last
-    x, w = _operands(be, "conv2d_forward", tf32, x, w)
+    x, w = _operands(be, "conv2d_forward", x, w)
     (b,) = float32(be, "conv2d_forward", b)
     geometry = _geometry(x, w, stride, padding, b)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    if tf32 and conv_tc.supports(c, o):
+    kind = _tensor_cores(c, o)
+    if kind:
         return conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry).transpose(0, 3, 1, 2)
-    y = _empty(be, (n, o, oh, ow), channels_last=tf32)
+    y = _empty(be, (n, o, oh, ow), kernels.channels_last(), x.dtype)
     tile = choose_tile(o, n * oh * ow)
-    launch(be, "conv", _kernel("conv2d_forward", tile, kh, kw),
+    launch(be, "conv", _kernel("conv2d_forward", tile, kh, kw, x),
            (cdiv(n * oh * ow, TILES[tile]), cdiv(o, TILES[tile])), (x, w, b, y, *geometry, *_layouts(x, w, y)))
     return y
 
@@ -60,20 +67,20 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
     (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
     to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given."""
-    tf32 = kernels.precision() == "tf32"   # whose activations are channels-last
-    dy, x, w = _operands(be, "conv2d_backward", tf32, dy, x, w)
+    dy, x, w = _operands(be, "conv2d_backward", dy, x, w)
     geometry = _geometry(x, w, stride, padding)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if dy.shape != (n, o, oh, ow):
         raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output {(n, o, oh, ow)}")
     dw, db = gradient_outputs(be, "conv2d_backward", out, (w.shape, w.shape[:1]))
-    dw = _empty(be, w.shape, is_channels_last(w)) if dw is None else dw
+    dw = _empty(be, w.shape, is_channels_last(w), np.float32) if dw is None else dw
     db = be.xp.empty((o,), np.float32) if db is None else db
     if add_dx_to is not None:
-        in_place(be, "conv2d_backward", add_dx_to)
-        if add_dx_to.shape != x.shape:
-            raise ValueError(f"conv2d_backward: add_dx_to has shape {add_dx_to.shape}, dx {x.shape}")
-    if tf32 and conv_tc.supports(c, o):
+        in_place(be, "conv2d_backward", add_dx_to, dtype=dy.dtype)
+        if add_dx_to.shape != x.shape or add_dx_to.dtype != dy.dtype:
+            raise ValueError(f"conv2d_backward: add_dx_to is {add_dx_to.dtype} {add_dx_to.shape}, dx "
+                             f"{dy.dtype} {x.shape}")
+    if _tensor_cores(c, o):
         dy, x = nhwc(be, dy), nhwc(be, x)
         dx = None
         if need_dx:
@@ -84,18 +91,32 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
             else:   # an NCHW add_dx_to: added by a kernel of its own
                 dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry).transpose(0, 3, 1, 2))
         return (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db))
-    dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry, channels_last=tf32)) if need_dx else None
+    dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry)) if need_dx else None
     return (dx, *_backward_weight(be, dy, x, geometry, dw, db))
 
 
-def _operands(be, op, tf32, *arrays):
-    """The float32 arrays: under tf32 dense ones as they are (its kernels read NCHW and channels-last
-    memory alike: no copies, so that a step is kernels only, which a graph replays on the emulator
-    too), under fp32 C-contiguous (NCHW, copied if need be). conv.cu reads channels-last weights
-    too, but its loads run along k, which they scatter: with them the forward's loads touch 2.4x
-    the 32-byte sectors, backward-data's 1.6x (emu.traffic(), 64 and 128 channels, 3x3), in every
-    block that re-reads the weights, where the copy is one coalesced pass."""
-    return tuple(dense(be, op, a) for a in arrays) if tf32 else float32(be, op, *arrays)
+def _tensor_cores(c, o):
+    """The Kind of tensor-core GEMMs (conv_tc) that take a convolution of C and O channels under the
+    current precision, or None: conv.cu's FP32 kernels then."""
+    precision = kernels.precision()
+    kind = {"tf32": conv_tc.TF32, "bf16": conv_tc.BF16}.get(precision)
+    return kind if kind and conv_tc.supports(c, o, kind) else None
+
+
+def _operands(be, op, *arrays):
+    """The arrays the products read. Under tf32 dense float32 ones as they are (its kernels read NCHW
+    and channels-last memory alike: no copies, so that a step is kernels only, which a graph replays on
+    the emulator too); under bf16 dense bfloat16 ones, a float32 one rounded (the stem's images, a
+    weight outside a flat buffer, say); under fp32 C-contiguous float32 ones (NCHW, copied if need be).
+    conv.cu reads channels-last weights too, but its loads run along k, which they scatter: with them
+    the forward's loads touch 2.4x the 32-byte sectors, backward-data's 1.6x (emu.traffic(), 64 and 128
+    channels, 3x3), in every block that re-reads the weights, where the copy is one coalesced pass."""
+    precision = kernels.precision()
+    if precision == "fp32":
+        return float32(be, op, *arrays)
+    arrays = tuple(dense(be, op, a) for a in arrays)
+    storage = kernels.storage_dtype()
+    return tuple(a if a.dtype == storage else be.cast(a, storage) for a in arrays)
 
 
 def _added(be, total, dx):
@@ -103,12 +124,12 @@ def _added(be, total, dx):
     return dx if total is None else be.add(total, dx, out=total)
 
 
-def _empty(be, shape, channels_last):
-    """A new float32 array of an NCHW shape: channels-last (an NCHW view of NHWC memory) or NCHW."""
+def _empty(be, shape, channels_last, dtype):
+    """A new array of an NCHW shape: channels-last (an NCHW view of NHWC memory) or NCHW."""
     if channels_last:
         n, c, h, w = shape
-        return be.xp.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2)
-    return be.xp.empty(shape, np.float32)
+        return be.xp.empty((n, h, w, c), dtype).transpose(0, 3, 1, 2)
+    return be.xp.empty(shape, dtype)
 
 
 def _layouts(*arrays):
@@ -122,18 +143,19 @@ def nhwc(be, x):
     return be.xp.ascontiguousarray(x.transpose(0, 2, 3, 1))
 
 
-def _backward_data(be, dy, w, geometry, channels_last):
-    """dx, channels-last or NCHW; at a stride above 1, one GEMM per stride phase of the input cells
-    (conv.cu)."""
+def _backward_data(be, dy, w, geometry):
+    """dx, of dy's dtype, channels-last or NCHW as the precision's activations are; at a stride above
+    1, one GEMM per stride phase of the input cells (conv.cu)."""
     n, c, h, wd, o, kh, kw, sh, sw = geometry[:9]
-    dx = _empty(be, (n, c, h, wd), channels_last)
+    dx = _empty(be, (n, c, h, wd), kernels.channels_last(), dy.dtype)
     columns = n * cdiv(h, sh) * cdiv(wd, sw)   # of the largest phase
     tile = choose_tile(c, columns)
     grid = (cdiv(columns, TILES[tile]), cdiv(c, TILES[tile]))
     if (sh, sw) == (1, 1):
-        launch(be, "conv", _kernel("conv2d_dgrad", tile, kh, kw), grid, (dy, w, dx, *geometry, *_layouts(dy, w, dx)))
+        launch(be, "conv", _kernel("conv2d_dgrad", tile, kh, kw, dy), grid,
+               (dy, w, dx, *geometry, *_layouts(dy, w, dx)))
     else:
-        launch(be, "conv", f"conv2d_dgrad_strided<{tile}>", grid + (sh * sw,),
+        launch(be, "conv", f"conv2d_dgrad_strided<{tile}{storage_argument(STORAGE_TYPES[dy.dtype])}>", grid + (sh * sw,),
                (dy, w, dx, *geometry, *_layouts(dy, w, dx)))
     return dx
 
@@ -149,15 +171,17 @@ def _backward_weight(be, dy, x, geometry, dw, db):
     splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=16)   # whole K tiles of either tile
     partial, db_partial = ((be.xp.empty((splits, dw.size), np.float32), be.xp.empty((splits, o), np.float32))
                            if splits > 1 else (None, None))
-    launch(be, "conv", _kernel("conv2d_wgrad", tile, kh, kw), grid + (splits,),
+    launch(be, "conv", _kernel("conv2d_wgrad", tile, kh, kw, dy), grid + (splits,),
            (dy, x, partial, db_partial, be.counters(grid[0] * grid[1]), dw, db, *geometry, chunk,
             *_layouts(dy, x, dw)))
     return dw, db
 
 
-def _kernel(name, tile, kh, kw):
-    """The instantiation for this kernel size, or the run-time-size one."""
-    return _gemm(name, tile, *((kh, kw) if (kh, kw) in SIZES else (0, 0)))
+def _kernel(name, tile, kh, kw, storage):
+    """The instantiation for this kernel size, or the run-time-size one, for the storage of the
+    array `storage`."""
+    sizes = SIZES if storage.dtype == np.float32 else BF16_SIZES
+    return _gemm(name, tile, *((kh, kw) if (kh, kw) in sizes else (0, 0)), STORAGE_TYPES[storage.dtype])
 
 
 def _geometry(x, w, stride, padding, b=None):

@@ -77,7 +77,7 @@ struct TcStage {
 template <int W, bool K_MAJOR>
 struct TcCopy {
     using Element = float;
-    static constexpr int BK = TC_BK, ELEMENTS = 4, LINE_THREADS = 8;
+    static constexpr int BK = TC_BK, ELEMENTS = 4, LINE_THREADS = 8, ROW_STEP = 32;
     static constexpr int CHUNKS = W * TC_BK / 4 / TC_THREADS;
     static_assert(CHUNKS * 4 * TC_THREADS == W * TC_BK, "whole chunks per thread");
     __device__ static int row(int c) {
@@ -264,6 +264,41 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
                               tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
 }
 
+// The bias gradient (tc_conv.cuh's BiasTotals) summed from the raw values of this thread's chunks of
+// dy as they land (its line, one pixel of each stage, and its 4 x CHUNKS channels), in k order; then
+// the block adds the threads of each channel in a fixed order (a butterfly within the warp over the
+// lanes that share the channels, the warps in order).
+template <class T, class Copy>
+struct BiasSums : BiasTotals<T> {
+    float sum[Copy::CHUNKS][Copy::ELEMENTS];
+
+    __device__ void add(int c, const Floats<Copy::ELEMENTS>& v) {
+        if (!this->active) return;
+#pragma unroll
+        for (int e = 0; e < Copy::ELEMENTS; ++e) sum[c][e] += v.v[e];
+    }
+    // every thread of the block calls it
+    __device__ void reduce(float (&warps)[4][T::BN]) {
+        if (!this->active) return;   // the same for the whole block
+        const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+#pragma unroll
+        for (int c = 0; c < Copy::CHUNKS; ++c)
+#pragma unroll
+            for (int e = 0; e < Copy::ELEMENTS; ++e) {
+                float v = sum[c][e];   // the lanes lane % LINE_THREADS + LINE_THREADS i hold the same channels
+#pragma unroll
+                for (int offset = Copy::LINE_THREADS; offset < 32; offset *= 2)
+                    v += __shfl_xor_sync(kFullMask, v, offset);
+                if (lane < Copy::LINE_THREADS) warps[warp][Copy::row(c) + e] = v;
+            }
+        __syncthreads();
+        this->block_sums = warps[0];
+        if (threadIdx.x < T::BN)
+            this->block_sums[threadIdx.x] = ((warps[0][threadIdx.x] + warps[1][threadIdx.x]) + warps[2][threadIdx.x]) +
+                                            warps[3][threadIdx.x];
+    }
+};
+
 // dw (see WeightsOut) = the sum over the pixels k of im2col(x)[k, m] dy[k, n]: block (x, y, z)
 // computes the columns m = (r, s, ci) [x * BM, ...) by output channels [y * BN, ...) over the pixels
 // [z * k_chunk, (z + 1) * k_chunk) (split-K in groups of `group`, see tc_finish). And, unless db
@@ -281,7 +316,7 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* 
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
     const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;
     using CopyB = TcCopy<T::BN, false>;
-    BiasSums<T, CopyB> bias{db, db_partial, g.o, n0, db && blockIdx.x == 0, {}, nullptr};
+    BiasSums<T, CopyB> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
     float acc[T::MI][T::NI][4];
     if constexpr (ALIGN == 16)
         tc_gemm<T, false, false>(ImageColumnsAligned<TcCopy<T::BM, false>>(

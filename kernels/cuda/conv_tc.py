@@ -1,12 +1,14 @@
-"""Launchers of conv_tc.cu: the convolution GEMMs on TF32 tensor cores, on channels-last (NHWC)
-memory, which conv.py calls under the tf32 precision (kernels.precision()) for the convolutions
-whose channel counts are multiples of 4 (supports).
+"""Launchers of the tensor-core convolutions, on channels-last (NHWC) memory: conv_tc.cu's TF32
+GEMMs, which conv.py calls under the tf32 precision (kernels.precision()) for the convolutions whose
+channel counts are multiples of 4, and conv_bf16.cu's BF16 GEMMs, under the bf16 precision for those
+whose channel counts are multiples of 8 (supports). The arrays' dtype says which: float32 or
+bfloat16 (kernels.bfloat16).
 
 Every function here takes C-contiguous NHWC arrays and the geometry tuple of conv.py,
 (N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH, OW), and returns C-contiguous arrays. Inputs not
 16-byte aligned (views at an odd offset) are copied first: the 16-byte cp.async needs it. A GEMM
-split over k finishes in its own launch (the last parts to finish add the parts in a fixed
-order, in two levels when there are many).
+split over k finishes in its own launch (the last parts to finish add the parts in a fixed order,
+in two levels when there are many), its partial outputs float32 in either precision.
 """
 import functools
 import math
@@ -14,22 +16,51 @@ import typing
 
 import numpy as np
 
+from kernels import bfloat16
+
 from .launch import aligned, cdiv, is_channels_last, launch, memory
 
 OPS = ()  # the contract's ops are conv.py's, which calls these
-BK, THREADS = 16, 128   # the k step of every tile (TC_BK) and the threads of a block (TC_THREADS)
-TILES = {"Tc128x64": (128, 64), "Tc64x64": (64, 64)}
-GEMMS = ("conv_tc_forward", "conv_tc_dgrad", "conv_tc_wgrad")
-# ALIGN = 16: every channel count a multiple of 16 and at most 32 filter taps, the copies'
-# addresses worked out before the loop; ALIGN = 4: channel counts multiples of 4, every copy's
-# address from its (row, k) (conv_tc.cu).
-ALIGNS = (16, 4)
+THREADS = 128   # the threads of a block (TC_THREADS)
 MAX_ALIGNED_TAPS = 32
+
+
+class Kind(typing.NamedTuple):
+    """The tensor-core GEMMs of one precision: the family (.cu) of their kernels and the prefix of
+    their names, the tiles by name (rows, columns, k of a stage), and the two copy paths of each
+    tile: every channel count a multiple of the tile's k and at most MAX_ALIGNED_TAPS filter taps (a
+    stage's k in one tap, the copies' addresses worked out before the loop: ALIGN = the k), or a
+    multiple of `chunk`, the elements of a 16-byte copy, which every channel count must be (each
+    copy's address from its (row, k): ALIGN = chunk)."""
+    family: str
+    tiles: tuple   # (name, rows, columns, k of a stage) of each
+    chunk: int
+
+    def tile(self, name):
+        """(rows, columns, k of a stage) of the tile `name`."""
+        return next(shape for tile, *shape in self.tiles if tile == name)
+
+    @property
+    def gemms(self):
+        """The names of the three GEMM kernels (templates): forward, backward-data, backward-weight."""
+        return tuple(f"{self.family}_{gemm}" for gemm in ("forward", "dgrad", "wgrad"))
+
+    def kernel(self, gemm, tile, align):
+        return f"{self.family}_{gemm}<{tile}, {align}>"
+
+    def kernels(self, wgrad_tiles):
+        return tuple(self.kernel(gemm, tile, align) for gemm in ("forward", "dgrad", "wgrad")
+                     for tile, _, _, bk in self.tiles for align in (bk, self.chunk)
+                     if gemm != "wgrad" or tile in wgrad_tiles)
+
+
+# TF32 (conv_tc.cu): a stage of 16 k.
+TF32 = Kind("conv_tc", (("Tc128x64", 128, 64, 16), ("Tc64x64", 64, 64, 16)), 4)
+BK, GEMMS = 16, TF32.gemms
 # Backward-weight runs the large tile at every size (WGRAD_TILE): its grid is small and split-K
 # fills the GPU, and the small tile's loop issues more than 8 instructions per HMMA.
 WGRAD_TILE = "Tc128x64"
-KERNELS = tuple(f"{k}<{t}, {a}>" for k in GEMMS[:2] for t in TILES for a in ALIGNS) + tuple(
-    f"conv_tc_wgrad<{WGRAD_TILE}, {a}>" for a in ALIGNS)
+KERNELS = TF32.kernels((WGRAD_TILE,))
 # Split-K: a grid of fewer blocks than SPLIT_TARGET splits its k into parts of at least
 # MIN_SPLIT_K (whole k steps) until it has that many blocks: two per SM of an H200 (132 SMs) for
 # the forward and backward-data, whose grids are large but at the last stage. Backward-weight's k
@@ -38,23 +69,42 @@ KERNELS = tuple(f"{k}<{t}, {a}>" for k in GEMMS[:2] for t in TILES for a in ALIG
 # bench/tc_plan.py shows the waves), in parts of at least WGRAD_MIN_SPLIT_K pixels.
 SPLIT_TARGET, MIN_SPLIT_K = 264, 32 * BK
 WGRAD_SPLIT_TARGET, WGRAD_MIN_SPLIT_K = 2 * 3 * 132, 2 * BK
+
+# BF16 (conv_bf16.cu): the 128 x 128 tile (64 x 64 warp tiles: 64 FLOPs per byte of operands a block
+# loads), stages of 32 k, wherever the GEMM has more than 64 columns; 128 x 64, stages of 64 k, where
+# it has 64 or fewer (ResNet-18's first stage), for every GEMM. 2 blocks fit on an SM (registers): a
+# grid under BF16_SPLIT_TARGET blocks, one wave on 132 SMs, splits its k, backward-weight's too.
+BF16 = Kind("conv_bf16", (("Bf128x128", 128, 128, 32), ("Bf128x64", 128, 64, 64)), 8)
+BF16_KERNELS, BF16_GEMMS = BF16.kernels(("Bf128x128", "Bf128x64")), BF16.gemms
+BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K = 2 * 132, 512
+BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K = 2 * 132, 64
 # Parts beyond ONE_LEVEL_PARTS are added in two levels, groups of about sqrt(parts) (tc_finish).
 ONE_LEVEL_PARTS = 8
 
 
-def supports(c, o):
+def kind_of(dtype):
+    """The Kind of the GEMMs of arrays of `dtype`: TF32 for float32, BF16 for bfloat16."""
+    return BF16 if dtype == bfloat16 else TF32
+
+
+def supports(c, o, kind=TF32):
     """Whether these kernels take a convolution of C input and O output channels: their copies
-    move 4 channels (16 bytes) at a time along both. conv.py runs the others, such as ResNet-18's
-    stem (C = 1: a K of 9 per output, too little to feed the tensor cores), on conv.cu's FP32
-    kernels, exact in float32."""
-    return c % 4 == 0 and o % 4 == 0
+    move 16 bytes (4 floats, 8 bfloat16) at a time along both. conv.py runs the others, such as
+    ResNet-18's stem (C = 1: a K of 9 per output, too little to feed the tensor cores), on conv.cu's
+    FP32 kernels, exact in float32."""
+    return c % kind.chunk == 0 and o % kind.chunk == 0
 
 
 def choose_tile(rows):
-    """The tile for an output of `rows` rows: Tc128x64 when they fill it, Tc64x64 below 128. The
+    """TF32's tile for an output of `rows` rows: Tc128x64 when they fill it, Tc64x64 below 128. The
     large tile issues fewer instructions per HMMA (bench/tc_plan.py), and split-K keeps its grids
     large enough."""
     return "Tc128x64" if rows >= 128 else "Tc64x64"
+
+
+def choose_bf16_tile(columns):
+    """BF16's tile for an output of `columns` columns: Bf128x64 up to 64, else Bf128x128."""
+    return "Bf128x64" if columns <= 64 else "Bf128x128"
 
 
 class Plan(typing.NamedTuple):
@@ -66,34 +116,45 @@ class Plan(typing.NamedTuple):
     chunk: int
     splits: int
     group: int
+    family: str
 
 
 @functools.lru_cache(maxsize=1024)
-def plan(gemm, geometry):
-    """The Plan of `gemm` ("forward", "dgrad" or "wgrad") for the geometry tuple of conv.py."""
+def plan(gemm, geometry, kind=TF32):
+    """The Plan of `gemm` ("forward", "dgrad" or "wgrad") for the geometry tuple of conv.py, on the
+    GEMMs of `kind` (TF32 or BF16)."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    if not supports(c, o):
-        raise ValueError(f"the tensor-core convolutions need channel counts that are multiples of 4, not C = {c}, "
-                         f"O = {o}")
-    align = 16 if c % 16 == 0 and o % 16 == 0 and kh * kw <= MAX_ALIGNED_TAPS else 4
+    if not supports(c, o, kind):
+        raise ValueError(f"the {kind.family} convolutions need channel counts that are multiples of {kind.chunk}, "
+                         f"not C = {c}, O = {o}")
+    bf16 = kind is BF16
     if gemm == "forward":
-        return _plan("conv_tc_forward", n * oh * ow, o, kh * kw * c, align, choose_tile(n * oh * ow))
-    if gemm == "dgrad":   # one GEMM per stride phase of the input cells, sized for the largest
-        rows = n * cdiv(h, sh) * cdiv(wd, sw)
-        return _plan("conv_tc_dgrad", rows, c, cdiv(kh, sh) * cdiv(kw, sw) * o, align, choose_tile(rows), sh * sw)
-    return _plan("conv_tc_wgrad", kh * kw * c, o, n * oh * ow, align, WGRAD_TILE, target=WGRAD_SPLIT_TARGET,
-                 min_split=WGRAD_MIN_SPLIT_K)
+        rows, columns, k, phases = n * oh * ow, o, kh * kw * c, 1
+    elif gemm == "dgrad":   # one GEMM per stride phase of the input cells, sized for the largest
+        rows, columns, k, phases = n * cdiv(h, sh) * cdiv(wd, sw), c, cdiv(kh, sh) * cdiv(kw, sw) * o, sh * sw
+    else:
+        rows, columns, k, phases = kh * kw * c, o, n * oh * ow, 1
+    if gemm == "wgrad":
+        tile = choose_bf16_tile(columns) if bf16 else WGRAD_TILE
+        target, min_split = (BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K) if bf16 else \
+            (WGRAD_SPLIT_TARGET, WGRAD_MIN_SPLIT_K)
+    else:
+        tile = choose_bf16_tile(columns) if bf16 else choose_tile(rows)
+        target, min_split = (BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K) if bf16 else (SPLIT_TARGET, MIN_SPLIT_K)
+    bm, bn, bk = kind.tile(tile)
+    align = bk if c % bk == 0 and o % bk == 0 and kh * kw <= MAX_ALIGNED_TAPS else kind.chunk
+    grid = (cdiv(rows, bm), cdiv(columns, bn))
+    parts, chunk = splits(k, grid[0] * grid[1] * phases, bk, target, min_split)
+    return Plan(kind.kernel(gemm, tile, align), grid + (phases * parts,), chunk, parts, group_size(parts), kind.family)
 
 
-def splits(k, blocks, target=None, min_split=None):
-    """(parts, k per part) for a GEMM of `blocks` blocks summing over `k`: a grid of fewer than
-    `target` (SPLIT_TARGET) blocks splits its k into parts of at least `min_split` (MIN_SPLIT_K,
-    whole k steps) until it has that many blocks, or parts that short. From the shapes alone, so
-    that every run adds the same partials."""
-    target = SPLIT_TARGET if target is None else target
-    min_split = MIN_SPLIT_K if min_split is None else min_split
+def splits(k, blocks, bk, target, min_split):
+    """(parts, k per part) for a GEMM of `blocks` blocks summing over `k` in stages of `bk`: a grid of
+    fewer than `target` blocks splits its k into parts of at least `min_split` (whole stages) until it
+    has that many blocks, or parts that short. From the shapes alone, so that every run adds the same
+    partials."""
     parts = 1 if blocks >= target else max(1, min(cdiv(target, blocks), k // min_split))
-    chunk = max(BK, k // parts // BK * BK) if parts > 1 else cdiv(max(k, 1), BK) * BK
+    chunk = max(bk, k // parts // bk * bk) if parts > 1 else cdiv(max(k, 1), bk) * bk
     return cdiv(max(k, 1), chunk), chunk
 
 
@@ -103,39 +164,32 @@ def group_size(parts):
     return parts if parts <= ONE_LEVEL_PARTS else math.isqrt(parts - 1) + 1
 
 
-def _plan(kernel, rows, columns, k, align, tile, phases=1, target=None, min_split=None):
-    bm, bn = TILES[tile]
-    grid = (cdiv(rows, bm), cdiv(columns, bn))
-    parts, chunk = splits(k, grid[0] * grid[1] * phases, target, min_split)
-    return Plan(f"{kernel}<{tile}, {align}>", grid + (phases * parts,), chunk, parts, group_size(parts))
-
-
 def forward(be, x, w_krsc, b, geometry):
-    """y (N, OH, OW, O) = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (may be None)."""
+    """y (N, OH, OW, O) = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (may be None), y of x's dtype."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    p = plan("forward", geometry)
+    p = plan("forward", geometry, kind_of(x.dtype))
     x, w_krsc = aligned(x), aligned(w_krsc)
-    y = be.xp.empty((n, oh, ow, o), np.float32)
+    y = be.xp.empty((n, oh, ow, o), x.dtype)
     _launch(be, p, (x, w_krsc, b), y, geometry)
     return y
 
 
 def backward_data(be, dy, w_krsc, geometry, into=None):
-    """dx (N, H, W, C) from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C); added to `into` (a
-    C-contiguous (N, H, W, C) array), in place, when given."""
+    """dx (N, H, W, C), of dy's dtype, from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C); added to
+    `into` (a C-contiguous (N, H, W, C) array of that dtype), in place, when given."""
     n, c, h, wd = geometry[:4]
-    p = plan("dgrad", geometry)
+    p = plan("dgrad", geometry, kind_of(dy.dtype))
     dy, w_krsc = aligned(dy), aligned(w_krsc)
-    dx = be.xp.empty((n, h, wd, c), np.float32) if into is None else into
+    dx = be.xp.empty((n, h, wd, c), dy.dtype) if into is None else into
     _launch(be, p, (dy, w_krsc), dx, geometry, (int(into is not None),))
     return dx
 
 
 def backward_weight(be, dy, x, geometry, dw, db):
-    """dw from dy (N, OH, OW, O) and x (N, H, W, C), into `dw` (O, C, KH, KW): C-contiguous, or
+    """dw (float32) from dy (N, OH, OW, O) and x (N, H, W, C), into `dw` (O, C, KH, KW): C-contiguous, or
     channels-last (O, KH, KW, C memory); and the bias gradient, dy summed per channel, into `db`
     (O,) unless it is None; at any alignment (the kernel stores single floats)."""
-    p = plan("wgrad", geometry)
+    p = plan("wgrad", geometry, kind_of(dy.dtype))
     dy, x = aligned(dy), aligned(x)
     o = geometry[4]
     partial = be.xp.empty((partial_slots(p), o), np.float32) if p.splits > 1 and db is not None else None
@@ -175,6 +229,6 @@ def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=()):
     partial = be.xp.empty((partial_slots(p), out.size), np.float32) if p.splits > 1 else None
     tiles = p.grid[0] * p.grid[1] * (p.grid[2] // p.splits)
     counters = tiles * (_groups(p) + 1)   # per tile: its groups' and its own
-    launch(be, "conv_tc", p.kernel, p.grid,
+    launch(be, p.family, p.kernel, p.grid,
            (*inputs, out, *extra, partial, *partials, be.counters(counters), *geometry, p.chunk, p.group, *tail),
            block=(THREADS,))

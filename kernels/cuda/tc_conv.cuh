@@ -10,9 +10,9 @@
 //   CHUNKS               chunks per thread and stage
 //   LINE_THREADS         (not K_MAJOR) the threads that share a stage's line of k: the lanes t and
 //                        t + LINE_THREADS hold the same rows
-//   row(c), k(c)         where chunk c of this thread lies in the stage (row: m or n)
+//   row(c), k(c)         where chunk c of this thread lies in the stage (row: m or n), consecutive
+//                        chunks ROW_STEP rows apart (the iterators below assume it)
 //   offset(c)            its place in the stage's shared memory, in elements
-// and, as the iterators below assume, consecutive chunks of a thread 32 rows apart.
 #pragma once
 #include "common.cuh"
 #include "conv_geometry.cuh"
@@ -43,11 +43,14 @@ __device__ __forceinline__ void tc_load_stage(typename Copy::Element* tile, cons
     }
 }
 
-// What a main loop hands a GEMM's end besides its accumulators, as each stage of B lands: nothing.
+// What a main loop hands a GEMM's end besides its accumulators, as each stage of B lands (TF32's
+// chunks, add) or is read (BF16's fragments, b_fragments): nothing.
 struct NoChunkWork {
     static constexpr bool active = false;
     template <class V>
     __device__ void add(int, const V&) const {}
+    template <class F>
+    __device__ void b_fragments(const F&) {}
 };
 
 // ---- where the outputs go -------------------------------------------------------------------------
@@ -213,46 +216,18 @@ struct WeightsOut {
 };
 
 // The bias gradient of backward-weight's blocks of the first row of tiles (x = 0): db[n] = the sum
-// of dy[k, n] over the pixels k. Each thread adds the raw values of its chunks of dy as they land
-// (its line, one pixel of each stage, and its ELEMENTS x CHUNKS channels), in k order; then the block
-// adds the threads of each channel in a fixed order (a butterfly within the warp over the lanes that
-// share the channels, the warps in order). With several parts each writes its slot of db_partial
-// (slots of O), which tc_finish's steps add in order, like the tile's.
-template <class T, class Copy>
-struct BiasSums {
+// of dy[k, n] over the pixels k, which each precision's main loop sums its own way (conv_tc.cu's
+// BiasSums, conv_bf16.cu's BiasMma) into block_sums, [BN] in shared memory; then, as tc_finish's
+// steps call them, the block's sums go to db, or with several parts to the part's slot of
+// db_partial (slots of O), which are added in order like the tile's.
+template <class T>
+struct BiasTotals {
     float* db;
     float* db_partial;
     int o, n0;
     bool active;
-    float sum[Copy::CHUNKS][Copy::ELEMENTS];
-    float* block_sums;   // [BN] in shared memory: the block's sums, after reduce()
+    float* block_sums;
 
-    __device__ void add(int c, const Floats<Copy::ELEMENTS>& v) {
-        if (!active) return;
-#pragma unroll
-        for (int e = 0; e < Copy::ELEMENTS; ++e) sum[c][e] += v.v[e];
-    }
-    // every thread of the block calls it; `warps` may be shared memory that the main loop used
-    __device__ void reduce(float (&warps)[4][T::BN]) {
-        if (!active) return;   // the same for the whole block
-        const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-        __syncthreads();       // every warp is done with the main loop's shared memory
-#pragma unroll
-        for (int c = 0; c < Copy::CHUNKS; ++c)
-#pragma unroll
-            for (int e = 0; e < Copy::ELEMENTS; ++e) {
-                float v = sum[c][e];   // the lanes lane % LINE_THREADS + LINE_THREADS i hold the same channels
-#pragma unroll
-                for (int offset = Copy::LINE_THREADS; offset < 32; offset *= 2)
-                    v += __shfl_xor_sync(kFullMask, v, offset);
-                if (lane < Copy::LINE_THREADS) warps[warp][Copy::row(c) + e] = v;
-            }
-        __syncthreads();
-        block_sums = warps[0];
-        if (threadIdx.x < T::BN)
-            block_sums[threadIdx.x] = ((warps[0][threadIdx.x] + warps[1][threadIdx.x]) + warps[2][threadIdx.x]) +
-                                      warps[3][threadIdx.x];
-    }
     __device__ int channel() const { return n0 + int(threadIdx.x); }
     __device__ bool mine() const { return active && int(threadIdx.x) < T::BN && channel() < o; }
     __device__ void whole() const {
@@ -412,15 +387,16 @@ struct ImageRowsAligned {
 template <class Copy>
 struct MatrixRowsAligned {
     const typename Copy::Element* base;   // the matrix
-    int first, ld32;     // the offset of the thread's chunk 0 in the current stage; chunk i is 32 i rows further
+    int first, ld_step;  // the offset of the thread's chunk 0 in the current stage; chunk i is ROW_STEP i rows further
     unsigned inside;     // bit i: chunk i's row is in the matrix
     __device__ MatrixRowsAligned(const typename Copy::Element* matrix, int rows, int ld, int n0, int k_begin)
-        : base(matrix), first((n0 + Copy::row(0)) * ld + k_begin + Copy::k(0)), ld32(ld * 32), inside(0) {
+        : base(matrix), first((n0 + Copy::row(0)) * ld + k_begin + Copy::k(0)), ld_step(ld * Copy::ROW_STEP),
+          inside(0) {
 #pragma unroll
         for (int i = 0; i < Copy::CHUNKS; ++i) inside |= unsigned(n0 + Copy::row(i) < rows) << i;
     }
     __device__ bool at(int i, int& offset) const {
-        offset = first + i * ld32;
+        offset = first + i * ld_step;
         return inside >> i & 1u;
     }
     __device__ void next() { first += Copy::BK; }
@@ -482,7 +458,7 @@ struct GradientRowsAligned {
 template <class Copy>
 struct WeightRowsAligned {
     const typename Copy::Element* base;   // w_krsc
-    int first;           // the offset of chunk 0 of the current stage; chunk c is 32 c channels further
+    int first;           // the offset of chunk 0 of the current stage; chunk c is ROW_STEP c channels further
     unsigned inside;     // bit c: chunk c's channels exist
     int co, j, o, taps_w, co_step, co_wrap, tap_step, row_step;
 
@@ -502,7 +478,7 @@ struct WeightRowsAligned {
         row_step = g.sh * g.kw() * g.c - taps_w * g.sw * g.c;   // the next i, j = 0
     }
     __device__ bool at(int c, int& offset) const {
-        offset = first + 32 * c;
+        offset = first + Copy::ROW_STEP * c;
         return inside >> c & 1u;
     }
     __device__ void next() {
@@ -523,9 +499,12 @@ struct WeightRowsAligned {
 // the pixel k of the stage's line (the thread's one), C a multiple of the chunk's elements so that a
 // chunk's columns share their tap. Per chunk, its tap and the offset of (r, s, ci) from a window's
 // start; per stage, the pixel's image, row and column by FastDivmod (by OH*OW and by OW) and its
-// window's offset.
-template <class Copy>
+// window's offset. RUN: the thread's consecutive chunks, RUN at a time, share their tap and whether
+// they exist (C a multiple of RUN * ROW_STEP, the thread's rows aligned to it), so that a run tests
+// whether its tap lies in the image once.
+template <class Copy, int RUN = 1>
 struct ImageColumnsAligned {
+    static_assert(Copy::CHUNKS % RUN == 0, "whole runs of chunks");
     Geometry<0, 0> g;
     const typename Copy::Element* base;   // x
     FastDivmod plane, width;
@@ -553,9 +532,10 @@ struct ImageColumnsAligned {
         window = ((img * g.h + h0) * g.w + w0) * g.c;
     }
     __device__ bool at(int c, int& offset) const {
+        const int first = c / RUN * RUN;   // the run's first chunk: the same test for the whole run
         offset = window + column[c];
-        return pixel < k_end && (inside >> c & 1u) && unsigned(h0 + r[c]) < unsigned(g.h) &&
-               unsigned(w0 + s[c]) < unsigned(g.w);
+        return pixel < k_end && (inside >> first & 1u) && unsigned(h0 + r[first]) < unsigned(g.h) &&
+               unsigned(w0 + s[first]) < unsigned(g.w);
     }
     __device__ void next() {
         pixel += Copy::BK;
@@ -568,7 +548,7 @@ struct ImageColumnsAligned {
 template <class Copy>
 struct PixelChannelsAligned {
     const typename Copy::Element* base;   // dy
-    int first;           // the offset of chunk 0 of the current stage; chunk c is 32 c channels further
+    int first;           // the offset of chunk 0 of the current stage; chunk c is ROW_STEP c channels further
     int pixel, k_end, step;
     unsigned inside;     // bit c: chunk c's channels exist
     __device__ PixelChannelsAligned(const typename Copy::Element* dy, int channels, int n0, int k_begin, int k_end_)
@@ -578,7 +558,7 @@ struct PixelChannelsAligned {
         for (int c = 0; c < Copy::CHUNKS; ++c) inside |= unsigned(n0 + Copy::row(c) < channels) << c;
     }
     __device__ bool at(int c, int& offset) const {
-        offset = first + 32 * c;
+        offset = first + Copy::ROW_STEP * c;
         return pixel < k_end && (inside >> c & 1u);
     }
     __device__ void next() {

@@ -1,0 +1,338 @@
+// conv_bf16.cu: 2-D convolution on BF16 tensor cores, as implicit GEMMs on channels-last (NHWC)
+// bfloat16 activations, summed in float32: the convolutions of the bf16 precision whose channel
+// counts are multiples of 8. Launched by kernels/cuda/conv_tc.py; checked by tests/test_conv_bf16.py
+// against float64 of the bfloat16 inputs, on the CPU emulator in CI and on a GPU under `pytest -m gpu`.
+//
+//   conv_bf16_forward  y (N*OH*OW x O)  = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b
+//   conv_bf16_dgrad    dx (cells x C)   = dy gathered (cells x taps*O) . w (taps*O x C), one GEMM per
+//                                         stride phase of the input cells (conv_geometry.cuh)
+//   conv_bf16_wgrad    dw^T (KH*KW*C x O) = im2col(x)^T (KH*KW*C x N*OH*OW) . dy (N*OH*OW x O), float32,
+//                                         in (O, KH, KW, C) or (O, C, KH, KW) order, and the bias
+//                                         gradient, the per-channel sums of dy, in the same pass
+//
+// The GEMMs are conv_tc.cu's (tc_conv.cuh holds what they share: the copy iterators, the outputs,
+// split-K with its parts added in a fixed order in the same launch, the bias sums); what differs is
+// the element and the tile. A block of 4 warps (2 x 2) computes a BM x BN tile, each warp (BM/2) x
+// (BN/2) as m16n8k16 mma.sync tiles (tensor_core.cuh's mma_bf16): 128 x 128 with 64 x 64 warp tiles,
+// the shape of CUTLASS's sm80 BF16 kernels, whose operands a block loads per k step, (128 + 128) x
+// 2 bytes a k, carry 64 FLOPs a byte; 128 x 64 for 64 columns. K advances BK = 32 at a time
+// through a 3-stage ring of shared-memory tiles filled by 16-byte cp.async copies, unrolled over the
+// ring, as in conv_tc.cu. Nothing is rounded in the loop: the operands are bfloat16 already, and
+// every fragment is one ldmatrix.x4 of b16 (the instruction's own element): transposed (.trans)
+// where the operand's rows run along m or n (backward-weight's two, whose k is the pixel, and
+// backward-data's weights), as it lies otherwise. Shared memory is swizzled by 16-byte chunks (no
+// padding: 3 stages of the large tile are 48 KB, the static limit), so that the 8 rows an ldmatrix
+// matrix reads, and a warp's copies, fall in distinct banks: a K_MAJOR stage is [W][32] (64-byte
+// rows), chunk c of row r at chunk c ^ ((r / 2) % 4); another is [32][W], chunk c of line k at
+// c ^ (k % 8). Each lane's ldmatrix addresses are worked out before the loop; in it they are a
+// register plus a constant.
+//
+// ALIGN = 32 (every channel count a multiple of 32, at most 32 filter taps): the copies' addresses
+// as tc_conv.cuh's aligned iterators work them out, before the loop. ALIGN = 8 (multiples of 8):
+// every chunk's address from its (row, k) with divisions. Results are deterministic, and the
+// output is rounded to bfloat16 once, where it is stored (float32 for the weight gradient).
+#include "tc_conv.cuh"
+
+// Registers for 2 blocks an SM (255 a thread): the 64 x 64 warp tile holds 128 accumulators and 32
+// fragment registers.
+constexpr int BF_MIN_BLOCKS = 2;
+
+// A block's tile (tc_conv.cuh's TcTile) with the k of its stages and their number: the large tile
+// 3 stages of 32 (48 KB, the most static shared memory a block may have); the 128 x 64 tile, half the
+// mma of a stage for the copies of three quarters, 2 stages of 64, so that a stage's copies and its
+// loop's fixed costs are shared by twice the mma (bench/tc_plan.py counts the instructions).
+template <int BM, int BN, int BK_, int STAGES_>
+struct BfTile : TcTile<BM, BN> {
+    static constexpr int BK = BK_, STAGES = STAGES_;
+};
+struct Bf128x128 : BfTile<128, 128, 32, 3> {};
+struct Bf128x64 : BfTile<128, 64, 64, 2> {};
+
+// One stage of one operand, W rows (m or n) by BK k of bf16, swizzled by 16-byte chunks of 8 (see the
+// header): the element offset of chunk `chunk` of line `line` (the row if K_MAJOR, else the k). A
+// K_MAJOR row of BK = 32 is 64 bytes, two to the 128 of a bank cycle: chunk c ^ ((row / 2) % 4); of
+// BK = 64, 128 bytes: c ^ (row % 8). A k line: c ^ (k % 8).
+template <int W, bool K_MAJOR, int BK>
+struct BfStage {
+    static constexpr int SIZE = W * BK;
+    __device__ static int offset(int line, int chunk) {
+        if (!K_MAJOR) return line * W + (chunk ^ (line & 7)) * 8;
+        return line * BK + (chunk ^ (BK == 32 ? line >> 1 & 3 : line & 7)) * 8;
+    }
+};
+
+// The 16-byte chunks (8 elements along the rows or along k) of a stage that this thread copies
+// (tc_conv.cuh's Copy map), LANES = BK / 8 threads to a K_MAJOR row or to a k line of 32 chunks:
+// K_MAJOR, rows 128 c / LANES + t / LANES, its chunk t % LANES of each, so that a warp's copy
+// instruction reads whole rows; else line k = t / (128 / BK), its chunks t % (128 / BK) + (128 / BK) c,
+// rows 8 that apart: 64 (BK = 32) or 32 (BK = 64) contiguous bytes of each of a warp's lines, whole
+// sectors, an instruction, and a thread's chunks share their k (backward-weight's pixel).
+template <int W, bool K_MAJOR, int BK_>
+struct BfCopy {
+    using Element = bf16;
+    using Stage = BfStage<W, K_MAJOR, BK_>;
+    static constexpr int BK = BK_, ELEMENTS = 8;
+    static constexpr int ROW_LANES = BK / 8, LINE_THREADS = TC_THREADS / BK;   // threads to a row, to a k line
+    static constexpr int ROW_STEP = K_MAJOR ? TC_THREADS / ROW_LANES : 8 * LINE_THREADS;
+    static constexpr int CHUNKS = W * BK / 8 / TC_THREADS;
+    static_assert(CHUNKS * 8 * TC_THREADS == W * BK, "whole chunks per thread");
+    __device__ static int row(int c) {
+        return K_MAJOR ? ROW_STEP * c + int(threadIdx.x) / ROW_LANES : 8 * (int(threadIdx.x) % LINE_THREADS) + ROW_STEP * c;
+    }
+    __device__ static int k(int c) {
+        return K_MAJOR ? 8 * (int(threadIdx.x) % ROW_LANES) : int(threadIdx.x) / LINE_THREADS;
+    }
+    __device__ static int offset(int c) {
+        return K_MAJOR ? Stage::offset(row(c), int(threadIdx.x) % ROW_LANES) : Stage::offset(k(c), row(c) / 8);
+    }
+};
+
+// Where this lane's ldmatrix.x4 reads an operand's fragments in a stage: for mma tile `i` of the
+// warp (A: rows 16 i.., B: columns 16 i.., two n8 tiles) and the k16 step `half` of the stage,
+// at(i, half) elements from the stage's start. K_MAJOR stages: matrices (rows 0-7, k 0-7),
+// (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) for A, (0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
+// for B, as they lie; else the same matrices transposed (.trans), from [k][W]. The swizzle of a
+// K_MAJOR row depends on the lane alone: one offset per k16 step; that of a k line too (k % 8 is the
+// lane's), and the tiles differ by 2 chunks XOR it: one offset per tile.
+template <int W, bool K_MAJOR, bool IS_A, int TILES, int BK>
+struct BfFragments {
+    using Stage = BfStage<W, K_MAJOR, BK>;
+    int base[K_MAJOR ? BK / 16 : TILES];
+
+    __device__ explicit BfFragments(int w0) {   // w0: the warp's first row (m or n) in the tile
+        const int l = int(threadIdx.x) % 32, lo = l % 8, mid = l / 8 % 2, hi = l / 16;
+        if constexpr (K_MAJOR) {
+            const int row = w0 + lo + 8 * (IS_A ? mid : hi), chunk = IS_A ? hi : mid;
+#pragma unroll
+            for (int half = 0; half < BK / 16; ++half) base[half] = Stage::offset(row, chunk + 2 * half);
+        } else {
+            const int k = lo + 8 * (IS_A ? hi : mid), chunk = IS_A ? mid : hi;
+#pragma unroll
+            for (int i = 0; i < TILES; ++i) base[i] = Stage::offset(k, w0 / 8 + 2 * i + chunk);
+        }
+    }
+    __device__ int at(int i, int half) const {
+        return K_MAJOR ? base[half] + i * 16 * BK : base[i] + half * 16 * W;
+    }
+    __device__ void load(unsigned (&r)[4], const bf16* stage, int i, int half) const {
+        if constexpr (K_MAJOR)
+            ldmatrix_x4(r, stage + at(i, half));
+        else
+            ldmatrix_x4_trans(r, stage + at(i, half));
+    }
+};
+
+// acc += A (m0.., k) . B (k, n0..) over `tiles` stages of k for this warp's part of the block's
+// tile: acc[i][j] is mma tile (i, j) of the warp, in tensor_core.cuh's C layout. The iterators a and
+// b give the places of the thread's chunks of the current stage (at(c, offset), see tc_load_stage)
+// and move to the next (next()). on_chunk_b.b_fragments(fb), when on_chunk_b.active, sees each k16
+// step's B fragments of the warp (BiasMma). Every thread of the block must call it (it
+// synchronises the block). smem: the stages, BfShared<T> (the caller's, so that its epilogue may use
+// it once every thread has returned: a barrier).
+template <class T>
+struct BfShared {
+    static constexpr int SIZE = T::STAGES * (T::BM + T::BN) * T::BK;
+};
+
+template <class T, bool A_K_MAJOR, bool B_K_MAJOR, class IteratorA, class IteratorB, class OnChunk = NoChunkWork>
+__device__ __forceinline__ void bf_gemm(bf16* smem, IteratorA a, IteratorB b, int tiles, float (&acc)[T::MI][T::NI][4],
+                                        OnChunk&& on_chunk_b = OnChunk()) {
+    constexpr int BK = T::BK, STAGES = T::STAGES;
+    using CopyA = BfCopy<T::BM, A_K_MAJOR, BK>;
+    using CopyB = BfCopy<T::BN, B_K_MAJOR, BK>;
+    constexpr int SIZE_A = CopyA::Stage::SIZE, SIZE_B = CopyB::Stage::SIZE;
+    static_assert(STAGES * (SIZE_A + SIZE_B) == BfShared<T>::SIZE, "the stages fill the shared memory");
+    bf16* const As = smem;
+    bf16* const Bs = smem + STAGES * SIZE_A;
+    const int warp = int(threadIdx.x) / 32;
+    const BfFragments<T::BM, A_K_MAJOR, true, T::MI, BK> fragments_a((warp / 2) * T::WARP_M);
+    const BfFragments<T::BN, B_K_MAJOR, false, T::NI / 2, BK> fragments_b((warp % 2) * T::WARP_N);
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    const auto load = [&](int tile, int stage) {
+        if (tile < tiles) {
+            tc_load_stage<CopyA>(As + stage * SIZE_A, a);
+            tc_load_stage<CopyB>(Bs + stage * SIZE_B, b);
+            a.next();
+            b.next();
+        }
+        cp_async_commit();  // one group per tile, empty past the end, so that the waits count tiles
+    };
+    // one stage of the loop: tile `tile` from stage `stage` while tile + STAGES - 1 goes into the
+    // stage of tile - 1
+    const auto step = [&](int tile, int stage) {
+        const bf16* as = As + stage * SIZE_A;
+        const bf16* bs = Bs + stage * SIZE_B;
+        cp_async_wait<STAGES - 2>();  // this thread's copies of `tile` have landed
+        __syncthreads();                 // everyone's have landed, and everyone is done with tile - 1
+        load(tile + STAGES - 1, (stage + STAGES - 1) % STAGES);
+#pragma unroll
+        for (int half = 0; half < BK / 16; ++half) {
+            unsigned fa[T::MI][4], fb[T::NI / 2][4];
+#pragma unroll
+            for (int i = 0; i < T::MI; ++i) fragments_a.load(fa[i], as, i, half);
+#pragma unroll
+            for (int j = 0; j < T::NI / 2; ++j) fragments_b.load(fb[j], bs, j, half);
+            if (on_chunk_b.active) on_chunk_b.b_fragments(fb);
+#pragma unroll
+            for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+                for (int j = 0; j < T::NI; ++j) {
+                    // B's registers: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+                    const unsigned b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
+                    mma_bf16(acc[i][j], fa[i], b, acc[i][j]);
+                }
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) load(s, s);
+    // the loop unrolled over the ring, so that each stage's shared-memory addresses are constants
+    for (int tile = 0; tile < tiles; tile += STAGES)
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s)
+            if (tile + s < tiles) step(tile + s, s);
+    cp_async_wait<0>();  // the empty groups: nothing may be pending when the thread exits
+}
+
+// ---- the kernels ----------------------------------------------------------------------------
+
+// y (N*OH*OW x O, NHWC) = im2col(x) . w_krsc^T + bias (bias may be null): block (x, y, z) computes
+// output pixels [x * BM, ...) by channels [y * BN, ...) over k in [z * k_chunk, (z + 1) * k_chunk)
+// (split-K over the gridDim.z parts, in groups of `group`, see tc_finish).
+template <class T, int ALIGN>
+__global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
+conv_bf16_forward(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, const float* __restrict__ bias,
+                  bf16* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, depth = g.taps() * g.c, pixels = g.n * g.out_plane();
+    const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, depth);
+    const int tiles = (max(k_end - k_begin, 0) + T::BK - 1) / T::BK;
+    using CopyA = BfCopy<T::BM, true, T::BK>;
+    using CopyB = BfCopy<T::BN, true, T::BK>;
+    __shared__ __align__(128) bf16 smem[BfShared<T>::SIZE];
+    float acc[T::MI][T::NI][4];
+    if constexpr (ALIGN == T::BK)
+        bf_gemm<T, true, true>(smem, ImageRowsAligned<CopyA>(g, x, m0, k_begin),
+                               MatrixRowsAligned<CopyB>(w_krsc, g.o, depth, n0, k_begin), tiles, acc);
+    else
+        bf_gemm<T, true, true>(smem, Gathered<CopyA, ImageRows>{x, {g}, m0, k_begin, k_end},
+                               Gathered<CopyB, MatrixRows>{w_krsc, {g.o, depth}, n0, k_begin, k_end}, tiles, acc);
+    const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
+    tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, split, tile_counters(counters, 0, split),
+                        m0, n0, bias, false, acc);
+}
+
+// dx (N*H*W x C, NHWC): blockIdx.z = phase * splits + part, for the sh*sw stride phases and the
+// splits = gridDim.z / (sh*sw) parts of each phase's k; block (x, y, z) computes the phase's cells
+// [x * BM, ...) by input channels [y * BN, ...) over k in [part * k_chunk, ...) (split-K in groups
+// of `group`, see tc_finish), added to what dx holds when `add` is set. Blocks past the phase's
+// cells (phases differ in size by a row or column) leave at once; a phase, or a part of one, that
+// no tap reaches gets zeros.
+template <class T, int ALIGN>
+__global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
+conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf16* __restrict__ dx, int add,
+                float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int splits = gridDim.z / (g.sh * g.sw), part = blockIdx.z % splits;
+    const int phase = blockIdx.z / splits;
+    const Phase f = stride_phase(g, phase);
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN;
+    if (m0 >= g.n * f.cells()) return;  // the same for the whole block
+    const int k_begin = part * k_chunk, k_end = min(k_begin + k_chunk, f.taps() * g.o);
+    const int tiles = (max(k_end - k_begin, 0) + T::BK - 1) / T::BK;
+    using CopyA = BfCopy<T::BM, true, T::BK>;
+    using CopyB = BfCopy<T::BN, false, T::BK>;
+    __shared__ __align__(128) bf16 smem[BfShared<T>::SIZE];
+    float acc[T::MI][T::NI][4];
+    if constexpr (ALIGN == T::BK)
+        bf_gemm<T, true, false>(smem, GradientRowsAligned<CopyA>(g, f, dy, m0, k_begin),
+                                WeightRowsAligned<CopyB>(g, f, w_krsc, n0, k_begin), tiles, acc);
+    else
+        bf_gemm<T, true, false>(smem, Gathered<CopyA, GradientRows>{dy, {g, f}, m0, k_begin, k_end},
+                                Gathered<CopyB, WeightRows>{w_krsc, {g, f}, n0, k_begin, k_end}, tiles, acc);
+    const SplitK split{splits, group, part};
+    tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
+                        tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
+}
+
+// The bias gradient (tc_conv.cuh's BiasTotals) on the tensor cores: the warps of the first row of the
+// block's 2 x 2 (their 64 x 64 tiles cover its BN columns) multiply each k16 step's B fragments, dy, by
+// an A of ones, exact products summed in float32 as the GEMM's are, into the column sums of their
+// n8 tiles (every row of such an mma tile holds them): NI more HMMA a k16 step for those warps, where
+// summing the landed values one by one took twice the issue slots of the GEMM's own HMMA.
+template <class T>
+struct BiasMma : BiasTotals<T> {
+    float sums[T::NI][4];
+
+    __device__ void b_fragments(const unsigned (&fb)[T::NI / 2][4]) {
+        if (int(threadIdx.x) / 64 != 0) return;   // the warps of the first row (warp-uniform)
+        const unsigned ones[4] = {0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u};
+#pragma unroll
+        for (int j = 0; j < T::NI; ++j) {
+            const unsigned b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
+            mma_bf16(sums[j], ones, b, sums[j]);
+        }
+    }
+    // every thread of the block calls it; smem: the main loop's, which it is done with
+    __device__ void reduce(bf16* smem) {
+        if (!this->active) return;   // the same for the whole block
+        __syncthreads();
+        this->block_sums = reinterpret_cast<float*>(smem);
+        const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+        if (warp < 2 && lane < 4)   // row 0 of the tiles: columns 2t, 2t + 1 of each
+#pragma unroll
+            for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) this->block_sums[warp * T::WARP_N + 8 * j + 2 * lane + e] = sums[j][e];
+        __syncthreads();
+    }
+};
+
+// dw (see WeightsOut), float32, = the sum over the pixels k of im2col(x)[k, m] dy[k, n]: block
+// (x, y, z) computes the columns m = (r, s, ci) [x * BM, ...) by output channels [y * BN, ...) over
+// the pixels [z * k_chunk, (z + 1) * k_chunk) (split-K in groups of `group`, see tc_finish). And,
+// unless db is null, the bias gradient (BiasSums), its block sums in the stages' shared memory.
+// plane_..., width_...: the FastDivmod multipliers and shifts of OH*OW and OW.
+template <class T, int ALIGN>
+__global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
+conv_bf16_wgrad(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* __restrict__ dw, int krsc,
+                float* __restrict__ db, float* partial, float* db_partial, unsigned* counters, CONV_PARAMS,
+                int k_chunk, int group, unsigned plane_multiplier, unsigned plane_shift, unsigned width_multiplier,
+                unsigned width_shift) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, columns = g.taps() * g.c;
+    const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
+    const int tiles = (max(k_end - k_begin, 0) + T::BK - 1) / T::BK;
+    using CopyA = BfCopy<T::BM, false, T::BK>;
+    using CopyB = BfCopy<T::BN, false, T::BK>;
+    __shared__ __align__(128) bf16 smem[BfShared<T>::SIZE];
+    BiasMma<T> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
+    float acc[T::MI][T::NI][4];
+    // one main loop for the blocks that also sum the bias (the first row of tiles), one for the others
+    const auto gemm = [&](auto&& on_chunk_b) {
+        if constexpr (ALIGN == T::BK) {
+            constexpr int RUN = ALIGN / CopyA::ROW_STEP > 1 ? ALIGN / CopyA::ROW_STEP : 1;
+            bf_gemm<T, false, false>(
+                smem, ImageColumnsAligned<CopyA, RUN>(g, x, FastDivmod{g.out_plane(), plane_multiplier, plane_shift},
+                                                      FastDivmod{g.ow, width_multiplier, width_shift}, m0, k_begin,
+                                                      k_end),
+                PixelChannelsAligned<CopyB>(dy, g.o, n0, k_begin, k_end), tiles, acc, on_chunk_b);
+        } else {
+            bf_gemm<T, false, false>(smem, Gathered<CopyA, ImageColumns>{x, {g}, m0, k_begin, k_end},
+                                     Gathered<CopyB, ChannelsOfPixels>{dy, {g.o}, n0, k_begin, k_end}, tiles, acc,
+                                     on_chunk_b);
+        }
+    };
+    if (bias.active)
+        gemm(bias);
+    else
+        gemm(NoChunkWork());
+    bias.reduce(smem);
+    const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
+    tc_finish<T, false>(WeightsOut{g, krsc}, dw, partial, g.o * columns, split, tile_counters(counters, 0, split),
+                        m0, n0, nullptr, false, acc, bias);
+}

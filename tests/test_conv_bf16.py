@@ -1,0 +1,224 @@
+"""The bf16 precision's convolutions: conv_bf16.cu's BF16 tensor-core GEMMs (channel counts that are
+multiples of 8) and conv.cu's FP32 kernels on bfloat16 storage (the others: the stem).
+
+- On the CPU emulator, every output (y, dx, dw, db) at odd shapes and at every convolution of
+  ResNet-18 (width 8), against float64 of the bfloat16 inputs (exact: the products of bfloat16
+  are exact in float32 and float64 alike), within the float32 rounding of a K-term sum,
+  |sum - ref| <= (K + 16) 2^-24 (|A| |B|), and, for y and dx, which are stored as bfloat16, one
+  rounding to nearest more: 2^-8 of the value. New arrays start as NaN (conftest's poisoned_empty),
+  so an element a kernel forgets to write fails; the emulator runs its threads in ascending and in
+  descending order, with the large tile and with split-K forced on small shapes too; multiples of
+  32 take the aligned iterators, other multiples of 8 the gathered copies.
+- dx added to a bfloat16 gradient in place (add_dx_to): rounded once, after the addition.
+- The bf16 precision runs these kernels, no TF32 one, and the activations and dx it returns are
+  bfloat16 and channels-last; the weight and bias gradients float32.
+- The SASS of every BF16 kernel, for sm_80 and sm_90, holds HMMA.16816.F32.BF16, LDSM and LDGSTS.
+"""
+import numpy as np
+import pytest
+
+import kernels
+import reference as R
+from helpers import reproduce_hint, rng, validate
+from kernels import bfloat16, nvrtc
+from kernels.cuda import conv_tc
+
+pytestmark = pytest.mark.usefixtures("poisoned_empty", "bf16")
+UNIT32, UNIT_BF16 = 2.0**-24, 2.0**-8   # unit roundoff of float32 and of bfloat16 (8 significant bits)
+
+
+@pytest.fixture
+def bf16():
+    with kernels.use_precision("bf16"):
+        yield
+
+
+def draw(*shapes):
+    """Fresh normal bfloat16 arrays (drawn in float32, rounded to nearest)."""
+    g = rng()
+    return [g.standard_normal(s).astype(np.float32).astype(bfloat16) for s in shapes]
+
+
+def wide(a):
+    return np.asarray(a).astype(np.float64)
+
+
+def check_products(name, ours, inputs, op, terms, stored, added=None):
+    """ours (a tuple of outputs) against op(*inputs, added) in float64 of the bfloat16 inputs; terms:
+    the length of each output's dot products; stored: whether each output is bfloat16 (one more
+    rounding); added (a float32 bias or None) is added in float32, not multiplied."""
+    inputs = [wide(a) for a in inputs]
+    exact = op(*inputs, added)
+    magnitude = op(*(np.abs(a) for a in inputs), None if added is None else np.abs(added))
+    for i, (got, ref, size, mag, rounded) in enumerate(zip(ours, exact, terms, magnitude, stored)):
+        assert (got.dtype == bfloat16) == rounded, f"{name} output {i} is {got.dtype}"
+        got = wide(got)
+        assert got.shape == ref.shape, f"{name} output {i}: shape {got.shape}, expected {ref.shape}"
+        assert np.isfinite(got).all(), f"{name} output {i}: {np.count_nonzero(~np.isfinite(got))} elements " \
+                                       f"not finite (unwritten, or read before its copy landed)\n{reproduce_hint()}"
+        bound = (size + 16) * UNIT32 * mag
+        if rounded:
+            bound = bound + UNIT_BF16 * (np.abs(ref) + bound)
+        excess = np.abs(got - ref) - bound
+        worst = np.unravel_index(np.argmax(excess), excess.shape)
+        assert excess[worst] <= 0, (
+            f"{name} output {i}: {np.count_nonzero(excess > 0)} of {got.size} elements beyond the bound; worst at "
+            f"{tuple(map(int, worst))}: ours {got[worst]!r}, ref {ref[worst]!r}, bound {bound[worst]:.3g}\n"
+            f"{reproduce_hint()}")
+
+
+def check_conv(be, x_shape, w_shape, stride, padding, bias=True):
+    """conv2d_forward and conv2d_backward of `be` under bf16 against the float64 references."""
+    x, w = draw(x_shape, w_shape)
+    b = rng().standard_normal(w_shape[0]).astype(np.float32) if bias else None
+    y = be.conv2d_forward(x, w, b, stride, padding)
+    (dy,) = draw(y.shape)
+    dx, dw, db = be.conv2d_backward(dy, x, w, stride, padding)
+    n, c, kh, kw, o = x_shape[0], x_shape[1], w_shape[2], w_shape[3], w_shape[0]
+    pixels = n * y.shape[2] * y.shape[3]
+    name = f"conv {x_shape} * {w_shape} stride {stride} padding {padding}"
+    check_products(name + " forward", (y,), [x, w], lambda x, w, b: (R.conv2d_forward(x, w, b, stride, padding),),
+                   (c * kh * kw,), (True,), b)
+    check_products(name + " backward", (dx, dw), [dy, x, w],
+                   lambda dy, x, w, _: R.conv2d_backward(dy, x, w, stride, padding)[:2], (o * kh * kw, pixels),
+                   (True, False))
+    validate(db, R.conv2d_backward(wide(dy), wide(x), wide(w), stride, padding)[2], name + " bias gradient")
+    for array, what in ((y, "y"), (dx, "dx")):   # NCHW views of NHWC memory
+        assert array.transpose(0, 2, 3, 1).flags.c_contiguous, f"{name}: {what} has strides {array.strides}"
+    assert dw.dtype == db.dtype == np.float32 and dw.flags.c_contiguous and db.flags.c_contiguous
+
+
+@pytest.fixture(params=["ascending", "descending"])
+def emu(request):
+    """The emu backend, its threads in one order."""
+    from kernels.emu import thread_order
+    with thread_order(request.param):
+        yield kernels._device_backend("emu")
+
+
+@pytest.fixture(params=("default", "large tile", "split"))
+def variant(request, monkeypatch):
+    """The launchers' choices, or the large tile or many-way split-K forced, so that small shapes
+    exercise those code paths too."""
+    if request.param == "large tile":
+        monkeypatch.setattr(conv_tc, "choose_bf16_tile", lambda columns: "Bf128x128")
+    elif request.param == "split":   # every GEMM in parts of one k step, in two levels past ONE_LEVEL_PARTS
+        monkeypatch.setattr(conv_tc, "BF16_SPLIT_TARGET", 10**9)
+        monkeypatch.setattr(conv_tc, "BF16_WGRAD_SPLIT_TARGET", 10**9)
+        monkeypatch.setattr(conv_tc, "BF16_MIN_SPLIT_K", 64)
+        monkeypatch.setattr(conv_tc, "BF16_WGRAD_MIN_SPLIT_K", 64)
+    conv_tc.plan.cache_clear()   # plans are cached by shape: none made under other choices
+    yield request.param
+    conv_tc.plan.cache_clear()
+
+
+# Multiples of 8, not all of 32 (the gathered copies, ALIGN = 8), with partial tiles on every side,
+# and below 8 (conv.cu's FP32 kernels on bfloat16: the stem's one channel, 4).
+GATHERED_SHAPES = [
+    ((2, 8, 9, 7), (24, 8, 3, 3), 2, 1, True),
+    ((3, 16, 6, 5), (72, 16, 3, 3), 1, 1, True),
+    ((1, 8, 5, 5), (8, 8, 1, 1), 2, 0, False),
+    ((2, 16, 3, 3), (8, 16, 3, 3), 3, 1, True),   # stride 3 at 3x3: every phase one tap
+]
+FP32_SHAPES = [((2, 1, 8, 8), (8, 1, 3, 3), 1, 1, True), ((2, 4, 6, 6), (8, 4, 3, 3), 2, 1, True)]
+
+# Multiples of 32: the copies' addresses worked out before the loop (ALIGN = 32), at strides whose
+# phases have one tap, several or none, 5x5 (25 taps), and 7x7, whose 49 taps take the gathered copies.
+ALIGNED_SHAPES = [
+    ((2, 32, 9, 7), (64, 32, 3, 3), 2, 1, True),
+    ((3, 32, 6, 5), (32, 32, 3, 3), 1, 1, False),
+    ((2, 32, 7, 7), (96, 32, 1, 1), 2, 0, True),    # phases no tap reaches
+    ((1, 32, 7, 5), (32, 32, 5, 5), 1, 2, False),
+    ((2, 32, 6, 9), (32, 32, 2, 3), (2, 1), (0, 1), True),
+    ((1, 32, 2, 7), (32, 32, 1, 3), (3, 2), (0, 1), False),   # fewer rows than the stride
+    ((1, 32, 6, 6), (32, 32, 7, 7), 1, 3, False),
+    ((2, 32, 10, 10), (32, 32, 3, 3), 1, 1, True),   # 200 pixels: backward-weight's sum in two levels when split
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, bias", GATHERED_SHAPES + ALIGNED_SHAPES + FP32_SHAPES)
+def test_conv_at_odd_shapes(emu, variant, x_shape, w_shape, stride, padding, bias):
+    check_conv(emu, x_shape, w_shape, stride, padding, bias)
+
+
+def resnet18_convolutions(batch, width):
+    """(x shape, w shape, stride, padding) of every distinct convolution of nn.resnet18."""
+    from bench.layers import distinct, resnet18_layers
+    return [(layer.x, layer.w, layer.stride, layer.padding) for layer, _ in distinct(resnet18_layers(batch, width))
+            if layer.op == "conv2d"]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=2, width=8))
+def test_conv_at_the_shapes_of_resnet18(x_shape, w_shape, stride, padding):
+    check_conv(kernels._device_backend("emu"), x_shape, w_shape, stride, padding)
+
+
+def test_dx_added_in_place_is_rounded_once():
+    """dx added to a bfloat16 gradient (a residual block's input's) in the epilogue: the float32 sum
+    of what it holds and the product, rounded once."""
+    be = kernels._device_backend("emu")
+    x_shape, w_shape = (2, 32, 6, 6), (32, 32, 3, 3)
+    x, w, dy, held = draw(x_shape, w_shape, (2, 32, 6, 6), x_shape)
+    dy, held = (np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2) for a in (dy, held))
+    into = held.copy(order="K")   # channels-last, as the network's gradients are: added in the epilogue
+    dx, _, _ = be.conv2d_backward(dy, x, w, 1, 1, add_dx_to=into)
+    assert dx is into
+    ref = R.conv2d_backward(wide(dy), wide(x), wide(w), 1, 1)[0] + wide(held)
+    magnitude = R.conv2d_backward(np.abs(wide(dy)), wide(x), np.abs(wide(w)), 1, 1)[0] + np.abs(wide(held))
+    bound = (32 * 9 + 16) * UNIT32 * magnitude
+    assert np.all(np.abs(wide(dx) - ref) <= bound + UNIT_BF16 * (np.abs(ref) + bound)), reproduce_hint()
+
+
+def test_bf16_runs_the_bf16_kernels(monkeypatch):
+    """Under bf16 the convolutions of 8 or more channels launch conv_bf16.cu's GEMMs, none of
+    conv_tc.cu's; the stem's (one channel) conv.cu's kernels on bfloat16; and float32 inputs (the
+    images) are rounded to bfloat16 first."""
+    be, launched = kernels._device_backend("emu"), []
+    launch = be.function
+    monkeypatch.setattr(be, "function", lambda family, name: launched.append(name) or launch(family, name))
+    x, w = draw((2, 8, 5, 5), (8, 8, 3, 3))
+    y = be.conv2d_forward(x, w, None, 1, 1)
+    be.conv2d_backward(y, x, w, 1, 1)
+    assert {name.partition("<")[0] for name in launched} == set(conv_tc.BF16_GEMMS), launched
+    launched.clear()
+    stem_x = rng().random((2, 1, 5, 5)).astype(np.float32)
+    y = be.conv2d_forward(stem_x, draw((8, 1, 3, 3))[0], None, 1, 1)
+    assert y.dtype == bfloat16 and all(name.endswith("bf16>") for name in launched if name.startswith("conv2d"))
+    assert any(name.startswith("cast") for name in launched), launched
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", [((2, 32, 10, 10), (32, 32, 3, 3), 1, 1),
+                                                               ((2, 16, 9, 7), (24, 16, 3, 3), 2, 1)])
+def test_split_sums_do_not_depend_on_which_block_finishes_last(variant, x_shape, w_shape, stride, padding):
+    """y, dx, dw and db bit for bit the same whichever part of a tile finishes last."""
+    from kernels.emu import thread_order
+    be = kernels._device_backend("emu")
+    x, w = draw(x_shape, w_shape)
+    b = rng().standard_normal(w_shape[0]).astype(np.float32)
+    results = []
+    for order in ("ascending", "descending"):
+        with thread_order(order):
+            y = be.conv2d_forward(x, w, b, stride, padding)
+            results.append([np.array(a) for a in (y, *be.conv2d_backward(y, x, w, stride, padding))])
+    for what, first, second in zip(("y", "dx", "dw", "db"), *results):
+        assert first.tobytes() == second.tobytes(), f"{what} under {variant}"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_bf16_kernel_runs_hmma(arch):
+    reason = nvrtc.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    if nvrtc.cuobjdump() is None:
+        pytest.skip("cuobjdump is not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    from kernels.cuda.ptxas_report import compile_family
+    compiled = compile_family("conv_bf16", arch, verbose=True)
+    sass = compiled.sass()
+    assert len(conv_tc.BF16_KERNELS) == 12
+    for name in conv_tc.BF16_KERNELS:
+        mangled = compiled.lowered_names[name]
+        instructions = sass[mangled]
+        for form in ("HMMA.16816.F32.BF16", "LDSM.16.M", "LDGSTS.E.BYPASS.128"):
+            assert any(i.startswith(form) or form in i for i in instructions), f"{name} for {arch}: no {form}"
+        resources = compiled.resources()[mangled]
+        assert resources.spill_stores == resources.spill_loads == 0, f"{name} for {arch} spills"
