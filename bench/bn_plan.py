@@ -60,7 +60,7 @@ def measured(rows, c, old):
 
 def reduction_of(kernel):
     """bn_stats or bn_backward_sums, of either kernel."""
-    return kernel.removesuffix("_rows")
+    return kernel.partition("<")[0].removesuffix("_rows")
 
 
 def per_step(batch, ratios, sms):

@@ -74,7 +74,7 @@ def expect_kernels(launched, shape, *names):
     """The reductions launched were `names`, by rows where C is a multiple of 32 (every shape here lies in
     rows of channels)."""
     suffix = "_rows" if shape[1] % 32 == 0 else ""
-    assert [kernel for kernel, _ in launched] == [name + suffix for name in names]
+    assert [kernel for kernel, _ in launched] == [f"{name}{suffix}<float>" for name in names]
 
 
 def in_memory(be, a, memory):
@@ -192,8 +192,8 @@ def test_each_sector_of_x_and_dy_is_read_once_and_whole(be, launched, c):
     def whole(nbytes):   # in requests of a warp's 32 consecutive floats, 4 sectors each
         return emu.Traffic(requests=nbytes // 128, sectors=nbytes // 32, bytes=nbytes)
     assert [grid for _, grid in launched] == [(c // 32, 1)] * 2
-    assert counted == {"bn_stats_rows": whole(x.nbytes + 128 * warps),
-                       "bn_backward_sums_rows": whole(dy.nbytes + x.nbytes + 2 * 128 * warps)}
+    assert counted == {"bn_stats_rows<float>": whole(x.nbytes + 128 * warps),
+                       "bn_backward_sums_rows<float>": whole(dy.nbytes + x.nbytes + 2 * 128 * warps)}
 
 
 def test_the_block_per_channel_kernels_read_a_sector_per_4_bytes_of_rows(be):
@@ -203,8 +203,8 @@ def test_the_block_per_channel_kernels_read_a_sector_per_4_bytes_of_rows(be):
     x[...] = draw(x.shape)
     with emu.traffic() as counted:
         be.batch_norm_sums(x.reshape(256, 48, 1, 1), np.zeros(48, np.float32))
-    assert counted["bn_stats"].sectors * 32 == 8 * counted["bn_stats"].bytes
-    assert counted["bn_stats"].bytes == x.nbytes + 48 * cuda_launch.THREADS // 32 * 4
+    assert counted["bn_stats<float>"].sectors * 32 == 8 * counted["bn_stats<float>"].bytes
+    assert counted["bn_stats<float>"].bytes == x.nbytes + 48 * cuda_launch.THREADS // 32 * 4
 
 
 @pytest.mark.parametrize("c, size", [(64, 28), (128, 14), (256, 7), (512, 4)])
@@ -227,4 +227,4 @@ def test_bench_bn_plan_measures_8_bytes_from_l2_per_byte_used_before_and_1_after
     _, (used, l2_old, l2_new) = bn_plan.per_step(256, ratios, 132)
     assert l2_old == pytest.approx(8 * used) and used <= l2_new < 1.05 * used
     assert bn_plan.main(["--rows", "256", "--channels", "64"]) == 0
-    assert "`bn_backward_sums_rows` | 64 |" in capsys.readouterr().out
+    assert "`bn_backward_sums_rows<float>` | 64 |" in capsys.readouterr().out

@@ -118,6 +118,14 @@ class RawModule:
         return kernel
 
 
+def _declared(declaration, spec, template):
+    """A parameter as the source declares it, but for a template's pointer to a scalar, whose type may name a
+    template parameter (const T* __restrict__ x): spelled with the instantiation's (const float* __restrict__ x)."""
+    if not (template and spec["pointer"]) or c_type_name(spec).startswith("struct"):
+        return declaration
+    return c_type_name(spec) + declaration[declaration.rindex("*") + 1:]
+
+
 class RawKernel:
     """cupy.RawKernel(code, name, options=...), or a function of a RawModule."""
 
@@ -132,7 +140,8 @@ class RawKernel:
         # An attribute of the function, as in CUDA: every RawKernel of it sees a change.
         entry.setdefault("max_dynamic_shared", SHARED_BYTES_WITHOUT_OPT_IN - entry["static_shared"])
         declarations = entry["parameters"] if len(entry["parameters"]) == len(entry["signature"]) else None
-        self._parameters = [Parameter(i, name, spec, declarations[i] if declarations else c_type_name(spec))
+        self._parameters = [Parameter(i, name, spec, _declared(declarations[i], spec, entry["template"])
+                                      if declarations else c_type_name(spec))
                             for i, spec in enumerate(entry["signature"])]
 
     @property
