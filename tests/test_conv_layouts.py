@@ -67,7 +67,7 @@ def variant(request, monkeypatch):
     """conv.py's choices, or the large tile or split reductions (backward-weight's partials, the bias
     gradient's) forced, so that small shapes take those paths too."""
     if request.param == "large tile":
-        monkeypatch.setattr(cuda_conv, "choose_tile", lambda rows, columns: "Tile128")
+        monkeypatch.setattr(cuda_conv, "choose_tile", lambda rows, columns, dtype: "Tile128")
     elif request.param == "split":
         monkeypatch.setattr(cuda_launch, "MIN_SPLIT_LENGTH", 4)
     return request.param

@@ -158,7 +158,7 @@ def variant(request, monkeypatch):
     """The launchers' default choices, or the large GEMM tile or many-way split reductions
     forced, so that small shapes exercise those code paths too."""
     if request.param == "large tile":
-        monkeypatch.setattr(cuda_conv, "choose_tile", lambda rows, columns: "Tile128")
+        monkeypatch.setattr(cuda_conv, "choose_tile", lambda rows, columns, dtype: "Tile128")
     elif request.param == "split":
         monkeypatch.setattr(cuda_launch, "MIN_SPLIT_LENGTH", 4)
     return request.param

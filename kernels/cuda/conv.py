@@ -22,8 +22,9 @@ from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_pl
 OPS = ("conv2d_forward", "conv2d_backward")
 
 # BM = BN of each tile of common.cuh; the kernel sizes with their own instantiation, (0, 0)
-# being the one that takes any size at run time; those of bfloat16 storage (the stem of the bf16
-# precision, and the convolutions whose channel counts the BF16 tensor cores do not take).
+# being the one that takes any size at run time. On bfloat16 storage (the stem of the bf16 precision,
+# and the convolutions whose channel counts the BF16 tensor cores do not take, at small widths) the
+# small tile alone, and the stem's size.
 TILES = {"Tile64": 64, "Tile128": 128}
 SIZES = ((3, 3), (1, 1), (0, 0))
 BF16_SIZES = ((3, 3), (0, 0))
@@ -36,16 +37,18 @@ def _gemm(kernel, tile, kh, kw, storage="float"):
     return f"{kernel}<{tile}, {kh}, {kw}{storage_argument(storage)}>"
 
 
-KERNELS = tuple(_gemm(k, t, *s, storage) for storage, sizes in (("float", SIZES), ("bf16", BF16_SIZES))
-                for k in GEMMS for t in TILES for s in sizes) + tuple(
-    f"conv2d_dgrad_strided<{t}{storage_argument(storage)}>" for storage in STORAGE_TYPES.values() for t in TILES)
+KERNELS = tuple(_gemm(k, t, *s, storage) for storage, tiles, sizes in (("float", TILES, SIZES),
+                                                                      ("bf16", ("Tile64",), BF16_SIZES))
+                for k in GEMMS for t in tiles for s in sizes) + tuple(
+    f"conv2d_dgrad_strided<{t}>" for t in TILES) + ("conv2d_dgrad_strided<Tile64, bf16>",)
 
 
-def choose_tile(rows, columns):
-    """The tile for a (rows x columns) output: Tile128 when both sides fill it and the grid
-    keeps at least LARGE_TILE_MIN_BLOCKS blocks; else Tile64."""
+def choose_tile(rows, columns, dtype):
+    """The tile for a (rows x columns) output of `dtype`: Tile128 when both sides fill it and the grid
+    keeps at least LARGE_TILE_MIN_BLOCKS blocks (float32); else Tile64."""
     large = cdiv(rows, 128) * cdiv(columns, 128)
-    return "Tile128" if min(rows, columns) >= 128 and large >= LARGE_TILE_MIN_BLOCKS else "Tile64"
+    return "Tile128" if min(rows, columns) >= 128 and large >= LARGE_TILE_MIN_BLOCKS and dtype == np.float32 \
+        else "Tile64"
 
 
 def conv2d_forward(be, x, w, b, stride, padding):
@@ -57,7 +60,7 @@ def conv2d_forward(be, x, w, b, stride, padding):
     if kind:
         return conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry).transpose(0, 3, 1, 2)
     y = _empty(be, (n, o, oh, ow), kernels.channels_last(), x.dtype)
-    tile = choose_tile(o, n * oh * ow)
+    tile = choose_tile(o, n * oh * ow, x.dtype)
     launch(be, "conv", _kernel("conv2d_forward", tile, kh, kw, x),
            (cdiv(n * oh * ow, TILES[tile]), cdiv(o, TILES[tile])), (x, w, b, y, *geometry, *_layouts(x, w, y)))
     return y
@@ -149,7 +152,7 @@ def _backward_data(be, dy, w, geometry):
     n, c, h, wd, o, kh, kw, sh, sw = geometry[:9]
     dx = _empty(be, (n, c, h, wd), kernels.channels_last(), dy.dtype)
     columns = n * cdiv(h, sh) * cdiv(wd, sw)   # of the largest phase
-    tile = choose_tile(c, columns)
+    tile = choose_tile(c, columns, dy.dtype)
     grid = (cdiv(columns, TILES[tile]), cdiv(c, TILES[tile]))
     if (sh, sw) == (1, 1):
         launch(be, "conv", _kernel("conv2d_dgrad", tile, kh, kw, dy), grid,
@@ -166,7 +169,7 @@ def _backward_weight(be, dy, x, geometry, dw, db):
     (O x C*KH*KW) grid is small, added in the same launch."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     columns = c * kh * kw
-    tile = choose_tile(o, columns)
+    tile = choose_tile(o, columns, dy.dtype)
     grid = (cdiv(columns, TILES[tile]), cdiv(o, TILES[tile]))
     splits, chunk = split(n * oh * ow, grid[0] * grid[1], multiple=16)   # whole K tiles of either tile
     partial, db_partial = ((be.xp.empty((splits, dw.size), np.float32), be.xp.empty((splits, o), np.float32))
