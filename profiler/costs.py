@@ -9,13 +9,18 @@ arguments (a benchmark, a profiler) gets its cost in one line.
 Conventions. A multiply-add counts 2 FLOPs; an add, a multiply, a comparison, an exp, a division
 1 each; the per-element counts below follow the formulas in the kernels' comments. Bytes are
 each input read once and each output written once, with float32 at 4 bytes, argmax (int64) at 8,
-images (uint8) at 1 and labels at 4 (int32, what the trainer passes): the least any
-implementation moves, so bytes / time is a lower bound on the bandwidth it reached.
+images (uint8) at 1 and labels at 4 (int32, what the trainer passes), bfloat16 at 2 where the
+arguments say so (cast, sgd_update's copy, global_avg_pool_backward's dtype): the least any
+implementation moves, so bytes / time is a lower bound on the bandwidth it reached. Shapes do not
+tell the bf16 precision's bfloat16 activations from float32 ones: their bytes are counted at 4.
 """
 import dataclasses
 import math
 
+import numpy as np
+
 FLOAT, INDEX, LABEL, PIXEL = 4, 8, 4, 1
+BFLOAT16 = 2   # the bf16 precision's copy of the weights (sgd_update's copy), one side of a cast
 # FLOPs per element of the batch-norm passes: statistics (x and x*x into two sums) + normalise
 # (one multiply-add by the per-channel scale and shift); backward: x-hat (2), dy * x-hat and
 # the two sums (3), dx = k * (dy - mean dy - x-hat * mean(dy x-hat)) (4).
@@ -52,8 +57,16 @@ ZERO = Cost(0, 0)
 
 def cost_of(op, *args, **kwargs):
     """The cost of the contract's `op` called with `args` and `kwargs` (arrays, or already shapes)."""
-    shape = lambda a: tuple(a.shape) if hasattr(a, "shape") else a  # noqa: E731
-    return globals()[op](*map(shape, args), **{k: shape(v) for k, v in kwargs.items()})
+    return globals()[op](*map(shape_of, args), **{k: shape_of(v) for k, v in kwargs.items()})
+
+
+def shape_of(a):
+    """What the cost functions take for an argument of an op: an array's shape; a tuple of arrays (an
+    op's `out`) as a tuple of shapes; anything else (a number, a dtype, which has a shape of its own)
+    as it is."""
+    if isinstance(a, tuple):
+        return tuple(shape_of(v) for v in a)
+    return tuple(a.shape) if hasattr(a, "shape") and not isinstance(a, np.dtype) else a
 
 
 def size(shape):
@@ -179,6 +192,16 @@ def take(a, idx):
     return Cost(0, (INDEX + 2 * LABEL) * size(idx))
 
 
+def cast(a, dtype, out=None):
+    """float32 to bfloat16 or back (no arithmetic: a rounding): one side of each."""
+    return Cost(0, (FLOAT + BFLOAT16) * size(a))
+
+
+def _itemsize(dtype):
+    """Bytes per element of an output of `dtype` (None: float32, the contract's default)."""
+    return FLOAT if dtype is None else np.dtype(dtype).itemsize
+
+
 # ---- pooling -------------------------------------------------------------------------------
 
 def max_pool2d_forward(x, kernel_size, stride, padding):
@@ -196,8 +219,8 @@ def global_avg_pool_forward(x):
     return Cost(size(x), FLOAT * (size(x) + size(x[:2])))
 
 
-def global_avg_pool_backward(dy, x_shape):
-    return Cost(size(x_shape), FLOAT * (size(dy) + size(x_shape)))
+def global_avg_pool_backward(dy, x_shape, *, dtype=None):
+    return Cost(size(x_shape), FLOAT * size(dy) + _itemsize(dtype) * size(x_shape))
 
 
 # ---- linear --------------------------------------------------------------------------------
@@ -231,10 +254,11 @@ def count_correct(logits, labels):
 
 # ---- optimiser -----------------------------------------------------------------------------
 
-def sgd_update(param, grad, velocity, lr, momentum, weight_decay):
+def sgd_update(param, grad, velocity, lr, momentum, weight_decay, copy=None):
     """param -= lr * (momentum * velocity + grad + weight_decay * param): a multiply-add for
-    each term that is present; velocity read and written only with momentum."""
+    each term that is present; velocity read and written only with momentum; the bfloat16 copy
+    written when given."""
     n = size(param)
     with_velocity = momentum != 0
     flops = 2 * n * (1 + (weight_decay != 0) + with_velocity)
-    return Cost(flops, FLOAT * n * (3 + 2 * with_velocity))
+    return Cost(flops, FLOAT * n * (3 + 2 * with_velocity) + BFLOAT16 * size(copy))

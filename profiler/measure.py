@@ -14,6 +14,7 @@ import kernels.cpu
 from kernels import cupy_module
 from nn import hooks
 from parallel import ddp
+from .costs import shape_of
 
 PHASES = ("forward", "backward", "other")
 UNTRACKED = ("(between spans)", "untracked")    # the step's own key: Python between the spans
@@ -254,8 +255,8 @@ class Profiler:
         names_kernels = hasattr(backend, "function")    # the CUDA launchers name their kernels
 
         def on_op(op, args, kwargs):
-            ops[self.open[-1]].append((op, tuple(_shape(a) for a in args),
-                                       {k: _shape(v) for k, v in kwargs.items()}))
+            ops[self.open[-1]].append((op, tuple(shape_of(a) for a in args),
+                                       {k: shape_of(v) for k, v in kwargs.items()}))
             if not names_kernels:
                 launches[self.open[-1]][op] += 1
 
@@ -272,13 +273,6 @@ def _overlap(interval, window):
     if window is None:
         return 0.0
     return max(0.0, min(interval[1], window[1]) - max(interval[0], window[0]))
-
-
-def _shape(a):
-    """An array's shape; a tuple of arrays (an op's `out`) as a tuple of shapes; anything else as it is."""
-    if isinstance(a, tuple):
-        return tuple(_shape(v) for v in a)
-    return tuple(a.shape) if hasattr(a, "shape") else a
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from kernels.cuda import conv_tc
 
 # the GEMMs that multiply on the tensor cores, by the precision they multiply in: conv_tc.cu's (the tf32
 # precision's convolutions) and conv_bf16.cu's (the bf16 precision's)
-TENSOR_CORE_GEMMS = {"TF32": conv_tc.GEMMS, "BF16": ("conv_bf16_forward", "conv_bf16_dgrad", "conv_bf16_wgrad")}
+TENSOR_CORE_GEMMS = {"TF32": conv_tc.GEMMS, "BF16": conv_tc.BF16_GEMMS}
 
 
 def on_tensor_cores(kernel_names):
