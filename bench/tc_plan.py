@@ -1,19 +1,24 @@
-"""What the tensor-core kernels (kernels/cuda/conv_tc.cu) launch for every convolution of ResNet-18
-and its linear layer at batch 256, and how that fills an H200; no GPU needed.
+"""What the tensor-core kernels launch for every convolution of ResNet-18 at batch 256, and how that
+fills an H200, for both tensor-core precisions side by side: conv_tc.cu's TF32 GEMMs (--precision
+tf32) and conv_bf16.cu's BF16 ones (bf16); no GPU needed.
 
-  PYTHONPATH=. python -m bench.tc_plan [--batch 256] [--arch sm_90] [--sms 132]
+  PYTHONPATH=. python -m bench.tc_plan [--batch 256] [--arch sm_90] [--sms 132] [--precision tf32 bf16]
 
-Each tensor-core kernel's registers, shared memory and resident blocks, and its main loop in the SASS
-NVRTC makes (the loop with the most HMMA): its instructions, its HMMA and the instructions per
-HMMA, the issue slots the loop spends for each tensor-core instruction. Then for each GEMM
-(forward, backward-data, backward-weight) of each distinct convolution that the tensor cores
-take: the kernel the launchers choose (kernels/cuda/conv_tc.py's plan), its grid in blocks, its
-split-K parts (and their groups), and the waves of blocks over the SMs at the occupancy that the
-kernel's registers and shared memory allow (from ptxas through NVRTC, as kernels.cuda.ptxas_report gives
-them). The occupancy rules are Hopper's (sm_90): 65,536 registers per SM, allocated per warp
-in units of 256; 228 KB of shared memory per SM, 1 KB of it reserved per block; at most 32
-blocks and 64 warps per SM. A model of the launch, not a measurement: the speed is measured by
-bench/gpu_check (tier c) when a GPU is lent.
+Each tensor-core kernel's registers, shared memory and resident blocks, and its main loops in the
+SASS NVRTC makes (the loops with the most HMMA of the GEMM): their instructions, their HMMA and the
+instructions per HMMA, the issue slots a loop spends for each tensor-core instruction of the
+product. A BF16 backward-weight has two: the first row of tiles also sums the bias gradient, on
+the tensor cores, in a loop of its own (the "bias loop"; its extra HMMA do not count as the
+product's). Then for each GEMM (forward, backward-data, backward-weight) of each distinct
+convolution that the tensor cores take: the kernel the launchers choose (kernels/cuda/conv_tc.py's
+plan), its grid in blocks, its split-K parts (and their groups), the waves of blocks over the SMs at
+the occupancy that the kernel's registers and shared memory allow (from ptxas through NVRTC, as
+kernels.cuda.ptxas_report gives them), and the FLOPs per L2 byte of its tile: the FLOPs of a k step,
+2 BM BN k, over the operand bytes a block loads for it, (BM + BN) k times the element's bytes (a tile
+wider than the GEMM loads and multiplies its real rows and columns only). The occupancy rules are
+Hopper's (sm_90): 65,536 registers per SM, allocated per warp in units of 256; 228 KB of shared
+memory per SM, 1 KB of it reserved per block; at most 32 blocks and 64 warps per SM. A model of
+the launch, not a measurement: the speed is measured by bench/gpu_check (tier c) when a GPU is lent.
 """
 import argparse
 import math
@@ -26,6 +31,8 @@ from kernels.cuda import conv_tc
 from kernels.cuda.ptxas_report import compile_family, report
 
 REGISTERS, REGISTER_UNIT, SHARED, SHARED_RESERVED, MAX_BLOCKS, MAX_WARPS = 65536, 256, 233472, 1024, 32, 64
+KINDS = {"tf32": conv_tc.TF32, "bf16": conv_tc.BF16}
+ELEMENT_BYTES = {"tf32": 4, "bf16": 2}
 
 
 def blocks_per_sm(resources, threads=conv_tc.THREADS):
@@ -40,29 +47,43 @@ def blocks_per_sm(resources, threads=conv_tc.THREADS):
 
 
 _BRANCH = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+0x([0-9a-f]+)")
+_HMMA = re.compile(r"(@!?U?P\w+\s+)?HMMA\b")   # predicated or not
 
 
-def main_loop(instructions):
-    """(instructions, HMMA) of a kernel's main loop, from its SASS: of the loops (a backward branch
-    and the instructions from its target to it; each SASS instruction is 16 bytes) that hold the
-    most HMMA, the shortest; (0, 0) for a kernel without one."""
-    hmma = [i.startswith("HMMA") for i in instructions]
-    best = (0, 0)
+def main_loops(instructions):
+    """[(instructions, HMMA)] of a kernel's main loops, from its SASS: the loops (a backward branch
+    and the instructions from its target to it; each SASS instruction is 16 bytes) holding at least
+    as many HMMA as the one with the fewest of those that hold the most of them: a loop that also
+    sums the bias holds more. Innermost first, shortest first; [] for a kernel without one."""
+    hmma = [bool(_HMMA.match(i)) for i in instructions]
+    found = set()
     for end, instruction in enumerate(instructions):
         branch = _BRANCH.search(instruction)
         start = int(branch.group(1), 16) // 16 if branch else end + 1
-        if start <= end:
-            size, count = end - start + 1, sum(hmma[start:end + 1])
-            if count > best[1] or (count and count == best[1] and size < best[0]):
-                best = (size, count)
-    return best
+        if start <= end and any(hmma[start:end + 1]):
+            found.add((end - start + 1, sum(hmma[start:end + 1])))
+    if not found:
+        return []
+    # a loop around another (the ring's wrap) holds all of it: keep, for each HMMA count, the shortest
+    shortest = {}
+    for size, count in sorted(found):
+        shortest.setdefault(count, (size, count))
+    most = max(shortest)
+    product = min(count for count in shortest if count * 5 >= most * 4)   # the GEMM's own, without the bias
+    return sorted(loop for count, loop in shortest.items() if count >= product)
+
+
+def main_loop(instructions):
+    """(instructions, HMMA) of a kernel's lean main loop: main_loops' first; (0, 0) without one."""
+    loops_ = main_loops(instructions)
+    return loops_[0] if loops_ else (0, 0)
 
 
 def loops(arch, family="conv_tc"):
-    """{name expression: (loop instructions, HMMA per loop)} of a family's kernels for `arch`."""
+    """{name expression: [(loop instructions, HMMA per loop)]} of a family's kernels for `arch`."""
     compiled = compile_family(family, arch)
     sass = compiled.sass()
-    return {name: main_loop(sass[mangled]) for name, mangled in compiled.lowered_names.items()}
+    return {name: main_loops(sass[mangled]) for name, mangled in compiled.lowered_names.items()}
 
 
 def geometry(layer):
@@ -72,66 +93,107 @@ def geometry(layer):
     return (n, c, h, w, o, kh, kw, layer.stride, layer.stride, layer.padding, layer.padding, *layer.y[2:])
 
 
-def rows(batch, arch, sms):
-    """(the launches of the tensor-core GEMMs at `batch`, one dict per GEMM of each distinct
-    convolution that conv_tc takes; the ptxas Resources of each kernel; the labels of the
+def flops_per_byte(kind, precision, p, rows, columns):
+    """The FLOPs per L2 byte of a Plan's tile: 2 BM' BN' k over (BM' + BN') k element bytes, BM' and
+    BN' the tile's rows and columns that the GEMM has (a tile wider than the GEMM loads and multiplies
+    those alone)."""
+    bm, bn, _ = kind.tile(p.kernel.partition("<")[2].partition(",")[0])
+    bm, bn = min(bm, rows), min(bn, columns)
+    return 2 * bm * bn / ((bm + bn) * ELEMENT_BYTES[precision])
+
+
+def rows(batch, arch, sms, precision):
+    """(the launches of the tensor-core GEMMs of `precision` at `batch`, one dict per GEMM of each
+    distinct convolution that they take; the ptxas Resources of each kernel; the labels of the
     products that run the FP32 kernels instead: the stem, the linear layer)."""
-    resources = {kernel: r for _, _, kernel, r in report(["conv_tc"], [arch])}
+    kind = KINDS[precision]
+    resources = {kernel: r for _, _, kernel, r in report([kind.family], [arch])}
     out, fp32 = [], []
     for layer, count in layers.distinct(layers.resnet18_layers(batch)):
         if layer.op not in ("conv2d", "linear"):
             continue
-        if layer.op == "linear" or not conv_tc.supports(layer.x[1], layer.w[0]):
+        if layer.op == "linear" or not conv_tc.supports(layer.x[1], layer.w[0], kind):
             fp32.append(layer.label)
             continue
         n, c, h, w = layer.x
         o, _, kh, kw = layer.w
         outputs = {"forward": math.prod(layer.y), "dgrad": n * c * h * w, "wgrad": o * c * kh * kw}
+        shapes = {"forward": (math.prod(layer.y) // o, o), "dgrad": (n * h * w, c), "wgrad": (c * kh * kw, o)}
         for gemm in ("forward", "dgrad", "wgrad"):
-            p = conv_tc.plan(gemm, geometry(layer))
+            p = conv_tc.plan(gemm, geometry(layer), kind)
             resident, limit = blocks_per_sm(resources[p.kernel])
             blocks = math.prod(p.grid)
             out.append({"layer": layer.label, "count": count, "gemm": gemm, "kernel": p.kernel, "grid": p.grid,
                         "blocks": blocks, "resident": resident, "limit": limit, "splits": p.splits,
                         "group": p.group, "waves": blocks / (resident * sms),
+                        "flops_per_byte": flops_per_byte(kind, precision, p, *shapes[gemm]),
                         "partial_bytes": 4 * conv_tc.partial_slots(p) * outputs[gemm]})
     return out, resources, fp32
 
 
+def describe_loops(found, lean_hmma):
+    """'instructions / HMMA' of each main loop, and the instructions per HMMA of the product (the lean
+    loop's HMMA count: a bias loop's extra HMMA sum the bias)."""
+    return ", ".join(f"{size} / {hmma}" for size, hmma in found), \
+        ", ".join(f"{size / lean_hmma:.2f}" for size, _ in found)
+
+
+def kernel_table(precision, arch, launched, resources):
+    kind = KINDS[precision]
+    found = loops(arch, kind.family)
+    print(f"| kernel ({arch}) | registers | shared memory, bytes | blocks per SM (limit) | main loops: "
+          f"instructions / HMMA | instructions per HMMA of the product | launched at batch "
+          f"{args_batch} |")
+    print("|---|---|---|---|---|---|---|---|")
+    ratios = {}
+    for kernel in (conv_tc.KERNELS if precision == "tf32" else conv_tc.BF16_KERNELS):
+        r = resources[kernel]
+        resident, limit = blocks_per_sm(r)
+        lean = found[kernel][0][1]
+        sizes, per_hmma = describe_loops(found[kernel], lean)
+        ratios[kernel] = [size / lean for size, _ in found[kernel]]
+        print(f"| `{kernel}` | {r.registers} | {r.shared_bytes} | {resident} ({limit}) | {sizes} | {per_hmma} | "
+              f"{'yes' if kernel in launched else 'no'} |")
+    step = [ratio for kernel in sorted(launched) for ratio in ratios[kernel]]
+    print(f"\n{precision}: instructions per HMMA of the product in the main loops of the kernels launched: median "
+          f"{statistics.median(step):.2f}, most {max(step):.2f}")
+
+
+args_batch = layers.BATCH
+
+
 def main(argv=None):
+    global args_batch
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--batch", type=int, default=layers.BATCH)
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--sms", type=int, default=132, help="SMs of the GPU (default 132, an H200 SXM)")
+    p.add_argument("--precision", nargs="+", choices=tuple(KINDS), default=tuple(KINDS),
+                   help="the tensor-core precisions to show (default both)")
     args = p.parse_args(argv)
-    table, resources, fp32 = rows(args.batch, args.arch, args.sms)
-    main_loops = loops(args.arch)
-    launched = {row["kernel"] for row in table}
-    print(f"| kernel ({args.arch}) | registers | shared memory, bytes | blocks per SM (limit) | main loop: "
-          f"instructions | HMMA | instructions per HMMA | launched at batch {args.batch} |")
-    print("|---|---|---|---|---|---|---|---|")
-    for kernel in conv_tc.KERNELS:
-        r = resources[kernel]
-        resident, limit = blocks_per_sm(r)
-        size, hmma = main_loops[kernel]
-        print(f"| `{kernel}` | {r.registers} | {r.shared_bytes} | {resident} ({limit}) | {size} | {hmma} | "
-              f"{size / hmma:.1f} | {'yes' if kernel in launched else 'no'} |")
-    ratios = [main_loops[k][0] / main_loops[k][1] for k in sorted(launched)]
-    print(f"\ninstructions per HMMA of the kernels launched: median {statistics.median(ratios):.1f}, "
-          f"most {max(ratios):.1f}")
-    print(f"\n| layer (batch {args.batch}) | n | GEMM | kernel | grid | blocks | split-K parts (per group) | "
-          f"waves on {args.sms} SMs |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in table:
-        parts = f"{row['splits']} ({row['group']})" if row["splits"] > 1 else "1"
-        print(f"| {row['layer']} | {row['count']} | {row['gemm']} | `{row['kernel']}` | "
-              f"{'x'.join(map(str, row['grid']))} | {row['blocks']} | {parts} | {row['waves']:.2f} |")
-    wgrad = [row["waves"] for row in table if row["gemm"] == "wgrad"]
-    partials = sum(row["count"] * row["partial_bytes"] for row in table)
-    print(f"\nbackward-weight waves: fewest {min(wgrad):.2f}; split-K partial outputs written (and read once) "
-          f"per step: {partials / 1e6:.0f} MB")
-    print(f"\non the FP32 kernels (conv.cu, linear.cu), not the tensor cores: {'; '.join(fp32)}")
+    args_batch = args.batch
+    for precision in args.precision:
+        table, resources, fp32 = rows(args.batch, args.arch, args.sms, precision)
+        launched = {row["kernel"]: row for row in table}
+        print(f"\n## {precision}\n")
+        kernel_table(precision, args.arch, launched, resources)
+        print(f"\n| layer (batch {args.batch}) | n | GEMM | kernel | grid | blocks | split-K parts (per group) | "
+              f"waves on {args.sms} SMs | FLOPs per L2 byte |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in table:
+            parts = f"{row['splits']} ({row['group']})" if row["splits"] > 1 else "1"
+            print(f"| {row['layer']} | {row['count']} | {row['gemm']} | `{row['kernel']}` | "
+                  f"{'x'.join(map(str, row['grid']))} | {row['blocks']} | {parts} | {row['waves']:.2f} | "
+                  f"{row['flops_per_byte']:.1f} |")
+        wgrad = [row["waves"] for row in table if row["gemm"] == "wgrad"]
+        partials = sum(row["count"] * row["partial_bytes"] for row in table)
+        weighted = [(row["flops_per_byte"], row["count"]) for row in table]
+        below = sorted({row["layer"] for row in table if row["flops_per_byte"] < 64})
+        print(f"\nbackward-weight waves: fewest {min(wgrad):.2f}; split-K partial outputs written (and read once) "
+              f"per step: {partials / 1e6:.0f} MB; FLOPs per L2 byte: {min(f for f, _ in weighted):.1f} to "
+              f"{max(f for f, _ in weighted):.1f}" + (f"; below 64 at {', '.join(below)}" if below else ""))
+        print(f"\non the FP32 kernels (conv.cu, linear.cu), not the tensor cores: {'; '.join(fp32)}")
     return 0
 
 

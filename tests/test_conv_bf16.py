@@ -212,7 +212,7 @@ def test_every_bf16_kernel_runs_hmma(arch):
     if nvrtc.cuobjdump() is None:
         pytest.skip("cuobjdump is not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     from kernels.cuda.ptxas_report import compile_family
-    compiled = compile_family("conv_bf16", arch, verbose=True)
+    compiled = compile_family("conv_bf16", arch)
     sass = compiled.sass()
     assert len(conv_tc.BF16_KERNELS) == 12
     for name in conv_tc.BF16_KERNELS:
@@ -222,3 +222,25 @@ def test_every_bf16_kernel_runs_hmma(arch):
             assert any(i.startswith(form) or form in i for i in instructions), f"{name} for {arch}: no {form}"
         resources = compiled.resources()[mangled]
         assert resources.spill_stores == resources.spill_loads == 0, f"{name} for {arch} spills"
+
+
+def test_the_launch_plan_of_resnet18_covers_every_product():
+    """bench/tc_plan.py under bf16: a plan for each GEMM of every convolution but the stem, with the
+    kernel's occupancy from its registers and shared memory; backward-weight in at least one wave of
+    the blocks that fit on an H200's 132 SMs at every layer; the FLOPs per L2 byte of each tile as its
+    shape gives them (128 x 128: 64; 64 columns or rows: 42.7)."""
+    reason = nvrtc.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from bench import tc_plan
+    from bench.layers import distinct, resnet18_layers
+    rows, resources, fp32 = tc_plan.rows(256, "sm_90", 132, "bf16")
+    products = [layer for layer, _ in distinct(resnet18_layers(256)) if layer.op in ("conv2d", "linear")]
+    assert len(rows) == 3 * (len(products) - 2) == 3 * 10
+    assert fp32 == ["conv 3x3/1 1->64 28->28", "linear 512->10"]
+    assert all(1 <= row["resident"] <= 16 and row["blocks"] >= 1 for row in rows), rows
+    assert all(resources[row["kernel"]].spill_stores == 0 for row in rows)
+    assert all(row["waves"] >= 1 for row in rows if row["gemm"] == "wgrad"), rows
+    for row in rows:
+        wide = "Bf128x128" in row["kernel"] and not (row["layer"].startswith("conv 1x1/2 64->") and row["gemm"] == "wgrad")
+        assert row["flops_per_byte"] == pytest.approx(64.0 if wide else 2 * 128 * 64 / (192 * 2)), row

@@ -394,7 +394,7 @@ def test_the_launch_plan_of_resnet18_covers_every_product():
     if reason:
         pytest.skip(reason)
     from bench import tc_plan
-    rows, resources, fp32 = tc_plan.rows(256, "sm_90", 132)
+    rows, resources, fp32 = tc_plan.rows(256, "sm_90", 132, "tf32")
     products = [layer for layer, _ in distinct(resnet18_layers(256)) if layer.op in ("conv2d", "linear")]
     assert len(rows) == 3 * (len(products) - 2) == 3 * 10
     assert fp32 == ["conv 3x3/1 1->64 28->28", "linear 512->10"]

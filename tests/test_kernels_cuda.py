@@ -184,7 +184,7 @@ def test_compiles_with_nvrtc(family, arch):
     if reason:
         pytest.skip(reason)
     from kernels.cuda.ptxas_report import compile_family
-    compiled = compile_family(family, arch, verbose=True)
+    compiled = compile_family(family, arch)
     assert "warning" not in compiled.log.lower(), f"{family}.cu for {arch}:\n{compiled.log}"
     assert set(compiled.lowered_names) == set(cuda.launcher(family).KERNELS)
     spilling = {name: r for name, r in compiled.resources().items() if r.spill_stores or r.spill_loads}

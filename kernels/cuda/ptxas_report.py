@@ -7,6 +7,7 @@ expressions) with NVRTC and ``-Xptxas -v``; needs NVRTC (the cuda12 or cuda13 ex
 Exits non-zero when a kernel spills, so that a regression shows in a script too.
 """
 import argparse
+import functools
 import sys
 
 from kernels import nvrtc
@@ -15,10 +16,13 @@ from kernels.cuda import FAMILIES, OPTIONS, launcher, source
 ARCHS = ("sm_80", "sm_90")
 
 
-def compile_family(family, arch, verbose=False):
-    """kernels.nvrtc.Compiled for one family and architecture; raises NvrtcError."""
+@functools.lru_cache(maxsize=None)
+def compile_family(family, arch):
+    """kernels.nvrtc.Compiled for one family and architecture, with ptxas' report (verbose); raises
+    NvrtcError. Once per process: a family takes NVRTC up to half a minute, and the tests and
+    benchmarks that read its SASS and its resources share the result."""
     return nvrtc.compile(source(family), arch=arch, options=OPTIONS, name_expressions=launcher(family).KERNELS,
-                         filename=f"{family}.cu", verbose=verbose)
+                         filename=f"{family}.cu", verbose=True)
 
 
 def report(families, archs):
@@ -26,7 +30,7 @@ def report(families, archs):
     rows = []
     for arch in archs:
         for family in families:
-            compiled = compile_family(family, arch, verbose=True)
+            compiled = compile_family(family, arch)
             names = {mangled: expression for expression, mangled in compiled.lowered_names.items()}
             for symbol, resources in compiled.resources().items():
                 rows.append((arch, family, names.get(symbol, symbol), resources))
