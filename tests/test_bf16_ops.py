@@ -12,7 +12,7 @@ contract's bfloat16 (cast, sgd_update's copy, global_avg_pool_backward's dtype).
   statistics enter. A float32 output is held to that tolerance.
 - Each bfloat16 output is also bit for bit the same launch's float32 kernel, on the widened inputs, rounded
   once: the kernels widen what they load, compute as in float32, and round what they store once.
-- New outputs start as NaN (conftest's poisoned_empty, and here bfloat16 too), so an element a kernel
+- New outputs start as NaN (conftest's poisoned_empty), so an element a kernel
   forgets to write fails; the emulator runs the threads in each order; the element-wise kernels run with
   VEC 4 (8-byte bfloat16 accesses) and, on arrays that start one element into their buffer, VEC 1;
   the activations come NCHW and channels-last, and the batch-norm reductions by block per channel and by
@@ -35,26 +35,13 @@ EPS = 1e-5
 UNIT = 2.0 ** -24   # float32's unit roundoff: one rounding moves a value by at most this, relatively
 LAYOUTS = ("NCHW", "channels-last")
 WIDTHS = {"VEC 4": 0, "VEC 1": 1}   # the offset, in elements, of an array's start in its buffer
-pytestmark = pytest.mark.usefixtures("bf16", "poisoned")
+pytestmark = pytest.mark.usefixtures("bf16", "poisoned_empty")
 
 
 @pytest.fixture
 def bf16():
     with kernels.use_precision("bf16"):
         yield
-
-
-@pytest.fixture
-def poisoned(poisoned_empty, monkeypatch):
-    """conftest's poisoned_empty for bfloat16 too (NaN), which NumPy does not count as floating."""
-    empty, empty_like = np.empty, np.empty_like   # poisoned already for the other dtypes
-
-    def poison(array):
-        if array.dtype == BF16:
-            array.fill(np.nan)
-        return array
-    monkeypatch.setattr(np, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(np, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
 
 
 @pytest.fixture
@@ -521,3 +508,13 @@ def test_cpu_global_avg_pool_backward_gives_the_dtype_asked(dtype):
             validate(dx, ref, "dx")
         else:
             check_rounded(dx, ref, UNIT * np.abs(ref), np.broadcast_to(dy[:, :, None, None] / 9, ref.shape), "dx")
+
+
+@pytest.mark.parametrize("index", [None, np.int32, np.int64])
+def test_images_to_float_gives_the_storage_of_the_precision(be, order, index):
+    """Under bf16 the images come out bfloat16: the float32 conversion rounded once."""
+    images = rng().integers(0, 256, (3, 5, 6)).astype(np.uint8)
+    idx = None if index is None else np.array([2, 0, 2, 1], index)
+    x = be.images_to_float(images, idx)
+    expected = K.images_to_float(images, idx).astype(BF16)
+    assert x.dtype == BF16 and x.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes(), reproduce_hint()

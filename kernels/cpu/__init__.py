@@ -97,7 +97,9 @@ sgd_update(param, grad, velocity, lr, momentum, weight_decay, copy=None) -> None
 
 images_to_float(images, idx=None) -> x
     uint8 (N, H, W) -> float32 (N, 1, H, W) scaled to [0, 1]; with 1-D integer indices idx,
-    those images (images[idx]), gathered in the same pass.
+    those images (images[idx]), gathered in the same pass. On a device backend under the bf16
+    precision, bfloat16 (kernels.storage_dtype()): rounded once, as autocast rounds the input of
+    the first convolution.
 take(a, idx) -> a[idx]
     a 1-D int32 array (the labels) gathered at 1-D integer indices: a batch's labels.
 cast(a, dtype, out=None) -> y

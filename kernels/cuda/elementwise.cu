@@ -77,16 +77,16 @@ cast(const TIn* __restrict__ x, int total, TOut* __restrict__ y) {
     VEC_LOOP(i, total) store_floats<VEC>(y + i, load_floats<VEC>(x + i));
 }
 
-// x = images[idx] / 255 as float32, image n of x being image idx[n] of images (n itself when idx
-// is null), `plane` pixels each: threads over x's pixels, grid-stride.
-template <class Index>
+// x = images[idx] / 255 as float32, rounded once to the storage T, image n of x being image idx[n] of
+// images (n itself when idx is null), `plane` pixels each: threads over x's pixels, grid-stride.
+template <class Index, class T = float>
 __global__ void __launch_bounds__(256)
 images_to_float(const unsigned char* __restrict__ images, const Index* __restrict__ idx, int plane, int total,
-                float* __restrict__ x) {
+                T* __restrict__ x) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         const int n = i / plane;
         const long long image = idx ? static_cast<long long>(idx[n]) : n;
-        x[i] = float(images[image * plane + (i - n * plane)]) * (1.0f / 255.0f);
+        x[i] = stored<T>(float(images[image * plane + (i - n * plane)]) * (1.0f / 255.0f));
     }
 }
 

@@ -3,6 +3,8 @@ activations, the conversion between the two, uint8 images (of a batch's indices)
 gather of labels."""
 import numpy as np
 
+import kernels
+
 from .launch import C_TYPES, STORAGE_TYPES, blocks, dense, in_place, integers, launch, like, storage, \
     storage_argument, typed, vector_width
 
@@ -12,7 +14,8 @@ KERNELS = tuple(f"{kernel}<{vec}{storage_argument(t)}>"
                 for vec in (1, 4) for t in STORAGE_TYPES.values()) + \
     tuple(f"cast<{vec}, {source}, {target}>" for vec in (1, 4) for source in STORAGE_TYPES.values()
           for target in STORAGE_TYPES.values()) + \
-    tuple(f"{kernel}<{t}>" for kernel in ("images_to_float", "take") for t in C_TYPES.values())
+    tuple(f"images_to_float<{t}{storage_argument(storage)}>" for t in C_TYPES.values()
+          for storage in STORAGE_TYPES.values()) + tuple(f"take<{t}>" for t in C_TYPES.values())
 
 
 def add(be, a, b, out=None):
@@ -71,15 +74,18 @@ def _elementwise(be, kernel, *operands, out=None):
 
 
 def images_to_float(be, images, idx=None):
+    """The images (of idx) as the network's first activation: float32, or bfloat16 under the bf16
+    precision (kernels.storage_dtype()), as autocast rounds a convolution's input."""
     images = typed(be, "images_to_float", images, np.uint8)
     if images.ndim != 3:
         raise ValueError(f"images_to_float expects uint8 (N, H, W), got shape {images.shape}")
     _, h, w = images.shape
     idx = None if idx is None else _indices(be, "images_to_float", idx)
     n = len(images) if idx is None else len(idx)
-    x = be.xp.empty((n, 1, h, w), np.float32)
+    x = be.xp.empty((n, 1, h, w), kernels.storage_dtype())
     index_type = C_TYPES[np.dtype(np.int32) if idx is None else idx.dtype]
-    launch(be, "elementwise", f"images_to_float<{index_type}>", blocks(x.size), (images, idx, h * w, x.size, x))
+    launch(be, "elementwise", f"images_to_float<{index_type}{storage_argument(STORAGE_TYPES[x.dtype])}>",
+           blocks(x.size), (images, idx, h * w, x.size, x))
     return x
 
 
