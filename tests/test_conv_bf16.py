@@ -12,7 +12,9 @@ multiples of 8) and conv.cu's FP32 kernels on bfloat16 storage (the others: the 
 - dx added to a bfloat16 gradient in place (add_dx_to): rounded once, after the addition.
 - The bf16 precision runs these kernels, no TF32 one, and the activations and dx it returns are
   bfloat16 and channels-last; the weight and bias gradients float32.
-- The SASS of every BF16 kernel, for sm_80 and sm_90, holds HMMA.16816.F32.BF16, LDSM and LDGSTS.
+- The SASS of every BF16 kernel, for sm_80 and sm_90, holds HMMA.16816.F32.BF16, LDSM and LDGSTS;
+  bench/tc_plan.py's plan covers every product of ResNet-18.
+- Marked gpu: the same references on a GPU, and PyTorch (cuDNN on bfloat16 inputs) beside.
 """
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ import reference as R
 from helpers import reproduce_hint, rng, validate
 from kernels import bfloat16, nvrtc
 from kernels.cuda import conv_tc
+from test_kernels_cuda import OnDevice, gpu_unavailable_reason, poisoned_device_empty  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty", "bf16")
 UNIT32, UNIT_BF16 = 2.0**-24, 2.0**-8   # unit roundoff of float32 and of bfloat16 (8 significant bits)
@@ -244,3 +247,37 @@ def test_the_launch_plan_of_resnet18_covers_every_product():
     for row in rows:
         wide = "Bf128x128" in row["kernel"] and not (row["layer"].startswith("conv 1x1/2 64->") and row["gemm"] == "wgrad")
         assert row["flops_per_byte"] == pytest.approx(64.0 if wide else 2 * 128 * 64 / (192 * 2)), row
+
+
+# ---- GPU -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def gpu_backend(request):
+    reason = gpu_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    request.getfixturevalue("poisoned_device_empty")
+    return OnDevice(kernels._device_backend("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=2, width=16)
+                         + [s[:4] for s in GATHERED_SHAPES + ALIGNED_SHAPES])
+def test_gpu_conv_against_the_bf16_references(gpu_backend, x_shape, w_shape, stride, padding):
+    check_conv(gpu_backend, x_shape, w_shape, stride, padding)
+
+
+@pytest.mark.gpu
+def test_gpu_conv_beside_cudnn_bf16(gpu_backend):
+    """Our BF16 convolution and cuDNN's on the same bfloat16 inputs (what PyTorch's autocast runs), both
+    within bfloat16's rounding of the output of float64's, on a ResNet-18 stage-3 shape."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    x, w = draw((16, 128, 14, 14), (256, 128, 3, 3))
+    ours = wide(gpu_backend.conv2d_forward(x, w, None, 2, 1))
+    ref = R.conv2d_forward(wide(x), wide(w), None, 2, 1)
+    as_torch = lambda a: torch.tensor(wide(a), device="cuda").to(torch.bfloat16)   # noqa: E731  (exact)
+    theirs = torch.nn.functional.conv2d(as_torch(x), as_torch(w), stride=2, padding=1).float().cpu().numpy()
+    error = [np.linalg.norm(a - ref) / np.linalg.norm(ref) for a in (ours, theirs)]
+    assert error[0] <= 4e-3 and error[0] <= 2 * error[1] + 1e-6, f"ours {error[0]:.3g}, cuDNN BF16 {error[1]:.3g}"

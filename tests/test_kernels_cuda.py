@@ -126,6 +126,8 @@ def poisoned_device_empty(monkeypatch):
     def poison(array):
         if array.dtype.kind == "f":
             array.fill(np.nan)
+        elif array.dtype.name == "bfloat16":
+            array.view(np.uint16).fill(0x7FC0)   # NaN
         elif array.dtype.kind in "iu":
             array.fill(np.iinfo(array.dtype).min)
         return array
