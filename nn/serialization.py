@@ -18,6 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kernels import bfloat16
+
+# what a float32 weight may come as in a file, widened exactly: the halves' values are all float32's
+_WIDENED = (np.dtype(np.float16), bfloat16)
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
@@ -113,7 +117,7 @@ def load_safetensors(model, path):
                                                            extra and f"unexpected keys {_some(extra)}"])))
     for key, target in own.items():
         value = state[key]
-        if value.dtype != target.dtype and target.dtype == np.float32 and value.dtype == np.float16:
+        if value.dtype != target.dtype and target.dtype == np.float32 and value.dtype in _WIDENED:
             value = state[key] = value.astype(np.float32)   # exact
         if value.shape != tuple(target.shape) or value.dtype != target.dtype:
             raise SerializationError(f"{path}: {key} is {value.dtype} of shape {value.shape}, the model's is "
@@ -134,7 +138,8 @@ def _some(keys, shown=6):
 
 
 def _read_safetensors(path):
-    """{key: NumPy array} of a safetensors file; bfloat16 (which NumPy lacks) widened to float32."""
+    """{key: NumPy array} of a safetensors file: bfloat16 as ml_dtypes' (which kernels registers with
+    NumPy), unless the file holds a dtype NumPy lacks (float8): then read by _read_widening."""
     import safetensors
     import safetensors.numpy
     kind = file_kind(path)
@@ -146,7 +151,7 @@ def _read_safetensors(path):
         return safetensors.numpy.load_file(str(path))
     except (OSError, safetensors.SafetensorError) as e:
         raise SerializationError(f"{path} is not a safetensors file, or it is corrupt ({e})") from None
-    except (TypeError, AttributeError):   # a dtype NumPy does not have (bfloat16, float8): read the file here
+    except (TypeError, AttributeError):   # a dtype NumPy does not have (float8): read the file here
         try:
             return _read_widening(path)
         except (ValueError, KeyError, TypeError) as e:
