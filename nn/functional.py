@@ -1,6 +1,6 @@
 """Differentiable ops of the model: each is a forward and a backward that call the
 kernels of the arrays' backend, with the backward written next to its forward."""
-from kernels import backend_of, get_array_module
+from kernels import backend_of, get_array_module, precision
 from .tensor import Tensor
 
 
@@ -15,14 +15,29 @@ def _outputs(*params):
     return outs if any(o is not None for o in outs) else None
 
 
+def _multiplied(weight, K):
+    """The array a convolution on backend K multiplies for ``weight``: under the bf16 precision on a
+    device backend (cuda, emu), a flat buffer's parameter's view of the buffer's bfloat16 copy
+    (FlatParameters.bfloat16_view), which the BF16 tensor cores take as it is; else the float32
+    parameter itself (which a device backend's convolution rounds to bfloat16 under bf16, at each
+    call; the CPU backend computes in float32 whatever the precision). The gradient goes to the
+    float32 parameter either way."""
+    flat = getattr(weight, "_flat", None)
+    if precision() != "bf16" or K.name == "cpu" or flat is None:
+        return weight.data
+    return flat.bfloat16_view(weight)
+
+
 def conv2d(x, weight, bias=None, stride=1, padding=0):
     K = backend_of(x.data)
-    y = K.conv2d_forward(x.data, weight.data, _data(bias), stride, padding)
+    w = _multiplied(weight, K)   # the bias is added in float32 under every precision
+    y = K.conv2d_forward(x.data, w, _data(bias), stride, padding)
 
     def backward(dy):
         # x's gradient so far, when no one else holds it, takes dx in place (a residual block's input);
-        # without a bias there are two parents, and the tape ignores the third gradient
-        return K.conv2d_backward(dy, x.data, weight.data, stride, padding, need_dx=x.requires_grad,
+        # without a bias there are two parents, and the tape ignores the third gradient. The weight
+        # multiplied is the forward's: the optimizer writes the bfloat16 copy only after the backward
+        return K.conv2d_backward(dy, x.data, w, stride, padding, need_dx=x.requires_grad,
                                  out=_outputs(weight, bias), add_dx_to=x.grad if x._grad_owned else None)
     return Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
 
@@ -120,7 +135,10 @@ def adaptive_avg_pool2d(x, output_size):
     K = backend_of(x.data)
     n, c = x.shape[:2]
     y = K.global_avg_pool_forward(x.data).reshape(n, c, 1, 1)
-    return Tensor._make(y, (x,), lambda dy: (K.global_avg_pool_backward(dy.reshape(n, c), x.shape),), fresh=True)
+    # dx in x's dtype (bfloat16 under the bf16 precision on a device backend), not in dy's: dy is the
+    # float32 linear layer's gradient
+    return Tensor._make(y, (x,), lambda dy: (K.global_avg_pool_backward(dy.reshape(n, c), x.shape, dtype=x.dtype),),
+                        fresh=True)
 
 
 def flatten(x, start_dim=1):

@@ -27,16 +27,18 @@ def set_rng_state(state):
     _rng.bit_generator.state = state
 
 
-def _assign(tensor, values):
-    tensor.data[...] = get_array_module(tensor.data).asarray(values.astype(tensor.dtype))
+def _assign(param, values):
+    """param's data <- values (host), in place: a flat buffer's bfloat16 copy is stale after it."""
+    with param.writing():
+        param.data[...] = get_array_module(param.data).asarray(values.astype(param.dtype))
 
 
 def init_layer(weight, bias, scheme):
-    """Initialise one layer's weight (out, fan_in...) and optional bias in place."""
+    """Initialise one layer's weight (out, fan_in...) and optional bias (Parameters) in place."""
     if scheme == "normal":
         _assign(weight, _rng.normal(0.0, 0.01, weight.shape))
         if bias is not None:
-            bias.data.fill(0)
+            _assign(bias, np.zeros(bias.shape))
     elif scheme == "pytorch":
         bound = 1.0 / math.sqrt(int(np.prod(weight.shape[1:])))
         _assign(weight, _rng.uniform(-bound, bound, weight.shape))

@@ -6,11 +6,12 @@ batch norm. A model's parameters and gradients live as views in two flat
 buffers (``FlatParameters``), so the optimizer, the gradient all-reduce and the
 checkpoint each touch one array.
 """
+import contextlib
 from collections import OrderedDict
 
 import numpy as np
 
-from kernels import array_module_for, backend_of, get_array_module
+from kernels import array_module_for, backend_of, bfloat16, get_array_module
 from . import functional as F
 from . import hooks
 from .init import init_layer
@@ -68,6 +69,12 @@ class Parameter(Tensor):
     def zero_grad(self):
         self._stale = True
 
+    def writing(self):
+        """Around a write of this parameter's data by anything but the optimizer (a state dict loaded,
+        the layer re-initialised): its flat buffer's bfloat16 copy is stale from then on (see
+        FlatParameters.writing); nothing to do for a parameter outside a flat buffer."""
+        return self._flat.writing() if self._flat is not None else contextlib.nullcontext()
+
 
 class FlatParameters:
     """Two contiguous buffers, ``data`` and ``grad``, holding every parameter in
@@ -78,7 +85,19 @@ class FlatParameters:
     weight, (out, in, kh, kw)) lies channels-last, its memory (out, kh, kw, in) as PyTorch's
     channels_last weights: the layout the tensor-core convolutions read and write, so that
     they copy no weight and write no gradient through a transposition. LAYOUT names this
-    arrangement, which a checkpoint of the flat buffer records."""
+    arrangement, which a checkpoint of the flat buffer records.
+
+    Under the bf16 precision the convolutions multiply bfloat16 weights, and the float32 ``data``
+    stays the master copy that the optimizer updates (PyTorch's autocast keeps float32 weights
+    too). ``bfloat16()`` is ``data`` rounded to bfloat16 (round to nearest even), at the same offsets,
+    kept here so that a step casts no weight: made on first request; kept current by the optimizer,
+    whose update writes each new value's rounding beside it in the same launch (``updating()``);
+    marked stale by every other write of ``data``, which goes through ``writing()`` (a checkpoint
+    restored, the parameters broadcast to the replicas, a state dict loaded, a layer
+    re-initialised); refreshed by one cast over the buffer when requested while stale. So whoever
+    reads it (``bfloat16()``, ``bfloat16_view()``, a CUDA graph after ``refresh_bfloat16()``) reads
+    what casting ``data`` now would give, and the copy holds no state of its own: a checkpoint, a
+    broadcast or an export deals in ``data`` alone."""
     ALIGNMENT = 4
     LAYOUT = "aligned to 4 elements; 4-D parameters channels-last"
 
@@ -103,6 +122,8 @@ class FlatParameters:
             p.data = _viewed(self.data[lo:lo + p.size], p.shape)
             p.grad = _viewed(self._grad[lo:lo + p.size], p.shape)
             p._flat, p._stale = self, stale
+        self._bfloat16 = self._bfloat16_views = None   # made by the first bfloat16()
+        self._bfloat16_current = False
 
     @property
     def parameter_count(self):
@@ -133,6 +154,49 @@ class FlatParameters:
         """Every gradient zero, without touching the device (see Parameter)."""
         for p in self.params:
             p.zero_grad()
+
+    # ---- the bfloat16 copy of data (see the class's docstring) -----------------------------------
+
+    def bfloat16(self):
+        """``data`` rounded to bfloat16, the same offsets: made on first request, refreshed (one cast)
+        when something other than the optimizer has written ``data`` since."""
+        if self._bfloat16 is None:
+            self._bfloat16 = get_array_module(self.data).empty(len(self), bfloat16)   # the cast writes it all
+            self._bfloat16_views = {id(p): _viewed(self._bfloat16[lo:lo + p.size], p.shape)
+                                    for p, lo in zip(self.params, self.offsets)}
+        self.refresh_bfloat16()
+        return self._bfloat16
+
+    def bfloat16_view(self, param):
+        """``param``'s view of bfloat16(), laid out as its view of ``data``: what a convolution multiplies
+        under the bf16 precision (nn.functional.conv2d)."""
+        self.bfloat16()
+        return self._bfloat16_views[id(param)]
+
+    def refresh_bfloat16(self):
+        """Bring the bfloat16 copy up to date if there is one and something other than the optimizer has
+        written ``data`` since: what a replayed CUDA graph needs first, whose kernels read the copy
+        without asking for it (training/step.py)."""
+        if self._bfloat16 is not None and not self._bfloat16_current:
+            backend_of(self.data).cast(self.data, bfloat16, out=self._bfloat16)
+            self._bfloat16_current = True
+
+    @contextlib.contextmanager
+    def writing(self):
+        """``with flat.writing() as data:`` around every write of ``data`` (or of a parameter's view of
+        it: Parameter.writing) but the optimizer's: the bfloat16 copy is stale from the start, so that
+        not even a write that fails midway leaves it current."""
+        self._bfloat16_current = False
+        yield self.data
+
+    @contextlib.contextmanager
+    def updating(self):
+        """``with flat.updating() as copy:`` around the optimizer's update of ``data``, which writes the
+        new values' rounding into ``copy`` too (sgd_update's ``copy=``; None while no bfloat16 copy has
+        been asked for): current after the update, stale if it failed."""
+        self._bfloat16_current = False
+        yield self._bfloat16
+        self._bfloat16_current = self._bfloat16 is not None
 
     @staticmethod
     def existing(params):
@@ -255,6 +319,7 @@ class Module:
         if missing or unexpected:
             raise KeyError(f"state dict does not match the model: missing keys {missing}, "
                            f"unexpected keys {unexpected}")
+        params = dict(self.named_parameters())
         for key, target in own.items():
             value = state[key]
             if tuple(value.shape) != tuple(target.shape):
@@ -264,7 +329,8 @@ class Module:
             xp = get_array_module(target)
             if xp is np and hasattr(value, "get"):  # a CuPy array into a host model
                 value = value.get()
-            target[...] = xp.asarray(value)
+            with params[key].writing() if key in params else contextlib.nullcontext():
+                target[...] = xp.asarray(value)
 
     def train(self, mode=True):
         for m in self.modules():

@@ -37,9 +37,12 @@ class SGD:
             self.lr = self._lr
 
     def step(self):
+        """One update of the float32 parameters, which also rounds them into the flat buffer's bfloat16
+        copy, when there is one, in the same launch (FlatParameters.updating)."""
         lr = self.lr if self._lr_memory is None else self._lr_memory
-        backend_of(self.flat.data).sgd_update(self.flat.data, self.flat.grad, self.velocity,
-                                              lr, self.momentum, self.weight_decay)
+        with self.flat.updating() as copy:
+            backend_of(self.flat.data).sgd_update(self.flat.data, self.flat.grad, self.velocity,
+                                                  lr, self.momentum, self.weight_decay, copy=copy)
 
     def zero_grad(self):
         self.flat.zero_grad()

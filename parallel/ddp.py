@@ -106,8 +106,12 @@ class DataParallel:
     # ---- replicate ----------------------------------------------------------------------
 
     def broadcast_state(self, state=()):
-        for array in [self.flat.data, *self.buffers, *(s for s in state if s is not None)]:
-            self.comm.broadcast(array, root=0)
+        """Rank 0's parameters, floating buffers and ``state`` on every rank. Only the float32 parameters
+        travel: the flat buffer's bfloat16 copy (the bf16 precision's) is marked stale and remade from
+        them when next read."""
+        with self.flat.writing() as params:
+            for array in [params, *self.buffers, *(s for s in state if s is not None)]:
+                self.comm.broadcast(array, root=0)
 
     def check_in_sync(self, when):
         """OutOfSync on every rank, naming the ranks that differ from rank 0, when a

@@ -118,7 +118,8 @@ def restore(arrays, model, optimizer):
         raise CheckpointError(f"the checkpoint's flat parameter buffer is laid out as '{layout}', this version's as "
                               f"'{FlatParameters.LAYOUT}': it was written by an earlier version and cannot be resumed "
                               f"by this one")
-    _copy(optimizer.flat.data, arrays["params"], "flat parameter buffer")
+    with optimizer.flat.writing() as params:   # the bfloat16 copy of the weights is remade from these
+        _copy(params, arrays["params"], "flat parameter buffer")
     if optimizer.velocity is not None:
         if "velocity" not in arrays:
             raise CheckpointError("checkpoint has no momentum buffer but the optimizer uses momentum")
