@@ -361,6 +361,27 @@ def test_the_stem_sits_under_the_fp32_roof_and_the_tensor_core_convolutions_unde
     assert "the rows on the TF32 tensor cores: 494.7 TFLOP/s" in report.table().splitlines()[1]
 
 
+def test_under_bf16_the_tensor_core_convolutions_sit_under_the_bf16_roof():
+    """Under bf16 an 8-channel convolution runs conv_bf16.cu's GEMMs (the BF16 tensor cores take channel
+    counts that are multiples of 8) and the stem conv.cu's FP32 kernels, on bfloat16 storage; the report
+    places each by the kernels it launched, and records the precision."""
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    images, labels = batch(2, size=8)
+    with kernels.emulate(), kernels.use_precision("bf16"):
+        report = run_profile(model, images, labels, batch_size=2, steps=1, warmup=0)
+    h200 = profiler.gpu_peak("NVIDIA H200")
+    report = dataclasses.replace(report, peak=h200)
+    rows = rows_by_name(report)
+    stem, conv, linear = rows["0", "layer"], rows["2", "layer"], rows["5", "layer"]
+    assert any(k.startswith("conv_bf16_forward<") for k in conv.kernels["forward"]), conv.kernels
+    assert report.roofs(conv).tflops == h200.bf16_tflops and report.roofs(conv).compute == "BF16 tensor cores"
+    assert report.roofs(stem) is h200 and report.roofs(linear) is h200
+    assert report.config["precision"] == "bf16" and "emu backend, bf16" in report.table()
+    assert "the rows on the BF16 tensor cores: 989.4 TFLOP/s" in report.table().splitlines()[1]
+
+
 def test_the_peak_table():
     assert profiler.gpu_peak("NVIDIA H200").tflops == 67 and profiler.gpu_peak("NVIDIA H200").gbs == 4800
     assert profiler.gpu_peak("NVIDIA H200 NVL").bf16_tflops == 835.5
