@@ -1,7 +1,9 @@
 """Tier (c) of bench/gpu_check: each op of ResNet-18's layers, forward and backward, at the layer's
-exact shape (batch 256), beside PyTorch doing the same work with TF32 off and with its defaults:
-ours in the tf32 precision (the default) beside PyTorch's defaults (cuDNN convolutions in TF32),
-and the convolutions and linear layer in fp32 beside PyTorch with TF32 off.
+exact shape (batch 256), beside PyTorch doing the same work with TF32 off, with its defaults and under
+autocast to bfloat16: ours in the tf32 precision (the default) beside PyTorch's defaults (cuDNN
+convolutions in TF32), the convolutions and linear layer in fp32 beside PyTorch with TF32 off, and
+every op in the bf16 precision (its activations and their gradients stored in bfloat16) beside
+PyTorch's torch.autocast(device, torch.bfloat16) on channels_last bfloat16 activations.
 
   PYTHONPATH=. python -m bench.op_times --out ops.json             # on the GPU
   PYTHONPATH=. python -m bench.op_times --dry-run --out ops.json   # tiny shapes, NumPy backend, CPU
@@ -25,25 +27,31 @@ from bench import layers, report, timing
 from profiler import costs
 
 EPS, MOMENTUM = 1e-5, 0.1            # batch norm
+PHASES = {"forward", "backward"}
 LR, SGD_MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4
-# PyTorch's precision settings: TF32 off for convolutions and matrix products, or as PyTorch
-# leaves them (cuDNN convolutions in TF32, matmul in full float32, in recent releases).
-SETTINGS = (("torch_fp32", False), ("torch_default", None))
+# PyTorch's precision settings, (name, TF32, autocast): TF32 off for convolutions and matrix products,
+# or as PyTorch leaves them (cuDNN convolutions in TF32, matmul in full float32, in recent releases),
+# or those and mixed precision, as a model trained under torch.autocast(device, torch.bfloat16) with
+# channels_last runs: its activations bfloat16 and channels-last, its products in bfloat16.
+SETTINGS = (("torch_fp32", False, False), ("torch_default", None, False), ("torch_bf16", None, True))
 # Our sides: the default precision (kernels.precision()), whose products run on the TF32 tensor
-# cores, and fp32; only the products (PRODUCTS) differ between them. Each is compared with the
-# PyTorch setting that rounds as it does.
-OUR_SIDES = (("ours", "tf32"), ("ours_fp32", "fp32"))
+# cores, fp32, and bf16. tf32 and fp32 differ in the products (PRODUCTS) only; under bf16 every op
+# stores its activations in bfloat16, so that every op differs. Each is compared with the PyTorch
+# setting that rounds as it does.
+OUR_SIDES = (("ours", "tf32"), ("ours_fp32", "fp32"), ("ours_bf16", "bf16"))
 PRODUCTS = ("conv2d", "linear")
-PEERS = {"ours": "torch_default", "ours_fp32": "torch_fp32"}
+PEERS = {"ours": "torch_default", "ours_fp32": "torch_fp32", "ours_bf16": "torch_bf16"}
 FULL = {"device": "cuda", "batch": layers.BATCH, "width": 64, "warmup": 3, "repeats": 10, "min_repeat_ms": 2.0}
 DRY = {"device": "cpu", "batch": 2, "width": 4, "warmup": 1, "repeats": 2, "min_repeat_ms": 0.0}
 
 
 class Bench:
-    """Where the ops run: the array module, our backend, PyTorch (None without it), the clocks."""
+    """Where the ops run: the array module, our backend, PyTorch (None without it), the clocks; and
+    whether the PyTorch peers being built run under autocast to bfloat16 (``autocast``)."""
 
     def __init__(self, config, torch, model_layers):
         self.device, self.torch, self.model_layers = config["device"], torch, model_layers
+        self.autocast = False
         self.xp = kernels.array_module_for(self.device)
         self.ops = kernels.backend_of(self.xp.zeros(1, np.float32))
         self.rng = np.random.default_rng(0)
@@ -54,6 +62,15 @@ class Bench:
 
     def randn(self, shape):
         return self.xp.asarray(self.rng.standard_normal(shape, dtype=np.float32))
+
+    def stores_bfloat16(self):
+        """Whether our side stores activations in bfloat16: under the bf16 precision, on the GPU (the
+        NumPy backend computes in float32 whatever the precision)."""
+        return self.device == "cuda" and kernels.storage_dtype() == kernels.bfloat16
+
+    def stored(self, array):
+        """An activation or its gradient (float32 values) as our side stores it (stores_bfloat16)."""
+        return self.ops.cast(array, kernels.bfloat16) if self.stores_bfloat16() else array
 
     def integers(self, high, shape, dtype):
         return self.xp.asarray(self.rng.integers(0, high, shape).astype(dtype))
@@ -70,6 +87,29 @@ class Bench:
     def leaves(self, *arrays):
         return [self.tensor(a, grad=True) for a in arrays]
 
+    @contextlib.contextmanager
+    def setting(self, tf32, mixed):
+        """A setting of SETTINGS for the PyTorch peers built and timed inside: TF32 (precision) and,
+        when `mixed`, autocast to bfloat16 with bfloat16 channels_last activations."""
+        self.autocast = mixed
+        try:
+            with precision(self.torch, tf32), autocast(self.torch, self.device, mixed):
+                yield
+        finally:
+            self.autocast = False
+
+    def activation(self, array, grad=False):
+        """PyTorch's copy of an activation or its gradient: under autocast (``autocast``) bfloat16 and,
+        4-D, channels_last, as a model trained so holds them."""
+        t = self.tensor(array)
+        if self.autocast:
+            t = t.to(self.torch.bfloat16)
+            t = t.contiguous(memory_format=self.torch.channels_last) if t.ndim == 4 else t
+        return t.requires_grad_(grad)
+
+    def activations(self, *arrays):
+        return [self.activation(a, grad=True) for a in arrays]
+
 
 class Peer:
     """PyTorch doing one layer's work: `forward()`; backward: the gradients of its output with
@@ -83,8 +123,14 @@ class Peer:
         if not self.wrt:
             return {"forward": self.forward}
         y = self.forward()
+        dy = self.torch.empty_like(y).copy_(self.dy)   # y's dtype (bfloat16 under autocast) and layout
         return {"forward": self.forward,
-                "backward": lambda: self.torch.autograd.grad(y, self.wrt, self.dy, retain_graph=True)}
+                "backward": lambda: self.torch.autograd.grad(y, self.wrt, dy, retain_graph=True)}
+
+
+def autocast(torch, device, on):
+    """torch.autocast(device, torch.bfloat16) when `on`, else nothing."""
+    return torch.autocast(device, torch.bfloat16) if on else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -106,15 +152,17 @@ def precision(torch, tf32):
 # Each returns ({'forward': [(op, args[, kwargs])], 'backward': [...]}, peer(bench) -> Peer).
 
 def conv2d(b, layer):
+    """Under bf16 ours multiplies bfloat16 weights, as the trainer's (FlatParameters.bfloat16)."""
     x, w, bias, dy = b.randn(layer.x), b.randn(layer.w), b.randn(layer.w[:1]), b.randn(layer.y)
     s, p = layer.stride, layer.padding
 
     def peer(b):
-        tx, tw, tb = b.leaves(x, w, bias)
+        (tx,), (tw, tb) = b.activations(x), b.leaves(w, bias)
         F = b.torch.nn.functional
         return Peer(b.torch, lambda: F.conv2d(tx, tw, tb, s, p), (tx, tw, tb), b.tensor(dy))
-    return {"forward": [("conv2d_forward", (x, w, bias, s, p))],
-            "backward": [("conv2d_backward", (dy, x, w, s, p))]}, peer
+    ours_x, ours_w, ours_dy = b.stored(x), b.stored(w), b.stored(dy)
+    return {"forward": [("conv2d_forward", (ours_x, ours_w, bias, s, p))],
+            "backward": [("conv2d_backward", (ours_dy, ours_x, ours_w, s, p))]}, peer
 
 
 def batch_norm(b, layer):
@@ -125,53 +173,60 @@ def batch_norm(b, layer):
     residual = b.randn(layer.x) if layer.op == "batch_norm_add_relu" else None
     relu = layer.op != "batch_norm"
     running = b.xp.zeros(c, np.float32), b.xp.ones(c, np.float32)
-    forward = {"running": running, "momentum": MOMENTUM, "relu": relu, "residual": residual}
-    y, mean, invstd = b.ops.batch_norm_forward(x, gamma, beta, EPS, **forward)
 
     def peer(b):
-        tx, tg, tb = b.leaves(x, gamma, beta)
+        (tx,), (tg, tb) = b.activations(x), b.leaves(gamma, beta)
         tm, tv = map(b.tensor, running)
         F = b.torch.nn.functional
-        tr = None if residual is None else b.tensor(residual, grad=True)
+        tr = None if residual is None else b.activation(residual, grad=True)
 
         def forward():
             t = F.batch_norm(tx, tm, tv, tg, tb, True, MOMENTUM, EPS)
             return F.relu(t + tr) if tr is not None else F.relu(t) if relu else t
         return Peer(b.torch, forward, (tx, tg, tb) + ((tr,) if tr is not None else ()), b.tensor(dy))
-    return {"forward": [("batch_norm_forward", (x, gamma, beta, EPS), forward)],
-            "backward": [("batch_norm_backward", (dy, x, gamma, mean, invstd),
+    ours_x, ours_dy = b.stored(x), b.stored(dy)
+    forward = {"running": running, "momentum": MOMENTUM, "relu": relu,
+               "residual": None if residual is None else b.stored(residual)}
+    y, mean, invstd = b.ops.batch_norm_forward(ours_x, gamma, beta, EPS, **forward)
+    return {"forward": [("batch_norm_forward", (ours_x, gamma, beta, EPS), forward)],
+            "backward": [("batch_norm_backward", (ours_dy, ours_x, gamma, mean, invstd),
                           {"y": y if relu else None, "shortcut": residual is not None})]}, peer
 
 
 def relu(b, layer):
     x, dy = b.randn(layer.x), b.randn(layer.x)
-    y = b.ops.relu_forward(x)
 
     def peer(b):
-        (tx,) = b.leaves(x)
+        (tx,) = b.activations(x)
         return Peer(b.torch, lambda: b.torch.nn.functional.relu(tx), (tx,), b.tensor(dy))
-    return {"forward": [("relu_forward", (x,))], "backward": [("relu_backward", (dy, y))]}, peer
+    ours_x, ours_dy = b.stored(x), b.stored(dy)
+    y = b.ops.relu_forward(ours_x)
+    return {"forward": [("relu_forward", (ours_x,))], "backward": [("relu_backward", (ours_dy, y))]}, peer
 
 
 def add_relu(b, layer):
     x, shortcut, dy = b.randn(layer.x), b.randn(layer.x), b.randn(layer.x)
-    y = b.ops.add_relu_forward(x, shortcut)
 
     def peer(b):
-        tx, ts = b.leaves(x, shortcut)
+        tx, ts = b.activations(x, shortcut)
         return Peer(b.torch, lambda: b.torch.nn.functional.relu(tx + ts), (tx, ts), b.tensor(dy))
-    return {"forward": [("add_relu_forward", (x, shortcut))], "backward": [("relu_backward", (dy, y))]}, peer
+    ours = b.stored(x), b.stored(shortcut)
+    y = b.ops.add_relu_forward(*ours)
+    return {"forward": [("add_relu_forward", ours)], "backward": [("relu_backward", (b.stored(dy), y))]}, peer
 
 
 def global_avg_pool(b, layer):
+    """The pooled features and their gradient are float32 (the linear layer's) under every precision;
+    the gradient flows back in the activations' dtype."""
     x, dy = b.randn(layer.x), b.randn(layer.y)
 
     def peer(b):
-        (tx,) = b.leaves(x)
+        (tx,) = b.activations(x)
         return Peer(b.torch, lambda: b.torch.nn.functional.adaptive_avg_pool2d(tx, 1), (tx,),
                     b.tensor(dy).reshape(*layer.y, 1, 1))
-    return {"forward": [("global_avg_pool_forward", (x,))],
-            "backward": [("global_avg_pool_backward", (dy, layer.x))]}, peer
+    ours_x = b.stored(x)
+    return {"forward": [("global_avg_pool_forward", (ours_x,))],
+            "backward": [("global_avg_pool_backward", (dy, layer.x), {"dtype": ours_x.dtype})]}, peer
 
 
 def linear(b, layer):
@@ -198,8 +253,10 @@ def softmax_cross_entropy(b, layer):
 
 
 def sgd_update(b, layer):
+    """Under bf16 on the GPU the update also writes the bfloat16 copy of the weights, as the trainer's."""
     param, grad = b.randn(layer.x), b.randn(layer.x)
     velocity = b.xp.zeros(layer.x, np.float32)
+    copy = b.xp.empty(layer.x, kernels.bfloat16) if b.stores_bfloat16() else None
 
     def peer(b):
         torch = b.torch
@@ -208,7 +265,7 @@ def sgd_update(b, layer):
             p.grad = torch.randn_like(p)
         opt = torch.optim.SGD(params, lr=LR, momentum=SGD_MOMENTUM, weight_decay=WEIGHT_DECAY)
         return Peer(torch, opt.step)
-    return {"forward": [("sgd_update", (param, grad, velocity, LR, SGD_MOMENTUM, WEIGHT_DECAY))]}, peer
+    return {"forward": [("sgd_update", (param, grad, velocity, LR, SGD_MOMENTUM, WEIGHT_DECAY), {"copy": copy})]}, peer
 
 
 def images_to_float(b, layer):
@@ -229,25 +286,28 @@ BUILDERS.update(batch_norm_relu=batch_norm, batch_norm_add_relu=batch_norm)
 
 def time_layer(b, layer, count):
     """The row of one layer: per phase, its cost and the median times of each side."""
-    ours, make_peer = BUILDERS[layer.op](b, layer)
     row = {"layer": layer.label, "name": layer.name, "op": layer.op, "count": count, "x": layer.x,
            "w": layer.w, "stride": layer.stride, "padding": layer.padding}
-    for phase, calls in ours.items():
-        calls = [(op, args, *kwargs) if kwargs else (op, args, {}) for op, args, *kwargs in calls]
-        cost = sum((costs.cost_of(op, *args, **kwargs) for op, args, kwargs in calls), costs.ZERO)
-        run = lambda calls=calls: [getattr(b.ops, op)(*args, **kwargs) for op, args, kwargs in calls]  # noqa: E731
-        row[phase] = {"flops": cost.flops, "bytes": cost.bytes}
-        for side, chosen in OUR_SIDES:
-            if layer.op in PRODUCTS or side == "ours":
-                with kernels.use_precision(chosen):
-                    row[phase][side] = rates(b.time(run, "ours"), cost)
-            else:   # the same kernels in either precision: one measurement
+    make_peer = None
+    for side, chosen in OUR_SIDES:
+        if side != "ours" and chosen != "bf16" and layer.op not in PRODUCTS:
+            for phase in PHASES & row.keys():   # the same kernels as the default precision's: one measurement
                 row[phase][side] = row[phase]["ours"]
+            continue
+        with kernels.use_precision(chosen):
+            ours, peer = BUILDERS[layer.op](b, layer)   # the arrays as this precision stores them
+            make_peer = make_peer or peer
+            for phase, calls in ours.items():
+                calls = [(op, args, *kwargs) if kwargs else (op, args, {}) for op, args, *kwargs in calls]
+                if side == "ours":
+                    cost = sum((costs.cost_of(op, *args, **kwargs) for op, args, kwargs in calls), costs.ZERO)
+                    row[phase] = {"flops": cost.flops, "bytes": cost.bytes}
+                run = lambda calls=calls: [getattr(b.ops, op)(*args, **kwargs) for op, args, kwargs in calls]  # noqa: E731
+                row[phase][side] = rates(b.time(run, "ours"), costs.Cost(row[phase]["flops"], row[phase]["bytes"]))
     if b.torch is not None:
-        peer = make_peer(b)
-        for setting, tf32 in SETTINGS:
-            with precision(b.torch, tf32):
-                for phase, fn in peer.phases().items():
+        for setting, tf32, mixed in SETTINGS:
+            with b.setting(tf32, mixed):
+                for phase, fn in make_peer(b).phases().items():
                     cost = costs.Cost(row[phase]["flops"], row[phase]["bytes"])
                     row[phase][setting] = rates(b.time(fn, "torch"), cost)
     return row
@@ -258,7 +318,7 @@ def rates(measured, cost):
     return {**measured, "tflops": cost.tflops(ms) if ms > 0 else None, "gbs": cost.gbs(ms) if ms > 0 else None}
 
 
-SIDES = tuple(side for side, _ in OUR_SIDES) + tuple(setting for setting, _ in SETTINGS)
+SIDES = tuple(side for side, _ in OUR_SIDES) + tuple(setting for setting, *_ in SETTINGS)
 
 
 def per_step(rows):

@@ -1,21 +1,25 @@
 """The short report bench/gpu_check prints last, from summary.json alone: each tier's status; the ops at
-batch 256, ours beside PyTorch; training sec/epoch; the epoch's test accuracy."""
+batch 256, ours beside PyTorch; training sec/epoch; the epochs' test accuracy in tf32 and in bf16."""
 from bench.op_times import PEERS
 
 PHASES = ("forward", "backward")
-CONV_TARGET = 1.25   # every convolution within this factor of cuDNN's time in TF32 (PyTorch's default)
+CONV_TARGET = 1.25   # every convolution within this factor of cuDNN's time in the same precision
+# our side and PyTorch's whose convolutions are held to CONV_TARGET, and what PyTorch runs there
+CONV_PEERS = (("ours", "torch_default", "cuDNN TF32"), ("ours_bf16", "torch_bf16", "cuDNN BF16 under autocast"))
+EPOCHS = (("epoch", "tf32"), ("epoch_bf16", "bf16"))   # tier e's results and their precisions
 
 
 def summary_lines(summary):
     tiers = summary["tiers"]
     lines = header(summary) + [""] + tier_lines(tiers)
-    ops, training, epoch = (tiers.get(k, {}).get(name) for k, name in (("c", "ops"), ("d", "training"), ("e", "epoch")))
+    ops, training = (tiers.get(k, {}).get(name) for k, name in (("c", "ops"), ("d", "training")))
     if ops and ops.get("rows"):
         lines += [""] + ops_lines(ops)
     if training and training.get("runs"):
         lines += [""] + training_lines(training)
-    if epoch:
-        lines += ["", epoch_line(epoch)]
+    epochs = [epoch_line(tiers["e"][key], precision) for key, precision in EPOCHS if tiers.get("e", {}).get(key)]
+    if epochs:
+        lines += [""] + epochs
     return lines
 
 
@@ -61,8 +65,9 @@ def outcome(t):
     if "training" in t:
         runs = (t["training"] or {}).get("runs", {})
         parts.append(", ".join(f"{name} {r['steps']} steps" for name, r in runs.items()) or "no run finished")
-    if "epoch" in t:
-        parts.append(f"test acc {t['epoch']['test_acc']:.4f}" if t["epoch"] else "no epoch finished")
+    for key, precision in EPOCHS:
+        if key in t:
+            parts.append(f"{precision} test acc {t[key]['test_acc']:.4f}" if t[key] else f"no {precision} epoch finished")
     failed = [c for c in t.get("commands", []) if c.get("rc") not in (0, None) or c.get("timed_out")]
     parts += [f"{c['name']}: {command_state(c)}, see {c['log']}" for c in failed]
     return "; ".join(parts)
@@ -94,8 +99,8 @@ def _times(value):
 
 
 def ops_lines(ops):
-    names = {"ours": "ours tf32", "ours_fp32": "ours fp32", "torch_fp32": "torch TF32 off",
-             "torch_default": "torch default"}
+    names = {"ours": "ours tf32", "ours_fp32": "ours fp32", "ours_bf16": "ours bf16", "torch_fp32": "torch TF32 off",
+             "torch_default": "torch default", "torch_bf16": "torch autocast"}
     lines = [f"ops at batch {ops['config']['batch']}: ms per call forward/backward (median); "
              f"ratio = ours / PyTorch rounding as we do, forward + backward",
              f"{'layer':30s} {'n':>2s}  " + "  ".join(f"{names[o]:>15s} {names[t]:>15s} {'ratio':>6s}"
@@ -109,11 +114,12 @@ def ops_lines(ops):
                  + (f"{step[o] / step[t]:>5.2f}x" if step.get(o) and step.get(t) else f"{'-':>6s}")
                  for o, t in PEERS.items()]
         lines.append(f"{'one step: sum of n x (fwd+bwd)':30s} {'':>2s}  " + "  ".join(cells))
-    convs = [row for row in ops["rows"] if row["op"] == "conv2d" and ratio(row, "ours", "torch_default")]
-    if convs:
-        slow = [row["layer"] for row in convs if ratio(row, "ours", "torch_default") > CONV_TARGET]
-        lines.append(f"convolutions within {CONV_TARGET}x of cuDNN TF32: {len(convs) - len(slow)} of {len(convs)}"
-                     + (f"; not: {', '.join(slow)}" if slow else ""))
+    for ours, peer, what in CONV_PEERS:
+        convs = [row for row in ops["rows"] if row["op"] == "conv2d" and ratio(row, ours, peer)]
+        if convs:
+            slow = [row["layer"] for row in convs if ratio(row, ours, peer) > CONV_TARGET]
+            lines.append(f"{names[ours]} convolutions within {CONV_TARGET}x of {what}: {len(convs) - len(slow)} of "
+                         f"{len(convs)}" + (f"; not: {', '.join(slow)}" if slow else ""))
     if ops.get("torch") != "compared":
         lines.append(f"PyTorch not compared: {ops.get('torch')}")
     return lines
@@ -127,10 +133,9 @@ def training_lines(training):
     config, hyper = training["config"], training["hyperparameters"]
     lines = [f"training ResNet-18 at batch {config['batch']} (lr {hyper['lr']}, momentum {hyper['momentum']}, "
              f"weight decay {hyper['weight_decay']}): sec/epoch of 60000 images"]
-    over, graph_over = training.get("ours_over", {}), training.get("ours_graph_over", {})
+    overs = {mine: training[f"{mine}_over"] for mine in training["runs"] if f"{mine}_over" in training}
     for name, r in training["runs"].items():
-        versus = f", ours / this {over[name]:.2f}x" if name in over else ""
-        versus += f", ours_graph / this {graph_over[name]:.2f}x" if name in graph_over else ""
+        versus = "".join(f", {mine} / this {over[name]:.2f}x" for mine, over in overs.items() if name in over)
         lines.append(f"  {name:14s} {r['sec_per_epoch']:8.2f} s  ({r['step_ms']:.1f} ms/step, median of "
                      f"{r['steps']} steps{versus})")
     if training.get("torch") != "compared":
@@ -138,6 +143,6 @@ def training_lines(training):
     return lines
 
 
-def epoch_line(e):
-    return (f"one epoch, train_resnet.py: test acc {e['test_acc']:.4f}, train loss {e['train_loss']:.4f}, "
-            f"{e['seconds']:.1f} s, {e['images_per_sec']:.0f} images/s")
+def epoch_line(e, precision):
+    return (f"one epoch in {precision}, train_resnet.py: test acc {e['test_acc']:.4f}, train loss "
+            f"{e['train_loss']:.4f}, {e['seconds']:.1f} s, {e['images_per_sec']:.0f} images/s")

@@ -1,4 +1,4 @@
-"""The GPU check of this project in one command: within 5 minutes on one H200, in tiers, each tier's
+"""The GPU check of this project in one command: within 6 minutes on one H200, in tiers, each tier's
 results written to --out as soon as it ends, so that a run cut off early still leaves results.
 
   a  first the tensor-core wrappers on the GPU against their emulation, fragment by fragment
@@ -12,11 +12,13 @@ results written to --out as soon as it ends, so that a run cut off early still l
   b  the full-shape GPU tests: every op at every ResNet-18 layer shape at batch 256, and odd shapes,
      against PyTorch float64 (tests/test_gpu_full.py)
   c  each op forward and backward at every ResNet-18 layer shape at batch 256, beside PyTorch with
-     TF32 off and with its defaults: ms, TFLOP/s, GB/s (bench/op_times.py)
-  d  100 training steps at batch 256, ours eagerly and as a CUDA graph (the trainer's default),
-     beside PyTorch eager in both settings: sec/epoch
-     (bench/train_times.py)
-  e  one epoch on the full data: train_resnet.py --gpus 1 --epochs 1, and its test accuracy
+     TF32 off and with its defaults, and in bf16 beside PyTorch under autocast to bfloat16 with
+     channels_last: ms, TFLOP/s, GB/s (bench/op_times.py)
+  d  100 training steps at batch 256, ours eagerly and as a CUDA graph (the trainer's default), in
+     tf32 and in bf16, beside PyTorch eager with TF32 off, with its defaults and under autocast to
+     bfloat16 with channels_last: sec/epoch (bench/train_times.py)
+  e  one epoch on the full data: train_resnet.py --gpus 1 --epochs 1, and its test accuracy; then the
+     same in bf16 (--precision bf16)
   f  the per-layer profile: the profiler's GPU test (pytest -m gpu tests/test_profiler.py), then
      python -m profiler at batch 256 (20 steps): profile.json, profile.csv, profile.png and the
      timeline profile.trace.json
@@ -54,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 MIN_COMMAND_S = 5        # a command that would get less time than this is not started
 STARTUP_S = 15           # what a tier's process spends importing and building before it times runs
+EPOCH_S = 100            # the most one epoch of tier e may take, so that the other still gets its turn
 TEN_EPOCHS = ("PYTHONPATH=. python3 train_resnet.py --gpus 1 --epochs 10 --batch-size 256 --lr 0.1 \\\n"
               "      --data-dir DIR --out runs/resnet18-1gpu-10-epochs")
 EPILOG = f"""The 10-epoch run on one GPU is a separate command (not part of this check):
@@ -212,7 +215,7 @@ def op_times(run):
 
 def train_times(run):
     out = run.path("training.json")
-    per_run = max(MIN_COMMAND_S, min(25, (run.left() - STARTUP_S) / 3))
+    per_run = max(MIN_COMMAND_S, min(25, (run.left() - STARTUP_S) / 5))
     run.command("training", [PYTHON, "-m", "bench.train_times", "--out", out, "--seconds-per-run",
                              f"{per_run:.0f}", *dry(run)])
     return {"training": report.read_json(out)}
@@ -225,14 +228,18 @@ def epoch(run):
     if missing:
         return {"status": "skipped", "reason": f"Fashion-MNIST is not in {folder} (missing {', '.join(missing)}): "
                                                f"give its folder with --data-dir"}
-    out = run.path("epoch")
     # the dry run: on two simulated GPUs, through the launcher and NCCL, a few images of a narrow model
     device = ["--gpus", "2", "--limit", "32", "--test-limit", "32", "--width", "2", "--batch-size", "16"] \
         if run.args.dry_run else ["--gpus", "1"]
-    run.command("train", [PYTHON, "train_resnet.py", *device, "--epochs", "1", "--data-dir", folder, "--out", out],
-                simulated_gpus=2)
-    metrics = report.read_json(out / "metrics.json")
-    return {"epoch": metrics[-1] if metrics else None}
+    results = {}
+    for key, precision in (("epoch", "tf32"), ("epoch_bf16", "bf16")):
+        out = run.path(key)
+        run.command(key.replace("epoch", "train"), [PYTHON, "train_resnet.py", *device, "--precision", precision,
+                                                    "--epochs", "1", "--data-dir", folder, "--out", out],
+                    limit=EPOCH_S, simulated_gpus=2)
+        metrics = report.read_json(out / "metrics.json")
+        results[key] = metrics[-1] if metrics else None
+    return results
 
 
 def nccl_tests(run):
@@ -253,10 +260,10 @@ def layer_profile(run):
 TIERS = (
     Tier("a", "GPU tests on small shapes; compute-sanitizer memcheck and racecheck", 75, 150, small_tests, False),
     Tier("b", "full-shape GPU tests against PyTorch float64", 45, 100, full_tests, False),
-    Tier("c", "each op at every ResNet-18 layer shape, batch 256, beside PyTorch", 35, 80, op_times, True),
-    Tier("d", "100 training steps at batch 256, eager and as a CUDA graph, beside PyTorch eager", 40, 90,
-         train_times, True),
-    Tier("e", "one epoch on the full data, train_resnet.py --gpus 1", 45, 120, epoch, True),
+    Tier("c", "each op at every ResNet-18 layer shape, batch 256, beside PyTorch", 45, 100, op_times, True),
+    Tier("d", "100 training steps at batch 256, eager and as a CUDA graph, tf32 and bf16, beside PyTorch eager",
+         55, 120, train_times, True),
+    Tier("e", "one epoch on the full data in tf32 and one in bf16, train_resnet.py --gpus 1", 75, 200, epoch, True),
     Tier("f", "per-layer profile of a training step at batch 256, python -m profiler", 25, 75, layer_profile, True),
     Tier("g", "NCCL data parallelism: world of one through the trainer; two GPUs where present", 15, 60,
          nccl_tests, True),
@@ -298,7 +305,7 @@ def status(commands, details):
     tests = [c["tests"] for c in commands if "tests" in c]
     if any(c.get("status") == "skipped" for c in commands) or any(t is None or t["passed"] == 0 for t in tests):
         return "skipped"
-    if any(v is None for k, v in details.items() if k in ("ops", "training", "epoch", "profile")):
+    if any(v is None for k, v in details.items() if k in ("ops", "training", "epoch", "epoch_bf16", "profile")):
         return "failed"
     return "passed"
 
@@ -333,7 +340,7 @@ def parse_args(argv):
     every = ",".join(t.key for t in TIERS)
     p.add_argument("--tiers", default=every, metavar=every,
                    help="the tiers to run, comma-separated (default: %(default)s)")
-    p.add_argument("--budget-seconds", type=float, default=280, metavar="S",
+    p.add_argument("--budget-seconds", type=float, default=340, metavar="S",
                    help="total time for all tiers; a tier that would not fit is skipped (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiers c, d (NumPy backend), e, f and g (simulated GPUs), tiny, through the same code: "

@@ -1,8 +1,9 @@
 """Tier (d) of bench/gpu_check: training steps of ResNet-18 at batch 256 on the GPU, ours (nn on the
-cuda kernels, in the default tf32 precision) eagerly ("ours", --no-graph) and as a CUDA graph
-("ours_graph", --graph, the trainer's default on GPUs), beside d2l's model in PyTorch eager
-(cuDNN) with TF32 off and with its defaults, in one process; sec/epoch is the time of 60000 images
-at the median step time.
+cuda kernels) eagerly ("ours", --no-graph) and as a CUDA graph ("ours_graph", --graph, the trainer's
+default on GPUs), in the default tf32 precision and in bf16 ("ours_bf16", "ours_bf16_graph"), beside
+d2l's model in PyTorch eager (cuDNN) with TF32 off, with its defaults, and under
+torch.autocast(device, torch.bfloat16) with the model and its input channels_last ("torch_bf16"), in
+one process; sec/epoch is the time of 60000 images at the median step time.
 
   PYTHONPATH=. python -m bench.train_times --out training.json              # 100 steps each
   PYTHONPATH=. python -m bench.train_times --dry-run --out training.json    # tiny, on the CPU
@@ -25,7 +26,7 @@ import numpy as np
 
 import kernels
 from bench import layers, report, timing
-from bench.op_times import SETTINGS, load_torch, precision
+from bench.op_times import SETTINGS, autocast, load_torch, precision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = {"device": "cuda", "batch": layers.BATCH, "width": 64, "steps": 100, "warmup": 3, "chunk": 10,
@@ -91,8 +92,9 @@ def ours_graph_step(config, images, labels):
     return lambda: step(ddp.scatter(next(batches)))[0]
 
 
-def torch_step(torch, config, images, labels):
-    """The same step of d2l's ResNet-18 in PyTorch eager."""
+def torch_step(torch, config, images, labels, mixed):
+    """The same step of d2l's ResNet-18 in PyTorch eager; `mixed`: as PyTorch's mixed-precision recipe
+    has it, the model and its input channels_last, forward and loss under autocast to bfloat16."""
     from nn import data
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_torch_parity import torch_resnet18   # the one copy of d2l's model in the repository
@@ -100,15 +102,18 @@ def torch_step(torch, config, images, labels):
     images, labels = torch.from_numpy(images).to(device), torch.from_numpy(labels).long().to(device)
     torch.manual_seed(0)
     model = torch_resnet18(layers.CLASSES, 1, config["width"]).to(device)
+    layout = torch.channels_last if mixed else torch.contiguous_format
+    model = model.to(memory_format=layout)
     opt = torch.optim.SGD(model.parameters(), **hyperparameters())
     order = torch.from_numpy(data.epoch_order(len(images), 0, 0)).to(device)
     batches = itertools.cycle(order.split(config["batch"]))
 
     def step():
         idx = next(batches)
-        x = images[idx].unsqueeze(1).to(torch.float32).div_(255)
+        x = images[idx].unsqueeze(1).to(torch.float32).div_(255).contiguous(memory_format=layout)
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), labels[idx])
+        with autocast(torch, device, mixed):
+            loss = torch.nn.functional.cross_entropy(model(x), labels[idx])
         loss.backward()
         opt.step()
         return loss.detach()
@@ -131,15 +136,20 @@ def time_steps(step, clock, config, seconds):
             "sec_per_epoch": step_ms / 1e3 * layers.EPOCH_IMAGES / config["batch"], "final_loss": float(last)}
 
 
+OURS = (("ours", "tf32"), ("ours_bf16", "bf16"))   # our runs' names and precisions (kernels.precision())
+
+
 def runs(config, torch):
-    """(name, make_step, clock framework, precision setting or None) for every run to time."""
+    """(name, make_step, clock framework, setting) for every run to time: ours in a precision of OURS,
+    PyTorch in a setting of bench.op_times.SETTINGS."""
     images, labels = random_data(config)
-    yield "ours", lambda: ours_step(config, images, labels), "ours", None
-    if config["device"] == "cuda":   # graphs are the GPU's
-        yield "ours_graph", lambda: ours_graph_step(config, images, labels), "ours", None
+    for name, chosen in OURS:
+        yield name, lambda: ours_step(config, images, labels), "ours", chosen
+        if config["device"] == "cuda":   # graphs are the GPU's
+            yield f"{name}_graph", lambda: ours_graph_step(config, images, labels), "ours", chosen
     if torch is not None:
-        for setting, tf32 in SETTINGS:
-            yield setting, lambda: torch_step(torch, config, images, labels), "torch", tf32
+        for setting, tf32, mixed in SETTINGS:
+            yield setting, lambda mixed=mixed: torch_step(torch, config, images, labels, mixed), "torch", (tf32, mixed)
 
 
 def run(out, seconds_per_run, dry_run=False):
@@ -147,23 +157,24 @@ def run(out, seconds_per_run, dry_run=False):
     torch, why_not = load_torch(config["device"])
     result = {"environment": report.environment(), "config": config, "hyperparameters": hyperparameters(),
               "torch": why_not or "compared", "runs": {}}
-    for name, make_step, side, tf32 in runs(config, torch):
+    for name, make_step, side, setting in runs(config, torch):
         clock = timing.clock(side, config["device"], torch)
         if side == "torch":
+            tf32, mixed = setting
             with precision(torch, tf32) as flags:
-                measured = {**time_steps(make_step(), clock, config, seconds_per_run), "precision": flags}
-        else:   # the CUDA backend's default precision: the products on the TF32 tensor cores
-            measured = {**time_steps(make_step(), clock, config, seconds_per_run),
-                        "precision": {"kernels": kernels.precision()}}
+                measured = {**time_steps(make_step(), clock, config, seconds_per_run),
+                            "precision": {**flags, "autocast": "bfloat16" if mixed else None}}
+        else:
+            with kernels.use_precision(setting):
+                measured = {**time_steps(make_step(), clock, config, seconds_per_run),
+                            "precision": {"kernels": setting}}
         result["runs"][name] = measured
         print(f"{name:14s} {measured['steps']:4d} steps, {measured['step_ms']:8.2f} ms/step, "
               f"{measured['sec_per_epoch']:7.2f} sec/epoch, last loss {measured['final_loss']:.4f}", flush=True)
         report.write_json(out, result)
-    for mine in ("ours", "ours_graph"):   # each of our runs over every other run
-        if mine in result["runs"]:
-            t = result["runs"][mine]["sec_per_epoch"]
-            result[f"{mine}_over"] = {name: t / r["sec_per_epoch"] for name, r in result["runs"].items()
-                                      if name != mine}
+    for mine in [name for name in result["runs"] if name.startswith("ours")]:   # each of ours over every other run
+        t = result["runs"][mine]["sec_per_epoch"]
+        result[f"{mine}_over"] = {name: t / r["sec_per_epoch"] for name, r in result["runs"].items() if name != mine}
     report.write_json(out, result)
     return result
 

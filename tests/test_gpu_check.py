@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_CHECK = ROOT / "bench" / "gpu_check"
 
 
-def gpu_check(*flags):
+def gpu_check(*flags, timeout=120):
     return subprocess.run([sys.executable, str(GPU_CHECK), *map(str, flags)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=timeout)
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -59,21 +59,26 @@ def test_without_a_gpu_nothing_runs_and_the_summary_says_so(tmp_path):
 
 def test_a_dry_run_runs_tiers_c_to_g_through_the_same_code(tmp_path):
     data = write_fashion_mnist(tmp_path / "data", n_train=64, n_test=64)
-    done = gpu_check("--dry-run", "--out", tmp_path / "out", "--data-dir", data)
+    done = gpu_check("--dry-run", "--out", tmp_path / "out", "--data-dir", data, timeout=240)   # two epochs on the emulator
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert {k: t["status"] for k, t in summary["tiers"].items()} == {
         "a": "not run", "b": "not run", "c": "passed", "d": "passed", "e": "passed", "f": "passed", "g": "passed"}
     ops = json.loads((tmp_path / "out" / "tier_c_ops.json").read_text())
     assert [row["layer"] for row in ops["rows"]] == [layer.label for layer, _ in distinct(resnet18_layers(2, 4))]
-    assert all(row["forward"]["ours"]["ms"] > 0 for row in ops["rows"])
+    assert all(row["forward"][side]["ms"] > 0 for row in ops["rows"] for side in ("ours", "ours_bf16"))
     training = summary["tiers"]["d"]["training"]
-    assert training["runs"]["ours"]["steps"] > 0 and np.isfinite(training["runs"]["ours"]["sec_per_epoch"])
+    for name, precision in (("ours", "tf32"), ("ours_bf16", "bf16")):
+        assert training["runs"][name]["steps"] > 0 and np.isfinite(training["runs"][name]["sec_per_epoch"])
+        assert training["runs"][name]["precision"] == {"kernels": precision}
     if ops["torch"] == "compared":
-        assert set(training["runs"]) == {"ours", "torch_fp32", "torch_default"}
-        assert all("torch_fp32" in row["forward"] for row in ops["rows"])
+        assert set(training["runs"]) == {"ours", "ours_bf16", "torch_fp32", "torch_default", "torch_bf16"}
+        assert training["runs"]["torch_bf16"]["precision"]["autocast"] == "bfloat16"
+        assert all(setting in row["forward"] for row in ops["rows"] for setting in ("torch_fp32", "torch_bf16"))
     # tiers e, f and g on simulated GPUs: two through the launcher and NCCL, one for the profile
-    assert 0 <= summary["tiers"]["e"]["epoch"]["test_acc"] <= 1 and summary["tiers"]["e"]["epoch"]["world_size"] == 2
+    for key, precision in (("epoch", "tf32"), ("epoch_bf16", "bf16")):
+        epoch = summary["tiers"]["e"][key]
+        assert 0 <= epoch["test_acc"] <= 1 and epoch["world_size"] == 2 and epoch["precision"] == precision, key
     profile = summary["tiers"]["f"]["profile"]
     assert profile["config"]["batch_size"] == 8 and any(r["name"] == "fc.1" for r in profile["rows"])
     assert profile["config"]["backend"] == "cuda"
@@ -81,7 +86,7 @@ def test_a_dry_run_runs_tiers_c_to_g_through_the_same_code(tmp_path):
     assert nccl["passed"] == nccl["tests"] == 3, nccl  # two GPUs: not one of them skipped
     assert (tmp_path / "out" / "tier_f_profile" / "profile.png").exists()
     assert done.stdout.endswith((tmp_path / "out" / "summary.txt").read_text())
-    assert "sec/epoch" in done.stdout and "test acc" in done.stdout
+    assert "sec/epoch" in done.stdout and "one epoch in tf32" in done.stdout and "one epoch in bf16" in done.stdout
 
 
 # ---- the budget ----------------------------------------------------------------------------------
@@ -126,10 +131,11 @@ def test_junit_counts(tmp_path):
 
 def test_the_summary_of_a_gpu_run():
     """The summary's paths that only a GPU run takes: pytest counts, the sanitizers, a failed and a
-    timed-out command, a tier skipped for the budget."""
+    timed-out command, a tier skipped for the budget, an epoch that did not finish."""
     from bench.summary import summary_lines
     command = {"name": "pytest", "log": "tier_b_pytest.log", "rc": 1, "seconds": 40.0, "timed_out": False,
                "tests": {"tests": 90, "passed": 88, "failed": 2, "errors": 0, "skipped": 0}}
+    epoch = {"test_acc": 0.8812, "train_loss": 0.41, "seconds": 30.0, "images_per_sec": 2000.0}
     summary = {"environment": {"gpus": ["NVIDIA H200"], "driver": "580.1", "cupy": "14.0"}, "budget_s": 280,
                "seconds": 250, "out": "/results", "tiers": {
                    "a": {"status": "passed", "seconds": 60,
@@ -137,13 +143,42 @@ def test_the_summary_of_a_gpu_run():
                          "memcheck": {"summary": "ERROR SUMMARY: 0 errors", "rc": 0},
                          "racecheck": {"rc": 0, "seconds": 60, "timed_out": True}},
                    "b": {"status": "failed", "seconds": 40, "pytest": command, "commands": [command]},
-                   "d": {"status": "skipped", "reason": "10 s of the 280 s budget left"}}}
+                   "d": {"status": "skipped", "reason": "10 s of the 280 s budget left"},
+                   "e": {"status": "failed", "seconds": 90, "epoch": epoch, "epoch_bf16": None, "commands": []}}}
     text = "\n".join(summary_lines(summary))
     assert "NVIDIA H200 (driver 580.1)" in text
     assert "pytest: 90 passed, 0 failed, 0 errors, 0 skipped; memcheck: ERROR SUMMARY: 0 errors; " \
            "racecheck: killed after 60 s" in text
     assert "88 passed, 2 failed" in text and "pytest: exit status 1, see tier_b_pytest.log" in text
     assert "10 s of the 280 s budget left" in text
+    assert "tf32 test acc 0.8812; no bf16 epoch finished" in text
+    assert "one epoch in tf32, train_resnet.py: test acc 0.8812" in text and "one epoch in bf16" not in text
+
+
+def test_the_summary_puts_each_of_our_precisions_beside_pytorchs():
+    """Tiers c and d of a GPU run: ours in tf32, fp32 and bf16 each beside the PyTorch setting that rounds
+    as it does (bf16 beside autocast), and every training run beside each of ours."""
+    from bench.summary import summary_lines
+    times = {"ours": 1.0, "ours_fp32": 3.0, "ours_bf16": 0.6, "torch_fp32": 2.0, "torch_default": 0.9,
+             "torch_bf16": 0.4}
+    row = {"layer": "conv 3x3/1 64->64 28->28", "op": "conv2d", "count": 4,
+           **{phase: {side: {"ms": ms} for side, ms in times.items()} for phase in ("forward", "backward")}}
+    ops = {"config": {"batch": 256}, "rows": [row], "torch": "compared",
+           "per_step_ms": {side: 8 * ms for side, ms in times.items()}}
+    runs = {name: {"sec_per_epoch": seconds, "step_ms": seconds, "steps": 100} for name, seconds in (
+        ("ours", 10.0), ("ours_graph", 8.0), ("ours_bf16", 6.0), ("ours_bf16_graph", 5.0), ("torch_bf16", 4.0))}
+    training = {"config": {"batch": 256}, "hyperparameters": {"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0},
+                "torch": "compared", "runs": runs,
+                **{f"{mine}_over": {name: runs[mine]["sec_per_epoch"] / r["sec_per_epoch"] for name, r in runs.items()
+                                    if name != mine} for mine in runs if mine.startswith("ours")}}
+    summary = {"environment": {}, "budget_s": 340, "seconds": 300, "out": "/results", "tiers": {
+        "c": {"status": "passed", "ops": ops}, "d": {"status": "passed", "training": training}}}
+    text = "\n".join(summary_lines(summary))
+    assert "ours bf16  torch autocast" in text and "0.600/0.600     0.400/0.400  1.50x" in text
+    assert "ours tf32 convolutions within 1.25x of cuDNN TF32: 1 of 1" in text
+    assert "ours bf16 convolutions within 1.25x of cuDNN BF16 under autocast: 0 of 1; not: conv 3x3/1" in text
+    assert "torch_bf16         4.00 s  (4.0 ms/step, median of 100 steps, ours / this 2.50x, ours_graph / this " \
+           "2.00x, ours_bf16 / this 1.50x, ours_bf16_graph / this 1.25x)" in text
 
 
 def test_the_sanitizer_step_runs_on_the_numpy_backend():
