@@ -11,25 +11,25 @@
 //                                         gradient, the per-channel sums of dy, in the same pass
 //
 // The GEMMs are conv_tc.cu's (tc_conv.cuh holds what they share: the copy iterators, the outputs,
-// split-K with its parts added in a fixed order in the same launch, the bias sums); what differs is
-// the element and the tile. A block of 4 warps (2 x 2) computes a BM x BN tile, each warp (BM/2) x
-// (BN/2) as m16n8k16 mma.sync tiles (tensor_core.cuh's mma_bf16): 128 x 128 with 64 x 64 warp tiles,
-// the shape of CUTLASS's sm80 BF16 kernels, whose operands a block loads per k step, (128 + 128) x
-// 2 bytes a k, carry 64 FLOPs a byte; 128 x 64 for 64 columns. K advances BK = 32 at a time
-// through a 3-stage ring of shared-memory tiles filled by 16-byte cp.async copies, unrolled over the
-// ring, as in conv_tc.cu. Nothing is rounded in the loop: the operands are bfloat16 already, and
-// every fragment is one ldmatrix.x4 of b16 (the instruction's own element): transposed (.trans)
-// where the operand's rows run along m or n (backward-weight's two, whose k is the pixel, and
-// backward-data's weights), as it lies otherwise. Shared memory is swizzled by 16-byte chunks (no
-// padding: 3 stages of the large tile are 48 KB, the static limit), so that the 8 rows an ldmatrix
-// matrix reads, and a warp's copies, fall in distinct banks: a K_MAJOR stage is [W][32] (64-byte
-// rows), chunk c of row r at chunk c ^ ((r / 2) % 4); another is [32][W], chunk c of line k at
-// c ^ (k % 8). Each lane's ldmatrix addresses are worked out before the loop; in it they are a
-// register plus a constant.
+// split-K with its parts added in a fixed order in the same launch, the bias gradient's totals); what
+// differs is the element, the tile and the main loop. A block of 4 warps (2 x 2) computes a BM x BN
+// tile, each warp (BM/2) x (BN/2) as m16n8k16 mma.sync tiles (tensor_core.cuh's mma_bf16): 128 x 128
+// with 64 x 64 warp tiles, the shape of CUTLASS's sm80 BF16 kernels, whose operands a block loads per
+// k step, (128 + 128) x 2 bytes a k, carry 64 FLOPs a byte, k advancing 32 at a time through a
+// 3-stage ring (48 KB of shared memory, the static limit); 128 x 64 (for 64 columns: ResNet-18's
+// first stage) in a 2-stage ring of 64 k. The rings are filled by 16-byte cp.async copies and unrolled,
+// as in conv_tc.cu. Nothing is rounded in the loop: the operands are bfloat16 already, and every
+// fragment is one ldmatrix.x4 of b16 (the instruction's own element): transposed (.trans) where the
+// operand's rows run along m or n (backward-weight's two, whose k is the pixel, and backward-data's
+// weights), as it lies otherwise. Shared memory is swizzled by 16-byte chunks rather than padded, so
+// that the 8 rows an ldmatrix matrix reads, and a warp's copies, fall in distinct banks (BfStage).
+// Each lane's ldmatrix addresses are worked out before the loop; in it they are a register plus a
+// constant. Backward-weight's bias gradient is summed on the tensor cores too (BiasMma), by the
+// first row of tiles alone, in a main loop of its own.
 //
-// ALIGN = 32 (every channel count a multiple of 32, at most 32 filter taps): the copies' addresses
-// as tc_conv.cuh's aligned iterators work them out, before the loop. ALIGN = 8 (multiples of 8):
-// every chunk's address from its (row, k) with divisions. Results are deterministic, and the
+// ALIGN = the tile's k (every channel count a multiple of it, at most 32 filter taps): the copies'
+// addresses as tc_conv.cuh's aligned iterators work them out, before the loop. ALIGN = 8 (multiples
+// of 8): every chunk's address from its (row, k) with divisions. Results are deterministic, and the
 // output is rounded to bfloat16 once, where it is stored (float32 for the weight gradient).
 #include "tc_conv.cuh"
 

@@ -39,15 +39,16 @@
 // 2 (r % 8) + r / 8, so that the rows g and g + 8 that a lane holds are neighbours in memory
 // (tc_fragment_a; tc_store writes each accumulator to the row it belongs to).
 //
-// The copies' addresses: ALIGN = 16 (every channel count a multiple of 16, at most 32 filter
-// taps) keeps the 16 k of a stage in one filter tap, and each thread's iterators (the
-// ...Aligned structs) work out the image, row and column of their rows once, before the loop;
-// a stage then adds a constant to an offset and tests a precomputed bit of the tap's padding
-// mask (CUTLASS's "optimized" convolution iterators work the same way). Backward-weight's k is
-// the pixel: a thread's chunks of im2col share one pixel, split into image, row and column by
-// FastDivmod once per stage. ALIGN = 4 (channel counts multiples of 4) computes every chunk's
-// address from its (row, k) with divisions (Gathered). Results are deterministic: every output
-// element is one thread's sum in a fixed order, and split-K partials are added in a fixed order.
+// The copies' addresses (tc_conv.cuh's iterators, which conv_bf16.cu shares): ALIGN = 16 (every
+// channel count a multiple of 16, at most 32 filter taps) keeps the 16 k of a stage in one filter
+// tap, and each thread's iterators (the ...Aligned structs) work out the image, row and column of
+// their rows once, before the loop; a stage then adds a constant to an offset and tests a
+// precomputed bit of the tap's padding mask (CUTLASS's "optimized" convolution iterators work the
+// same way). Backward-weight's k is the pixel: a thread's chunks of im2col share one pixel, split
+// into image, row and column by FastDivmod once per stage. ALIGN = 4 (channel counts multiples of
+// 4) computes every chunk's address from its (row, k) with divisions (Gathered). Results are
+// deterministic: every output element is one thread's sum in a fixed order, and split-K partials
+// are added in a fixed order; so is the bias gradient (BiasSums).
 #include "tc_conv.cuh"
 
 constexpr int TC_BK = 16, TC_STAGES = 3;
