@@ -24,7 +24,8 @@ import reference as R
 from helpers import reproduce_hint, rng, validate
 from kernels import bfloat16, nvrtc
 from kernels.cuda import conv_tc
-from test_kernels_cuda import OnDevice, gpu_unavailable_reason, poisoned_device_empty  # noqa: F401
+from test_conv_tc import emu, gpu_backend  # noqa: F401  (fixtures: the emu backend in each thread order, the GPU's)
+from test_kernels_cuda import poisoned_device_empty  # noqa: F401  (a fixture gpu_backend asks for)
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty", "bf16")
 UNIT32, UNIT_BF16 = 2.0**-24, 2.0**-8   # unit roundoff of float32 and of bfloat16 (8 significant bits)
@@ -89,14 +90,6 @@ def check_conv(be, x_shape, w_shape, stride, padding, bias=True):
     for array, what in ((y, "y"), (dx, "dx")):   # NCHW views of NHWC memory
         assert array.transpose(0, 2, 3, 1).flags.c_contiguous, f"{name}: {what} has strides {array.strides}"
     assert dw.dtype == db.dtype == np.float32 and dw.flags.c_contiguous and db.flags.c_contiguous
-
-
-@pytest.fixture(params=["ascending", "descending"])
-def emu(request):
-    """The emu backend, its threads in one order."""
-    from kernels.emu import thread_order
-    with thread_order(request.param):
-        yield kernels._device_backend("emu")
 
 
 @pytest.fixture(params=("default", "large tile", "split"))
@@ -250,15 +243,6 @@ def test_the_launch_plan_of_resnet18_covers_every_product():
 
 
 # ---- GPU -----------------------------------------------------------------------------------
-
-@pytest.fixture
-def gpu_backend(request):
-    reason = gpu_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    request.getfixturevalue("poisoned_device_empty")
-    return OnDevice(kernels._device_backend("cuda"))
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=2, width=16)

@@ -64,27 +64,47 @@ EMU_UNCHECKED inline double emu_tf32_value(unsigned bits) {
     return double(v);
 }
 
-EMU_UNCHECKED __attribute__((noinline)) void emu_mma_tf32(float (&d)[4], const unsigned (&a)[4],
-                                                           const unsigned (&b)[2], const float (&c)[4],
-                                                           const char* call_file, int call_line) {
+// d = a b + c of one m16n8kK mma.sync for this lane: the warp's fragments gathered, then each of the
+// lane's 4 outputs (row g + 8 (i / 2), column 2t + i % 2) the exact sum of c and the K products,
+// rounded once; Layout::a(all, row, k) and Layout::b(all, k, col) read an element of A and B from
+// the lanes (and registers) that hold it.
+template <class Layout>
+EMU_UNCHECKED __attribute__((always_inline)) inline void emu_mma(float (&d)[4], const unsigned (&a)[4],
+                                                                  const unsigned (&b)[2], const float (&c)[4],
+                                                                  const char* call_file, int call_line) {
     EmuFragments mine, all[32];
     for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
     mine.b[0] = b[0];
     mine.b[1] = b[1];
-    emu_warp_aligned("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", call_file, call_line, &mine,
-                     sizeof mine, all);
+    emu_warp_aligned(Layout::what, call_file, call_line, &mine, sizeof mine, all);
     const int lane = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32;
     const int g = lane / 4, t = lane % 4;
     float out[4];
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
-        double sum = c[i];  // products of TF32 values are exact; one rounding of the whole sum
-        for (int k = 0; k < 8; ++k)   // A[row][k] and B[k][col], from the lanes that hold them
-            sum += emu_tf32_value(all[(row % 8) * 4 + k % 4].a[(row >= 8) + 2 * (k >= 4)]) *
-                   emu_tf32_value(all[col * 4 + k % 4].b[k >= 4]);
+        double sum = c[i];   // the products are exact
+        for (int k = 0; k < Layout::K; ++k) sum += Layout::a(all, row, k) * Layout::b(all, k, col);
         out[i] = float(sum);
     }
     for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+// TF32's fragments: a lane (g, t) holds A[g + 8 (r % 2)][t + 4 (r / 2)] in register r, B[t + 4 r][g].
+struct EmuTf32Layout {
+    static constexpr int K = 8;
+    static constexpr const char* what = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32";
+    EMU_UNCHECKED static double a(const EmuFragments (&all)[32], int row, int k) {
+        return emu_tf32_value(all[(row % 8) * 4 + k % 4].a[(row >= 8) + 2 * (k >= 4)]);
+    }
+    EMU_UNCHECKED static double b(const EmuFragments (&all)[32], int k, int col) {
+        return emu_tf32_value(all[col * 4 + k % 4].b[k >= 4]);
+    }
+};
+
+EMU_UNCHECKED __attribute__((noinline)) void emu_mma_tf32(float (&d)[4], const unsigned (&a)[4],
+                                                           const unsigned (&b)[2], const float (&c)[4],
+                                                           const char* call_file, int call_line) {
+    emu_mma<EmuTf32Layout>(d, a, b, c, call_file, call_line);
 }
 #endif
 
@@ -109,27 +129,23 @@ EMU_UNCHECKED inline double emu_bf16_value(unsigned pair, int high) {
     return double(v);
 }
 
+// BF16's: two elements a register, the lower k in its low half; a lane (g, t) holds A[g + 8 (r % 2)]
+// [2t + 8 (r / 2)..+1] in register r, B[2t + 8 r..+1][g].
+struct EmuBf16Layout {
+    static constexpr int K = 16;
+    static constexpr const char* what = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32";
+    EMU_UNCHECKED static double a(const EmuFragments (&all)[32], int row, int k) {
+        return emu_bf16_value(all[(row % 8) * 4 + k % 8 / 2].a[(row >= 8) + 2 * (k >= 8)], k % 2);
+    }
+    EMU_UNCHECKED static double b(const EmuFragments (&all)[32], int k, int col) {
+        return emu_bf16_value(all[col * 4 + k % 8 / 2].b[k >= 8], k % 2);
+    }
+};
+
 EMU_UNCHECKED __attribute__((noinline)) void emu_mma_bf16(float (&d)[4], const unsigned (&a)[4],
                                                            const unsigned (&b)[2], const float (&c)[4],
                                                            const char* call_file, int call_line) {
-    EmuFragments mine, all[32];
-    for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
-    mine.b[0] = b[0];
-    mine.b[1] = b[1];
-    emu_warp_aligned("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", call_file, call_line, &mine,
-                     sizeof mine, all);
-    const int lane = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32;
-    const int g = lane / 4, t = lane % 4;
-    float out[4];
-    for (int i = 0; i < 4; ++i) {
-        const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
-        double sum = c[i];  // products of bfloat16 values are exact; one rounding of the whole sum
-        for (int k = 0; k < 16; ++k)   // A[row][k] and B[k][col], from the lanes and halves that hold them
-            sum += emu_bf16_value(all[(row % 8) * 4 + k % 8 / 2].a[(row >= 8) + 2 * (k >= 8)], k % 2) *
-                   emu_bf16_value(all[col * 4 + k % 8 / 2].b[k >= 8], k % 2);
-        out[i] = float(sum);
-    }
-    for (int i = 0; i < 4; ++i) d[i] = out[i];
+    emu_mma<EmuBf16Layout>(d, a, b, c, call_file, call_line);
 }
 #endif
 
