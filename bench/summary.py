@@ -136,7 +136,7 @@ def training_lines(training):
     overs = {mine: training[f"{mine}_over"] for mine in training["runs"] if f"{mine}_over" in training}
     for name, r in training["runs"].items():
         versus = "".join(f", {mine} / this {over[name]:.2f}x" for mine, over in overs.items() if name in over)
-        lines.append(f"  {name:14s} {r['sec_per_epoch']:8.2f} s  ({r['step_ms']:.1f} ms/step, median of "
+        lines.append(f"  {name:15s} {r['sec_per_epoch']:8.2f} s  ({r['step_ms']:.1f} ms/step, median of "
                      f"{r['steps']} steps{versus})")
     if training.get("torch") != "compared":
         lines.append(f"  PyTorch not compared: {training.get('torch')}")

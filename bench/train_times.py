@@ -169,7 +169,7 @@ def run(out, seconds_per_run, dry_run=False):
                 measured = {**time_steps(make_step(), clock, config, seconds_per_run),
                             "precision": {"kernels": setting}}
         result["runs"][name] = measured
-        print(f"{name:14s} {measured['steps']:4d} steps, {measured['step_ms']:8.2f} ms/step, "
+        print(f"{name:15s} {measured['steps']:4d} steps, {measured['step_ms']:8.2f} ms/step, "
               f"{measured['sec_per_epoch']:7.2f} sec/epoch, last loss {measured['final_loss']:.4f}", flush=True)
         report.write_json(out, result)
     for mine in [name for name in result["runs"] if name.startswith("ours")]:   # each of ours over every other run

@@ -177,7 +177,7 @@ def test_the_summary_puts_each_of_our_precisions_beside_pytorchs():
     assert "ours bf16  torch autocast" in text and "0.600/0.600     0.400/0.400  1.50x" in text
     assert "ours tf32 convolutions within 1.25x of cuDNN TF32: 1 of 1" in text
     assert "ours bf16 convolutions within 1.25x of cuDNN BF16 under autocast: 0 of 1; not: conv 3x3/1" in text
-    assert "torch_bf16         4.00 s  (4.0 ms/step, median of 100 steps, ours / this 2.50x, ours_graph / this " \
+    assert "torch_bf16          4.00 s  (4.0 ms/step, median of 100 steps, ours / this 2.50x, ours_graph / this " \
            "2.00x, ours_bf16 / this 1.50x, ours_bf16_graph / this 1.25x)" in text
 
 
