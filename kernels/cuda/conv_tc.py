@@ -29,16 +29,16 @@ class Kind(typing.NamedTuple):
     """The tensor-core GEMMs of one precision: the family (.cu) of their kernels and the prefix of
     their names, the tiles by name (rows, columns, k of a stage), and the two copy paths of each
     tile: every channel count a multiple of the tile's k and at most MAX_ALIGNED_TAPS filter taps (a
-    stage's k in one tap, the copies' addresses worked out before the loop: ALIGN = the k), or a
-    multiple of `chunk`, the elements of a 16-byte copy, which every channel count must be (each
-    copy's address from its (row, k): ALIGN = chunk)."""
+    stage's k in one tap, the copies' addresses worked out before the loop: ALIGN = the k), or, for
+    the tiles that have it, a multiple of `chunk`, the elements of a 16-byte copy, which every channel
+    count must be (each copy's address from its (row, k): ALIGN = chunk)."""
     family: str
-    tiles: tuple   # (name, rows, columns, k of a stage) of each
+    tiles: tuple   # (name, rows, columns, k of a stage, whether it has the gathered copies) of each
     chunk: int
 
     def tile(self, name):
         """(rows, columns, k of a stage) of the tile `name`."""
-        return next(shape for tile, *shape in self.tiles if tile == name)
+        return next(shape[:3] for tile, *shape in self.tiles if tile == name)
 
     @property
     def gemms(self):
@@ -50,12 +50,12 @@ class Kind(typing.NamedTuple):
 
     def kernels(self, wgrad_tiles):
         return tuple(self.kernel(gemm, tile, align) for gemm in ("forward", "dgrad", "wgrad")
-                     for tile, _, _, bk in self.tiles for align in (bk, self.chunk)
+                     for tile, _, _, bk, gathered in self.tiles for align in ((bk, self.chunk) if gathered else (bk,))
                      if gemm != "wgrad" or tile in wgrad_tiles)
 
 
 # TF32 (conv_tc.cu): a stage of 16 k.
-TF32 = Kind("conv_tc", (("Tc128x64", 128, 64, 16), ("Tc64x64", 64, 64, 16)), 4)
+TF32 = Kind("conv_tc", (("Tc128x64", 128, 64, 16, True), ("Tc64x64", 64, 64, 16, True)), 4)
 BK, GEMMS = 16, TF32.gemms
 # Backward-weight runs the large tile at every size (WGRAD_TILE): its grid is small and split-K
 # fills the GPU, and the small tile's loop issues more than 8 instructions per HMMA.
@@ -71,10 +71,12 @@ SPLIT_TARGET, MIN_SPLIT_K = 264, 32 * BK
 WGRAD_SPLIT_TARGET, WGRAD_MIN_SPLIT_K = 2 * 3 * 132, 2 * BK
 
 # BF16 (conv_bf16.cu): the 128 x 128 tile (64 x 64 warp tiles: 64 FLOPs per byte of operands a block
-# loads), stages of 32 k, wherever the GEMM has more than 64 columns; 128 x 64, stages of 64 k, where
-# it has 64 or fewer (ResNet-18's first stage), for every GEMM. 2 blocks fit on an SM (registers): a
-# grid under BF16_SPLIT_TARGET blocks, one wave on 132 SMs, splits its k, backward-weight's too.
-BF16 = Kind("conv_bf16", (("Bf128x128", 128, 128, 32), ("Bf128x64", 128, 64, 64)), 8)
+# loads), stages of 32 k, wherever the GEMM has more than 64 columns and channel counts that are
+# multiples of 32 (all of ResNet-18's but the stem's); 128 x 64, stages of 64 k, where it has 64 or
+# fewer (ResNet-18's first stage), or other multiples of 8 (small widths), for every GEMM. 2 blocks
+# fit on an SM (registers): a grid under BF16_SPLIT_TARGET blocks, one wave on 132 SMs, splits its k,
+# backward-weight's too.
+BF16 = Kind("conv_bf16", (("Bf128x128", 128, 128, 32, False), ("Bf128x64", 128, 64, 64, True)), 8)
 BF16_KERNELS, BF16_GEMMS = BF16.kernels(("Bf128x128", "Bf128x64")), BF16.gemms
 BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K = 2 * 132, 512
 BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K = 2 * 132, 64
@@ -102,9 +104,11 @@ def choose_tile(rows):
     return "Tc128x64" if rows >= 128 else "Tc64x64"
 
 
-def choose_bf16_tile(columns):
-    """BF16's tile for an output of `columns` columns: Bf128x64 up to 64, else Bf128x128."""
-    return "Bf128x64" if columns <= 64 else "Bf128x128"
+def choose_bf16_tile(columns, aligned):
+    """BF16's tile for an output of `columns` columns: Bf128x128 above 64 when `aligned` (its aligned
+    copies take the convolution: channel counts multiples of its 32 k, at most 32 filter taps; it has
+    no other), else Bf128x64."""
+    return "Bf128x128" if columns > 64 and aligned else "Bf128x64"
 
 
 class Plan(typing.NamedTuple):
@@ -127,7 +131,7 @@ def plan(gemm, geometry, kind=TF32):
     if not supports(c, o, kind):
         raise ValueError(f"the {kind.family} convolutions need channel counts that are multiples of {kind.chunk}, "
                          f"not C = {c}, O = {o}")
-    bf16 = kind is BF16
+    bf16, aligned = kind is BF16, c % 32 == 0 and o % 32 == 0 and kh * kw <= MAX_ALIGNED_TAPS
     if gemm == "forward":
         rows, columns, k, phases = n * oh * ow, o, kh * kw * c, 1
     elif gemm == "dgrad":   # one GEMM per stride phase of the input cells, sized for the largest
@@ -135,11 +139,11 @@ def plan(gemm, geometry, kind=TF32):
     else:
         rows, columns, k, phases = kh * kw * c, o, n * oh * ow, 1
     if gemm == "wgrad":
-        tile = choose_bf16_tile(columns) if bf16 else WGRAD_TILE
+        tile = choose_bf16_tile(columns, aligned) if bf16 else WGRAD_TILE
         target, min_split = (BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K) if bf16 else \
             (WGRAD_SPLIT_TARGET, WGRAD_MIN_SPLIT_K)
     else:
-        tile = choose_bf16_tile(columns) if bf16 else choose_tile(rows)
+        tile = choose_bf16_tile(columns, aligned) if bf16 else choose_tile(rows)
         target, min_split = (BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K) if bf16 else (SPLIT_TARGET, MIN_SPLIT_K)
     bm, bn, bk = kind.tile(tile)
     align = bk if c % bk == 0 and o % bk == 0 and kh * kw <= MAX_ALIGNED_TAPS else kind.chunk
