@@ -8,11 +8,14 @@ arguments (a benchmark, a profiler) gets its cost in one line.
 
 Conventions. A multiply-add counts 2 FLOPs; an add, a multiply, a comparison, an exp, a division
 1 each; the per-element counts below follow the formulas in the kernels' comments. Bytes are
-each input read once and each output written once, with float32 at 4 bytes, argmax (int64) at 8,
-images (uint8) at 1 and labels at 4 (int32, what the trainer passes), bfloat16 at 2 where the
-arguments say so (cast, sgd_update's copy, global_avg_pool_backward's dtype): the least any
-implementation moves, so bytes / time is a lower bound on the bandwidth it reached. Shapes do not
-tell the bf16 precision's bfloat16 activations from float32 ones: their bytes are counted at 4.
+each input read once and each output written once: an activation, its gradient and a weight the
+products read at their own element's bytes (the Shape of an array says it: float32's 4, or 2 for
+the bf16 precision's bfloat16; a plain tuple counts 4), an output of an activation at its input's,
+statistics, batch-norm parameters and every parameter gradient at float32's 4, argmax (int64) at 8,
+images (uint8) at 1 and labels at 4 (int32, what the trainer passes), the bfloat16 copy of
+sgd_update and global_avg_pool_backward's dtype as they say: the least any implementation moves,
+so bytes / time is a lower bound on the bandwidth it reached. The first activation, images_to_float's
+output, counts 4 bytes an element (its dtype is the precision's, which its arguments do not say).
 """
 import dataclasses
 import math
@@ -60,17 +63,36 @@ def cost_of(op, *args, **kwargs):
     return globals()[op](*map(shape_of, args), **{k: shape_of(v) for k, v in kwargs.items()})
 
 
+class Shape(tuple):
+    """An array's shape, and the bytes of its element (`itemsize`)."""
+
+    def __new__(cls, shape, itemsize):
+        shape = super().__new__(cls, shape)
+        shape.itemsize = itemsize
+        return shape
+
+
 def shape_of(a):
-    """What the cost functions take for an argument of an op: an array's shape; a tuple of arrays (an
-    op's `out`) as a tuple of shapes; anything else (a number, a dtype, which has a shape of its own)
-    as it is."""
-    if isinstance(a, tuple):
+    """What the cost functions take for an argument of an op: an array's Shape; a tuple of arrays (an
+    op's `out`) as a tuple of those; anything else (a number, a dtype, which has a shape of its own, a
+    Shape already) as it is."""
+    if isinstance(a, tuple) and not isinstance(a, Shape):
         return tuple(shape_of(v) for v in a)
-    return tuple(a.shape) if hasattr(a, "shape") and not isinstance(a, np.dtype) else a
+    return Shape(a.shape, a.dtype.itemsize) if hasattr(a, "shape") and not isinstance(a, np.dtype) else a
 
 
 def size(shape):
     return math.prod(shape) if shape is not None else 0
+
+
+def item(shape):
+    """The bytes of an element of the array of `shape`: its Shape's, else float32's."""
+    return getattr(shape, "itemsize", FLOAT)
+
+
+def nbytes(shape):
+    """The bytes of the array of `shape` (0 for None)."""
+    return item(shape) * size(shape)
 
 
 def _pair(v):
@@ -95,16 +117,17 @@ def _conv_macs(x, w, stride, padding):
 def conv2d_forward(x, w, b, stride, padding):
     y = size(_conv_out(x, w, stride, padding))
     return Cost(2 * _conv_macs(x, w, stride, padding) + (y if b is not None else 0),
-                FLOAT * (size(x) + size(w) + size(b) + y))
+                nbytes(x) + nbytes(w) + FLOAT * size(b) + item(x) * y)
 
 
 def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None):
     """Backward-data (unless need_dx is false) and backward-weight GEMMs and the bias gradient (a
     sum over dy); dx added to add_dx_to (read, and one add per element) when given."""
-    passes = 2 if need_dx else 1   # x read, dx written; w read, dw written
+    passes = 2 if need_dx else 1
     added = size(add_dx_to) if need_dx else 0
+    data = nbytes(w) + item(dy) * (size(x) + added) if need_dx else 0   # w read, dx written, add_dx_to read
     return Cost(2 * passes * _conv_macs(x, w, stride, padding) + size(dy) + added,
-                FLOAT * (size(dy) + passes * size(x) + passes * size(w) + w[0] + added))
+                nbytes(dy) + nbytes(x) + FLOAT * (size(w) + w[0]) + data)   # dy and x read, dw and db written
 
 
 # ---- batch normalisation ---------------------------------------------------------------------
@@ -114,19 +137,19 @@ def batch_norm_forward(x, gamma, beta, eps, running=None, momentum=0.1, relu=Fal
     c = x[1]
     join = (2 if residual is not None else 1 if relu else 0) * size(x)
     statistics = 4 * c + (4 * c if running is not None else 0)   # gamma, beta, mean, invstd; the running pair
-    return Cost(BN_FORWARD * size(x) + join, FLOAT * (2 * size(x) + size(residual) + statistics))
+    return Cost(BN_FORWARD * size(x) + join, 2 * nbytes(x) + nbytes(residual) + FLOAT * statistics)
 
 
 def batch_norm_backward(dy, x, gamma, mean, invstd, y=None, out=None, shortcut=False):
     """Masked by a fused relu's output y (read, one comparison), writing the masked dy for a shortcut."""
     c = x[1]
     return Cost(BN_BACKWARD * size(x) + (size(y) if y is not None else 0),
-                FLOAT * (3 * size(x) + size(y) + (size(x) if shortcut else 0) + 5 * c))
+                nbytes(dy) + nbytes(x) + nbytes(y) + item(x) * size(x) * (2 if shortcut else 1) + FLOAT * 5 * c)
 
 
 def batch_norm_sums(x, shift):
     c = x[1]
-    return Cost(BN_SUMS * size(x), FLOAT * (size(x) + 3 * c))
+    return Cost(BN_SUMS * size(x), nbytes(x) + FLOAT * 3 * c)
 
 
 def batch_norm_stats(sums, shift, count, eps):
@@ -136,17 +159,17 @@ def batch_norm_stats(sums, shift, count, eps):
 
 def batch_norm_apply(x, gamma, beta, mean, invstd):
     c = x[1]
-    return Cost(BN_APPLY * size(x), FLOAT * (2 * size(x) + 4 * c))
+    return Cost(BN_APPLY * size(x), 2 * nbytes(x) + FLOAT * 4 * c)
 
 
 def batch_norm_backward_sums(dy, x, mean, invstd):
     c = x[1]
-    return Cost(BN_BACKWARD_SUMS * size(x), FLOAT * (2 * size(x) + 4 * c))
+    return Cost(BN_BACKWARD_SUMS * size(x), nbytes(dy) + nbytes(x) + FLOAT * 4 * c)
 
 
 def batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, count):
     c = x[1]
-    return Cost(BN_BACKWARD_DX * size(x), FLOAT * (3 * size(x) + 5 * c))
+    return Cost(BN_BACKWARD_DX * size(x), nbytes(dy) + 2 * nbytes(x) + FLOAT * 5 * c)
 
 
 def batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps):
@@ -156,30 +179,30 @@ def batch_norm_update_running(running_mean, running_var, mean, invstd, count, mo
 
 def batch_norm_inference(x, gamma, beta, running_mean, running_var, eps):
     c = x[1]
-    return Cost(BN_INFERENCE * size(x), FLOAT * (2 * size(x) + 4 * c))
+    return Cost(BN_INFERENCE * size(x), 2 * nbytes(x) + FLOAT * 4 * c)
 
 
 def batch_norm_inference_backward(dy, x, gamma, running_mean, running_var, eps):
     c = x[1]
-    return Cost(BN_INFERENCE_BACKWARD * size(x), FLOAT * (3 * size(x) + 5 * c))
+    return Cost(BN_INFERENCE_BACKWARD * size(x), nbytes(dy) + 2 * nbytes(x) + FLOAT * 5 * c)
 
 
 # ---- element-wise --------------------------------------------------------------------------
 
 def add(a, b, out=None):
-    return Cost(size(a), FLOAT * 3 * size(a))
+    return Cost(size(a), 3 * nbytes(a))
 
 
 def relu_forward(x):
-    return Cost(size(x), FLOAT * 2 * size(x))
+    return Cost(size(x), 2 * nbytes(x))
 
 
 def relu_backward(dy, y):
-    return Cost(size(dy), FLOAT * 3 * size(dy))
+    return Cost(size(dy), 3 * nbytes(dy))
 
 
 def add_relu_forward(a, b):
-    return Cost(2 * size(a), FLOAT * 3 * size(a))
+    return Cost(2 * size(a), 3 * nbytes(a))
 
 
 def images_to_float(images, idx=None):
@@ -208,15 +231,15 @@ def max_pool2d_forward(x, kernel_size, stride, padding):
     (kh, kw), (sh, sw), (ph, pw) = _pair(kernel_size), _pair(stride), _pair(padding)
     n, c, h, w = x
     y = n * c * ((h + 2 * ph - kh) // sh + 1) * ((w + 2 * pw - kw) // sw + 1)
-    return Cost(kh * kw * y, FLOAT * (size(x) + y) + INDEX * y)
+    return Cost(kh * kw * y, nbytes(x) + item(x) * y + INDEX * y)
 
 
 def max_pool2d_backward(dy, argmax, x_shape):
-    return Cost(size(dy), (FLOAT + INDEX) * size(dy) + FLOAT * size(x_shape))
+    return Cost(size(dy), (item(dy) + INDEX) * size(dy) + item(dy) * size(x_shape))
 
 
 def global_avg_pool_forward(x):
-    return Cost(size(x), FLOAT * (size(x) + size(x[:2])))
+    return Cost(size(x), nbytes(x) + FLOAT * size(x[:2]))
 
 
 def global_avg_pool_backward(dy, x_shape, *, dtype=None):

@@ -200,6 +200,21 @@ def test_cost_of_a_convolution_by_hand():
         4 * 28 * 28 * 64 * 576 + 28 * 28 * 64
 
 
+def test_costs_count_each_array_at_its_own_elements_bytes():
+    """The bf16 precision's bfloat16 activations and weights at 2 bytes, the float32 bias, statistics and
+    parameter gradients at 4; the same FLOPs."""
+    import kernels
+    x, w = (np.zeros(shape, kernels.bfloat16) for shape in ((1, 64, 28, 28), (64, 64, 3, 3)))
+    b = np.zeros(64, np.float32)
+    c = costs.cost_of("conv2d_forward", x, w, b, 1, 1)
+    assert c.flops == 57_852_928 and c.bytes == 2 * (64 * 28 * 28 + 64 * 64 * 9 + 64 * 28 * 28) + 4 * 64
+    back = costs.cost_of("conv2d_backward", x, x, w, 1, 1)   # dy, x, w and dx at 2; dw and db at 4
+    assert back.bytes == 2 * (3 * 64 * 28 * 28 + 64 * 64 * 9) + 4 * (64 * 64 * 9 + 64)
+    y = costs.cost_of("batch_norm_forward", x, b, b, 1e-5, relu=True)
+    assert y.bytes == 2 * 2 * 64 * 28 * 28 + 4 * 4 * 64
+    assert costs.cost_of("relu_forward", x).bytes == 2 * 2 * 64 * 28 * 28 == costs.relu_forward(x.shape).bytes / 2
+
+
 def test_cost_of_a_linear_layer_by_hand():
     c = costs.linear_forward((256, 512), (10, 512), (10,))
     assert c.flops == 2 * 256 * 512 * 10 + 256 * 10 == 2_624_000
