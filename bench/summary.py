@@ -50,7 +50,7 @@ def outcome(t):
     if "reason" in t:
         return t["reason"]
     parts = []
-    for run in ("wrappers", "tensor_cores", "graph", "pytest"):
+    for run in ("wrappers", "tensor_cores", "tensor_cores_bf16", "graph", "pytest"):
         if run in t:
             counts = t[run].get("tests")
             parts.append(f"{run}: " + (", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped"))

@@ -1,10 +1,11 @@
-"""The GPU check of this project in one command: within 6 minutes on one H200, in tiers, each tier's
+"""The GPU check of this project in one command: within about 6 minutes on one H200, in tiers, each tier's
 results written to --out as soon as it ends, so that a run cut off early still leaves results.
 
   a  first the tensor-core wrappers on the GPU against their emulation, fragment by fragment
      (pytest -m gpu tests/test_tensor_core.py: it proves the PTX strings mean what the emulator runs),
      then the tensor-core convolutions against float64 of their TF32-rounded inputs and beside
-     cuDNN (tests/test_conv_tc.py), then a CUDA graph of a training step replayed against eager steps
+     cuDNN (tests/test_conv_tc.py), and the BF16 ones against float64 of their bfloat16 inputs and
+     beside cuDNN on the same inputs (tests/test_conv_bf16.py), then a CUDA graph of a training step replayed against eager steps
      (tests/test_graph.py), then the GPU tests on small shapes of the fp32 kernels and all
      the others (pytest -m gpu tests/test_kernels_cuda.py), then
      compute-sanitizer memcheck and racecheck over one small training step (bench/sanitizer_step.py),
@@ -173,6 +174,7 @@ def junit_counts(xml):
 def small_tests(run):
     results = {"wrappers": pytest_gpu(run, "wrappers", "tests/test_tensor_core.py", limit=30),
                "tensor_cores": pytest_gpu(run, "tensor_cores", "tests/test_conv_tc.py", limit=40),
+               "tensor_cores_bf16": pytest_gpu(run, "tensor_cores_bf16", "tests/test_conv_bf16.py", limit=50),
                "graph": pytest_gpu(run, "graph", "tests/test_graph.py", limit=30),
                "pytest": pytest_gpu(run, "pytest", "tests/test_kernels_cuda.py", limit=90)}
     sanitizer = report.compute_sanitizer()
@@ -258,7 +260,7 @@ def layer_profile(run):
 
 
 TIERS = (
-    Tier("a", "GPU tests on small shapes; compute-sanitizer memcheck and racecheck", 75, 150, small_tests, False),
+    Tier("a", "GPU tests on small shapes; compute-sanitizer memcheck and racecheck", 100, 190, small_tests, False),
     Tier("b", "full-shape GPU tests against PyTorch float64", 45, 100, full_tests, False),
     Tier("c", "each op at every ResNet-18 layer shape, batch 256, beside PyTorch", 45, 100, op_times, True),
     Tier("d", "100 training steps at batch 256, eager and as a CUDA graph, tf32 and bf16, beside PyTorch eager",
@@ -340,7 +342,7 @@ def parse_args(argv):
     every = ",".join(t.key for t in TIERS)
     p.add_argument("--tiers", default=every, metavar=every,
                    help="the tiers to run, comma-separated (default: %(default)s)")
-    p.add_argument("--budget-seconds", type=float, default=340, metavar="S",
+    p.add_argument("--budget-seconds", type=float, default=365, metavar="S",
                    help="total time for all tiers; a tier that would not fit is skipped (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiers c, d (NumPy backend), e, f and g (simulated GPUs), tiny, through the same code: "
