@@ -93,13 +93,30 @@ def geometry(layer):
     return (n, c, h, w, o, kh, kw, layer.stride, layer.stride, layer.padding, layer.padding, *layer.y[2:])
 
 
-def flops_per_byte(kind, precision, p, rows, columns):
+def flops_per_byte(kind, precision, p, rows, columns, geometry):
     """The FLOPs per L2 byte of a Plan's tile: 2 BM' BN' k over (BM' + BN') k element bytes, BM' and
     BN' the tile's rows and columns that the GEMM has (a tile wider than the GEMM loads and multiplies
-    those alone)."""
+    those alone). A halo kernel's block loads, per 32 channels, its window once for the nine taps: the
+    image's pixels in it (padding is zero-filled, not read), averaged over the blocks, and each tap's
+    32 channels of B."""
+    if "_halo<" in p.kernel:
+        bn = min(64, columns)
+        n, _, h, w = geometry[:4]
+        pixels = n * h * w
+        window = statistics.mean(_window_pixels(m0, min(m0 + conv_tc.HALO_ROWS, pixels), h, w)
+                                 for m0 in range(0, pixels, conv_tc.HALO_ROWS))
+        flops = 2 * min(conv_tc.HALO_ROWS, rows) * bn * 9 * 32
+        return flops / ((window + 9 * bn) * 32 * ELEMENT_BYTES[precision])
     bm, bn, _ = kind.tile(p.kernel.partition("<")[2].partition(",")[0])
     bm, bn = min(bm, rows), min(bn, columns)
     return 2 * bm * bn / ((bm + bn) * ELEMENT_BYTES[precision])
+
+
+def _window_pixels(first, end, h, w):
+    """The image's pixels in the window of the output pixels [first, end) of a 3x3, stride-1 convolution:
+    the rows they lie in and the rows above and below, within each image."""
+    rows = {(m // (h * w), m % (h * w) // w + d) for m in range(first, end) for d in (-1, 0, 1)}
+    return w * sum(0 <= r < h for _, r in rows)
 
 
 def rows(batch, arch, sms, precision):
@@ -126,7 +143,7 @@ def rows(batch, arch, sms, precision):
             out.append({"layer": layer.label, "count": count, "gemm": gemm, "kernel": p.kernel, "grid": p.grid,
                         "blocks": blocks, "resident": resident, "limit": limit, "splits": p.splits,
                         "group": p.group, "waves": blocks / (resident * sms),
-                        "flops_per_byte": flops_per_byte(kind, precision, p, *shapes[gemm]),
+                        "flops_per_byte": flops_per_byte(kind, precision, p, *shapes[gemm], geometry(layer)),
                         "partial_bytes": 4 * conv_tc.partial_slots(p) * outputs[gemm]})
     return out, resources, fp32
 

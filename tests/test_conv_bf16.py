@@ -172,6 +172,58 @@ def test_conv_at_the_shapes_of_resnet18(x_shape, w_shape, stride, padding):
     check_conv(kernels._device_backend("emu"), x_shape, w_shape, stride, padding)
 
 
+# 3x3, stride 1, padding 1, channels multiples of 32 where the window is read, 64 columns or fewer: the
+# halo kernels (once the grid need not be large: halo_everywhere), with blocks across image boundaries
+# (several in the second), 3 chunks of channels (whose backward-data has 96 columns: not the halo's),
+# a partial tile of columns.
+HALO_SHAPES = [
+    ((2, 32, 9, 7), (32, 32, 3, 3)),
+    ((4, 32, 4, 4), (64, 32, 3, 3)),
+    ((1, 64, 28, 28), (64, 64, 3, 3)),
+    ((2, 96, 5, 6), (64, 96, 3, 3)),
+    ((2, 32, 7, 6), (40, 32, 3, 3)),   # 40 columns: forward by the halo, backward-data (O % 32) not
+]
+
+
+@pytest.fixture
+def halo_everywhere(monkeypatch):
+    """The halo kernels wherever the convolution allows them, whatever the grid; their launches."""
+    from kernels.cuda import launch as cuda_launch
+    monkeypatch.setattr(conv_tc, "BF16_SPLIT_TARGET", 1)
+    conv_tc.plan.cache_clear()
+    names, launch = [], cuda_launch.launch
+    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, *a, **k: names.append(kernel) or
+                        launch(be, family, kernel, *a, **k))
+    yield names
+    conv_tc.plan.cache_clear()
+
+
+@pytest.mark.parametrize("x_shape, w_shape", HALO_SHAPES)
+def test_3x3_convolutions_from_windows_of_the_image(emu, halo_everywhere, x_shape, w_shape):
+    check_conv(emu, x_shape, w_shape, 1, 1)
+    assert "conv_bf16_forward_halo<Halo128x64>" in halo_everywhere
+    dgrad_halo = w_shape[0] % 32 == 0 and x_shape[1] <= 64   # dy's channels, and 64 columns (C) at most
+    assert ("conv_bf16_dgrad_halo<Halo128x64>" in halo_everywhere) == dgrad_halo, halo_everywhere
+
+
+@pytest.mark.parametrize("n, h, w, allowed", [(256, 28, 28, True), (3, 7, 6, True), (9, 4, 4, True), (5, 13, 3, True),
+                                              (2, 2, 60, False), (2, 1, 50, False)])
+def test_the_halo_window_the_plan_allows_holds_every_blocks(n, h, w, allowed):
+    """The window rows a halo block reads (those of its pixels, one above and one below each, two of
+    padding at each image boundary: the kernel's count) never exceed the shared memory where the plan
+    picks the kernel; it refuses a window that does not fit (60 columns), and, its bound being one for
+    every block, one that only just fits (50)."""
+    geometry = (n, 32, h, w, 32, 3, 3, 1, 1, 1, 1, h, w)
+    pixels = n * h * w
+    padded = lambda m: m // (h * w) * (h + 2) + m % (h * w) // w   # noqa: E731  (the kernel's padded_row)
+    rows = max(padded(min(m0 + conv_tc.HALO_ROWS, pixels) - 1) - padded(m0) + 3
+               for m0 in range(0, pixels, conv_tc.HALO_ROWS))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(conv_tc, "BF16_SPLIT_TARGET", 1)
+        assert conv_tc.halo(geometry, "forward", 32) == allowed
+    assert rows * (w + 2) <= conv_tc.HALO_SLOTS or not allowed, (rows, w)
+
+
 def test_dx_added_in_place_is_rounded_once():
     """dx added to a bfloat16 gradient (a residual block's input's) in the epilogue: the float32 sum
     of what it holds and the product, rounded once."""
@@ -182,6 +234,21 @@ def test_dx_added_in_place_is_rounded_once():
     into = held.copy(order="K")   # channels-last, as the network's gradients are: added in the epilogue
     dx, _, _ = be.conv2d_backward(dy, x, w, 1, 1, add_dx_to=into)
     assert dx is into
+    check_added(dx, held, dy, x, w)
+
+
+@pytest.mark.usefixtures("halo_everywhere")
+def test_dx_of_the_halo_kernel_added_in_place_is_rounded_once():
+    be = kernels._device_backend("emu")
+    x, w, dy, held = draw((2, 32, 6, 6), (32, 32, 3, 3), (2, 32, 6, 6), (2, 32, 6, 6))
+    dy, held = (np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2) for a in (dy, held))
+    into = held.copy(order="K")
+    dx, _, _ = be.conv2d_backward(dy, x, w, 1, 1, add_dx_to=into)
+    assert dx is into
+    check_added(dx, held, dy, x, w)
+
+
+def check_added(dx, held, dy, x, w):
     ref = R.conv2d_backward(wide(dy), wide(x), wide(w), 1, 1)[0] + wide(held)
     magnitude = R.conv2d_backward(np.abs(wide(dy)), wide(x), np.abs(wide(w)), 1, 1)[0] + np.abs(wide(held))
     bound = (32 * 9 + 16) * UNIT32 * magnitude
@@ -233,7 +300,7 @@ def test_every_bf16_kernel_runs_hmma(arch):
     from kernels.cuda.ptxas_report import compile_family
     compiled = compile_family("conv_bf16", arch)
     sass = compiled.sass()
-    assert len(conv_tc.BF16_KERNELS) == 9
+    assert len(conv_tc.BF16_KERNELS) == 11
     for name in conv_tc.BF16_KERNELS:
         mangled = compiled.lowered_names[name]
         instructions = sass[mangled]
@@ -247,7 +314,8 @@ def test_the_launch_plan_of_resnet18_covers_every_product():
     """bench/tc_plan.py under bf16: a plan for each GEMM of every convolution but the stem, with the
     kernel's occupancy from its registers and shared memory; backward-weight in at least one wave of
     the blocks that fit on an H200's 132 SMs at every layer; the FLOPs per L2 byte of each tile as its
-    shape gives them (128 x 128: 64; 64 columns or rows: 42.7)."""
+    shape gives them (128 x 128: 64; 64 columns or rows: 42.7; the halo kernels of the first stage
+    above 90)."""
     reason = nvrtc.unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -261,6 +329,9 @@ def test_the_launch_plan_of_resnet18_covers_every_product():
     assert all(resources[row["kernel"]].spill_stores == 0 for row in rows)
     assert all(row["waves"] >= 1 for row in rows if row["gemm"] == "wgrad"), rows
     for row in rows:
+        if "_halo<" in row["kernel"]:   # the first stage's forward and backward-data: the window read once for 9 taps
+            assert row["layer"] == "conv 3x3/1 64->64 28->28" and row["flops_per_byte"] > 90, row
+            continue
         wide = "Bf128x128" in row["kernel"] and not (row["layer"].startswith("conv 1x1/2 64->") and row["gemm"] == "wgrad")
         assert row["flops_per_byte"] == pytest.approx(64.0 if wide else 2 * 128 * 64 / (192 * 2)), row
 
@@ -272,6 +343,12 @@ def test_the_launch_plan_of_resnet18_covers_every_product():
                          + [s[:4] for s in GATHERED_SHAPES + ALIGNED_SHAPES])
 def test_gpu_conv_against_the_bf16_references(gpu_backend, x_shape, w_shape, stride, padding):
     check_conv(gpu_backend, x_shape, w_shape, stride, padding)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_shape, w_shape", HALO_SHAPES)
+def test_gpu_halo_convolutions_against_the_bf16_references(gpu_backend, halo_everywhere, x_shape, w_shape):
+    check_conv(gpu_backend, x_shape, w_shape, 1, 1)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,9 @@
 //   conv_bf16_wgrad    dw^T (KH*KW*C x O) = im2col(x)^T (KH*KW*C x N*OH*OW) . dy (N*OH*OW x O), float32,
 //                                         in (O, KH, KW, C) or (O, C, KH, KW) order, and the bias
 //                                         gradient, the per-channel sums of dy, in the same pass
+//   conv_bf16_forward_halo, conv_bf16_dgrad_halo: the forward and backward-data of 3x3, stride-1
+//                                         convolutions of 64 columns or fewer from windows of the image,
+//                                         each input pixel loaded once for its nine taps (see below)
 //
 // The GEMMs are conv_tc.cu's (tc_conv.cuh holds what they share: the copy iterators, the outputs,
 // split-K with its parts added in a fixed order in the same launch, the bias gradient's totals); what
@@ -198,6 +201,170 @@ __device__ __forceinline__ void bf_gemm(bf16* smem, IteratorA a, IteratorB b, in
     cp_async_wait<0>();  // the empty groups: nothing may be pending when the thread exits
 }
 
+// ---- 3x3 convolutions of stride 1 from one window of the image (the halo) ----------------------
+//
+// A 3x3, stride-1, padding-1 convolution's im2col holds each input pixel nine times, once per tap, and
+// the tiles above load every one of them from L2: with 64 columns (ResNet-18's first stage) that caps
+// a block at 42.7 FLOPs per byte. Here a block of 128 output pixels loads, per 32 channels, the window
+// of the (zero-padded) image that their taps reach, once, and each tap's A fragments from it: ldmatrix
+// takes a row address per lane, and a lane's row is its pixel's slot shifted by the tap. The window
+// runs over the padded rows L = image (H + 2) + row + 1 and columns 0..W + 1 of the block's pixels,
+// from the first pixel's row above to the last pixel's row below, across an image boundary if the
+// block straddles one (two rows of padding between the images); a slot is 32 channels and 8 of
+// padding (80 bytes: 8 consecutive slots fall in distinct banks). The k steps run over the channel
+// chunks and, inside each, the nine taps, B (the weights of the tap) through a 3-stage ring as the
+// other kernels' operands; at each new chunk the block waits for its window. Backward-data of such a
+// convolution is one too, of dy with the taps mirrored and the weights read along their input channels.
+
+constexpr int HALO_PITCH = 40, HALO_SLOTS = 320;   // a slot's elements; the window's slots (25.6 KB)
+struct Halo128x64 : BfTile<128, 64, 32, 3> {};
+
+template <class T>
+struct HaloShared {
+    static constexpr int SIZE = HALO_SLOTS * HALO_PITCH + T::STAGES * T::BN * T::BK;
+};
+
+// The weights of the stage's tap and 32 channels (B): forward, w_krsc[n][tap][c0 + k] (K_MAJOR: a row n
+// runs along its input channels); backward-data, w_krsc[c0 + k][8 - tap][n] (the tap mirrored, a line k
+// along the input channels n). The tap advances with next(); after the ninth, the channels.
+template <class Copy, bool FORWARD>
+struct HaloWeights {
+    const bf16* base;
+    int first, tap, tap_step, chunk_step, row_step;
+    unsigned inside;   // bit c: chunk c's row (n) exists
+    __device__ HaloWeights(const bf16* w_krsc, const Geometry<0, 0>& g, int n0, int columns) : base(w_krsc), tap(0) {
+        const int per_co = 9 * g.c;   // between consecutive output channels
+        if constexpr (FORWARD) {      // offset o * 9C + tap * C + c
+            first = (n0 + Copy::row(0)) * per_co + Copy::k(0);
+            tap_step = g.c;
+            chunk_step = Copy::BK - 8 * g.c;
+            row_step = Copy::ROW_STEP * per_co;
+        } else {                      // offset co * 9C + (8 - tap) * C + ci
+            first = Copy::k(0) * per_co + 8 * g.c + n0 + Copy::row(0);
+            tap_step = -g.c;
+            chunk_step = Copy::BK * per_co + 8 * g.c;
+            row_step = Copy::ROW_STEP;
+        }
+        inside = 0;
+#pragma unroll
+        for (int c = 0; c < Copy::CHUNKS; ++c) inside |= unsigned(n0 + Copy::row(c) < columns) << c;
+    }
+    __device__ bool at(int c, int& offset) const {
+        offset = first + c * row_step;
+        return inside >> c & 1u;
+    }
+    __device__ void next() {
+        if (++tap == 9) {
+            tap = 0;
+            first += chunk_step;
+        } else {
+            first += tap_step;
+        }
+    }
+};
+
+// acc += the 3x3 convolution (stride 1, padding 1) of `image` (N, H, W, channels; dy for backward-data)
+// for the block's 128 output pixels from m0, by the weights b gives (HaloWeights), as the header says.
+// Every thread of the block must call it.
+template <class T, bool B_K_MAJOR, class IteratorB>
+__device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ image, const Geometry<0, 0>& g,
+                                          int channels, int m0, IteratorB b, float (&acc)[T::MI][T::NI][4]) {
+    constexpr int BK = T::BK, STAGES = T::STAGES;
+    using CopyB = BfCopy<T::BN, B_K_MAJOR, BK>;
+    constexpr int SIZE_B = CopyB::Stage::SIZE;
+    bf16* const window = smem;
+    bf16* const Bs = smem + HALO_SLOTS * HALO_PITCH;
+    const int width = g.w + 2, plane = g.h * g.w, pixels = g.n * plane, lane = int(threadIdx.x) % 32;
+    const int warp = int(threadIdx.x) / 32, wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
+    // the padded row L of an output pixel (its taps' row r = 0), and its slot in the window
+    const auto padded_row = [&](int m) {
+        const int img = m / plane, p = (m - img * plane) / g.w;
+        return img * (g.h + 2) + p;
+    };
+    const int first_row = padded_row(m0), rows = padded_row(min(m0 + T::BM, pixels) - 1) - first_row + 3;
+    int slot[T::MI];   // this lane's rows of the A fragments: the slot of its pixel's tap (0, 0)
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i) {
+        const int m = m0 + wm + 16 * i + lane % 8 + 8 * (lane / 8 % 2);
+        slot[i] = m < pixels ? (padded_row(m) - first_row) * width + m % g.w : 0;   // past the end: any slot
+        slot[i] = slot[i] * HALO_PITCH + 8 * (lane / 16);   // the lane's chunk of k 0-15
+    }
+    const BfFragments<T::BN, B_K_MAJOR, false, T::NI / 2, BK> fragments_b(wn);
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    // the window of channels c0..c0 + 31: thread t copies chunk t % 4 of the slots of column t / 4 (and
+    // 32 further) of every row, zeros in the padding and past the last image
+    const auto load_window = [&](int c0) {
+        int img = first_row / (g.h + 2), pp = first_row - img * (g.h + 2);
+        for (int j = 0; j < rows; ++j) {
+            const bool row_inside = img < g.n && pp >= 1 && pp <= g.h;
+            for (int col = int(threadIdx.x) / 4; col < width; col += TC_THREADS / 4) {
+                const int part = int(threadIdx.x) % 4;
+                const bool data = row_inside && col >= 1 && col <= g.w;
+                const int offset = data ? ((img * g.h + pp - 1) * g.w + col - 1) * channels + c0 + 8 * part : 0;
+                cp_async_cg(window + (j * width + col) * HALO_PITCH + 8 * part, image + unsigned(offset),
+                            data ? 16 : 0);
+            }
+            if (++pp == g.h + 2) {
+                pp = 0;
+                ++img;
+            }
+        }
+        cp_async_commit();
+    };
+    const int stages = channels / BK * 9;
+    const auto load_b = [&](int stage, int ring) {
+        if (stage < stages) {
+            tc_load_stage<CopyB>(Bs + ring * SIZE_B, b);
+            b.next();
+        }
+        cp_async_commit();
+    };
+    // a k step: tap `tap` of the current chunk's window, B from ring slot `ring`, while B of the stage
+    // STAGES - 1 later goes into the slot of the one before
+    const auto step = [&](int stage, int tap, int ring) {
+        cp_async_wait<STAGES - 2>();   // this thread's copies of the stage's B (and of the window) have landed
+        __syncthreads();
+        load_b(stage + STAGES - 1, (ring + STAGES - 1) % STAGES);
+        const bf16* bs = Bs + ring * SIZE_B;
+        const int shift = (tap / 3 * width + tap % 3) * HALO_PITCH;   // the tap's slots: rows below, columns right
+        int row[T::MI];
+#pragma unroll
+        for (int i = 0; i < T::MI; ++i) row[i] = slot[i] + shift;
+#pragma unroll
+        for (int half = 0; half < BK / 16; ++half) {
+            unsigned fa[T::MI][4], fb[T::NI / 2][4];
+#pragma unroll
+            for (int i = 0; i < T::MI; ++i) ldmatrix_x4(fa[i], window + row[i] + 16 * half);
+#pragma unroll
+            for (int j = 0; j < T::NI / 2; ++j) fragments_b.load(fb[j], bs, j, half);
+#pragma unroll
+            for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+                for (int j = 0; j < T::NI; ++j) {
+                    const unsigned bj[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
+                    mma_bf16(acc[i][j], fa[i], bj, acc[i][j]);
+                }
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) load_b(s, s);
+    static_assert(9 % STAGES == 0, "a chunk's taps fill the ring whole: each tap's slot is a constant");
+    // per chunk of channels: its window, once every warp is done with the last one, then its nine taps
+    for (int stage = 0; stage < stages; stage += 9) {
+        __syncthreads();
+        load_window(stage / 9 * BK);
+        cp_async_wait<0>();
+#pragma unroll
+        for (int tap = 0; tap < 9; ++tap) step(stage + tap, tap, tap % STAGES);
+    }
+    cp_async_wait<0>();
+}
+
 // ---- the kernels ----------------------------------------------------------------------------
 
 // y (N*OH*OW x O, NHWC) = im2col(x) . w_krsc^T + bias (bias may be null): block (x, y, z) computes
@@ -335,4 +502,37 @@ conv_bf16_wgrad(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* 
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
     tc_finish<T, false>(WeightsOut{g, krsc}, dw, partial, g.o * columns, split, tile_counters(counters, 0, split),
                         m0, n0, nullptr, false, acc, bias);
+}
+
+
+// y (N*H*W x O, NHWC) = the 3x3 convolution, stride 1, padding 1, of x + bias, from windows of x
+// (halo_gemm): block (x, y) computes output pixels [x * BM, ...) by channels [y * BN, ...), no split of k
+// (k_chunk, group and the partials unused: the launch's parameters are conv_bf16_forward's).
+template <class T>
+__global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
+conv_bf16_forward_halo(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, const float* __restrict__ bias,
+                       bf16* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.out_plane();
+    __shared__ __align__(128) bf16 smem[HaloShared<T>::SIZE];
+    float acc[T::MI][T::NI][4];
+    halo_gemm<T, true>(smem, x, g, g.c, m0, HaloWeights<BfCopy<T::BN, true, T::BK>, true>(w_krsc, g, n0, g.o), acc);
+    tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, SplitK{1, 1, 0}, counters, m0, n0, bias,
+                        false, acc);
+}
+
+// dx (N*H*W x C, NHWC) of the same convolution, from windows of dy and the weights mirrored, added to
+// what dx holds when `add` is set.
+template <class T>
+__global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
+conv_bf16_dgrad_halo(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf16* __restrict__ dx, int add,
+                     float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.h * g.w;
+    __shared__ __align__(128) bf16 smem[HaloShared<T>::SIZE];
+    float acc[T::MI][T::NI][4];
+    halo_gemm<T, false>(smem, dy, g, g.o, m0, HaloWeights<BfCopy<T::BN, false, T::BK>, false>(w_krsc, g, n0, g.c),
+                        acc);
+    tc_finish<T, false>(RowsOut{pixels, g.c}, dx, partial, pixels * g.c, SplitK{1, 1, 0}, counters, m0, n0, nullptr,
+                        add, acc);
 }

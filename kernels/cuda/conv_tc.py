@@ -77,7 +77,13 @@ WGRAD_SPLIT_TARGET, WGRAD_MIN_SPLIT_K = 2 * 3 * 132, 2 * BK
 # fit on an SM (registers): a grid under BF16_SPLIT_TARGET blocks, one wave on 132 SMs, splits its k,
 # backward-weight's too.
 BF16 = Kind("conv_bf16", (("Bf128x128", 128, 128, 32, False), ("Bf128x64", 128, 64, 64, True)), 8)
-BF16_KERNELS, BF16_GEMMS = BF16.kernels(("Bf128x128", "Bf128x64")), BF16.gemms
+# The 3x3, stride-1 convolutions of 64 columns or fewer (ResNet-18's first stage) forward and
+# backward-data from windows of the image (conv_bf16.cu's halo kernels), where their window fits
+# HALO_SLOTS slots and the grid needs no split of k.
+HALO_TILE, HALO_ROWS, HALO_SLOTS, HALO_CHANNELS = "Halo128x64", 128, 320, 32
+BF16_KERNELS = BF16.kernels(("Bf128x128", "Bf128x64")) + tuple(
+    f"conv_bf16_{gemm}_halo<{HALO_TILE}>" for gemm in ("forward", "dgrad"))
+BF16_GEMMS = BF16.gemms
 BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K = 2 * 132, 512
 BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K = 2 * 132, 64
 # Parts beyond ONE_LEVEL_PARTS are added in two levels, groups of about sqrt(parts) (tc_finish).
@@ -138,6 +144,9 @@ def plan(gemm, geometry, kind=TF32):
         rows, columns, k, phases = n * cdiv(h, sh) * cdiv(wd, sw), c, cdiv(kh, sh) * cdiv(kw, sw) * o, sh * sw
     else:
         rows, columns, k, phases = kh * kw * c, o, n * oh * ow, 1
+    if bf16 and gemm != "wgrad" and halo(geometry, gemm, columns):
+        return Plan(f"conv_bf16_{gemm}_halo<{HALO_TILE}>", (cdiv(rows, HALO_ROWS), cdiv(columns, 64), 1), k, 1, 1,
+                    kind.family)
     if gemm == "wgrad":
         tile = choose_bf16_tile(columns, aligned) if bf16 else WGRAD_TILE
         target, min_split = (BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K) if bf16 else \
@@ -150,6 +159,19 @@ def plan(gemm, geometry, kind=TF32):
     grid = (cdiv(rows, bm), cdiv(columns, bn))
     parts, chunk = splits(k, grid[0] * grid[1] * phases, bk, target, min_split)
     return Plan(kind.kernel(gemm, tile, align), grid + (phases * parts,), chunk, parts, group_size(parts), kind.family)
+
+
+def halo(geometry, gemm, columns):
+    """Whether a BF16 GEMM ("forward" or "dgrad") runs conv_bf16.cu's halo kernel: a 3x3 convolution of
+    stride 1 and padding 1, 64 columns or fewer, channels multiples of 32 where its window is read (x's,
+    or dy's), the window of a block's 128 pixels within HALO_SLOTS slots (rows of W + 2: those the pixels
+    span, a row above and below, two of padding at each image boundary), and grid enough that the other
+    kernels would not split k."""
+    n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    if (kh, kw, sh, sw, ph, pw) != (3, 3, 1, 1, 1, 1) or columns > 64 or (c if gemm == "forward" else o) % HALO_CHANNELS:
+        return False
+    rows = (HALO_ROWS - 1) // wd + 2 + 2 + 2 * ((HALO_ROWS - 1) // (h * wd) + 1)
+    return rows * (wd + 2) <= HALO_SLOTS and cdiv(n * h * wd, HALO_ROWS) * cdiv(columns, 64) >= BF16_SPLIT_TARGET
 
 
 def splits(k, blocks, bk, target, min_split):
