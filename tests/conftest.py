@@ -1,6 +1,6 @@
 """Puts the repository root on sys.path (for the project's packages under plain `pytest`), prints
 the session's random seed in the header and at the end (also under -q), adds the command that
-replays it to every failure's report, and offers the `poisoned_empty` fixture."""
+replays it to every failure's report, and offers the `poisoned_empty` fixture and `order`, the emulator's thread orders."""
 import os
 import sys
 
@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import helpers  # noqa: E402  (pytest puts tests/ on sys.path before importing this file)
+from kernels import emu  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -42,3 +43,10 @@ def poisoned_empty(monkeypatch):
     empty, empty_like = np.empty, np.empty_like
     monkeypatch.setattr(np, "empty", lambda *a, **k: poison(empty(*a, **k)))
     monkeypatch.setattr(np, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+@pytest.fixture(params=emu.ORDERS)
+def order(request):
+    """The test once per order in which the emulator runs a block's threads (kernels.emu.ORDERS)."""
+    with emu.thread_order(request.param):
+        yield request.param

@@ -25,7 +25,6 @@ import kernels
 import kernels.cpu as K
 import reference as R
 from helpers import TOLERANCES, reproduce_hint, rng, validate
-from kernels import emu
 from kernels.cuda import batchnorm, elementwise, optim, pool
 from kernels.cuda import launch as cuda_launch
 from test_kernels_cpu import MAX_POOLS
@@ -47,12 +46,6 @@ def bf16():
 @pytest.fixture
 def be():
     return kernels._device_backend("emu")
-
-
-@pytest.fixture(params=emu.ORDERS)
-def order(request):
-    with emu.thread_order(request.param):
-        yield request.param
 
 
 @pytest.fixture

@@ -45,12 +45,6 @@ def be():
     return kernels._device_backend("emu")
 
 
-@pytest.fixture(params=emu.ORDERS)
-def order(request):
-    with emu.thread_order(request.param):
-        yield request.param
-
-
 @pytest.fixture(params=SPLITS)
 def splits(request, monkeypatch):
     monkeypatch.setattr(cuda_launch, "MIN_SPLIT_LENGTH", SPLITS[request.param])

@@ -31,12 +31,6 @@ def line_of(text):
     return next(i for i, line in enumerate(SOURCE.read_text().splitlines(), 1) if text in line)
 
 
-@pytest.fixture(params=emu.ORDERS)
-def order(request):
-    with emu.thread_order(request.param):
-        yield request.param
-
-
 def floats(n):
     return rng().standard_normal(n).astype(np.float32)
 

@@ -38,12 +38,6 @@ def launch(name, grid, block, *args, sanitize=True):
     module(sanitize).get_function(name)(grid, block, args)
 
 
-@pytest.fixture(params=emu.ORDERS)
-def order(request):
-    with emu.thread_order(request.param):
-        yield request.param
-
-
 # ---- NumPy models, from the PTX ISA's fragment tables --------------------------------------------
 
 def tf32_model(x):

@@ -132,6 +132,20 @@ struct BfFragments {
 // step's B fragments of the warp (BiasMma). Every thread of the block must call it (it
 // synchronises the block). smem: the stages, BfShared<T> (the caller's, so that its epilogue may use
 // it once every thread has returned: a barrier).
+// acc += the warp's k16 step: A fragments fa[i] (rows 16 i..) by B fragments fb[j / 2] (columns 8 j..,
+// each ldmatrix.x4 holding two n8 tiles: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15))
+template <class T>
+__device__ __forceinline__ void bf_mma_warp(float (&acc)[T::MI][T::NI][4], const unsigned (&fa)[T::MI][4],
+                                            const unsigned (&fb)[T::NI / 2][4]) {
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < T::NI; ++j) {
+            const unsigned b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
+            mma_bf16(acc[i][j], fa[i], b, acc[i][j]);
+        }
+}
+
 template <class T>
 struct BfShared {
     static constexpr int SIZE = T::STAGES * (T::BM + T::BN) * T::BK;
@@ -181,14 +195,7 @@ __device__ __forceinline__ void bf_gemm(bf16* smem, IteratorA a, IteratorB b, in
 #pragma unroll
             for (int j = 0; j < T::NI / 2; ++j) fragments_b.load(fb[j], bs, j, half);
             if (on_chunk_b.active) on_chunk_b.b_fragments(fb);
-#pragma unroll
-            for (int i = 0; i < T::MI; ++i)
-#pragma unroll
-                for (int j = 0; j < T::NI; ++j) {
-                    // B's registers: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
-                    const unsigned b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
-                    mma_bf16(acc[i][j], fa[i], b, acc[i][j]);
-                }
+            bf_mma_warp<T>(acc, fa, fb);
         }
     };
 #pragma unroll
@@ -342,13 +349,7 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
             for (int i = 0; i < T::MI; ++i) ldmatrix_x4(fa[i], window + row[i] + 16 * half);
 #pragma unroll
             for (int j = 0; j < T::NI / 2; ++j) fragments_b.load(fb[j], bs, j, half);
-#pragma unroll
-            for (int i = 0; i < T::MI; ++i)
-#pragma unroll
-                for (int j = 0; j < T::NI; ++j) {
-                    const unsigned bj[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
-                    mma_bf16(acc[i][j], fa[i], bj, acc[i][j]);
-                }
+            bf_mma_warp<T>(acc, fa, fb);
         }
     };
 #pragma unroll
