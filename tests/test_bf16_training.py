@@ -327,11 +327,9 @@ def assert_same(a, b):
     assert a["params"].dtype == np.float32, "the checkpoint holds the float32 master weights"
 
 
-def test_on_two_gpus_the_graph_equals_no_graph_and_export_writes_the_float32_master_weights(tmp_path, monkeypatch):
+def test_on_two_gpus_the_graph_equals_no_graph_and_export_writes_the_float32_master_weights(tmp_path):
     """Each worker keeps its own bfloat16 weights, remade after the broadcast from rank 0; the gradients are
-    summed in float32. The workers, processes of their own, run the emulator without its sanitizer, as
-    bench/gpu_check's dry run does."""
-    monkeypatch.setenv("CUDA_EMU_SANITIZE", "off")
+    summed in float32."""
     from test_graph import trained   # two simulated GPUs, the flags of its TWO_GPUS
     data_dir = write_fashion_mnist(tmp_path / "fashion", 15, 4)
     flags = ["--precision", "bf16", "--schedule", "cosine"]

@@ -380,9 +380,11 @@ def data_dir(tmp_path_factory):
     return write_fashion_mnist(tmp_path_factory.mktemp("fashion"), 32, 16)
 
 
-def train_resnet(gpus, data_dir, out, *flags):
-    """``KERNELS_SIMULATED_GPUS=gpus python train_resnet.py ...``: CompletedProcess."""
-    environment = {**os.environ, kernels.SIMULATED_GPUS: str(gpus), "TMPDIR": str(out.parent)}
+def train_resnet(gpus, data_dir, out, *flags, sanitize=None):
+    """``KERNELS_SIMULATED_GPUS=gpus python train_resnet.py ...``: CompletedProcess; `sanitize`, the emulator's
+    sanitizer for it (CUDA_EMU_SANITIZE; the simulated GPUs' memcheck unless given)."""
+    environment = {**os.environ, kernels.SIMULATED_GPUS: str(gpus), "TMPDIR": str(out.parent),
+                   **({"CUDA_EMU_SANITIZE": sanitize} if sanitize else {})}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
     return subprocess.run([sys.executable, "train_resnet.py", "--data-dir", str(data_dir), "--out", str(out),
                            *SMALL, *flags], cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment)
@@ -390,12 +392,12 @@ def train_resnet(gpus, data_dir, out, *flags):
 
 @pytest.mark.slow
 def test_two_gpus_with_sync_bn_equal_one_gpu_with_the_whole_batch(data_dir, tmp_path):
-    # an epoch of one step of momentum SGD at width 4, on 32 images: training this small network is
+    # an epoch of one step of momentum SGD at width 4, on 16 images: training this small network is
     # chaotic (a relative change of 1e-7 in the weights grows to about 5e-3 in three steps, in
     # float64 as in float32), so a longer run would compare amplified rounding. In fp32: under tf32,
     # rounding the convolutions' inputs to TF32 turns the two sums' float32 differences into
     # differences of TF32's size wherever an input lies near a rounding boundary
-    flags = ["--sync-bn", "--width", "4", "--batch-size", "32", "--limit", "32", "--momentum", "0.9",
+    flags = ["--sync-bn", "--width", "4", "--batch-size", "16", "--limit", "16", "--momentum", "0.9",
              "--weight-decay", "1e-4", "--precision", "fp32"]
     one = train_resnet(1, data_dir, tmp_path / "one", "--gpus", "1", *flags)
     assert one.returncode == 0, one.stderr

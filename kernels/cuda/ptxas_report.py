@@ -7,8 +7,9 @@ expressions) with NVRTC and ``-Xptxas -v``; needs NVRTC (the cuda12 or cuda13 ex
 Exits non-zero when a kernel spills, so that a regression shows in a script too.
 """
 import argparse
-import functools
+import concurrent.futures
 import sys
+import threading
 
 from kernels import nvrtc
 from kernels.cuda import FAMILIES, OPTIONS, launcher, source
@@ -16,13 +17,34 @@ from kernels.cuda import FAMILIES, OPTIONS, launcher, source
 ARCHS = ("sm_80", "sm_90")
 
 
-@functools.lru_cache(maxsize=None)
+_compiles = {}   # (family, arch) -> Future of kernels.nvrtc.Compiled
+_lock = threading.Lock()
+
+
 def compile_family(family, arch):
     """kernels.nvrtc.Compiled for one family and architecture, with ptxas' report (verbose); raises
     NvrtcError. Once per process: a family takes NVRTC up to half a minute, and the tests and
-    benchmarks that read its SASS and its resources share the result."""
-    return nvrtc.compile(source(family), arch=arch, options=OPTIONS, name_expressions=launcher(family).KERNELS,
-                         filename=f"{family}.cu", verbose=True)
+    benchmarks that read its SASS and its resources share the result. The first request for a
+    family starts it for the other architectures of ARCHS too, each on its own thread (NVRTC
+    releases the GIL): callers that go through ARCHS wait for one compile where they waited for
+    two, on a second core."""
+    with _lock:
+        for each in dict.fromkeys((arch, *ARCHS)):
+            if (family, each) not in _compiles:
+                _compiles[family, each] = future = concurrent.futures.Future()
+                threading.Thread(target=_compile, args=(future, family, each), daemon=True,
+                                 name=f"nvrtc {family} {each}").start()
+        future = _compiles[family, arch]
+    return future.result()
+
+
+def _compile(future, family, arch):
+    try:
+        future.set_result(nvrtc.compile(source(family), arch=arch, options=OPTIONS,
+                                        name_expressions=launcher(family).KERNELS, filename=f"{family}.cu",
+                                        verbose=True))
+    except BaseException as e:  # noqa: BLE001  (handed to the caller that waits for it)
+        future.set_exception(e)
 
 
 def report(families, archs):
