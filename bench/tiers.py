@@ -231,7 +231,7 @@ def epoch(run):
         return {"status": "skipped", "reason": f"Fashion-MNIST is not in {folder} (missing {', '.join(missing)}): "
                                                f"give its folder with --data-dir"}
     # the dry run: on two simulated GPUs, through the launcher and NCCL, a few images of a narrow model
-    device = ["--gpus", "2", "--limit", "32", "--test-limit", "32", "--width", "2", "--batch-size", "16"] \
+    device = ["--gpus", "2", "--limit", "16", "--test-limit", "16", "--width", "2", "--batch-size", "8"] \
         if run.args.dry_run else ["--gpus", "1"]
     results = {}
     for key, precision in (("epoch", "tf32"), ("epoch_bf16", "bf16")):
@@ -252,7 +252,7 @@ def layer_profile(run):
     results = {} if run.args.dry_run else {"pytest": pytest_gpu(run, "pytest", "tests/test_profiler.py", limit=40)}
     out = run.path("profile")
     # the dry run: the same command on a simulated GPU, on a narrow model and a small batch
-    shape = ["--width", "2", "--batch-size", "8", "--steps", "2", "--warmup", "1"] \
+    shape = ["--width", "2", "--batch-size", "4", "--steps", "1", "--warmup", "1"] \
         if run.args.dry_run else ["--batch-size", "256", "--steps", "20", "--warmup", "3"]
     run.command("profile", [PYTHON, "-m", "profiler", "--device", "cuda", *shape, "--out", out], simulated_gpus=1)
     results["profile"] = report.read_json(out / "profile.json")

@@ -1,6 +1,7 @@
 """Puts the repository root on sys.path (for the project's packages under plain `pytest`), prints
 the session's random seed in the header and at the end (also under -q), adds the command that
-replays it to every failure's report, and offers the `poisoned_empty` fixture and `order`, the emulator's thread orders."""
+replays it to every failure's report, starts NVRTC on the families that the session's `nvrtc` tests read (on a
+thread, while the others run), and offers the `poisoned_empty` fixture and `order`, the emulator's thread orders."""
 import os
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import helpers  # noqa: E402  (pytest puts tests/ on sys.path before importing this file)
-from kernels import emu  # noqa: E402
+from kernels import emu, nvrtc  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -19,6 +20,20 @@ def pytest_report_header(config):
 
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"random inputs: TEST_SEED={helpers.SESSION_SEED} (set it to draw them again)")
+
+
+def pytest_collection_finish(session):
+    """The families the tests marked `nvrtc` compile (the marker's argument, else the test's `family`
+    parameter), compiled in the order they are needed on a thread of their own: half a minute each, which
+    the tests would otherwise wait for in turn."""
+    families = {}
+    for item in session.items:
+        marker = item.get_closest_marker("nvrtc")
+        if marker:
+            families[marker.args[0] if marker.args else item.callspec.params["family"]] = None
+    if families and nvrtc.unavailable_reason() is None:
+        from kernels.cuda import ptxas_report
+        ptxas_report.prefetch(families)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -290,6 +290,7 @@ def test_split_sums_do_not_depend_on_which_block_finishes_last(variant, x_shape,
         assert first.tobytes() == second.tobytes(), f"{what} under {variant}"
 
 
+@pytest.mark.nvrtc("conv_bf16")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_bf16_kernel_runs_hmma(arch):
     reason = nvrtc.unavailable_reason()

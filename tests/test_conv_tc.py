@@ -333,6 +333,7 @@ def test_resnet18_training_step_on_the_emulator_in_tf32():
 
 # ---- the instructions ----------------------------------------------------------------------
 
+@pytest.mark.nvrtc("conv_tc")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_tensor_core_kernel_runs_hmma(arch):
     reason = nvrtc.unavailable_reason()

@@ -80,7 +80,7 @@ def test_a_dry_run_runs_tiers_c_to_g_through_the_same_code(tmp_path):
         epoch = summary["tiers"]["e"][key]
         assert 0 <= epoch["test_acc"] <= 1 and epoch["world_size"] == 2 and epoch["precision"] == precision, key
     profile = summary["tiers"]["f"]["profile"]
-    assert profile["config"]["batch_size"] == 8 and any(r["name"] == "fc.1" for r in profile["rows"])
+    assert profile["config"]["batch_size"] == 4 and any(r["name"] == "fc.1" for r in profile["rows"])
     assert profile["config"]["backend"] == "cuda"
     nccl = summary["tiers"]["g"]["pytest"]["tests"]
     assert nccl["passed"] == nccl["tests"] == 3, nccl  # two GPUs: not one of them skipped

@@ -179,6 +179,7 @@ def check(ours, inputs, op, backward=None, **kwargs):
 
 # ---- NVRTC -------------------------------------------------------------------------------
 
+@pytest.mark.nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("family", cuda.FAMILIES)
 def test_compiles_with_nvrtc(family, arch):

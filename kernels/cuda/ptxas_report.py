@@ -25,26 +25,37 @@ def compile_family(family, arch):
     """kernels.nvrtc.Compiled for one family and architecture, with ptxas' report (verbose); raises
     NvrtcError. Once per process: a family takes NVRTC up to half a minute, and the tests and
     benchmarks that read its SASS and its resources share the result. The first request for a
-    family starts it for the other architectures of ARCHS too, each on its own thread (NVRTC
-    releases the GIL): callers that go through ARCHS wait for one compile where they waited for
-    two, on a second core."""
+    family of ARCHS starts it for the other architectures of ARCHS on a thread (NVRTC releases the
+    GIL): callers that go through ARCHS wait for one compile where they waited for two."""
+    if arch in ARCHS:
+        prefetch([family], [other for other in ARCHS if other != arch])
+    return _compile(family, arch).result()
+
+
+def prefetch(families, archs=ARCHS):
+    """Starts compiling each family for each architecture, one after another on a thread of its own
+    (a daemon: a process that ends first does not wait for it), those no one has asked for yet;
+    compile_family waits for them. What a test session that reads the SASS of several families
+    calls at its start, so that NVRTC runs on a second core while the first runs the other tests."""
+    pairs = [(family, arch) for family in families for arch in archs]
+    threading.Thread(target=lambda: [_compile(*pair) for pair in pairs], daemon=True, name="nvrtc").start()
+
+
+def _compile(family, arch):
+    """The Future of the family's compile for arch: compiled here by the first caller, whose result or
+    error it holds; later callers get it at once, to wait for."""
     with _lock:
-        for each in dict.fromkeys((arch, *ARCHS)):
-            if (family, each) not in _compiles:
-                _compiles[family, each] = future = concurrent.futures.Future()
-                threading.Thread(target=_compile, args=(future, family, each), daemon=True,
-                                 name=f"nvrtc {family} {each}").start()
-        future = _compiles[family, arch]
-    return future.result()
-
-
-def _compile(future, family, arch):
-    try:
-        future.set_result(nvrtc.compile(source(family), arch=arch, options=OPTIONS,
-                                        name_expressions=launcher(family).KERNELS, filename=f"{family}.cu",
-                                        verbose=True))
-    except BaseException as e:  # noqa: BLE001  (handed to the caller that waits for it)
-        future.set_exception(e)
+        future, mine = _compiles.get((family, arch)), (family, arch) not in _compiles
+        if mine:
+            future = _compiles[family, arch] = concurrent.futures.Future()
+    if mine:
+        try:
+            future.set_result(nvrtc.compile(source(family), arch=arch, options=OPTIONS,
+                                            name_expressions=launcher(family).KERNELS, filename=f"{family}.cu",
+                                            verbose=True))
+        except BaseException as e:  # noqa: BLE001  (handed to whoever waits for it)
+            future.set_exception(e)
+    return future
 
 
 def report(families, archs):
