@@ -311,6 +311,7 @@ def test_every_bf16_kernel_runs_hmma(arch):
         assert resources.spill_stores == resources.spill_loads == 0, f"{name} for {arch} spills"
 
 
+@pytest.mark.nvrtc("conv_bf16")
 def test_the_launch_plan_of_resnet18_covers_every_product():
     """bench/tc_plan.py under bf16: a plan for each GEMM of every convolution but the stem, with the
     kernel's occupancy from its registers and shared memory; backward-weight in at least one wave of

@@ -387,6 +387,7 @@ def test_gpu_conv_beside_cudnn_tf32(gpu_backend):
     assert error[0] <= 2e-3 and error[0] <= 2 * error[1] + 1e-6, f"ours {error[0]:.3g}, cuDNN TF32 {error[1]:.3g}"
 
 
+@pytest.mark.nvrtc("conv_tc")
 def test_the_launch_plan_of_resnet18_covers_every_product():
     """bench/tc_plan.py: a plan for each GEMM of every convolution but the stem, with the kernel's
     occupancy from its registers and shared memory; backward-weight in at least two waves of the
