@@ -32,10 +32,12 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"random inputs: TEST_SEED={helpers.SESSION_SEED} (set it to draw them again)")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """pytest-xdist's groups (the README's --dist loadgroup): the tests marked `nvrtc` on one worker (each
     process compiles a family for itself), and the tests of a module that share a fixture of the module's
     scope on one worker (where it is made once); every other test goes wherever a worker is free."""
+    if not config.pluginmanager.hasplugin("xdist"):   # the GPU machine's pytest, without it
+        return
     for item in items:
         if item.get_closest_marker("nvrtc"):
             item.add_marker(pytest.mark.xdist_group("nvrtc"))

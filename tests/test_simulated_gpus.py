@@ -120,7 +120,7 @@ def _ours(obj):
 
 
 SIGNATURES = [f"{path}" for path in (
-    "asarray", "ascontiguousarray", "empty", "zeros", "empty_like", "zeros_like", "ones_like", "arange",
+    "asarray", "ascontiguousarray", "empty", "zeros", "ones", "empty_like", "zeros_like", "ones_like", "arange",
     "ndarray.get", "ndarray.fill", "ndarray.reshape", "ndarray.ravel", "ndarray.copy", "ndarray.astype",
     "ndarray.view", "ndarray.transpose", "ndarray.swapaxes", "ndarray.sum", "ndarray.max", "ndarray.item",
     "ndarray.tolist", "ndarray.__getitem__", "ndarray.__setitem__", "RawModule", "RawModule.get_function",
@@ -188,6 +188,16 @@ def test_the_extras_require_cupy_14_2():
 
 
 # ---- arrays and devices ------------------------------------------------------------------------------
+
+def test_new_arrays_are_filled_on_the_current_device(gpus):
+    """zeros, ones and their _like forms (bench/op_times.py makes batch norm's running statistics with them)."""
+    with gpus.cuda.Device(1):
+        made = {"zeros": gpus.zeros((3, 5), np.float32), "ones": gpus.ones((3, 5), np.float32),
+                "ones_like": gpus.ones_like(gpus.empty((3, 5), np.float32))}
+    for name, array in made.items():
+        assert array.device.id == 1 and array.dtype == np.float32 and array.shape == (3, 5), name
+        np.testing.assert_array_equal(array.get(), np.full((3, 5), float(name != "zeros"), np.float32), err_msg=name)
+
 
 def test_arrays_remember_their_device_and_cuda_never_switches_it(gpus):
     with gpus.cuda.Device(1):

@@ -31,9 +31,9 @@ transport, and the GPU's rounding (the emulator's is the CPU's, with subnormals 
 """
 from . import cuda, nccl
 from .arrays import (RawModule, __version__, arange, asarray, ascontiguousarray, empty, empty_like, ndarray,
-                     ones_like, zeros, zeros_like)
+                     ones, ones_like, zeros, zeros_like)
 
 cuda.nccl = nccl
 
-__all__ = ["ndarray", "asarray", "ascontiguousarray", "empty", "empty_like", "zeros", "zeros_like", "ones_like",
-           "arange", "RawModule", "cuda", "__version__"]
+__all__ = ["ndarray", "asarray", "ascontiguousarray", "empty", "empty_like", "zeros", "zeros_like", "ones",
+           "ones_like", "arange", "RawModule", "cuda", "__version__"]

@@ -411,6 +411,12 @@ def zeros(shape, dtype=float, order="C"):
     return out
 
 
+def ones(shape, dtype=float, order="C"):
+    out = _allocate(shape, dtype, order=order)
+    _queue("fill", lambda: 1, [], out=out)
+    return out
+
+
 def _like(a, dtype, shape, fill=None):
     """A new array like ``a``: its shape and, as CuPy's order='K', its memory layout."""
     source = a._array if isinstance(a, ndarray) else np.asarray(a)
