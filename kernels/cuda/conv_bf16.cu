@@ -164,12 +164,7 @@ __device__ __forceinline__ void bf_gemm(bf16* smem, IteratorA a, IteratorB b, in
     const int warp = int(threadIdx.x) / 32;
     const BfFragments<T::BM, A_K_MAJOR, true, T::MI, BK> fragments_a((warp / 2) * T::WARP_M);
     const BfFragments<T::BN, B_K_MAJOR, false, T::NI / 2, BK> fragments_b((warp % 2) * T::WARP_N);
-#pragma unroll
-    for (int i = 0; i < T::MI; ++i)
-#pragma unroll
-        for (int j = 0; j < T::NI; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    tc_clear<T>(acc);
     const auto load = [&](int tile, int stage) {
         if (tile < tiles) {
             tc_load_stage<CopyA>(As + stage * SIZE_A, a);
@@ -297,12 +292,7 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
         slot[i] = slot[i] * HALO_PITCH + 8 * (lane / 16);   // the lane's chunk of k 0-15
     }
     const BfFragments<T::BN, B_K_MAJOR, false, T::NI / 2, BK> fragments_b(wn);
-#pragma unroll
-    for (int i = 0; i < T::MI; ++i)
-#pragma unroll
-        for (int j = 0; j < T::NI; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    tc_clear<T>(acc);
     // the window of channels c0..c0 + 31: thread t copies chunk t % 4 of the slots of column t / 4 (and
     // 32 further) of every row, zeros in the padding and past the last image
     const auto load_window = [&](int c0) {

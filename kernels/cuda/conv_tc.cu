@@ -159,12 +159,7 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles,
     __shared__ __align__(16) float As[TC_STAGES][StageA::SIZE];
     __shared__ __align__(16) float Bs[TC_STAGES][StageB::SIZE];
     const int warp = int(threadIdx.x) / 32, wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
-#pragma unroll
-    for (int i = 0; i < T::MI; ++i)
-#pragma unroll
-        for (int j = 0; j < T::NI; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    tc_clear<T>(acc);
     const auto load = [&](int tile, int stage) {
         if (tile < tiles) {
             tc_load_stage<TcCopy<T::BM, A_K_MAJOR>>(As[stage], a);

@@ -37,8 +37,10 @@ def prefetch(families, archs=ARCHS):
     (a daemon: a process that ends first does not wait for it), those no one has asked for yet;
     compile_family waits for them. What a test session that reads the SASS of several families
     calls at its start, so that NVRTC runs on a second core while the first runs the other tests."""
-    pairs = [(family, arch) for family in families for arch in archs]
-    threading.Thread(target=lambda: [_compile(*pair) for pair in pairs], daemon=True, name="nvrtc").start()
+    with _lock:
+        pairs = [(family, arch) for family in families for arch in archs if (family, arch) not in _compiles]
+    if pairs:
+        threading.Thread(target=lambda: [_compile(*pair) for pair in pairs], daemon=True, name="nvrtc").start()
 
 
 def _compile(family, arch):

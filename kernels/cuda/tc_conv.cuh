@@ -53,6 +53,17 @@ struct NoChunkWork {
     __device__ void b_fragments(const F&) {}
 };
 
+// A warp's accumulators, cleared before its GEMM's first k step (TF32's and BF16's alike).
+template <class T>
+__device__ __forceinline__ void tc_clear(float (&acc)[T::MI][T::NI][4]) {
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+}
+
 // ---- where the outputs go -------------------------------------------------------------------------
 
 // Where the GEMM's outputs go: element (m, n) at out.row(m) + out.column(n), either -1 past the
