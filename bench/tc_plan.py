@@ -98,7 +98,14 @@ def flops_per_byte(kind, precision, p, rows, columns, geometry):
     BN' the tile's rows and columns that the GEMM has (a tile wider than the GEMM loads and multiplies
     those alone). A halo kernel's block loads, per 32 channels, its window once for the nine taps: the
     image's pixels in it (padding is zero-filled, not read), averaged over the blocks, and each tap's
-    32 channels of B."""
+    32 channels of B. The halo backward-weight's, per stage of its pixels, the window of their x (32
+    channels) and their dy, for the nine taps of 32 channels by its columns."""
+    if p.kernel == conv_tc.WGRAD_HALO_KERNEL:
+        bn, step = min(64, columns), conv_tc.WGRAD_HALO_PIXELS
+        n, _, h, w = geometry[:4]
+        pixels = n * h * w
+        window = statistics.mean(_window_pixels(k0, min(k0 + step, pixels), h, w) for k0 in range(0, pixels, step))
+        return 2 * step * 9 * 32 * bn / ((window * 32 + step * bn) * ELEMENT_BYTES[precision])
     if "_halo<" in p.kernel:
         bn = min(64, columns)
         n, _, h, w = geometry[:4]

@@ -100,6 +100,7 @@ def force(variant, monkeypatch):
     elif variant == "split":   # every GEMM in parts of one k step, in two levels past ONE_LEVEL_PARTS
         monkeypatch.setattr(conv_tc, "BF16_SPLIT_TARGET", 10**9)
         monkeypatch.setattr(conv_tc, "BF16_WGRAD_SPLIT_TARGET", 10**9)
+        monkeypatch.setattr(conv_tc, "BF16_WGRAD_HALO_SPLIT_TARGET", 10**9)
         monkeypatch.setattr(conv_tc, "BF16_MIN_SPLIT_K", 64)
         monkeypatch.setattr(conv_tc, "BF16_WGRAD_MIN_SPLIT_K", 64)
 
@@ -173,9 +174,10 @@ def test_conv_at_the_shapes_of_resnet18(x_shape, w_shape, stride, padding):
 
 
 # 3x3, stride 1, padding 1, channels multiples of 32 where the window is read, 64 columns or fewer: the
-# halo kernels (once the grid need not be large: halo_everywhere), with blocks across image boundaries
-# (several in the second), 3 chunks of channels (whose backward-data has 96 columns: not the halo's),
-# a partial tile of columns.
+# halo kernels (the forward's and backward-data's once the grid need not be large: halo_everywhere), with
+# blocks and stages across image boundaries (several in the second), 3 chunks of channels (whose
+# backward-data has 96 columns: not the halo's; backward-weight three blocks of 32 input channels), a
+# partial tile of columns, backward-weight's last stage part of one (all but the third).
 HALO_SHAPES = [
     ((2, 32, 9, 7), (32, 32, 3, 3)),
     ((4, 32, 4, 4), (64, 32, 3, 3)),
@@ -204,24 +206,44 @@ def test_3x3_convolutions_from_windows_of_the_image(emu, halo_everywhere, x_shap
     assert "conv_bf16_forward_halo<Halo128x64>" in halo_everywhere
     dgrad_halo = w_shape[0] % 32 == 0 and x_shape[1] <= 64   # dy's channels, and 64 columns (C) at most
     assert ("conv_bf16_dgrad_halo<Halo128x64>" in halo_everywhere) == dgrad_halo, halo_everywhere
+    assert conv_tc.WGRAD_HALO_KERNEL in halo_everywhere
 
 
-@pytest.mark.parametrize("n, h, w, allowed", [(256, 28, 28, True), (3, 7, 6, True), (9, 4, 4, True), (5, 13, 3, True),
-                                              (2, 2, 60, False), (2, 1, 50, False)])
-def test_the_halo_window_the_plan_allows_holds_every_blocks(n, h, w, allowed):
-    """The window rows a halo block reads (those of its pixels, one above and one below each, two of
-    padding at each image boundary: the kernel's count) never exceed the shared memory where the plan
-    picks the kernel; it refuses a window that does not fit (60 columns), and, its bound being one for
-    every block, one that only just fits (50)."""
+@pytest.mark.parametrize("x_shape, w_shape", [HALO_SHAPES[1], HALO_SHAPES[2], ((2, 32, 10, 10), (64, 32, 3, 3))])
+def test_backward_weight_from_windows_split_over_the_pixels(emu, monkeypatch, halo_everywhere, x_shape, w_shape):
+    """The halo backward-weight with its pixels split into parts of one stage (48 pixels): 2, 17 (added in
+    two levels) and 5 parts, the bias gradient's too."""
+    monkeypatch.setattr(conv_tc, "BF16_WGRAD_HALO_SPLIT_TARGET", 10**9)
+    monkeypatch.setattr(conv_tc, "BF16_WGRAD_MIN_SPLIT_K", 1)
+    n, _, h, w = x_shape
+    geometry = (n, x_shape[1], h, w, w_shape[0], 3, 3, 1, 1, 1, 1, h, w)
+    assert conv_tc.plan("wgrad", geometry, conv_tc.BF16).splits == -(-n * h * w // conv_tc.WGRAD_HALO_PIXELS)
+    check_conv(emu, x_shape, w_shape, 1, 1)
+    assert conv_tc.WGRAD_HALO_KERNEL in halo_everywhere
+
+
+@pytest.mark.parametrize("gemm, n, h, w, allowed", [
+    ("forward", 256, 28, 28, True), ("forward", 3, 7, 6, True), ("forward", 9, 4, 4, True),
+    ("forward", 5, 13, 3, True), ("forward", 2, 2, 60, False), ("forward", 2, 1, 50, False),
+    ("wgrad", 256, 28, 28, True), ("wgrad", 3, 7, 6, True), ("wgrad", 9, 4, 4, True), ("wgrad", 5, 13, 3, True),
+    ("wgrad", 9, 3, 2, True), ("wgrad", 2, 2, 60, False), ("wgrad", 1, 5, 31, False)])
+def test_the_halo_window_the_plan_allows_holds_every_blocks(gemm, n, h, w, allowed):
+    """The window rows a halo block reads for a block of the forward (128 pixels) or a stage of
+    backward-weight (48; stages start at multiples of 48: the parts are whole stages) (those of its
+    pixels, one above and one below each, two of padding at each image boundary: the kernel's count)
+    never exceed the shared memory where the plan picks the kernel; it refuses a window that does not fit
+    (60 columns), and, its bound being one for every block, one that only just fits (50, 31)."""
     geometry = (n, 32, h, w, 32, 3, 3, 1, 1, 1, 1, h, w)
     pixels = n * h * w
-    padded = lambda m: m // (h * w) * (h + 2) + m % (h * w) // w   # noqa: E731  (the kernel's padded_row)
-    rows = max(padded(min(m0 + conv_tc.HALO_ROWS, pixels) - 1) - padded(m0) + 3
-               for m0 in range(0, pixels, conv_tc.HALO_ROWS))
+    step, slots = (conv_tc.HALO_ROWS, conv_tc.HALO_SLOTS) if gemm == "forward" else \
+        (conv_tc.WGRAD_HALO_PIXELS, conv_tc.WGRAD_HALO_SLOTS)
+    padded = lambda m: m // (h * w) * (h + 2) + m % (h * w) // w   # noqa: E731  (the kernel's padded row)
+    rows = max(padded(min(m0 + step, pixels) - 1) - padded(m0) + 3 for m0 in range(0, pixels, step))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(conv_tc, "BF16_SPLIT_TARGET", 1)
-        assert conv_tc.halo(geometry, "forward", 32) == allowed
-    assert rows * (w + 2) <= conv_tc.HALO_SLOTS or not allowed, (rows, w)
+        chosen = conv_tc.halo(geometry, "forward", 32) if gemm == "forward" else conv_tc.wgrad_halo(geometry)
+        assert chosen == allowed
+    assert rows * (w + 2) <= slots or not allowed, (rows, w)
 
 
 def test_dx_added_in_place_is_rounded_once():
@@ -301,7 +323,7 @@ def test_every_bf16_kernel_runs_hmma(arch):
     from kernels.cuda.ptxas_report import compile_family
     compiled = compile_family("conv_bf16", arch)
     sass = compiled.sass()
-    assert len(conv_tc.BF16_KERNELS) == 11
+    assert len(conv_tc.BF16_KERNELS) == 12
     for name in conv_tc.BF16_KERNELS:
         mangled = compiled.lowered_names[name]
         instructions = sass[mangled]

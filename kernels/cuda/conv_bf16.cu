@@ -12,6 +12,8 @@
 //   conv_bf16_forward_halo, conv_bf16_dgrad_halo: the forward and backward-data of 3x3, stride-1
 //                                         convolutions of 64 columns or fewer from windows of the image,
 //                                         each input pixel loaded once for its nine taps (see below)
+//   conv_bf16_wgrad_halo                  their backward-weight (64 output channels or fewer) from
+//                                         windows of x, a tile of all nine taps of 32 channels (below)
 //
 // The GEMMs are conv_tc.cu's (tc_conv.cuh holds what they share: the copy iterators, the outputs,
 // split-K with its parts added in a fixed order in the same launch, the bias gradient's totals); what
@@ -265,6 +267,28 @@ struct HaloWeights {
     }
 };
 
+// Copies the window of channels c0..c0 + 31 of `image` (N, H, W, channels) over `rows` padded rows
+// from the padded row pp (0..H + 1) of image img (see above) into `window`, rows x (W + 2) slots of
+// HALO_PITCH: thread t copies chunk t % 4 of the slots of column t / 4 (and 32 further) of every row,
+// zeros in the padding and past the last image. The caller commits the copies.
+__device__ __forceinline__ void halo_load_window(bf16* window, const bf16* __restrict__ image, const Geometry<0, 0>& g,
+                                                 int channels, int c0, int img, int pp, int rows) {
+    const int width = g.w + 2, part = int(threadIdx.x) % 4;
+    for (int j = 0; j < rows; ++j) {
+        const bool row_inside = img < g.n && pp >= 1 && pp <= g.h;
+#pragma unroll 1   // one column a thread at the widths that take the window (W + 2 <= 32), two past that
+        for (int col = int(threadIdx.x) / 4; col < width; col += TC_THREADS / 4) {
+            const bool data = row_inside && col >= 1 && col <= g.w;
+            const int offset = data ? ((img * g.h + pp - 1) * g.w + col - 1) * channels + c0 + 8 * part : 0;
+            cp_async_cg(window + (j * width + col) * HALO_PITCH + 8 * part, image + unsigned(offset), data ? 16 : 0);
+        }
+        if (++pp == g.h + 2) {
+            pp = 0;
+            ++img;
+        }
+    }
+}
+
 // acc += the 3x3 convolution (stride 1, padding 1) of `image` (N, H, W, channels; dy for backward-data)
 // for the block's 128 output pixels from m0, by the weights b gives (HaloWeights), as the header says.
 // Every thread of the block must call it.
@@ -284,6 +308,7 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
         return img * (g.h + 2) + p;
     };
     const int first_row = padded_row(m0), rows = padded_row(min(m0 + T::BM, pixels) - 1) - first_row + 3;
+    const int first_img = m0 / plane, first_pp = first_row - first_img * (g.h + 2);
     int slot[T::MI];   // this lane's rows of the A fragments: the slot of its pixel's tap (0, 0)
 #pragma unroll
     for (int i = 0; i < T::MI; ++i) {
@@ -293,26 +318,6 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
     }
     const BfFragments<T::BN, B_K_MAJOR, false, T::NI / 2, BK> fragments_b(wn);
     tc_clear<T>(acc);
-    // the window of channels c0..c0 + 31: thread t copies chunk t % 4 of the slots of column t / 4 (and
-    // 32 further) of every row, zeros in the padding and past the last image
-    const auto load_window = [&](int c0) {
-        int img = first_row / (g.h + 2), pp = first_row - img * (g.h + 2);
-        for (int j = 0; j < rows; ++j) {
-            const bool row_inside = img < g.n && pp >= 1 && pp <= g.h;
-            for (int col = int(threadIdx.x) / 4; col < width; col += TC_THREADS / 4) {
-                const int part = int(threadIdx.x) % 4;
-                const bool data = row_inside && col >= 1 && col <= g.w;
-                const int offset = data ? ((img * g.h + pp - 1) * g.w + col - 1) * channels + c0 + 8 * part : 0;
-                cp_async_cg(window + (j * width + col) * HALO_PITCH + 8 * part, image + unsigned(offset),
-                            data ? 16 : 0);
-            }
-            if (++pp == g.h + 2) {
-                pp = 0;
-                ++img;
-            }
-        }
-        cp_async_commit();
-    };
     const int stages = channels / BK * 9;
     const auto load_b = [&](int stage, int ring) {
         if (stage < stages) {
@@ -348,10 +353,135 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
     // per chunk of channels: its window, once every warp is done with the last one, then its nine taps
     for (int stage = 0; stage < stages; stage += 9) {
         __syncthreads();
-        load_window(stage / 9 * BK);
+        halo_load_window(window, image, g, channels, stage / 9 * BK, first_img, first_pp, rows);
+        cp_async_commit();
         cp_async_wait<0>();
 #pragma unroll
         for (int tap = 0; tap < 9; ++tap) step(stage + tap, tap, tap % STAGES);
+    }
+    cp_async_wait<0>();
+}
+
+// ---- backward-weight of the same convolutions from windows of x ----------------------------------
+//
+// dw[o][tap][ci] = the sum over the output pixels p of x[p + tap][ci] dy[p][o]: k is the pixel, and a
+// tile of the usual kind (rows (tap, ci), columns o) loads each pixel of x once per tap, 42.7 FLOPs a
+// byte with 64 columns. Here a block's tile is all nine taps of 32 input channels c0.. by 64 output
+// channels: 288 rows, which the 2 x 2 warps split as 16 channels (the warp's row) by 32 output
+// channels (its column), each warp all nine taps of them (9 x 4 mma tiles, 144 accumulators a thread).
+// A stage is WG_PIXELS = 48 pixels of the part's k: the window of x their taps reach (halo_load_window:
+// 32 channels a slot) and dy's 48 x 64, the two in a 2-stage ring. Each k16 step loads a warp's B
+// fragments (dy) once for the nine taps and each tap's A fragments from the window, transposed (a
+// slot holds the channels, m, along a row of shared memory): a lane's row is its pixel's slot shifted by
+// the tap. The window of 48 pixels and a block's 288 x 64 outputs read per k, with the window's other
+// rows, about 121 FLOPs per L2 byte at 28 x 28 (bench/tc_plan.py). The tile's rows m' = 144 h + 16 tap
+// + i are the channels c0 + 16 h + i of the tap (HaloWeightsOut), so that tc_conv.cuh's split-K end
+// takes it as it is.
+
+constexpr int WG_PIXELS = 48, WG_SLOTS = 224;   // a stage's pixels; its window's slots (17.5 KB)
+struct Halo288x64 : TcTile<288, 64> {
+    static constexpr int BK = WG_PIXELS, STAGES = 2;
+};
+
+template <class T>
+struct WgradHaloShared {
+    static constexpr int WINDOW = WG_SLOTS * HALO_PITCH, STAGE = WINDOW + T::BK * T::BN;
+    static constexpr int SIZE = T::STAGES * STAGE;
+};
+
+// dw's element of the tile's row m' (above) and output channel n: WeightsOut's.
+struct HaloWeightsOut {
+    static constexpr bool M_CONTIGUOUS = WeightsOut::M_CONTIGUOUS;
+    WeightsOut out;
+    int c0;
+    __device__ int row(int m) const {
+        const int h = m / 144, tap = (m - 144 * h) / 16, ci = c0 + 16 * h + m % 16;
+        return ci < out.g.c ? out.row(tap * out.g.c + ci) : -1;
+    }
+    __device__ int column(int n) const { return out.column(n); }
+};
+
+// acc += the block's tile over the pixels [k_begin, k_end) of x (N, H, W, C) and dy (N, H, W, O), as
+// above; on_chunk_b.b_fragments sees each k16 step's B fragments (BiasMma). plane, width: FastDivmod
+// by H*W and by W. Every thread of the block must call it.
+template <class T, class OnChunk>
+__device__ __forceinline__ void halo_wgrad_gemm(bf16* smem, const bf16* __restrict__ x, const bf16* __restrict__ dy,
+                                                const Geometry<0, 0>& g, const FastDivmod& plane,
+                                                const FastDivmod& width_div, int c0, int n0, int k_begin, int k_end,
+                                                float (&acc)[T::MI][T::NI][4], OnChunk& on_chunk_b) {
+    using Shared = WgradHaloShared<T>;
+    constexpr int BK = T::BK;
+    const int width = g.w + 2, lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+    // the image, row and column of the pixel m
+    struct Place {
+        int img, p, q;
+    };
+    const auto place = [&](int m) {
+        const int img = plane.div(m), pq = plane.mod(m, img), p = width_div.div(pq);
+        return Place{img, p, width_div.mod(pq, p)};
+    };
+    const auto padded_row = [&](const Place& at) { return at.img * (g.h + 2) + at.p; };   // halo_gemm's
+    const int stages = (max(k_end - k_begin, 0) + BK - 1) / BK;
+    int first_row[2];   // the padded row of the first pixel of the stage in each slot of the ring
+    // the window of the stage's pixels and their dy: 8 threads to a pixel's 64 output channels
+    const auto load = [&](int stage, int ring) {
+        if (stage < stages) {
+            bf16* const window = smem + ring * Shared::STAGE;
+            const int p0 = k_begin + stage * BK, last = min(p0 + BK, k_end) - 1;
+            const Place first = place(p0);
+            first_row[ring] = padded_row(first);
+            halo_load_window(window, x, g, g.c, c0, first.img, first.p, padded_row(place(last)) - first_row[ring] + 3);
+#pragma unroll
+            for (int c = 0; c < BK * T::BN / 8 / TC_THREADS; ++c) {
+                const int q = int(threadIdx.x) + TC_THREADS * c, line = q / 8, chunk = q % 8;
+                const bool data = p0 + line < k_end && n0 + 8 * chunk < g.o;
+                cp_async_cg(window + Shared::WINDOW + BfStage<T::BN, false, BK>::offset(line, chunk),
+                            dy + unsigned(data ? (p0 + line) * g.o + n0 + 8 * chunk : 0), data ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+    };
+    const BfFragments<T::BN, false, false, T::NI / 2, BK> fragments_b((warp % 2) * T::WARP_N);
+    // this lane's A rows: k = its pixel lane % 8 + 8 (lane / 16) of each k16 step, channels 8 (lane / 8 % 2)..
+    // of the warp's 16
+    const int channel = 16 * (warp / 2) + 8 * (lane / 8 % 2), pixel = lane % 8 + 8 * (lane / 16);
+    tc_clear<T>(acc);
+    const auto step = [&](int stage, int ring) {
+        cp_async_wait<0>();   // this thread's copies of the stage have landed
+        __syncthreads();      // everyone's have, and everyone is done with the stage before
+        load(stage + 1, ring ^ 1);
+        const bf16* const window = smem + ring * Shared::STAGE;
+        const int p0 = k_begin + stage * BK;
+#pragma unroll
+        for (int half = 0; half < BK / 16; ++half) {
+            const int m = p0 + 16 * half + pixel;
+            int row = 0;   // past the part's pixels (dy zero there): the first slot
+            if (m < k_end) {
+                const Place at = place(m);
+                row = ((padded_row(at) - first_row[ring]) * width + at.q) * HALO_PITCH;
+            }
+        row += channel;
+            unsigned fb[T::NI / 2][4];
+#pragma unroll
+            for (int j = 0; j < T::NI / 2; ++j) fragments_b.load(fb[j], window + Shared::WINDOW, j, half);
+            if (on_chunk_b.active) on_chunk_b.b_fragments(fb);
+#pragma unroll
+            for (int tap = 0; tap < 9; ++tap) {   // the tap's slots: rows below, columns right
+                unsigned fa[4];
+                ldmatrix_x4_trans(fa, window + row + (tap / 3 * width + tap % 3) * HALO_PITCH);
+#pragma unroll
+                for (int j = 0; j < T::NI; ++j) {
+                    const unsigned b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
+                    mma_bf16(acc[tap][j], fa, b, acc[tap][j]);
+                }
+            }
+        }
+    };
+    load(0, 0);
+    // unrolled over the ring, so that each stage's shared-memory offsets are constants
+    for (int stage = 0; stage < stages; stage += 2) {
+        step(stage, 0);
+        if (stage + 1 < stages) step(stage + 1, 1);
     }
     cp_async_wait<0>();
 }
@@ -526,4 +656,34 @@ conv_bf16_dgrad_halo(const bf16* __restrict__ dy, const bf16* __restrict__ w_krs
                         acc);
     tc_finish<T, false>(RowsOut{pixels, g.c}, dx, partial, pixels * g.c, SplitK{1, 1, 0}, counters, m0, n0, nullptr,
                         add, acc);
+}
+
+
+// dw (see WeightsOut), float32, of the 3x3, stride-1 convolution from windows of x (halo_wgrad_gemm):
+// block (x, y, z) computes the nine taps of input channels [32 x, ...) by output channels [64 y, ...)
+// over the pixels [z * k_chunk, ...) (split-K in groups of `group`, see tc_finish); and, unless db is
+// null, the bias gradient, as conv_bf16_wgrad, whose parameters it takes.
+template <class T>
+__global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
+conv_bf16_wgrad_halo(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* __restrict__ dw, int krsc,
+                     float* __restrict__ db, float* partial, float* db_partial, unsigned* counters, CONV_PARAMS,
+                     int k_chunk, int group, unsigned plane_multiplier, unsigned plane_shift,
+                     unsigned width_multiplier, unsigned width_shift) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int c0 = blockIdx.x * 32, n0 = blockIdx.y * T::BN;
+    const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
+    __shared__ __align__(128) bf16 smem[WgradHaloShared<T>::SIZE];
+    BiasMma<T> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
+    float acc[T::MI][T::NI][4];
+    const FastDivmod plane{g.out_plane(), plane_multiplier, plane_shift}, width{g.ow, width_multiplier, width_shift};
+    if (bias.active)   // one main loop for the blocks that also sum the bias (the first channels), one for the others
+        halo_wgrad_gemm<T>(smem, x, dy, g, plane, width, c0, n0, k_begin, k_end, acc, bias);
+    else {
+        NoChunkWork none;
+        halo_wgrad_gemm<T>(smem, x, dy, g, plane, width, c0, n0, k_begin, k_end, acc, none);
+    }
+    bias.reduce(smem);
+    const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
+    tc_finish<T, false>(HaloWeightsOut{WeightsOut{g, krsc}, c0}, dw, partial, g.o * g.taps() * g.c, split,
+                        tile_counters(counters, 0, split), 0, n0, nullptr, false, acc, bias);
 }

@@ -81,11 +81,19 @@ BF16 = Kind("conv_bf16", (("Bf128x128", 128, 128, 32, False), ("Bf128x64", 128, 
 # backward-data from windows of the image (conv_bf16.cu's halo kernels), where their window fits
 # HALO_SLOTS slots and the grid needs no split of k.
 HALO_TILE, HALO_ROWS, HALO_SLOTS, HALO_CHANNELS = "Halo128x64", 128, 320, 32
+# Their backward-weight too, from windows of x (conv_bf16_wgrad_halo): a block's tile is the nine taps of
+# 32 input channels by 64 output channels, over stages of WGRAD_HALO_PIXELS pixels whose window fits
+# WGRAD_HALO_SLOTS slots; split-K to BF16_WGRAD_HALO_SPLIT_TARGET blocks (see plan).
+WGRAD_HALO_TILE, WGRAD_HALO_PIXELS, WGRAD_HALO_SLOTS = "Halo288x64", 48, 224
+WGRAD_HALO_KERNEL = f"conv_bf16_wgrad_halo<{WGRAD_HALO_TILE}>"
 BF16_KERNELS = BF16.kernels(("Bf128x128", "Bf128x64")) + tuple(
-    f"conv_bf16_{gemm}_halo<{HALO_TILE}>" for gemm in ("forward", "dgrad"))
+    f"conv_bf16_{gemm}_halo<{HALO_TILE}>" for gemm in ("forward", "dgrad")) + (WGRAD_HALO_KERNEL,)
 BF16_GEMMS = BF16.gemms
 BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K = 2 * 132, 512
 BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K = 2 * 132, 64
+# The halo backward-weight's too (2 of its blocks fit on an SM); their float32 partials are twice the
+# 128 x 64 tile's, whose blocks hold half the accumulators.
+BF16_WGRAD_HALO_SPLIT_TARGET = BF16_WGRAD_SPLIT_TARGET
 # Parts beyond ONE_LEVEL_PARTS are added in two levels, groups of about sqrt(parts) (tc_finish).
 ONE_LEVEL_PARTS = 8
 
@@ -147,6 +155,11 @@ def plan(gemm, geometry, kind=TF32):
     if bf16 and gemm != "wgrad" and halo(geometry, gemm, columns):
         return Plan(f"conv_bf16_{gemm}_halo<{HALO_TILE}>", (cdiv(rows, HALO_ROWS), cdiv(columns, 64), 1), k, 1, 1,
                     kind.family)
+    if bf16 and gemm == "wgrad" and wgrad_halo(geometry):
+        grid = (c // HALO_CHANNELS, cdiv(o, 64))
+        parts, chunk = splits(k, grid[0] * grid[1], WGRAD_HALO_PIXELS, BF16_WGRAD_HALO_SPLIT_TARGET,
+                              BF16_WGRAD_MIN_SPLIT_K)
+        return Plan(WGRAD_HALO_KERNEL, grid + (parts,), chunk, parts, group_size(parts), kind.family)
     if gemm == "wgrad":
         tile = choose_bf16_tile(columns, aligned) if bf16 else WGRAD_TILE
         target, min_split = (BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K) if bf16 else \
@@ -170,8 +183,25 @@ def halo(geometry, gemm, columns):
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if (kh, kw, sh, sw, ph, pw) != (3, 3, 1, 1, 1, 1) or columns > 64 or (c if gemm == "forward" else o) % HALO_CHANNELS:
         return False
-    rows = (HALO_ROWS - 1) // wd + 2 + 2 + 2 * ((HALO_ROWS - 1) // (h * wd) + 1)
-    return rows * (wd + 2) <= HALO_SLOTS and cdiv(n * h * wd, HALO_ROWS) * cdiv(columns, 64) >= BF16_SPLIT_TARGET
+    return window_rows(HALO_ROWS, h, wd) * (wd + 2) <= HALO_SLOTS and \
+        cdiv(n * h * wd, HALO_ROWS) * cdiv(columns, 64) >= BF16_SPLIT_TARGET
+
+
+def wgrad_halo(geometry):
+    """Whether a BF16 backward-weight runs conv_bf16_wgrad_halo: a 3x3 convolution of stride 1 and
+    padding 1, 64 output channels or fewer (above 64 the 128 x 128 tile reads 64 FLOPs a byte already), input
+    channels a multiple of 32, and the window of a stage's WGRAD_HALO_PIXELS pixels within
+    WGRAD_HALO_SLOTS slots."""
+    n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    return (kh, kw, sh, sw, ph, pw) == (3, 3, 1, 1, 1, 1) and o <= 64 and c % HALO_CHANNELS == 0 and \
+        window_rows(WGRAD_HALO_PIXELS, h, wd) * (wd + 2) <= WGRAD_HALO_SLOTS
+
+
+def window_rows(pixels, h, wd):
+    """The most padded rows (of W + 2 slots) of the window of `pixels` consecutive output pixels of a 3x3,
+    stride-1 convolution of H x W images: those the pixels span, a row above and below, two of padding
+    at each image boundary they cross (conv_bf16.cu's halo_load_window)."""
+    return (pixels - 1) // wd + 2 + 2 + 2 * ((pixels - 1) // (h * wd) + 1)
 
 
 def splits(k, blocks, bk, target, min_split):
