@@ -28,10 +28,15 @@ def _multiplied(weight, K):
     return flat.bfloat16_view(weight)
 
 
-def conv2d(x, weight, bias=None, stride=1, padding=0):
+def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
+    """PyTorch's F.conv2d. ``statistics``: a training batch norm's request (BatchNorm2d.statistics_request:
+    its eps, running pair and momentum) for the statistics of the output, which the convolution computes
+    where its output is (on a GPU, in the epilogue of its tensor-core kernel) and hands to that batch norm
+    as the output tensor's ``statistics``, (mean, invstd); None otherwise."""
     K = backend_of(x.data)
     w = _multiplied(weight, K)   # the bias is added in float32 under every precision
-    y = K.conv2d_forward(x.data, w, _data(bias), stride, padding)
+    y = K.conv2d_forward(x.data, w, _data(bias), stride, padding, statistics=statistics)
+    y, stats = (y, None) if statistics is None else (y[0], y[1:])
 
     def backward(dy):
         # x's gradient so far, when no one else holds it, takes dx in place (a residual block's input);
@@ -39,7 +44,9 @@ def conv2d(x, weight, bias=None, stride=1, padding=0):
         # multiplied is the forward's: the optimizer writes the bfloat16 copy only after the backward
         return K.conv2d_backward(dy, x.data, w, stride, padding, need_dx=x.requires_grad,
                                  out=_outputs(weight, bias), add_dx_to=x.grad if x._grad_owned else None)
-    return Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
+    out = Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
+    out.statistics = stats
+    return out
 
 
 def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.1, eps=1e-5, group=None,
@@ -61,8 +68,13 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.
         return _joined(y, relu, residual)
     running = None if running_mean is None else (running_mean, running_var)
     r = _data(residual)
-    y, mean, invstd = K.batch_norm_forward(x.data, weight.data, bias.data, eps, running=running, momentum=momentum,
-                                           relu=relu, residual=r)
+    stats = getattr(x, "statistics", None)   # computed by the convolution that made x, at this norm's request
+    if stats is not None:
+        mean, invstd = stats
+        y = K.batch_norm_apply(x.data, weight.data, bias.data, mean, invstd, relu=relu, residual=r)
+    else:
+        y, mean, invstd = K.batch_norm_forward(x.data, weight.data, bias.data, eps, running=running,
+                                               momentum=momentum, relu=relu, residual=r)
     masked = relu or residual is not None
 
     def backward(dy):

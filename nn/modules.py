@@ -414,8 +414,10 @@ class Conv2d(Module):
     def reset_parameters(self, scheme="pytorch"):
         init_layer(self.weight, self.bias, scheme)
 
-    def forward(self, x):
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+    def forward(self, x, statistics=None):
+        """The convolution of x; with ``statistics`` (the request of the training batch norm that follows,
+        BatchNorm2d.statistics_request), the output also carries that norm's batch statistics."""
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, statistics)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
@@ -455,9 +457,19 @@ class BatchNorm2d(Module):
         self.register_buffer("num_batches_tracked", np.zeros((), np.int64))
         self.group = None  # replicas whose batches this layer normalises together
 
+    def statistics_request(self):
+        """What the convolution before this norm computes for it in its forward (F.conv2d's
+        ``statistics``): (eps, running pair or None, momentum) in training, when the statistics are
+        this replica's batch's; None otherwise (evaluation, or synchronised across a group)."""
+        if not self.training or self.group is not None:
+            return None
+        running = None if self.running_mean is None else (self.running_mean, self.running_var)
+        return self.eps, running, self.momentum
+
     def forward(self, x, relu=False, residual=None):
         """Batch norm of x; relu(it) with `relu`, relu(it + residual) with a `residual` (fused in
-        training, see F.batch_norm)."""
+        training, see F.batch_norm). In training, x's statistics when the convolution that made it
+        computed them (statistics_request), else its own pass over x."""
         if self.training:
             self.num_batches_tracked += 1
         return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,

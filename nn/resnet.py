@@ -6,7 +6,8 @@ from .modules import AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Flatten, Linear, Mo
 
 class Residual(Module):
     """Two 3x3 convs with batch norm; a 1x1 projection ``conv3`` when the shape changes. The relu
-    after bn1 and the join relu(bn2 + shortcut) are fused into the batch norms."""
+    after bn1 and the join relu(bn2 + shortcut) are fused into the batch norms, and in training
+    each norm's statistics into the convolution before it."""
 
     def __init__(self, in_channels, channels, use_1x1conv=False, stride=1):
         super().__init__()
@@ -17,7 +18,9 @@ class Residual(Module):
         self.bn2 = BatchNorm2d(channels)
 
     def forward(self, x):
-        y = self.conv2(self.bn1(self.conv1(x), relu=True))
+        # each convolution computes the statistics of the batch norm after it, where its output is
+        y = self.bn1(self.conv1(x, self.bn1.statistics_request()), relu=True)
+        y = self.conv2(y, self.bn2.statistics_request())
         shortcut = self.conv3(x) if self.conv3 is not None else x
         return self.bn2(y, residual=shortcut)
 

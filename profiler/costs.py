@@ -114,10 +114,17 @@ def _conv_macs(x, w, stride, padding):
 
 # ---- convolution ---------------------------------------------------------------------------
 
-def conv2d_forward(x, w, b, stride, padding):
+def conv2d_forward(x, w, b, stride, padding, statistics=None):
+    """With `statistics` (a batch norm's eps, running pair and momentum), also that norm's statistics of
+    y, summed where y is (no pass reads y for them): the sums of each value (as batch_norm_sums), per
+    channel the statistics, mean and invstd written and the running pair moved."""
     y = size(_conv_out(x, w, stride, padding))
-    return Cost(2 * _conv_macs(x, w, stride, padding) + (y if b is not None else 0),
+    cost = Cost(2 * _conv_macs(x, w, stride, padding) + (y if b is not None else 0),
                 nbytes(x) + nbytes(w) + FLOAT * size(b) + item(x) * y)
+    if statistics is None:
+        return cost
+    o = w[0]
+    return cost + Cost(BN_SUMS * y + BN_STATS * o, FLOAT * (2 * o + (4 * o if statistics[1] is not None else 0)))
 
 
 def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None):
@@ -157,9 +164,11 @@ def batch_norm_stats(sums, shift, count, eps):
     return Cost(BN_STATS * c, FLOAT * 5 * c)
 
 
-def batch_norm_apply(x, gamma, beta, mean, invstd):
+def batch_norm_apply(x, gamma, beta, mean, invstd, relu=False, residual=None):
+    """With the fused relu or residual join, as batch_norm_forward."""
     c = x[1]
-    return Cost(BN_APPLY * size(x), 2 * nbytes(x) + FLOAT * 4 * c)
+    join = (2 if residual is not None else 1 if relu else 0) * size(x)
+    return Cost(BN_APPLY * size(x) + join, 2 * nbytes(x) + nbytes(residual) + FLOAT * 4 * c)
 
 
 def batch_norm_backward_sums(dy, x, mean, invstd):

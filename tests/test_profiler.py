@@ -124,9 +124,12 @@ def test_every_layer_has_an_entry_with_its_shape_and_kernels(resnet):
     assert {"conv2d_forward"} == set(conv.kernels["forward"])
     # the block input's gradient so far (from conv3) takes this conv's dx in place: no add
     assert set(conv.kernels["backward"]) == {"conv2d_backward"}
-    # the relu after bn1 and the join relu(bn2 + shortcut) run inside the batch norms: Residual.forward
-    # launches nothing of its own
-    assert set(rows["resnet_block2.0.bn2", "layer"].kernels["forward"]) == {"batch_norm_forward"}
+    # the relu after bn1 and the join relu(bn2 + shortcut) run inside the batch norms, whose statistics
+    # the convolutions before them computed (on the training step's path): Residual.forward launches
+    # nothing of its own
+    assert set(rows["resnet_block2.0.bn2", "layer"].kernels["forward"]) == {"batch_norm_apply"}
+    assert set(rows["0", "layer"].kernels["forward"]) == {"conv2d_forward"}   # the stem's, its norm apart
+    assert set(rows["1", "layer"].kernels["forward"]) == {"batch_norm_forward"}
     own = rows.get(("resnet_block2.0", "block"))
     assert own is None or not own.kernels["forward"]
     for span in ("batch gather", "data"), ("zero_grad", "optimizer"), ("loss", "loss"), ("optimizer step", "optimizer"):

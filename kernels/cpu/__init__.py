@@ -19,9 +19,12 @@ strides, like PyTorch's channels_last format), the layout its convolutions compu
 in, so that a network of them never transposes. Every kernel accepts any memory
 layout; np.ascontiguousarray gives C order where something needs it.
 
-conv2d_forward(x, w, b, stride, padding) -> y
+conv2d_forward(x, w, b, stride, padding, *, statistics=None) -> y, or (y, mean, invstd)
     x (N, C, H, W), w (O, C, KH, KW), b (O,) or None -> y (N, O, OH, OW),
-    OH = (H + 2*ph - KH) // sh + 1.
+    OH = (H + 2*ph - KH) // sh + 1. statistics = (eps, running, momentum): also the statistics
+    of the training batch norm that follows, of y, as batch_norm_forward computes them (running:
+    the pair moved in place, or None); a device backend's tensor-core forward sums them in its
+    epilogue, where y is, and batch_norm_apply then normalises.
 conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None)
     -> (dx, dw, db)
     db is dy summed over (N, OH, OW); callers without a bias ignore it. dx is None unless
@@ -50,8 +53,8 @@ batch_norm_sums(x, shift) -> sums
 batch_norm_stats(sums, shift, count, eps) -> (mean, invstd)
     From sums over ``count`` values per channel: mean = shift + sums[0] / count,
     invstd = 1/sqrt(sums[1] / count - (sums[0] / count)^2 + eps).
-batch_norm_apply(x, gamma, beta, mean, invstd) -> y
-    gamma * (x - mean) * invstd + beta
+batch_norm_apply(x, gamma, beta, mean, invstd, *, relu=False, residual=None) -> y
+    gamma * (x - mean) * invstd + beta, then relu, or relu(. + residual), as batch_norm_forward
 batch_norm_backward_sums(dy, x, mean, invstd) -> sums
     (2, C): [sum(dy * xhat), sum(dy)] = [dgamma, dbeta], xhat = (x - mean) * invstd.
 batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, count) -> dx

@@ -24,18 +24,20 @@ _BLOCK_BYTES = 1 << 20
 
 def batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None):
     _check(x, gamma)
+    mean, invstd = batch_statistics(x, eps, running, momentum)
+    return batch_norm_apply(x, gamma, beta, mean, invstd, relu=relu, residual=residual), mean, invstd
+
+
+def batch_statistics(x, eps, running, momentum):
+    """(mean, invstd) of x's channels, moving `running` (the pair, or None) in place: the training
+    forward's statistics (conv2d_forward computes them for the batch norm that follows it too)."""
     m = x.size // x.shape[1]
     # centred on the exact mean, the sum of squares does not cancel
     mean = channel_sum(x) / m
     mean, invstd = batch_norm_stats(batch_norm_sums(x, mean), mean, m, eps)
     if running is not None:
         batch_norm_update_running(*running, mean, invstd, m, momentum, eps)
-    y = _affine(x, gamma, beta, mean, invstd)
-    if residual is not None:
-        y += residual
-    if relu or residual is not None:
-        np.maximum(y, 0, out=y)
-    return y, mean, invstd
+    return mean, invstd
 
 
 def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False):
@@ -66,9 +68,14 @@ def batch_norm_stats(sums, shift, count, eps):
     return shift + centre, 1 / np.sqrt(variance + eps)
 
 
-def batch_norm_apply(x, gamma, beta, mean, invstd):
+def batch_norm_apply(x, gamma, beta, mean, invstd, *, relu=False, residual=None):
     _check(x, gamma)
-    return _affine(x, gamma, beta, mean, invstd)
+    y = _affine(x, gamma, beta, mean, invstd)
+    if residual is not None:
+        y += residual
+    if relu or residual is not None:
+        np.maximum(y, 0, out=y)
+    return y
 
 
 def batch_norm_backward_sums(dy, x, mean, invstd):

@@ -17,9 +17,13 @@ stage at batch 128) and live only inside a call, so they are built in reused wor
 import numpy as np
 
 from ._util import channel_sum, output_size, pair, padded, windows, workspace, written
+from .batchnorm import batch_statistics
 
 
-def conv2d_forward(x, w, b, stride, padding):
+def conv2d_forward(x, w, b, stride, padding, *, statistics=None):
+    if statistics is not None:
+        y = conv2d_forward(x, w, b, stride, padding)
+        return (y, *batch_statistics(y, *statistics))
     stride, padding = pair(stride), pair(padding)
     n, oh, ow = _output_shape(x, w, stride, padding)
     if b is not None and b.shape != (w.shape[0],):

@@ -43,15 +43,6 @@ __device__ __forceinline__ void bn_finish(int c, float sum, float squares, float
     invstd[c] = 1.0f / sqrtf(fmaxf(squares / float(count) - centre * centre, 0.0f) + eps);
 }
 
-// running <- (1 - momentum) * running + momentum * batch statistic for channel c, the variance made
-// unbiased by `correction` = count / (count - 1).
-__device__ __forceinline__ void bn_move_running(int c, float* running_mean, float* running_var, const float* mean,
-                                                const float* invstd, float momentum, float eps, float correction) {
-    const float unbiased = fmaxf(1.0f / (invstd[c] * invstd[c]) - eps, 0.0f) * correction;
-    running_mean[c] = running_mean[c] * (1.0f - momentum) + momentum * mean[c];
-    running_var[c] = running_var[c] * (1.0f - momentum) + momentum * unbiased;
-}
-
 // The two sums (a, b) of channel c over all of its blocks (c, s), s < gridDim.y, from this block's:
 // with one split they are; else every block writes its pair to partial (splits, 2, C), and the
 // channel's last block to finish (last_block on counters[c]) replaces them with the sums over the

@@ -30,12 +30,30 @@ def batch_norm_forward(be, x, gamma, beta, eps, *, running=None, momentum=0.1, r
     pair (running_mean, running_var), when given) and the normalisation with its relu or residual join."""
     op = "batch_norm_forward"
     x, (gamma, beta) = dense(be, op, x), float32(be, op, gamma, beta)
-    n, c, plane = _sizes(x, gamma)
-    running_mean, running_var = in_place(be, op, *running) if running is not None else (None, None)
-    mean, invstd = be.xp.empty((2, c), np.float32)
-    # no shifts: a sample of each channel (its first value of x) centres its sums
-    _stats(be, x, None, mean=mean, invstd=invstd, eps=eps, running=(running_mean, running_var), momentum=momentum)
+    _sizes(x, gamma)
+    mean, invstd = batch_statistics(be, x, eps, running, momentum, op)
     return apply(be, x, gamma, beta, mean, invstd, relu, residual), mean, invstd
+
+
+def batch_statistics(be, x, eps, running, momentum, op):
+    """(mean, invstd) of x's channels, float32, moving `running` (the pair, or None) in place: one launch of
+    bn_stats or bn_stats_rows, whose shift is a sample of each channel (its first value of x)."""
+    c = x.shape[1]
+    mean, invstd = be.xp.empty((2, c), np.float32)
+    _stats(be, x, None, mean=mean, invstd=invstd, eps=eps, running=running_pair(be, op, running, c),
+           momentum=momentum)
+    return mean, invstd
+
+
+def running_pair(be, op, running, c):
+    """The pair (running_mean, running_var) that a training forward moves in place, checked (float32
+    (C,), dense), or (None, None) for None."""
+    if running is None:
+        return None, None
+    running = in_place(be, op, *running)
+    if any(r.shape != (c,) for r in running):
+        raise ValueError(f"{op}: running statistics of shapes {[r.shape for r in running]} for {c} channels")
+    return running
 
 
 def batch_norm_sums(be, x, shift):
@@ -56,10 +74,10 @@ def batch_norm_stats(be, sums, shift, count, eps):
     return mean, invstd
 
 
-def batch_norm_apply(be, x, gamma, beta, mean, invstd):
+def batch_norm_apply(be, x, gamma, beta, mean, invstd, *, relu=False, residual=None):
     x = dense(be, "batch_norm_apply", x)
     gamma, beta, mean, invstd = float32(be, "batch_norm_apply", gamma, beta, mean, invstd)
-    return apply(be, x, gamma, beta, mean, invstd)
+    return apply(be, x, gamma, beta, mean, invstd, relu, residual)
 
 
 def apply(be, x, gamma, beta, mean, invstd, relu=False, residual=None):

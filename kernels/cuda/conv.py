@@ -16,6 +16,7 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
+from .batchnorm import batch_statistics, running_pair
 from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
     storage_argument
 
@@ -51,19 +52,30 @@ def choose_tile(rows, columns, dtype):
         else "Tile64"
 
 
-def conv2d_forward(be, x, w, b, stride, padding):
-    x, w = _operands(be, "conv2d_forward", x, w)
-    (b,) = float32(be, "conv2d_forward", b)
+def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None):
+    """See kernels/cpu/conv.py. The statistics of a training batch norm that follows (statistics =
+    (eps, running, momentum)) come from the tensor-core forward's epilogue (conv_tc.forward); after
+    conv.cu's kernels, from batchnorm.py's pass over y."""
+    op = "conv2d_forward"
+    x, w = _operands(be, op, x, w)
+    (b,) = float32(be, op, b)
     geometry = _geometry(x, w, stride, padding, b)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    if statistics is not None:
+        eps, running, momentum = statistics
+        statistics = conv_tc.Statistics(eps, None if running is None else running_pair(be, op, running, o), momentum)
     kind = _tensor_cores(c, o)
     if kind:
-        return conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry).transpose(0, 3, 1, 2)
-    y = _empty(be, (n, o, oh, ow), kernels.channels_last(), x.dtype)
-    tile = choose_tile(o, n * oh * ow, x.dtype)
-    launch(be, "conv", _kernel("conv2d_forward", tile, kh, kw, x),
-           (cdiv(n * oh * ow, TILES[tile]), cdiv(o, TILES[tile])), (x, w, b, y, *geometry, *_layouts(x, w, y)))
-    return y
+        out = conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry, statistics)
+        y, stats = (out, ()) if statistics is None else (out[0], out[1:])
+        y = y.transpose(0, 3, 1, 2)
+    else:
+        y = _empty(be, (n, o, oh, ow), kernels.channels_last(), x.dtype)
+        tile = choose_tile(o, n * oh * ow, x.dtype)
+        launch(be, "conv", _kernel("conv2d_forward", tile, kh, kw, x),
+               (cdiv(n * oh * ow, TILES[tile]), cdiv(o, TILES[tile])), (x, w, b, y, *geometry, *_layouts(x, w, y)))
+        stats = () if statistics is None else batch_statistics(be, y, *statistics, op)
+    return y if statistics is None else (y, *stats)
 
 
 def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None):

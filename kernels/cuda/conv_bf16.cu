@@ -490,11 +490,13 @@ __device__ __forceinline__ void halo_wgrad_gemm(bf16* smem, const bf16* __restri
 
 // y (N*OH*OW x O, NHWC) = im2col(x) . w_krsc^T + bias (bias may be null): block (x, y, z) computes
 // output pixels [x * BM, ...) by channels [y * BN, ...) over k in [z * k_chunk, (z + 1) * k_chunk)
-// (split-K over the gridDim.z parts, in groups of `group`, see tc_finish).
+// (split-K over the gridDim.z parts, in groups of `group`, see tc_finish); and, unless stats_partial is
+// null, the statistics of y's columns for the batch norm that follows (tc_batch_stats).
 template <class T, int ALIGN>
 __global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
 conv_bf16_forward(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, const float* __restrict__ bias,
-                  bf16* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group) {
+                  bf16* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
+                  BN_STATS_PARAMS) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, depth = g.taps() * g.c, pixels = g.n * g.out_plane();
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, depth);
@@ -510,8 +512,11 @@ conv_bf16_forward(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, c
         bf_gemm<T, true, true>(smem, Gathered<CopyA, ImageRows>{x, {g}, m0, k_begin, k_end},
                                Gathered<CopyB, MatrixRows>{w_krsc, {g.o, depth}, n0, k_begin, k_end}, tiles, acc);
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
-    tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, split, tile_counters(counters, 0, split),
-                        m0, n0, bias, false, acc);
+    const bool finished = tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, split,
+                                              tile_counters(counters, 0, split), m0, n0, bias, false, acc);
+    if (finished && stats_partial)
+        tc_batch_stats<T, false>(ColumnStats BN_STATS, RowsOut{pixels, g.o}, y, reinterpret_cast<float*>(smem), m0,
+                                 n0, bias, split.parts == 1, acc);
 }
 
 // dx (N*H*W x C, NHWC): blockIdx.z = phase * splits + part, for the sh*sw stride phases and the
@@ -628,11 +633,13 @@ conv_bf16_wgrad(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* 
 
 // y (N*H*W x O, NHWC) = the 3x3 convolution, stride 1, padding 1, of x + bias, from windows of x
 // (halo_gemm): block (x, y) computes output pixels [x * BM, ...) by channels [y * BN, ...), no split of k
-// (k_chunk, group and the partials unused: the launch's parameters are conv_bf16_forward's).
+// (k_chunk, group and the partials unused: the launch's parameters are conv_bf16_forward's), and the
+// batch norm's statistics as that kernel.
 template <class T>
 __global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
 conv_bf16_forward_halo(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, const float* __restrict__ bias,
-                       bf16* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group) {
+                       bf16* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
+                       BN_STATS_PARAMS) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.out_plane();
     __shared__ __align__(128) bf16 smem[HaloShared<T>::SIZE];
@@ -640,6 +647,9 @@ conv_bf16_forward_halo(const bf16* __restrict__ x, const bf16* __restrict__ w_kr
     halo_gemm<T, true>(smem, x, g, g.c, m0, HaloWeights<BfCopy<T::BN, true, T::BK>, true>(w_krsc, g, n0, g.o), acc);
     tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, SplitK{1, 1, 0}, counters, m0, n0, bias,
                         false, acc);
+    if (stats_partial)
+        tc_batch_stats<T, false>(ColumnStats BN_STATS, RowsOut{pixels, g.o}, y, reinterpret_cast<float*>(smem), m0,
+                                 n0, bias, true, acc);
 }
 
 // dx (N*H*W x C, NHWC) of the same convolution, from windows of dy and the weights mirrored, added to

@@ -207,11 +207,13 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles,
 
 // y (N*OH*OW x O, NHWC) = im2col(x) . w_krsc^T + bias (bias may be null): block (x, y, z) computes
 // output pixels [x * BM, ...) by channels [y * BN, ...) over k in [z * k_chunk, (z + 1) * k_chunk)
-// (split-K over the gridDim.z parts, in groups of `group`, see tc_finish).
+// (split-K over the gridDim.z parts, in groups of `group`, see tc_finish); and, unless stats_partial is
+// null, the statistics of y's columns for the batch norm that follows (tc_batch_stats).
 template <class T, int ALIGN>
 __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
 conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
-                float* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group) {
+                float* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
+                BN_STATS_PARAMS) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, depth = g.taps() * g.c, pixels = g.n * g.out_plane();
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, depth);
@@ -225,8 +227,12 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
                                Gathered<TcCopy<T::BN, true>, MatrixRows>{w_krsc, {g.o, depth}, n0, k_begin, k_end},
                                tiles, acc);
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
-    tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, split, tile_counters(counters, 0, split),
-                               m0, n0, bias, false, acc);
+    const bool finished = tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, split,
+                                              tile_counters(counters, 0, split), m0, n0, bias, false, acc);
+    __shared__ float stats_smem[2 * 3 * T::BN];
+    if (finished && stats_partial)
+        tc_batch_stats<T, false>(ColumnStats BN_STATS, RowsOut{pixels, g.o}, y, stats_smem, m0, n0, bias,
+                                 split.parts == 1, acc);
 }
 
 // dx (N*H*W x C, NHWC): blockIdx.z = phase * splits + part, for the sh*sw stride phases and the

@@ -220,14 +220,37 @@ def group_size(parts):
     return parts if parts <= ONE_LEVEL_PARTS else math.isqrt(parts - 1) + 1
 
 
-def forward(be, x, w_krsc, b, geometry):
-    """y (N, OH, OW, O) = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (may be None), y of x's dtype."""
+class Statistics(typing.NamedTuple):
+    """What a forward computes for the training batch norm that follows it, in its epilogue
+    (tc_conv.cuh's tc_batch_stats): the batch's mean and invstd of each output channel, with the
+    norm's eps, and the running pair (running_mean, running_var, float32, moved in place with
+    `momentum`) or None."""
+    eps: float
+    running: typing.Optional[tuple]
+    momentum: float
+
+
+def forward(be, x, w_krsc, b, geometry, statistics=None):
+    """y (N, OH, OW, O) = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (may be None), y of x's dtype;
+    with `statistics` (Statistics), (y, mean, invstd): y's batch statistics per channel, from the
+    kernel's epilogue."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     p = plan("forward", geometry, kind_of(x.dtype))
     x, w_krsc = aligned(x), aligned(w_krsc)
     y = be.xp.empty((n, oh, ow, o), x.dtype)
-    _launch(be, p, (x, w_krsc, b), y, geometry)
-    return y
+    if statistics is None:
+        _launch(be, p, (x, w_krsc, b), y, geometry, stats=NO_STATISTICS)
+        return y
+    mean, invstd = be.xp.empty((2, o), np.float32)
+    running = statistics.running or (None, None)
+    tiles, groups = p.grid[0], cdiv(p.grid[0], group_size(p.grid[0]))
+    slots = tiles + (groups if groups > 1 else 0)
+    rows = n * oh * ow
+    _launch(be, p, (x, w_krsc, b), y, geometry,
+            stats=(be.xp.empty((slots, 2, o), np.float32), p.grid[1] * (groups + 1), group_size(tiles), mean, invstd,
+                   *running, float(statistics.eps), float(statistics.momentum),
+                   float(rows / (rows - 1)) if rows > 1 else 1.0))
+    return y, mean, invstd
 
 
 def backward_data(be, dy, w_krsc, geometry, into=None):
@@ -277,14 +300,24 @@ def fast_divmod(d):
     return np.uint32((2**32 * (2**shift - d)) // d + 1), np.uint32(shift)
 
 
-def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=()):
+# A forward's BN_STATS_PARAMS (tc_conv.cuh) when no statistics are wanted: the partials null.
+NO_STATISTICS = (None, 0, 0, None, None, None, None, 0.0, 0.0, 0.0)
+
+
+def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=(), stats=None):
     """Launch the Plan on `inputs` into `out`, then the kernel's `extra` arguments, the partial
     output of each part of a split k, the kernel's other `partials`, the counters of its tiles
-    (see conv_tc.cu's tc_finish), the geometry, the k per part and the parts per group, and the
-    kernel's `tail` arguments."""
+    (see conv_tc.cu's tc_finish), the geometry, the k per part and the parts per group, the
+    kernel's `tail` arguments, and a forward's statistics (tc_batch_stats), `stats`: their partials,
+    the number of their counters (which follow the tiles' in the backend's set), their group and the
+    rest of BN_STATS_PARAMS."""
     partial = be.xp.empty((partial_slots(p), out.size), np.float32) if p.splits > 1 else None
     tiles = p.grid[0] * p.grid[1] * (p.grid[2] // p.splits)
     counters = tiles * (_groups(p) + 1)   # per tile: its groups' and its own
+    if stats is not None:
+        stats_partial, stats_counters, *rest = stats
+        held = be.counters(counters + stats_counters)
+        tail = (*tail, stats_partial, held[counters:] if stats_partial is not None else None, *rest)
     launch(be, p.family, p.kernel, p.grid,
            (*inputs, out, *extra, partial, *partials, be.counters(counters), *geometry, p.chunk, p.group, *tail),
            block=(THREADS,))

@@ -1,0 +1,133 @@
+"""Batch norm's training statistics from the forward convolution (conv2d_forward(..., statistics=...)):
+on a device backend, the tensor-core forwards (TF32 and BF16, halo included) sum them in their epilogue
+(tc_conv.cuh's tc_batch_stats), conv.cu's forwards (the stem) in batchnorm.cu's pass after them; the
+CPU backend as its batch_norm_forward does.
+
+- On the CPU emulator, in both thread (and block) orders, with the launchers' plans and with split-K
+  forced (the statistics then come from the tile as the finishing block stored it): mean, invstd and
+  the moved running statistics against float64 of the stored y (biased variance for invstd, unbiased
+  for the running variance, as PyTorch), within float32's rounding of the sums; y bit for bit what the
+  forward without statistics stores; the statistics bit for bit the same in both orders. The shapes
+  leave partial tiles of rows and columns, and many row tiles (merged in two levels).
+- Inputs far from zero (mean 3 over a deviation of 1, in y much further): the shifted sums do not
+  cancel.
+"""
+import numpy as np
+import pytest
+
+import kernels
+from helpers import reproduce_hint, rng
+from kernels.cuda import conv_tc
+from kernels.emu import thread_order
+
+EPS, MOMENTUM = 1e-5, 0.1
+SHAPES = [
+    ((2, 32, 9, 7), (64, 32, 3, 3), 1, 1),     # a partial last tile of rows
+    ((2, 32, 6, 6), (160, 32, 3, 3), 1, 1),    # a partial tile of columns
+    ((3, 32, 28, 28), (32, 32, 3, 3), 1, 1),   # 2352 rows: 19 row tiles, merged in groups; bf16's halo forward
+    ((1, 8, 5, 5), (200, 8, 3, 3), 2, 1),      # 9 rows; BF16's gathered copies
+    ((2, 3, 6, 6), (8, 3, 3, 3), 1, 1),        # conv.cu's forward (3 channels: no tensor cores), then the pass
+]
+
+
+def force(variant, monkeypatch):
+    """The launchers' plans; or every forward GEMM split over k in parts of a stage or two (the statistics
+    from the tile as stored); or the halo forward wherever it applies (whatever the grid). Returns the
+    names of the kernels launched."""
+    if variant == "split":
+        for name in ("SPLIT_TARGET", "BF16_SPLIT_TARGET"):
+            monkeypatch.setattr(conv_tc, name, 10**9)
+        monkeypatch.setattr(conv_tc, "MIN_SPLIT_K", 32)
+        monkeypatch.setattr(conv_tc, "BF16_MIN_SPLIT_K", 64)
+        monkeypatch.setattr(conv_tc, "HALO_SLOTS", 0)   # no halo forward: it does not split
+    elif variant == "halo":
+        monkeypatch.setattr(conv_tc, "BF16_SPLIT_TARGET", 1)
+    names, launch = [], conv_tc.launch
+    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, grid, args, **k: names.append((kernel, grid)) or
+                        launch(be, family, kernel, grid, args, **k))
+    return names
+
+
+def draw(x_shape, w_shape):
+    g = rng()
+    dtype = kernels.storage_dtype()
+    x = (g.standard_normal(x_shape) + 3.0).astype(np.float32)
+    x = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2).astype(dtype)   # channels-last
+    w = (g.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32).astype(dtype)
+    b = g.standard_normal(w_shape[0]).astype(np.float32)
+    running = (g.standard_normal(w_shape[0]).astype(np.float32), g.uniform(0.5, 2, w_shape[0]).astype(np.float32))
+    return x, w, b, running
+
+
+def forward_with_statistics(order, x, w, b, running, stride, padding):
+    running = tuple(r.copy() for r in running)
+    with thread_order(order):
+        be = kernels._device_backend("emu")
+        y, mean, invstd = be.conv2d_forward(x, w, b, stride, padding, statistics=(EPS, running, MOMENTUM))
+        plain = be.conv2d_forward(x, w, b, stride, padding)
+    return y, plain, mean, invstd, running
+
+
+@pytest.mark.parametrize("precision, variant", [("tf32", "plan"), ("tf32", "split"), ("bf16", "plan"),
+                                                ("bf16", "split"), ("bf16", "halo")])
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", SHAPES)
+def test_batch_statistics_from_the_forward(monkeypatch, precision, variant, x_shape, w_shape, stride, padding):
+    launched = force(variant, monkeypatch)
+    conv_tc.plan.cache_clear()
+    try:
+        with kernels.use_precision(precision):
+            x, w, b, running = draw(x_shape, w_shape)
+            runs = [forward_with_statistics(order, x, w, b, running, stride, padding)
+                    for order in ("ascending", "descending")]
+    finally:
+        conv_tc.plan.cache_clear()
+    (y, plain, mean, invstd, moved), other = runs[0], runs[1]
+    name = f"{precision} {variant} conv {x_shape} * {w_shape}"
+    tensor_cores = x_shape[1] % 4 == 0
+    assert bool(launched) == tensor_cores, launched
+    if tensor_cores and variant == "split" and x_shape[1] * w_shape[2] * w_shape[3] >= 2 * 64:   # k for 2 parts
+        assert all(grid[2] > 1 for _, grid in launched), launched
+    if variant == "halo" and x_shape[2:] == (28, 28):
+        assert all("forward_halo" in kernel for kernel, _ in launched), launched
+    assert np.asarray(y).tobytes() == np.asarray(plain).tobytes(), f"{name}: y differs with the statistics"
+    for ours, theirs, what in zip(runs[0][2:], other[2:], ("mean", "invstd", "running")):
+        assert np.asarray(ours).tobytes() == np.asarray(theirs).tobytes(), f"{name}: {what} differs between orders"
+    stored = np.asarray(y).astype(np.float64)
+    count = stored.size // stored.shape[1]
+    exact_mean, exact_var = stored.mean(axis=(0, 2, 3)), stored.var(axis=(0, 2, 3))
+    scale = np.abs(exact_mean) + np.sqrt(exact_var)
+    bound = 64 * 2.0**-24   # float32's rounding of sums merged in a tree of a few hundred steps
+    checks = [("mean", mean, exact_mean, scale),
+              ("invstd", invstd, 1 / np.sqrt(exact_var + EPS), 1 / np.sqrt(exact_var + EPS)),
+              ("running mean", moved[0], (1 - MOMENTUM) * running[0] + MOMENTUM * exact_mean,
+               np.abs(running[0]) + scale),
+              ("running var", moved[1], (1 - MOMENTUM) * running[1] + MOMENTUM * exact_var * count / (count - 1),
+               running[1] + exact_var)]
+    for what, ours, exact, magnitude in checks:
+        ours = np.asarray(ours)
+        assert ours.dtype == np.float32 and ours.shape == exact.shape, f"{name}: {what} {ours.dtype} {ours.shape}"
+        excess = np.abs(ours - exact) - bound * magnitude
+        worst = int(np.argmax(excess))
+        assert excess[worst] <= 0, (f"{name}: {what} of channel {worst}: {ours[worst]!r}, float64 {exact[worst]!r} "
+                                    f"({np.count_nonzero(excess > 0)} channels beyond)\n{reproduce_hint()}")
+
+
+def test_the_cpu_backend_returns_its_batch_norms_statistics():
+    """The CPU backend's statistics are batch_norm_forward's, bit for bit, and move the running pair alike."""
+    from kernels import cpu
+    x, w, b, running = (a for a in (rng().standard_normal((2, 3, 6, 5)).astype(np.float32),
+                                    rng().standard_normal((4, 3, 3, 3)).astype(np.float32), None, None))
+    pairs = [tuple(np.full(4, v, np.float32) for v in (0.5, 2.0)) for _ in range(2)]
+    y, mean, invstd = cpu.conv2d_forward(x, w, b, 1, 1, statistics=(EPS, pairs[0], MOMENTUM))
+    _, bn_mean, bn_invstd = cpu.batch_norm_forward(cpu.conv2d_forward(x, w, b, 1, 1), np.ones(4, np.float32),
+                                                   np.zeros(4, np.float32), EPS, running=pairs[1], momentum=MOMENTUM)
+    for ours, theirs in ((mean, bn_mean), (invstd, bn_invstd)) + tuple(zip(pairs[0], pairs[1])):
+        assert ours.tobytes() == theirs.tobytes()
+
+
+def test_running_statistics_of_the_wrong_shape_are_refused():
+    with kernels.use_precision("bf16"):
+        be = kernels._device_backend("emu")
+        x, w, b, running = draw((1, 8, 4, 4), (8, 8, 3, 3))
+        with pytest.raises(ValueError, match="running statistics"):
+            be.conv2d_forward(x, w, b, 1, 1, statistics=(EPS, (running[0][:4], running[1]), MOMENTUM))
