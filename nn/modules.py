@@ -388,8 +388,14 @@ class Sequential(Module):
             self.add_module(str(i), m)
 
     def forward(self, x):
-        for m in self._modules.values():
-            x = m(x)
+        """Each module on the last one's output; a convolution followed by a batch norm computes the
+        norm's statistics (BatchNorm2d.statistics_request) where its output is."""
+        modules = list(self._modules.values())
+        for m, following in zip(modules, modules[1:] + [None]):
+            if isinstance(m, Conv2d) and isinstance(following, BatchNorm2d):
+                x = m(x, following.statistics_request())
+            else:
+                x = m(x)
         return x
 
     def __getitem__(self, i):

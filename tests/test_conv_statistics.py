@@ -1,7 +1,8 @@
 """Batch norm's training statistics from the forward convolution (conv2d_forward(..., statistics=...)):
-on a device backend, the tensor-core forwards (TF32 and BF16, halo included) sum them in their epilogue
-(tc_conv.cuh's tc_batch_stats), conv.cu's forwards (the stem) in batchnorm.cu's pass after them; the
-CPU backend as its batch_norm_forward does.
+on a device backend, the forwards sum them in their epilogue (bn_stats.cuh): the tensor-core GEMMs
+(TF32 and BF16, halo included: tc_conv.cuh's tc_batch_stats) and conv.cu's (the stem's: batch_stats);
+the CPU backend as its batch_norm_forward does. A Sequential's convolution followed by a batch norm
+computes the norm's statistics (the stem).
 
 - On the CPU emulator, in both thread (and block) orders, with the launchers' plans and with split-K
   forced (the statistics then come from the tile as the finishing block stored it): mean, invstd and
@@ -26,7 +27,8 @@ SHAPES = [
     ((2, 32, 6, 6), (160, 32, 3, 3), 1, 1),    # a partial tile of columns
     ((3, 32, 28, 28), (32, 32, 3, 3), 1, 1),   # 2352 rows: 19 row tiles, merged in groups; bf16's halo forward
     ((1, 8, 5, 5), (200, 8, 3, 3), 2, 1),      # 9 rows; BF16's gathered copies
-    ((2, 3, 6, 6), (8, 3, 3, 3), 1, 1),        # conv.cu's forward (3 channels: no tensor cores), then the pass
+    ((2, 3, 6, 6), (8, 3, 3, 3), 1, 1),        # conv.cu's forward (3 channels: no tensor cores)
+    ((2, 1, 28, 28), (72, 1, 3, 3), 1, 1),     # the stem's, at 72 channels: two tiles of them, 25 of pixels
 ]
 
 

@@ -32,7 +32,7 @@
 //   bn_backward_sums (or _rows) + bn_inference_dx.
 // bn_update_running: PyTorch's running-statistics update, in place (synchronised batch norm).
 // Every sum is added in an order fixed by the shapes alone: the same bits on every run.
-#include "common.cuh"
+#include "bn_stats.cuh"
 
 // mean and 1/sqrt(biased variance + eps) of channel c from its sums of x - shift and of its square
 // over `count` values.

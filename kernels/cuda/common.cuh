@@ -9,7 +9,6 @@
 // - Floats, load_floats, store_floats, to_float, stored: VEC values of float32 or bfloat16 storage
 //   (bf16.cuh) as floats, the storage type a kernel's template parameter.
 // - channel_element: where the e-th value of one channel lies in an NCHW array.
-// - bn_move_running: batch norm's running statistics moved towards the batch's.
 // - Tile64, Tile128 and gemm_mainloop: the shared-memory tiled matrix product that the
 //   convolutions and the linear layer feed through their own tile loaders.
 //
@@ -147,16 +146,6 @@ __device__ __forceinline__ T stored(float x) {
 __device__ __forceinline__ int channel_element(int e, int c, int channels, int hw) {
     const int n = e / hw;
     return (n * channels + c) * hw + (e - n * hw);
-}
-
-// Batch norm's running statistics, which batchnorm.cu's kernels and the tensor-core convolutions'
-// epilogues (tc_conv.cuh) move: running <- (1 - momentum) * running + momentum * batch statistic for
-// channel c, the variance made unbiased by `correction` = count / (count - 1).
-__device__ __forceinline__ void bn_move_running(int c, float* running_mean, float* running_var, const float* mean,
-                                                const float* invstd, float momentum, float eps, float correction) {
-    const float unbiased = fmaxf(1.0f / (invstd[c] * invstd[c]) - eps, 0.0f) * correction;
-    running_mean[c] = running_mean[c] * (1.0f - momentum) + momentum * mean[c];
-    running_var[c] = running_var[c] * (1.0f - momentum) + momentum * unbiased;
 }
 
 // ---- the tiled matrix product -------------------------------------------------------------

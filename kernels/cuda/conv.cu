@@ -9,7 +9,8 @@
 // tests/test_conv_layouts.py (channels-last) against tests/reference.py (float64) and
 // kernels/cpu/conv.py, on the CPU emulator in CI and on a GPU under `pytest -m gpu`.
 //
-//   conv2d_forward   y (O x N*OH*OW)   = w (O x C*KH*KW)  . im2col(x) (C*KH*KW x N*OH*OW) + b
+//   conv2d_forward   y (O x N*OH*OW)   = w (O x C*KH*KW)  . im2col(x) (C*KH*KW x N*OH*OW) + b, and
+//                                        the statistics of a batch norm after it (bn_stats.cuh)
 //   conv2d_dgrad     dx (C x N*H*W)    = w^T gathered (C x O*KH*KW) . dy gathered at the outputs
 //                                        whose window covers each input cell (O*KH*KW x N*H*W),
 //                                        so each dx element is written once, by one thread; at
@@ -40,7 +41,7 @@
 // bytes read from L2 per byte used by backward-weight's loads of dy (1.6 on NCHW) and 8.0 by
 // the bias gradient's former kernel of its own, a channel per block (1.3 on NCHW): it is now
 // summed from backward-weight's loads. The time that costs is unmeasured.
-#include "common.cuh"
+#include "bn_stats.cuh"
 #include "conv_geometry.cuh"
 
 // Where value (channel c, pixel hw = h * W + w) of one image of an activation, or of one output
@@ -118,14 +119,46 @@ struct ForwardColumns : Staged<T, T::BN, false> {
     }
 };
 
+// The statistics of the batch norm that follows (bn_stats.cuh) from the tile's values as stored: per
+// output channel (a row), each thread's TN pixels, then the THREADS_N consecutive threads that share
+// the row (shuffles), then the blocks along the pixels (bn_tile_statistics). Every thread calls it.
+template <class T, int KH, int KW, class S>
+__device__ __forceinline__ void batch_stats(const BnStats& s, const Geometry<KH, KW>& g, int m0, int n0,
+                                            const float* bias, const float (&acc)[T::TM][T::TN]) {
+    static_assert(32 % T::THREADS_N == 0 && T::THREADS >= T::BM, "a row's threads in one warp; a thread a row");
+    __shared__ Moments rows[T::BM];
+    const int pixels = g.n * g.out_plane();
+#pragma unroll
+    for (int i = 0; i < T::TM; ++i) {
+        const int m = m0 + T::row(i);
+        ShiftedSums sums;
+#pragma unroll
+        for (int j = 0; j < T::TN; ++j)
+            if (n0 + T::col(j) < pixels)
+                sums.add(to_float(stored<S>(bias && m < g.o ? acc[i][j] + bias[m] : acc[i][j])));
+        Moments part = sums.moments();
+#pragma unroll
+        for (int x = 1; x < T::THREADS_N; x <<= 1)
+            part = merged(part, shuffled_xor(part, x));
+        if (int(threadIdx.x) % T::THREADS_N == 0) rows[T::row(i)] = part;
+    }
+    __syncthreads();
+    const int c = m0 + int(threadIdx.x);
+    const bool mine = int(threadIdx.x) < T::BM && c < g.o;
+    bn_tile_statistics(s, mine ? rows[threadIdx.x] : Moments{0.0f, 0.0f, 0.0f}, mine, c, g.o, int(blockIdx.x),
+                       int(gridDim.x), T::BN, pixels, int(blockIdx.y));
+}
+
 // y = conv(x, w) + b (bias may be null): one block per Tile::BM output channels x Tile::BN output pixels
 // (grid.x over N*OH*OW, grid.y over O), each thread TM x TN of them (common.cuh's GEMM); x, w and
 // y each NCHW or channels-last (the flags), stored as S (float, or bf16 under the bf16 precision:
-// read widened, y rounded once).
+// read widened, y rounded once); and, unless stats_partial is null, the statistics of y's channels for
+// the batch norm that follows (batch_stats).
 template <class T, int KH, int KW, class S = float>
 __global__ void __launch_bounds__(T::THREADS)
 conv2d_forward(const S* __restrict__ x, const S* __restrict__ weight, const float* __restrict__ bias,
-               S* __restrict__ y, CONV_PARAMS, int x_channels_last, int w_channels_last, int y_channels_last) {
+               S* __restrict__ y, CONV_PARAMS, int x_channels_last, int w_channels_last, int y_channels_last,
+               BN_STATS_PARAMS) {
     const Geometry<KH, KW> g CONV_GEOMETRY;
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
     ForwardWeights<T, KH, KW, S> a(g, weight, w_channels_last, m0);
@@ -145,6 +178,7 @@ conv2d_forward(const S* __restrict__ x, const S* __restrict__ weight, const floa
             if (m < g.o) y[img * g.o * plane + yl.at(m, pq)] = stored<S>(bias ? acc[i][j] + bias[m] : acc[i][j]);
         }
     }
+    if (stats_partial) batch_stats<T, KH, KW, S>(BnStats BN_STATS, g, m0, n0, bias, acc);
 }
 
 // Backward-data A(m, k) = w[co, m, a + sh*i, b + sw*j] for input channel m, k = (co, i, j).

@@ -16,7 +16,7 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
-from .batchnorm import batch_statistics, running_pair
+from .batchnorm import running_pair
 from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
     storage_argument
 
@@ -54,8 +54,8 @@ def choose_tile(rows, columns, dtype):
 
 def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None):
     """See kernels/cpu/conv.py. The statistics of a training batch norm that follows (statistics =
-    (eps, running, momentum)) come from the tensor-core forward's epilogue (conv_tc.forward); after
-    conv.cu's kernels, from batchnorm.py's pass over y."""
+    (eps, running, momentum)) come from the forward kernel's epilogue (bn_stats.cuh), the tensor-core
+    GEMMs' (conv_tc.forward) and conv.cu's alike."""
     op = "conv2d_forward"
     x, w = _operands(be, op, x, w)
     (b,) = float32(be, op, b)
@@ -72,9 +72,10 @@ def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None):
     else:
         y = _empty(be, (n, o, oh, ow), kernels.channels_last(), x.dtype)
         tile = choose_tile(o, n * oh * ow, x.dtype)
-        launch(be, "conv", _kernel("conv2d_forward", tile, kh, kw, x),
-               (cdiv(n * oh * ow, TILES[tile]), cdiv(o, TILES[tile])), (x, w, b, y, *geometry, *_layouts(x, w, y)))
-        stats = () if statistics is None else batch_statistics(be, y, *statistics, op)
+        grid = (cdiv(n * oh * ow, TILES[tile]), cdiv(o, TILES[tile]))
+        arguments, *stats = conv_tc.statistics_arguments(be, statistics, *grid, o, n * oh * ow)
+        launch(be, "conv", _kernel("conv2d_forward", tile, kh, kw, x), grid,
+               (x, w, b, y, *geometry, *_layouts(x, w, y), *arguments))
     return y if statistics is None else (y, *stats)
 
 

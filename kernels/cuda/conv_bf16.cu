@@ -515,7 +515,7 @@ conv_bf16_forward(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, c
     const bool finished = tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, split,
                                               tile_counters(counters, 0, split), m0, n0, bias, false, acc);
     if (finished && stats_partial)
-        tc_batch_stats<T, false>(ColumnStats BN_STATS, RowsOut{pixels, g.o}, y, reinterpret_cast<float*>(smem), m0,
+        tc_batch_stats<T, false>(BnStats BN_STATS, RowsOut{pixels, g.o}, y, reinterpret_cast<float*>(smem), m0,
                                  n0, bias, split.parts == 1, acc);
 }
 
@@ -648,7 +648,7 @@ conv_bf16_forward_halo(const bf16* __restrict__ x, const bf16* __restrict__ w_kr
     tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, SplitK{1, 1, 0}, counters, m0, n0, bias,
                         false, acc);
     if (stats_partial)
-        tc_batch_stats<T, false>(ColumnStats BN_STATS, RowsOut{pixels, g.o}, y, reinterpret_cast<float*>(smem), m0,
+        tc_batch_stats<T, false>(BnStats BN_STATS, RowsOut{pixels, g.o}, y, reinterpret_cast<float*>(smem), m0,
                                  n0, bias, true, acc);
 }
 

@@ -231,7 +231,7 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
                                               tile_counters(counters, 0, split), m0, n0, bias, false, acc);
     __shared__ float stats_smem[2 * 3 * T::BN];
     if (finished && stats_partial)
-        tc_batch_stats<T, false>(ColumnStats BN_STATS, RowsOut{pixels, g.o}, y, stats_smem, m0, n0, bias,
+        tc_batch_stats<T, false>(BnStats BN_STATS, RowsOut{pixels, g.o}, y, stats_smem, m0, n0, bias,
                                  split.parts == 1, acc);
 }
 

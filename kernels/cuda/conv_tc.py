@@ -238,19 +238,30 @@ def forward(be, x, w_krsc, b, geometry, statistics=None):
     p = plan("forward", geometry, kind_of(x.dtype))
     x, w_krsc = aligned(x), aligned(w_krsc)
     y = be.xp.empty((n, oh, ow, o), x.dtype)
+    # the statistics' counters follow the split's in the backend's set
+    stats, mean, invstd = statistics_arguments(be, statistics, p.grid[0], p.grid[1], o, n * oh * ow, _counters(p))
+    _launch(be, p, (x, w_krsc, b), y, geometry, tail=stats)
+    return y if statistics is None else (y, mean, invstd)
+
+
+def statistics_arguments(be, statistics, tiles, channel_tiles, channels, values, offset=0):
+    """(BN_STATS_PARAMS, mean, invstd) of a forward that computes `statistics` (Statistics; None: the
+    parameters that ask for none, and no arrays) for `channels` channels of `values` values each, in
+    `tiles` tiles along the values by `channel_tiles` along the channels (bn_stats.cuh): the tiles'
+    moments, their counters (which follow the first `offset` of the backend's set), the group of the
+    two-level merge, the new mean and invstd, the running pair, eps, momentum and the correction of the
+    running variance."""
     if statistics is None:
-        _launch(be, p, (x, w_krsc, b), y, geometry, stats=NO_STATISTICS)
-        return y
-    mean, invstd = be.xp.empty((2, o), np.float32)
-    running = statistics.running or (None, None)
-    tiles, groups = p.grid[0], cdiv(p.grid[0], group_size(p.grid[0]))
+        return NO_STATISTICS, None, None
+    group = group_size(tiles)
+    groups = cdiv(tiles, group)
     slots = tiles + (groups if groups > 1 else 0)
-    rows = n * oh * ow
-    _launch(be, p, (x, w_krsc, b), y, geometry,
-            stats=(be.xp.empty((slots, 2, o), np.float32), p.grid[1] * (groups + 1), group_size(tiles), mean, invstd,
-                   *running, float(statistics.eps), float(statistics.momentum),
-                   float(rows / (rows - 1)) if rows > 1 else 1.0))
-    return y, mean, invstd
+    counters = be.counters(offset + channel_tiles * (groups + 1))[offset:]
+    mean, invstd = be.xp.empty((2, channels), np.float32)
+    correction = values / (values - 1) if values > 1 else 1.0
+    return (be.xp.empty((slots, 2, channels), np.float32), counters, group, mean, invstd,
+            *(statistics.running or (None, None)), float(statistics.eps), float(statistics.momentum),
+            float(correction)), mean, invstd
 
 
 def backward_data(be, dy, w_krsc, geometry, into=None):
@@ -300,24 +311,21 @@ def fast_divmod(d):
     return np.uint32((2**32 * (2**shift - d)) // d + 1), np.uint32(shift)
 
 
-# A forward's BN_STATS_PARAMS (tc_conv.cuh) when no statistics are wanted: the partials null.
-NO_STATISTICS = (None, 0, 0, None, None, None, None, 0.0, 0.0, 0.0)
+# A forward's BN_STATS_PARAMS (bn_stats.cuh) when no statistics are wanted: the partials null.
+NO_STATISTICS = (None, None, 0, None, None, None, None, 0.0, 0.0, 0.0)
 
 
-def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=(), stats=None):
+def _counters(p):
+    """The counters of a Plan's tiles (see tc_finish): per tile, its groups' and its own."""
+    return p.grid[0] * p.grid[1] * (p.grid[2] // p.splits) * (_groups(p) + 1)
+
+
+def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=()):
     """Launch the Plan on `inputs` into `out`, then the kernel's `extra` arguments, the partial
     output of each part of a split k, the kernel's other `partials`, the counters of its tiles
-    (see conv_tc.cu's tc_finish), the geometry, the k per part and the parts per group, the
-    kernel's `tail` arguments, and a forward's statistics (tc_batch_stats), `stats`: their partials,
-    the number of their counters (which follow the tiles' in the backend's set), their group and the
-    rest of BN_STATS_PARAMS."""
+    (see conv_tc.cu's tc_finish), the geometry, the k per part and the parts per group, and the
+    kernel's `tail` arguments."""
     partial = be.xp.empty((partial_slots(p), out.size), np.float32) if p.splits > 1 else None
-    tiles = p.grid[0] * p.grid[1] * (p.grid[2] // p.splits)
-    counters = tiles * (_groups(p) + 1)   # per tile: its groups' and its own
-    if stats is not None:
-        stats_partial, stats_counters, *rest = stats
-        held = be.counters(counters + stats_counters)
-        tail = (*tail, stats_partial, held[counters:] if stats_partial is not None else None, *rest)
     launch(be, p.family, p.kernel, p.grid,
-           (*inputs, out, *extra, partial, *partials, be.counters(counters), *geometry, p.chunk, p.group, *tail),
+           (*inputs, out, *extra, partial, *partials, be.counters(_counters(p)), *geometry, p.chunk, p.group, *tail),
            block=(THREADS,))

@@ -17,6 +17,7 @@
 #include "common.cuh"
 #include "conv_geometry.cuh"
 #include "tensor_core.cuh"
+#include "bn_stats.cuh"
 
 constexpr int TC_THREADS = 128;
 
@@ -198,78 +199,17 @@ struct RowsOut {
     __device__ int column(int n) const { return n < columns ? n : -1; }
 };
 
-// ---- batch norm's statistics in a forward's epilogue -----------------------------------------------
-//
-// A forward convolution that a training batch norm follows computes the norm's statistics where its
-// output tiles are, so that no pass reads the activation again for them: per column (channel), the
-// mean and the sum of squared deviations (M2) of the values as stored (rounded to the storage type).
-// A thread sums its values of a column shifted by its first (so that the squares do not cancel when
-// the mean is far from zero), and these partial moments are merged pairwise (Chan, Golub and LeVeque)
-// in a fixed tree: across the lanes of a warp, the warps (or threads) of the block, then the row tiles
-// of the output. Each tile's finishing block writes its moments to slot blockIdx.x of `partial`; the
-// last block of each group of `group` row tiles to finish (last_block) merges the group's slots in
-// order into a slot of its own, and the last group's merges the groups' into mean and invstd =
-// 1 / sqrt(M2 / rows + eps) (the biased variance, as bn_stats), and moves the running statistics. Every
-// merge's order is fixed by the shapes: the same bits whichever block comes last. From the
-// accumulators (one part of k: the thread's values are in its registers), or, with split-K, from the
-// tile as the block that finished it stored it.
+// ---- batch norm's statistics in a forward's epilogue (bn_stats.cuh) --------------------------------
 
-struct Moments {
-    float n, mean, m2;   // values, their mean, the sum of their squared deviations from it
-};
-
-// The moments of two disjoint sets of values from theirs.
-__device__ __forceinline__ Moments merged(const Moments& a, const Moments& b) {
-    if (b.n == 0.0f) return a;
-    if (a.n == 0.0f) return b;
-    const float n = a.n + b.n, d = b.mean - a.mean, f = b.n / n;
-    return {n, a.mean + d * f, a.m2 + b.m2 + d * d * a.n * f};
-}
-
-// A thread's values of one column: their sums shifted by the first.
-struct ShiftedSums {
-    float n = 0.0f, shift = 0.0f, sum = 0.0f, squares = 0.0f;
-    __device__ void add(float v) {
-        if (n == 0.0f) shift = v;
-        const float d = v - shift;
-        n += 1.0f;
-        sum += d;
-        squares = fmaf(d, d, squares);
-    }
-    __device__ Moments moments() const {
-        if (n == 0.0f) return {0.0f, 0.0f, 0.0f};
-        const float centre = sum / n;
-        return {n, shift + centre, fmaxf(squares - sum * centre, 0.0f)};
-    }
-};
-
-// Where the statistics go (the kernels' BN_STATS_PARAMS); partial null: none are wanted.
-struct ColumnStats {
-    float* partial;       // (slots, 2, columns): per row tile, then per group, the mean and M2 of each column
-    unsigned* counters;   // per column tile: groups + 1 (last_block)
-    int group;            // row tiles per group
-    float *mean, *invstd, *running_mean, *running_var;   // (columns); running_mean may be null
-    float eps, momentum, correction;                     // correction: rows / (rows - 1)
-};
-#define BN_STATS_PARAMS                                                                                   \
-    float *stats_partial, unsigned *stats_counters, int stats_group, float *bn_mean, float *bn_invstd,   \
-        float *bn_running_mean, float *bn_running_var, float bn_eps, float bn_momentum, float bn_correction
-#define BN_STATS                                                                                          \
-    { stats_partial, stats_counters, stats_group, bn_mean,     bn_invstd,                                 \
-      bn_running_mean, bn_running_var, bn_eps, bn_momentum, bn_correction }
-
-// The moments of slot `slot` of column c, written by another block of the launch.
-__device__ __forceinline__ Moments slot_moments(const float* partial, int slot, int columns, int c, float n) {
-    const volatile float* p = partial + slot * 2 * columns + c;
-    return {n, p[0], p[columns]};
-}
-
-// The statistics of the output rows (M x columns, row-major y) of a forward whose block finished its
-// tile (tc_finish returned true), as above. from_registers: the tile's values are acc (+ bias) as
-// tc_store stored them; else the block reads them back from y. smem: 3 * max(2, TC_THREADS / BN) * BN
+// The statistics of the columns (channels) of the output rows (M x columns, row-major y) of a forward
+// whose block finished its tile (tc_finish returned true), for the batch norm that follows: each
+// thread's values of a column (ShiftedSums), merged across the 8 lanes that share it (shuffles), the
+// block's two rows of warps, then the row tiles (bn_tile_statistics). from_registers: the tile's values
+// are acc (+ bias) as tc_store stored them (one part of k); else (split-K) the block reads them back
+// from y, each thread every READERS-th row of a column. smem: 3 * max(2, TC_THREADS / BN) * BN
 // floats the block is done with. Every thread of the block must call it.
 template <class T, bool M_PERMUTED, class E>
-__device__ __forceinline__ void tc_batch_stats(const ColumnStats& s, const RowsOut& out, const E* y, float* smem,
+__device__ __forceinline__ void tc_batch_stats(const BnStats& s, const RowsOut& out, const E* y, float* smem,
                                                int m0, int n0, const float* bias, bool from_registers,
                                                const float (&acc)[T::MI][T::NI][4]) {
     constexpr int READERS = TC_THREADS / T::BN;   // threads to a column reading the tile back
@@ -297,8 +237,7 @@ __device__ __forceinline__ void tc_batch_stats(const ColumnStats& s, const RowsO
                 Moments m = sums.moments();
 #pragma unroll
                 for (int x = 4; x < 32; x <<= 1)
-                    m = merged(m, {__shfl_xor_sync(kFullMask, m.n, x), __shfl_xor_sync(kFullMask, m.mean, x),
-                                   __shfl_xor_sync(kFullMask, m.m2, x)});
+                    m = merged(m, shuffled_xor(m, x));
                 if (g == 0) part[(warp / 2) * T::BN + column] = m;
             }
     } else {   // thread t: column t % BN, every READERS-th row from t / BN
@@ -313,41 +252,14 @@ __device__ __forceinline__ void tc_batch_stats(const ColumnStats& s, const RowsO
         part[first * T::BN + column] = sums.moments();
     }
     __syncthreads();
-    const int c = n0 + int(threadIdx.x), columns = out.columns, rows = out.rows, tiles = int(gridDim.x);
-    const bool mine = int(threadIdx.x) < T::BN && c < columns;
-    if (mine) {   // the tile's moments, its parts merged in order, to its slot
-        Moments m = part[threadIdx.x];
+    const int c = n0 + int(threadIdx.x);
+    const bool mine = int(threadIdx.x) < T::BN && c < out.columns;
+    Moments m{0.0f, 0.0f, 0.0f};
+    if (mine) {   // the tile's moments: its parts merged in order
+        m = part[threadIdx.x];
         for (int q = 1; q < parts; ++q) m = merged(m, part[q * T::BN + threadIdx.x]);
-        s.partial[blockIdx.x * 2 * columns + c] = m.mean;
-        s.partial[(blockIdx.x * 2 + 1) * columns + c] = m.m2;
     }
-    // the rows of `count` row tiles from tile `first`
-    const auto rows_of = [&](int first, int count) { return float(min(rows, (first + count) * T::BM) - first * T::BM); };
-    const int groups = (tiles + s.group - 1) / s.group;
-    unsigned* const counters = s.counters + blockIdx.y * (groups + 1);
-    int first_slot = 0, terms = tiles, per_slot = 1;   // the slots the last block merges, and row tiles per slot
-    if (groups > 1) {
-        const int group = int(blockIdx.x) / s.group, first = group * s.group, members = min(s.group, tiles - first);
-        if (!last_block(counters + 1 + group, members)) return;
-        if (mine) {
-            Moments m = slot_moments(s.partial, first, columns, c, rows_of(first, 1));
-            for (int k = 1; k < members; ++k)
-                m = merged(m, slot_moments(s.partial, first + k, columns, c, rows_of(first + k, 1)));
-            s.partial[(tiles + group) * 2 * columns + c] = m.mean;
-            s.partial[((tiles + group) * 2 + 1) * columns + c] = m.m2;
-        }
-        first_slot = tiles;
-        terms = groups;
-        per_slot = s.group;
-    }
-    if (!last_block(counters, terms) || !mine) return;
-    Moments m = slot_moments(s.partial, first_slot, columns, c, rows_of(0, per_slot));
-    for (int k = 1; k < terms; ++k)
-        m = merged(m, slot_moments(s.partial, first_slot + k, columns, c, rows_of(k * per_slot, per_slot)));
-    s.mean[c] = m.mean;
-    s.invstd[c] = 1.0f / sqrtf(m.m2 / m.n + s.eps);
-    if (s.running_mean) bn_move_running(c, s.running_mean, s.running_var, s.mean, s.invstd, s.momentum, s.eps,
-                                        s.correction);
+    bn_tile_statistics(s, m, mine, c, out.columns, int(blockIdx.x), int(gridDim.x), T::BM, out.rows, int(blockIdx.y));
 }
 
 // The dx rows (NHWC) of the phase's cells.

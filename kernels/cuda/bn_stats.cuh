@@ -1,0 +1,124 @@
+// bn_stats.cuh: batch norm's training statistics computed where the activation is produced, in the
+// epilogue of the forward convolution before the norm (tc_conv.cuh's tc_batch_stats for the tensor-core
+// GEMMs, conv.cu's conv2d_forward), so that no pass reads the activation again for them; and the
+// running statistics' update, which batchnorm.cu's kernels share.
+//
+// Per channel, the count, mean and sum of squared deviations (M2) of the values as stored (rounded to
+// the storage type). A thread sums its values of a channel shifted by its first (ShiftedSums: the
+// squares do not cancel when the mean is far from zero), and these moments are merged pairwise (Chan,
+// Golub and LeVeque, `merged`) in a fixed tree: within the block as its kernel lays the values out,
+// then across the output's tiles along the reduced dimension (bn_tile_statistics): each tile's block
+// writes its moments to a slot of `partial`; the last block of each group of `group` tiles to finish
+// (last_block) merges the group's slots in order into a slot of its own, and the last group's merges
+// the groups' into mean and invstd = 1 / sqrt(M2 / count + eps) (the biased variance, as bn_stats),
+// and moves the running statistics. Every merge's order is fixed by the shapes: the same bits
+// whichever block comes last.
+#pragma once
+#include "common.cuh"
+
+// Batch norm's running statistics: running <- (1 - momentum) * running + momentum * batch statistic
+// for channel c, the variance made unbiased by `correction` = count / (count - 1).
+__device__ __forceinline__ void bn_move_running(int c, float* running_mean, float* running_var, const float* mean,
+                                                const float* invstd, float momentum, float eps, float correction) {
+    const float unbiased = fmaxf(1.0f / (invstd[c] * invstd[c]) - eps, 0.0f) * correction;
+    running_mean[c] = running_mean[c] * (1.0f - momentum) + momentum * mean[c];
+    running_var[c] = running_var[c] * (1.0f - momentum) + momentum * unbiased;
+}
+
+struct Moments {
+    float n, mean, m2;   // values, their mean, the sum of their squared deviations from it
+};
+
+// The moments of two disjoint sets of values from theirs.
+__device__ __forceinline__ Moments merged(const Moments& a, const Moments& b) {
+    if (b.n == 0.0f) return a;
+    if (a.n == 0.0f) return b;
+    const float n = a.n + b.n, d = b.mean - a.mean, f = b.n / n;
+    return {n, a.mean + d * f, a.m2 + b.m2 + d * d * a.n * f};
+}
+
+// The moments of the lane lane ^ lane_mask of the warp (every lane of it must call it).
+__device__ __forceinline__ Moments shuffled_xor(const Moments& m, int lane_mask) {
+    return {__shfl_xor_sync(kFullMask, m.n, lane_mask), __shfl_xor_sync(kFullMask, m.mean, lane_mask),
+            __shfl_xor_sync(kFullMask, m.m2, lane_mask)};
+}
+
+// A thread's values of one channel: their sums shifted by the first.
+struct ShiftedSums {
+    float n = 0.0f, shift = 0.0f, sum = 0.0f, squares = 0.0f;
+    __device__ void add(float v) {
+        if (n == 0.0f) shift = v;
+        const float d = v - shift;
+        n += 1.0f;
+        sum += d;
+        squares = fmaf(d, d, squares);
+    }
+    __device__ Moments moments() const {
+        if (n == 0.0f) return {0.0f, 0.0f, 0.0f};
+        const float centre = sum / n;
+        return {n, shift + centre, fmaxf(squares - sum * centre, 0.0f)};
+    }
+};
+
+// Where the statistics go (the kernels' BN_STATS_PARAMS); partial null: none are wanted.
+struct BnStats {
+    float* partial;       // (slots, 2, channels): per tile, then per group, the mean and M2 of each channel
+    unsigned* counters;   // per tile of channels: groups + 1 (last_block)
+    int group;            // tiles per group
+    float *mean, *invstd, *running_mean, *running_var;   // (channels); running_mean may be null
+    float eps, momentum, correction;                     // correction: values / (values - 1)
+};
+#define BN_STATS_PARAMS                                                                                   \
+    float *stats_partial, unsigned *stats_counters, int stats_group, float *bn_mean, float *bn_invstd,   \
+        float *bn_running_mean, float *bn_running_var, float bn_eps, float bn_momentum, float bn_correction
+#define BN_STATS                                                                                          \
+    { stats_partial, stats_counters, stats_group, bn_mean,     bn_invstd,                                 \
+      bn_running_mean, bn_running_var, bn_eps, bn_momentum, bn_correction }
+
+// The moments of slot `slot` of channel c, written by another block of the launch.
+__device__ __forceinline__ Moments slot_moments(const float* partial, int slot, int columns, int c, float n) {
+    const volatile float* p = partial + slot * 2 * columns + c;
+    return {n, p[0], p[columns]};
+}
+
+// The statistics of channel c from this block's moments `m` of it (`mine`: the thread holds a channel,
+// c < channels) over tile `tile` of the `tiles` along the reduced dimension, each `per_tile` values of
+// the `values` in all (the last tile may hold fewer), for the channels of tile `channel_tile`; as the
+// header says. Every thread of the block must call it.
+__device__ __forceinline__ void bn_tile_statistics(const BnStats& s, const Moments& m, bool mine, int c, int channels,
+                                                   int tile, int tiles, int per_tile, int values, int channel_tile) {
+    if (mine) {
+        s.partial[tile * 2 * channels + c] = m.mean;
+        s.partial[(tile * 2 + 1) * channels + c] = m.m2;
+    }
+    // the values of `count` tiles from tile `first`
+    const auto values_of = [&](int first, int count) {
+        return float(min(values, (first + count) * per_tile) - first * per_tile);
+    };
+    const int groups = (tiles + s.group - 1) / s.group;
+    unsigned* const counters = s.counters + channel_tile * (groups + 1);
+    int first_slot = 0, terms = tiles, tiles_per_slot = 1;   // the slots the last block merges
+    if (groups > 1) {
+        const int group = tile / s.group, first = group * s.group, members = min(s.group, tiles - first);
+        if (!last_block(counters + 1 + group, members)) return;
+        if (mine) {
+            Moments sum = slot_moments(s.partial, first, channels, c, values_of(first, 1));
+            for (int k = 1; k < members; ++k)
+                sum = merged(sum, slot_moments(s.partial, first + k, channels, c, values_of(first + k, 1)));
+            s.partial[(tiles + group) * 2 * channels + c] = sum.mean;
+            s.partial[((tiles + group) * 2 + 1) * channels + c] = sum.m2;
+        }
+        first_slot = tiles;
+        terms = groups;
+        tiles_per_slot = s.group;
+    }
+    if (!last_block(counters, terms) || !mine) return;
+    Moments sum = slot_moments(s.partial, first_slot, channels, c, values_of(0, tiles_per_slot));
+    for (int k = 1; k < terms; ++k)
+        sum = merged(sum, slot_moments(s.partial, first_slot + k, channels, c,
+                                       values_of(k * tiles_per_slot, tiles_per_slot)));
+    s.mean[c] = sum.mean;
+    s.invstd[c] = 1.0f / sqrtf(sum.m2 / sum.n + s.eps);
+    if (s.running_mean) bn_move_running(c, s.running_mean, s.running_var, s.mean, s.invstd, s.momentum, s.eps,
+                                        s.correction);
+}
