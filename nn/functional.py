@@ -28,11 +28,14 @@ def _multiplied(weight, K):
     return flat.bfloat16_view(weight)
 
 
-def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
+def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None, sole_reader=False):
     """PyTorch's F.conv2d. ``statistics``: a training batch norm's request (BatchNorm2d.statistics_request:
     its eps, running pair and momentum) for the statistics of the output, which the convolution computes
     where its output is (on a GPU, in the epilogue of its tensor-core kernel) and hands to that batch norm
-    as the output tensor's ``statistics``, (mean, invstd); None otherwise."""
+    as the output tensor's ``statistics``, (mean, invstd); None otherwise. ``sole_reader``: this
+    convolution is the only reader of x; when x is a training batch norm's output with its relu
+    (x.norm, see batch_norm), the backward computes that norm's sums where dx is (conv2d_backward's
+    norm) and hands them to its backward."""
     K = backend_of(x.data)
     w = _multiplied(weight, K)   # the bias is added in float32 under every precision
     y = K.conv2d_forward(x.data, w, _data(bias), stride, padding, statistics=statistics)
@@ -42,8 +45,15 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
         # x's gradient so far, when no one else holds it, takes dx in place (a residual block's input);
         # without a bias there are two parents, and the tape ignores the third gradient. The weight
         # multiplied is the forward's: the optimizer writes the bfloat16 copy only after the backward
-        return K.conv2d_backward(dy, x.data, w, stride, padding, need_dx=x.requires_grad,
-                                 out=_outputs(weight, bias), add_dx_to=x.grad if x._grad_owned else None)
+        norm = getattr(x, "norm", None) if sole_reader and x.requires_grad and x.grad is None else None
+        if norm is None:
+            return K.conv2d_backward(dy, x.data, w, stride, padding, need_dx=x.requires_grad,
+                                     out=_outputs(weight, bias), add_dx_to=x.grad if x._grad_owned else None)
+        arrays, norm_weight, norm_bias, handed = norm
+        dx, dw, db, dgamma, dbeta = K.conv2d_backward(dy, x.data, w, stride, padding, out=_outputs(weight, bias),
+                                                      norm=arrays, norm_out=_outputs(norm_weight, norm_bias))
+        handed["sums"] = (dgamma, dbeta)
+        return dx, dw, db
     out = Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
     out.statistics = stats
     return out
@@ -76,12 +86,17 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.
         y, mean, invstd = K.batch_norm_forward(x.data, weight.data, bias.data, eps, running=running,
                                                momentum=momentum, relu=relu, residual=r)
     masked = relu or residual is not None
+    handed = {}   # the sums the convolution that alone reads the output computes (conv2d's sole_reader)
 
     def backward(dy):
         return K.batch_norm_backward(dy, x.data, weight.data, mean, invstd, y=y if masked else None,
-                                     out=_outputs(weight, bias), shortcut=residual is not None)
-    return Tensor._make(y, (x, weight, bias) if residual is None else (x, weight, bias, residual), backward,
-                        fresh=True)
+                                     out=_outputs(weight, bias), shortcut=residual is not None,
+                                     sums=handed.pop("sums", None))
+    out = Tensor._make(y, (x, weight, bias) if residual is None else (x, weight, bias, residual), backward,
+                       fresh=True)
+    if relu and residual is None:   # its output and what its sums need, for the convolution that reads it
+        out.norm = ((y, x.data, mean, invstd), weight, bias, handed)
+    return out
 
 
 def synchronised_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, group):

@@ -420,10 +420,12 @@ class Conv2d(Module):
     def reset_parameters(self, scheme="pytorch"):
         init_layer(self.weight, self.bias, scheme)
 
-    def forward(self, x, statistics=None):
+    def forward(self, x, statistics=None, sole_reader=False):
         """The convolution of x; with ``statistics`` (the request of the training batch norm that follows,
-        BatchNorm2d.statistics_request), the output also carries that norm's batch statistics."""
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, statistics)
+        BatchNorm2d.statistics_request), the output also carries that norm's batch statistics;
+        ``sole_reader``: nothing else reads x, whose batch norm then gets its backward sums from this
+        convolution's backward (F.conv2d)."""
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, statistics, sole_reader)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "

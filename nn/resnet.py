@@ -18,9 +18,10 @@ class Residual(Module):
         self.bn2 = BatchNorm2d(channels)
 
     def forward(self, x):
-        # each convolution computes the statistics of the batch norm after it, where its output is
+        # each convolution computes the statistics of the batch norm after it, where its output is, and
+        # conv2, bn1's output's only reader, bn1's backward sums, where its dx is
         y = self.bn1(self.conv1(x, self.bn1.statistics_request()), relu=True)
-        y = self.conv2(y, self.bn2.statistics_request())
+        y = self.conv2(y, self.bn2.statistics_request(), sole_reader=True)
         shortcut = self.conv3(x) if self.conv3 is not None else x
         return self.bn2(y, residual=shortcut)
 

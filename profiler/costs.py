@@ -127,14 +127,20 @@ def conv2d_forward(x, w, b, stride, padding, statistics=None):
     return cost + Cost(BN_SUMS * y + BN_STATS * o, FLOAT * (2 * o + (4 * o if statistics[1] is not None else 0)))
 
 
-def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None):
+def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None, norm=None, norm_out=None):
     """Backward-data (unless need_dx is false) and backward-weight GEMMs and the bias gradient (a
-    sum over dy); dx added to add_dx_to (read, and one add per element) when given."""
+    sum over dy); dx added to add_dx_to (read, and one add per element) when given; with `norm`, the
+    batch norm's backward sums of dx where dx is: its y and x read (as batch_norm_backward_sums reads
+    them, less dx), the sums written."""
     passes = 2 if need_dx else 1
     added = size(add_dx_to) if need_dx else 0
     data = nbytes(w) + item(dy) * (size(x) + added) if need_dx else 0   # w read, dx written, add_dx_to read
-    return Cost(2 * passes * _conv_macs(x, w, stride, padding) + size(dy) + added,
+    cost = Cost(2 * passes * _conv_macs(x, w, stride, padding) + size(dy) + added,
                 nbytes(dy) + nbytes(x) + FLOAT * (size(w) + w[0]) + data)   # dy and x read, dw and db written
+    if norm is None:
+        return cost
+    y, x_norm = norm[:2]
+    return cost + Cost(BN_BACKWARD_SUMS * size(x) + size(y), nbytes(y) + nbytes(x_norm) + FLOAT * 4 * x[1])
 
 
 # ---- batch normalisation ---------------------------------------------------------------------
@@ -147,10 +153,11 @@ def batch_norm_forward(x, gamma, beta, eps, running=None, momentum=0.1, relu=Fal
     return Cost(BN_FORWARD * size(x) + join, 2 * nbytes(x) + nbytes(residual) + FLOAT * statistics)
 
 
-def batch_norm_backward(dy, x, gamma, mean, invstd, y=None, out=None, shortcut=False):
-    """Masked by a fused relu's output y (read, one comparison), writing the masked dy for a shortcut."""
+def batch_norm_backward(dy, x, gamma, mean, invstd, y=None, out=None, shortcut=False, sums=None):
+    """Masked by a fused relu's output y (read, one comparison), writing the masked dy for a shortcut;
+    with its sums given (computed by the convolution after it), its dx pass alone."""
     c = x[1]
-    return Cost(BN_BACKWARD * size(x) + (size(y) if y is not None else 0),
+    return Cost((BN_BACKWARD_DX if sums is not None else BN_BACKWARD) * size(x) + (size(y) if y is not None else 0),
                 nbytes(dy) + nbytes(x) + nbytes(y) + item(x) * size(x) * (2 if shortcut else 1) + FLOAT * 5 * c)
 
 

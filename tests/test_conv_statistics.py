@@ -133,3 +133,88 @@ def test_running_statistics_of_the_wrong_shape_are_refused():
         x, w, b, running = draw((1, 8, 4, 4), (8, 8, 3, 3))
         with pytest.raises(ValueError, match="running statistics"):
             be.conv2d_forward(x, w, b, 1, 1, statistics=(EPS, (running[0][:4], running[1]), MOMENTUM))
+
+
+# ---- the backward's sums from backward-data ----------------------------------------------------------
+
+BACKWARD_SHAPES = SHAPES[:3] + [((2, 32, 9, 7), (32, 32, 3, 3), 2, 1)]   # stride 2: batchnorm.py's pass
+
+
+def backward_with_sums(order, dy, x, w, norm, stride, padding, out):
+    with thread_order(order):
+        be = kernels._device_backend("emu")
+        grads = be.conv2d_backward(dy, x, w, stride, padding, norm=norm, norm_out=out)
+        plain = be.conv2d_backward(dy, x, w, stride, padding)
+    return grads, plain
+
+
+@pytest.mark.parametrize("precision, variant", [("tf32", "plan"), ("tf32", "split"), ("bf16", "plan"),
+                                                ("bf16", "split"), ("bf16", "halo")])
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", BACKWARD_SHAPES)
+def test_batch_norm_sums_from_backward_data(monkeypatch, precision, variant, x_shape, w_shape, stride, padding):
+    """conv2d_backward(..., norm=(y, x_norm, mean, invstd), norm_out=(dgamma, dbeta)): the sums of the batch
+    norm (with its relu) whose output the convolution reads, g = dx where y > 0: sum(g * xhat) and sum(g),
+    into norm_out, against float64 of the stored dx; dx, dw and db bit for bit the backward's without them,
+    the sums bit for bit the same in both orders."""
+    launched = force(variant, monkeypatch)
+    conv_tc.plan.cache_clear()
+    try:
+        with kernels.use_precision(precision):
+            x, w, _, _ = draw(x_shape, w_shape)
+            g = rng()
+            storage = kernels.storage_dtype()
+            channels_last = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)  # noqa: E731
+            y = channels_last(np.maximum(g.standard_normal(x_shape), 0).astype(np.float32)).astype(storage)
+            x_norm = channels_last((g.standard_normal(x_shape) + 2).astype(np.float32)).astype(storage)
+            mean = g.standard_normal(x_shape[1]).astype(np.float32)
+            invstd = g.uniform(0.5, 2, x_shape[1]).astype(np.float32)
+            out_shape = kernels._device_backend("emu").conv2d_forward(x, w, None, stride, padding).shape
+            dy = channels_last(g.standard_normal(out_shape).astype(np.float32)).astype(storage)
+            runs = []
+            for order in ("ascending", "descending"):
+                out = tuple(np.full(x_shape[1], np.nan, np.float32) for _ in range(2))
+                runs.append(backward_with_sums(order, dy, x, w, (y, x_norm, mean, invstd), stride, padding, out) +
+                            (out,))
+    finally:
+        conv_tc.plan.cache_clear()
+    (grads, plain, out), other = runs[0], runs[1]
+    name = f"{precision} {variant} conv {x_shape} * {w_shape} stride {stride}"
+    if stride == 1 and x_shape[1] % 4 == 0 and variant == "halo" and x_shape[2:] == (28, 28):
+        assert any("dgrad_halo" in kernel for kernel, _ in launched), launched
+    assert len(grads) == 5 and grads[3] is out[0] and grads[4] is out[1], f"{name}: the sums go to norm_out"
+    for ours, theirs, what in zip(grads[:3], plain, ("dx", "dw", "db")):
+        assert np.asarray(ours).tobytes() == np.asarray(theirs).tobytes(), f"{name}: {what} differs with the sums"
+    for ours, theirs, what in zip(grads[3:], other[0][3:], ("dgamma", "dbeta")):
+        assert ours.tobytes() == theirs.tobytes(), f"{name}: {what} differs between orders"
+    masked = np.where(np.asarray(y).astype(np.float64) > 0, np.asarray(grads[0]).astype(np.float64), 0.0)
+    xhat = (np.asarray(x_norm).astype(np.float64) - mean[None, :, None, None]) * invstd[None, :, None, None]
+    axes = (0, 2, 3)
+    for what, ours, exact, magnitude in (("dgamma", out[0], (masked * xhat).sum(axes), np.abs(masked * xhat).sum(axes)),
+                                         ("dbeta", out[1], masked.sum(axes), np.abs(masked).sum(axes))):
+        excess = np.abs(ours - exact) - 64 * 2.0**-24 * magnitude
+        worst = int(np.argmax(excess))
+        assert excess[worst] <= 0, (f"{name}: {what} of channel {worst}: {ours[worst]!r}, float64 {exact[worst]!r}"
+                                    f"\n{reproduce_hint()}")
+
+
+def test_the_cpu_backend_hands_over_its_batch_norms_sums():
+    """The CPU backend's sums from conv2d_backward are batch_norm_backward's, bit for bit, and that takes them."""
+    from kernels import cpu
+    g = rng()
+    x, w, dy = g.standard_normal((2, 3, 6, 5)), g.standard_normal((4, 3, 3, 3)), g.standard_normal((2, 4, 6, 5))
+    y, x_norm = np.maximum(g.standard_normal(x.shape), 0), g.standard_normal(x.shape)
+    gamma, mean, invstd = g.standard_normal(3), g.standard_normal(3), g.uniform(0.5, 2, 3)
+    dx, _, _, dgamma, dbeta = cpu.conv2d_backward(dy, x, w, 1, 1, norm=(y, x_norm, mean, invstd))
+    alone = cpu.batch_norm_backward(dx, x_norm, gamma, mean, invstd, y=y)
+    handed = cpu.batch_norm_backward(dx, x_norm, gamma, mean, invstd, y=y, sums=(dgamma, dbeta))
+    for ours, theirs in zip(handed, alone):
+        assert ours.tobytes() == theirs.tobytes()
+
+
+def test_sums_need_a_dx_of_their_own():
+    with kernels.use_precision("bf16"):
+        be = kernels._device_backend("emu")
+        x, w, _, _ = draw((1, 8, 4, 4), (8, 8, 3, 3))
+        with pytest.raises(ValueError, match="dx of its own"):
+            be.conv2d_backward(x, x, w, 1, 1, need_dx=False, norm=(x, x, np.zeros(8, np.float32),
+                                                                    np.ones(8, np.float32)))

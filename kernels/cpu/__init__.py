@@ -25,12 +25,17 @@ conv2d_forward(x, w, b, stride, padding, *, statistics=None) -> y, or (y, mean, 
     of the training batch norm that follows, of y, as batch_norm_forward computes them (running:
     the pair moved in place, or None); a device backend's tensor-core forward sums them in its
     epilogue, where y is, and batch_norm_apply then normalises.
-conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None)
-    -> (dx, dw, db)
+conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
+                norm_out=None) -> (dx, dw, db), or (dx, dw, db, dgamma, dbeta)
     db is dy summed over (N, OH, OW); callers without a bias ignore it. dx is None unless
     need_dx (the first layer's input needs none). out = (dw, db): arrays that the gradients
     are written into (a parameter's gradient, say; either may be None), returned. add_dx_to:
-    x's gradient so far, to which dx is added in place and which is returned as dx.
+    x's gradient so far, to which dx is added in place and which is returned as dx. norm =
+    (y, x_norm, mean, invstd): x is the output y of a training batch norm of x_norm with its
+    relu, which only this convolution reads; then also that norm's backward sums of dx (its dy),
+    as batch_norm_backward computes them where y > 0, written into norm_out = (dgamma, dbeta)
+    when given (a device backend's tensor-core backward-data computes them in its epilogue, where
+    dx is), which batch_norm_backward then takes as `sums`.
 
 batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None)
     -> (y, mean, invstd)
@@ -38,11 +43,12 @@ batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=Fals
     (running_mean, running_var), updated in place as batch_norm_update_running does. relu:
     y = relu(batch norm); residual (x's shape): y = relu(batch norm + residual), a residual
     block's join.
-batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False)
+batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False, sums=None)
     -> (dx, dgamma, dbeta[, g])
     y: the output of a forward with relu or residual; the gradient then flows where y > 0
     (g = dy there, 0 elsewhere), and `shortcut` also returns g, the residual's gradient.
-    out = (dgamma, dbeta): arrays the parameter gradients are written into, returned.
+    out = (dgamma, dbeta): arrays the parameter gradients are written into, returned. sums:
+    (dgamma, dbeta) computed already (conv2d_backward's norm), returned as they are.
 batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps) -> None
     In place: running <- (1 - momentum) running + momentum batch, with the unbiased
     batch variance (1/invstd^2 - eps) * count / (count - 1), count = N*H*W.

@@ -40,13 +40,23 @@ def batch_statistics(x, eps, running, momentum):
     return mean, invstd
 
 
-def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False):
+def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False, sums=None):
+    if y is not None:
+        dy = np.where(y > 0, dy, 0).astype(dy.dtype)
+    if sums is None:
+        sums = masked_backward_sums(dy, None, x, mean, invstd, out=out)
+    dx = batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, x.size // x.shape[1])
+    return (dx, *sums) + ((dy,) if shortcut else ())
+
+
+def masked_backward_sums(dy, y, x, mean, invstd, *, out=None):
+    """(dgamma, dbeta) = batch_norm_backward_sums of dy where y > 0 (all of dy when y is None), written
+    into out = (dgamma, dbeta) when given: the sums that conv2d_backward's norm asks for."""
     if y is not None:
         dy = np.where(y > 0, dy, 0).astype(dy.dtype)
     sums = batch_norm_backward_sums(dy, x, mean, invstd)
-    dx = batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, x.size // x.shape[1])
     dgamma, dbeta = (None, None) if out is None else out
-    return (dx, written(dgamma, sums[0]), written(dbeta, sums[1])) + ((dy,) if shortcut else ())
+    return written(dgamma, sums[0]), written(dbeta, sums[1])
 
 
 def batch_norm_sums(x, shift):

@@ -17,7 +17,7 @@ stage at batch 128) and live only inside a call, so they are built in reused wor
 import numpy as np
 
 from ._util import channel_sum, output_size, pair, padded, windows, workspace, written
-from .batchnorm import batch_statistics
+from .batchnorm import batch_statistics, masked_backward_sums
 
 
 def conv2d_forward(x, w, b, stride, padding, *, statistics=None):
@@ -35,7 +35,13 @@ def conv2d_forward(x, w, b, stride, padding, *, statistics=None):
     return _nchw(y.reshape(n, oh, ow, -1))
 
 
-def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None):
+def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
+                    norm_out=None):
+    if norm is not None:
+        if not need_dx or add_dx_to is not None:
+            raise ValueError("conv2d_backward: a batch norm's sums (norm) need a dx of its own (need_dx, no add_dx_to)")
+        dx, dw, db = conv2d_backward(dy, x, w, stride, padding, out=out)
+        return (dx, dw, db) + masked_backward_sums(dx, *norm, out=norm_out)
     stride, padding = pair(stride), pair(padding)
     n, oh, ow = _output_shape(x, w, stride, padding)
     if dy.shape != (n, w.shape[0], oh, ow):

@@ -95,8 +95,10 @@ def apply(be, x, gamma, beta, mean, invstd, relu=False, residual=None):
     return y
 
 
-def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False):
-    """See kernels/cpu/batchnorm.py: (dx, dgamma, dbeta), and the masked dy when `shortcut`."""
+def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False, sums=None):
+    """See kernels/cpu/batchnorm.py: (dx, dgamma, dbeta), and the masked dy when `shortcut`; `sums`: the
+    (dgamma, dbeta) that the convolution after the norm computed (conv2d_backward's norm_out), which
+    then are the gradients returned."""
     op = "batch_norm_backward"
     x = dense(be, op, x)
     dy, y = like(be, op, x, dy, y)
@@ -106,22 +108,32 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, out=None, sho
     if y is not None:
         _sizes(x, gamma, y)
     c = gamma.size
-    dgamma, dbeta = (be.xp.empty((c,), np.float32) if a is None else a
-                     for a in gradient_outputs(be, op, out, ((c,), (c,))))
-    _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta)
+    if sums is not None:
+        dgamma, dbeta = float32(be, op, *sums)
+        if out is not None and any(o is not None and o is not s for o, s in zip(out, sums)):
+            raise ValueError(f"{op}: the sums given are not the gradients' outputs (out)")
+    else:
+        dgamma, dbeta = (be.xp.empty((c,), np.float32) if a is None else a
+                         for a in gradient_outputs(be, op, out, ((c,), (c,))))
+        _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta)
     masked = be.xp.empty_like(x) if shortcut else None
     dx = _dx(be, dy, y, x, gamma, mean, invstd, dgamma, dbeta, x.size // x.shape[1], masked)
     return (dx, dgamma, dbeta) + ((masked,) if shortcut else ())
 
 
 def batch_norm_backward_sums(be, dy, x, mean, invstd):
-    op = "batch_norm_backward_sums"
+    return backward_sums(be, dy, None, x, mean, invstd, "batch_norm_backward_sums")
+
+
+def backward_sums(be, dy, y, x, mean, invstd, op, into=None):
+    """(2, C) float32 [sum(g * xhat), sum(g)] of the training batch norm of x, g = dy where its output y > 0
+    (dy itself when y is None), or into `into` = (dgamma, dbeta): one launch (_affine_grads)."""
     x = dense(be, op, x)
-    (dy,), (mean, invstd) = like(be, op, x, dy), float32(be, op, mean, invstd)
-    storage(op, x, dy)
+    (dy, y), (mean, invstd) = like(be, op, x, dy, y), float32(be, op, mean, invstd)
+    storage(op, x, dy, y)
     _sizes(x, mean, dy)
-    sums = be.xp.empty((2, mean.size), np.float32)
-    _affine_grads(be, dy, None, x, mean, invstd, sums[0], sums[1])
+    sums = be.xp.empty((2, mean.size), np.float32) if into is None else into
+    _affine_grads(be, dy, y, x, mean, invstd, sums[0], sums[1])
     return sums
 
 

@@ -75,50 +75,106 @@ struct BnStats {
     { stats_partial, stats_counters, stats_group, bn_mean,     bn_invstd,                                 \
       bn_running_mean, bn_running_var, bn_eps, bn_momentum, bn_correction }
 
-// The moments of slot `slot` of channel c, written by another block of the launch.
-__device__ __forceinline__ Moments slot_moments(const float* partial, int slot, int columns, int c, float n) {
-    const volatile float* p = partial + slot * 2 * columns + c;
-    return {n, p[0], p[columns]};
+// Per-channel values merged across tiles (bn_tile_merge): Moments (each tile's count implied by its
+// size), or the backward's sums (added). A slot of `partial` holds two floats a channel.
+struct BackwardSums {
+    float dgamma, dbeta;   // the sums of g * xhat and of g over a set of values
+};
+
+__device__ __forceinline__ BackwardSums merged(const BackwardSums& a, const BackwardSums& b) {
+    return {a.dgamma + b.dgamma, a.dbeta + b.dbeta};
 }
 
-// The statistics of channel c from this block's moments `m` of it (`mine`: the thread holds a channel,
-// c < channels) over tile `tile` of the `tiles` along the reduced dimension, each `per_tile` values of
-// the `values` in all (the last tile may hold fewer), for the channels of tile `channel_tile`; as the
-// header says. Every thread of the block must call it.
-__device__ __forceinline__ void bn_tile_statistics(const BnStats& s, const Moments& m, bool mine, int c, int channels,
-                                                   int tile, int tiles, int per_tile, int values, int channel_tile) {
-    if (mine) {
-        s.partial[tile * 2 * channels + c] = m.mean;
-        s.partial[(tile * 2 + 1) * channels + c] = m.m2;
-    }
+__device__ __forceinline__ void store_slot(float* partial, int slot, int channels, int c, const Moments& m) {
+    partial[slot * 2 * channels + c] = m.mean;
+    partial[(slot * 2 + 1) * channels + c] = m.m2;
+}
+
+__device__ __forceinline__ void store_slot(float* partial, int slot, int channels, int c, const BackwardSums& v) {
+    partial[slot * 2 * channels + c] = v.dgamma;
+    partial[(slot * 2 + 1) * channels + c] = v.dbeta;
+}
+
+// Slot `slot` of channel c, written by another block of the launch, holding `n` values.
+template <class V>
+__device__ __forceinline__ V load_slot(const float* partial, int slot, int channels, int c, float n) {
+    const volatile float* p = partial + slot * 2 * channels + c;
+    if constexpr (sizeof(V) == sizeof(Moments)) return {n, p[0], p[channels]};
+    else return {p[0], p[channels]};
+}
+
+// Merges this block's `v` of channel c (`mine`: the thread holds a channel, c < channels), over tile
+// `tile` of the `tiles` along the reduced dimension, each `per_tile` values of the `values` in all (the
+// last tile may hold fewer), with the other tiles' of the channels of tile `channel_tile`, as the header
+// says: slots of `partial`, `counters` (groups + 1 per tile of channels), groups of `group` tiles.
+// Returns true in the threads of the last block that hold the total of their channel, in v. Every
+// thread of the block must call it.
+template <class V>
+__device__ __forceinline__ bool bn_tile_merge(float* partial, unsigned* counters, int group, V& v, bool mine, int c,
+                                              int channels, int tile, int tiles, int per_tile, int values,
+                                              int channel_tile) {
+    if (mine) store_slot(partial, tile, channels, c, v);
     // the values of `count` tiles from tile `first`
     const auto values_of = [&](int first, int count) {
         return float(min(values, (first + count) * per_tile) - first * per_tile);
     };
-    const int groups = (tiles + s.group - 1) / s.group;
-    unsigned* const counters = s.counters + channel_tile * (groups + 1);
+    const int groups = (tiles + group - 1) / group;
+    counters += channel_tile * (groups + 1);
     int first_slot = 0, terms = tiles, tiles_per_slot = 1;   // the slots the last block merges
     if (groups > 1) {
-        const int group = tile / s.group, first = group * s.group, members = min(s.group, tiles - first);
-        if (!last_block(counters + 1 + group, members)) return;
+        const int own = tile / group, first = own * group, members = min(group, tiles - first);
+        if (!last_block(counters + 1 + own, members)) return false;
         if (mine) {
-            Moments sum = slot_moments(s.partial, first, channels, c, values_of(first, 1));
+            V sum = load_slot<V>(partial, first, channels, c, values_of(first, 1));
             for (int k = 1; k < members; ++k)
-                sum = merged(sum, slot_moments(s.partial, first + k, channels, c, values_of(first + k, 1)));
-            s.partial[(tiles + group) * 2 * channels + c] = sum.mean;
-            s.partial[((tiles + group) * 2 + 1) * channels + c] = sum.m2;
+                sum = merged(sum, load_slot<V>(partial, first + k, channels, c, values_of(first + k, 1)));
+            store_slot(partial, tiles + own, channels, c, sum);
         }
         first_slot = tiles;
         terms = groups;
-        tiles_per_slot = s.group;
+        tiles_per_slot = group;
     }
-    if (!last_block(counters, terms) || !mine) return;
-    Moments sum = slot_moments(s.partial, first_slot, channels, c, values_of(0, tiles_per_slot));
+    if (!last_block(counters, terms) || !mine) return false;
+    v = load_slot<V>(partial, first_slot, channels, c, values_of(0, tiles_per_slot));
     for (int k = 1; k < terms; ++k)
-        sum = merged(sum, slot_moments(s.partial, first_slot + k, channels, c,
-                                       values_of(k * tiles_per_slot, tiles_per_slot)));
-    s.mean[c] = sum.mean;
-    s.invstd[c] = 1.0f / sqrtf(sum.m2 / sum.n + s.eps);
+        v = merged(v, load_slot<V>(partial, first_slot + k, channels, c, values_of(k * tiles_per_slot, tiles_per_slot)));
+    return true;
+}
+
+// The statistics of channel c from this block's moments `m` of it, merged across the tiles
+// (bn_tile_merge's arguments): mean, invstd and the running pair.
+__device__ __forceinline__ void bn_tile_statistics(const BnStats& s, Moments m, bool mine, int c, int channels,
+                                                   int tile, int tiles, int per_tile, int values, int channel_tile) {
+    if (!bn_tile_merge(s.partial, s.counters, s.group, m, mine, c, channels, tile, tiles, per_tile, values,
+                       channel_tile))
+        return;
+    s.mean[c] = m.mean;
+    s.invstd[c] = 1.0f / sqrtf(m.m2 / m.n + s.eps);
     if (s.running_mean) bn_move_running(c, s.running_mean, s.running_var, s.mean, s.invstd, s.momentum, s.eps,
                                         s.correction);
 }
+
+// ---- the backward's sums where dy is produced ------------------------------------------------------
+//
+// A batch norm with a fused relu whose output only one convolution reads gets its backward's sums,
+// dgamma = sum(g * xhat) and dbeta = sum(g), g = dy where its output y > 0 (else 0) and xhat = (x - mean)
+// * invstd, from that convolution's backward-data, whose dx is the norm's dy: in its epilogue (tc_conv.cuh's
+// tc_norm_sums), merged across tiles as the statistics are. The norm's backward then runs bn_backward_dx
+// alone.
+
+// Where they go (BN_SUMS_PARAMS(T)); sums_partial null: none are wanted.
+template <class T>
+struct BnSums {
+    const T* y;            // the norm's output: its relu's mask
+    const T* x;            // the norm's input
+    const float *mean, *invstd;
+    float* partial;        // (slots, 2, channels)
+    unsigned* counters;    // per tile of channels: groups + 1
+    int group;
+    float *dgamma, *dbeta;
+};
+#define BN_SUMS_PARAMS(T)                                                                                   \
+    const T *norm_y, const T *norm_x, const float *norm_mean, const float *norm_invstd, float *sums_partial, \
+        unsigned *sums_counters, int sums_group, float *norm_dgamma, float *norm_dbeta
+#define BN_SUMS \
+    { norm_y, norm_x, norm_mean, norm_invstd, sums_partial, sums_counters, sums_group, norm_dgamma, norm_dbeta }

@@ -16,7 +16,7 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
-from .batchnorm import running_pair
+from .batchnorm import backward_sums, running_pair
 from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
     storage_argument
 
@@ -79,10 +79,20 @@ def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None):
     return y if statistics is None else (y, *stats)
 
 
-def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None):
+def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
+                    norm_out=None):
     """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
     (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
-    to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given."""
+    to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given.
+    With `norm`, the batch norm's backward sums of dx as well (into norm_out), from the tensor-core
+    backward-data's epilogue (stride 1, channels-last y and x), else from batchnorm.py's pass over dx."""
+    if norm is not None and (not need_dx or add_dx_to is not None):
+        raise ValueError("conv2d_backward: a batch norm's sums (norm) need a dx of its own (need_dx, no add_dx_to)")
+    sums = None
+    if norm is not None:
+        c = x.shape[1]
+        sums = tuple(be.xp.empty((c,), np.float32) if a is None else a
+                     for a in gradient_outputs(be, "conv2d_backward", norm_out, ((c,), (c,))))
     dy, x, w = _operands(be, "conv2d_backward", dy, x, w)
     geometry = _geometry(x, w, stride, padding)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
@@ -96,19 +106,41 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
         if add_dx_to.shape != x.shape or add_dx_to.dtype != dy.dtype:
             raise ValueError(f"conv2d_backward: add_dx_to is {add_dx_to.dtype} {add_dx_to.shape}, dx "
                              f"{dy.dtype} {x.shape}")
+    epilogue = None   # the norm whose sums the tensor-core backward-data's epilogue computes
     if _tensor_cores(c, o):
         dy, x = nhwc(be, dy), nhwc(be, x)
         dx = None
         if need_dx:
             into = None if add_dx_to is None else add_dx_to.transpose(0, 2, 3, 1)   # its memory, if that is NHWC
-            if into is None or into.flags.c_contiguous:
+            epilogue = _epilogue_norm(be, norm, dy.dtype, geometry)
+            if epilogue is not None:
+                dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, norm=epilogue, sums=sums).transpose(0, 3, 1, 2)
+            elif into is None or into.flags.c_contiguous:
                 dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into).transpose(0, 3, 1, 2)
                 dx = dx if into is None else add_dx_to
             else:   # an NCHW add_dx_to: added by a kernel of its own
                 dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry).transpose(0, 3, 1, 2))
-        return (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db))
-    dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry)) if need_dx else None
-    return (dx, *_backward_weight(be, dy, x, geometry, dw, db))
+        grads = (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db))
+    else:
+        dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry)) if need_dx else None
+        grads = (dx, *_backward_weight(be, dy, x, geometry, dw, db))
+    if norm is None:
+        return grads
+    if epilogue is None:
+        backward_sums(be, dx, *norm, "conv2d_backward", into=sums)
+    return (*grads, *sums)
+
+
+def _epilogue_norm(be, norm, dtype, geometry):
+    """The NHWC memory of a batch norm's (y, x, mean, invstd) (norm) for conv_tc.backward_data's epilogue,
+    or None where it cannot take it: no norm, a backward-data of several phases, or y and x not
+    channels-last arrays of dx's dtype (whose elements lie where dx's do)."""
+    if norm is None or not conv_tc.single_phase(geometry):
+        return None
+    y, x, mean, invstd = norm
+    if any(a.dtype != dtype or not is_channels_last(a) for a in (y, x)):
+        return None
+    return (y.transpose(0, 2, 3, 1), x.transpose(0, 2, 3, 1), *float32(be, "conv2d_backward", mean, invstd))
 
 
 def _tensor_cores(c, o):

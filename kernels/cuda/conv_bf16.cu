@@ -524,11 +524,12 @@ conv_bf16_forward(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, c
 // [x * BM, ...) by input channels [y * BN, ...) over k in [part * k_chunk, ...) (split-K in groups
 // of `group`, see tc_finish), added to what dx holds when `add` is set. Blocks past the phase's
 // cells (phases differ in size by a row or column) leave at once; a phase, or a part of one, that
-// no tap reaches gets zeros.
+// no tap reaches gets zeros. Unless sums_partial is null (stride 1), the backward sums of the batch
+// norm whose dy dx is (tc_norm_sums).
 template <class T, int ALIGN>
 __global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
 conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf16* __restrict__ dx, int add,
-                float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group) {
+                float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group, BN_SUMS_PARAMS(bf16)) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int splits = gridDim.z / (g.sh * g.sw), part = blockIdx.z % splits;
     const int phase = blockIdx.z / splits;
@@ -548,8 +549,11 @@ conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf
         bf_gemm<T, true, false>(smem, Gathered<CopyA, GradientRows>{dy, {g, f}, m0, k_begin, k_end},
                                 Gathered<CopyB, WeightRows>{w_krsc, {g, f}, n0, k_begin, k_end}, tiles, acc);
     const SplitK split{splits, group, part};
-    tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
-                        tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
+    const bool finished = tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
+                                              tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
+    if (finished && sums_partial)   // one phase (stride 1): the launcher asks for no more
+        tc_norm_sums<T>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.n * g.h * g.w, g.c, dx,
+                        reinterpret_cast<float*>(smem), m0, n0);
 }
 
 // The bias gradient (tc_conv.cuh's BiasTotals) on the tensor cores: the warps of the first row of the
@@ -653,11 +657,11 @@ conv_bf16_forward_halo(const bf16* __restrict__ x, const bf16* __restrict__ w_kr
 }
 
 // dx (N*H*W x C, NHWC) of the same convolution, from windows of dy and the weights mirrored, added to
-// what dx holds when `add` is set.
+// what dx holds when `add` is set; and the batch norm's backward sums as conv_bf16_dgrad.
 template <class T>
 __global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
 conv_bf16_dgrad_halo(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf16* __restrict__ dx, int add,
-                     float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group) {
+                     float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group, BN_SUMS_PARAMS(bf16)) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.h * g.w;
     __shared__ __align__(128) bf16 smem[HaloShared<T>::SIZE];
@@ -666,6 +670,9 @@ conv_bf16_dgrad_halo(const bf16* __restrict__ dy, const bf16* __restrict__ w_krs
                         acc);
     tc_finish<T, false>(RowsOut{pixels, g.c}, dx, partial, pixels * g.c, SplitK{1, 1, 0}, counters, m0, n0, nullptr,
                         add, acc);
+    if (sums_partial)
+        tc_norm_sums<T>(BnSums<bf16> BN_SUMS, RowsOut{pixels, g.c}, pixels, g.c, dx, reinterpret_cast<float*>(smem), m0,
+                        n0);
 }
 
 

@@ -240,11 +240,12 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
 // [x * BM, ...) by input channels [y * BN, ...) over k in [part * k_chunk, ...) (split-K in groups
 // of `group`, see tc_finish), added to what dx holds when `add` is set. Blocks past the phase's
 // cells (phases differ in size by a row or column) leave at once; a phase, or a part of one, that
-// no tap reaches gets zeros.
+// no tap reaches gets zeros. Unless sums_partial is null (stride 1), the backward sums of the batch
+// norm whose dy dx is (tc_norm_sums).
 template <class T, int ALIGN>
 __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
 conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, float* __restrict__ dx, int add,
-              float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group) {
+              float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group, BN_SUMS_PARAMS(float)) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int splits = gridDim.z / (g.sh * g.sw), part = blockIdx.z % splits;
     const int phase = blockIdx.z / splits;
@@ -262,8 +263,11 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
                                 Gathered<TcCopy<T::BN, false>, WeightRows>{w_krsc, {g, f}, n0, k_begin, k_end}, tiles,
                                 acc);
     const SplitK split{splits, group, part};
-    tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
-                              tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
+    const bool finished = tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
+                                              tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
+    __shared__ float sums_smem[2 * TC_THREADS];
+    if (finished && sums_partial)   // one phase (stride 1): the launcher asks for no more
+        tc_norm_sums<T>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.n * g.h * g.w, g.c, dx, sums_smem, m0, n0);
 }
 
 // The bias gradient (tc_conv.cuh's BiasTotals) summed from the raw values of this thread's chunks of

@@ -253,26 +253,48 @@ def statistics_arguments(be, statistics, tiles, channel_tiles, channels, values,
     running variance."""
     if statistics is None:
         return NO_STATISTICS, None, None
-    group = group_size(tiles)
-    groups = cdiv(tiles, group)
-    slots = tiles + (groups if groups > 1 else 0)
-    counters = be.counters(offset + channel_tiles * (groups + 1))[offset:]
     mean, invstd = be.xp.empty((2, channels), np.float32)
     correction = values / (values - 1) if values > 1 else 1.0
-    return (be.xp.empty((slots, 2, channels), np.float32), counters, group, mean, invstd,
+    return (*tile_merge_arguments(be, tiles, channel_tiles, channels, offset), mean, invstd,
             *(statistics.running or (None, None)), float(statistics.eps), float(statistics.momentum),
             float(correction)), mean, invstd
 
 
-def backward_data(be, dy, w_krsc, geometry, into=None):
+def tile_merge_arguments(be, tiles, channel_tiles, channels, offset):
+    """(partial, counters, group) of per-channel values merged across `tiles` tiles (bn_stats.cuh's
+    bn_tile_merge), for `channel_tiles` tiles of `channels`: the slots of each tile and group, their
+    counters (after the first `offset` of the backend's set) and the tiles per group."""
+    group = group_size(tiles)
+    groups = cdiv(tiles, group)
+    slots = tiles + (groups if groups > 1 else 0)
+    return (be.xp.empty((slots, 2, channels), np.float32), be.counters(offset + channel_tiles * (groups + 1))[offset:],
+            group)
+
+
+def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None):
     """dx (N, H, W, C), of dy's dtype, from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C); added to
-    `into` (a C-contiguous (N, H, W, C) array of that dtype), in place, when given."""
+    `into` (a C-contiguous (N, H, W, C) array of that dtype), in place, when given. With `norm` = (y, x,
+    mean, invstd), the batch norm (with its relu) whose output is this convolution's input (y and x
+    C-contiguous (N, H, W, C) arrays of dx's dtype), also that norm's backward sums of dx, into `sums` =
+    (dgamma, dbeta), float32 (C,): sum(g * xhat) and sum(g), g = dx where y > 0, from the kernel's
+    epilogue; at stride 1 alone (single_phase)."""
     n, c, h, wd = geometry[:4]
     p = plan("dgrad", geometry, kind_of(dy.dtype))
     dy, w_krsc = aligned(dy), aligned(w_krsc)
     dx = be.xp.empty((n, h, wd, c), dy.dtype) if into is None else into
-    _launch(be, p, (dy, w_krsc), dx, geometry, (int(into is not None),))
+    if norm is None:
+        _launch(be, p, (dy, w_krsc), dx, geometry, (int(into is not None),), tail=NO_SUMS)
+        return dx
+    if not single_phase(geometry):
+        raise ValueError(f"the backward sums come from a backward-data of one phase (stride 1), not {geometry[7:9]}")
+    tail = (*norm, *tile_merge_arguments(be, p.grid[0], p.grid[1], c, _counters(p)), *sums)
+    _launch(be, p, (dy, w_krsc), dx, geometry, (int(into is not None),), tail=tail)
     return dx
+
+
+def single_phase(geometry):
+    """Whether a convolution's backward-data is one GEMM (stride 1), which can hand a batch norm its sums."""
+    return geometry[7:9] == (1, 1)
 
 
 def backward_weight(be, dy, x, geometry, dw, db):
@@ -311,8 +333,10 @@ def fast_divmod(d):
     return np.uint32((2**32 * (2**shift - d)) // d + 1), np.uint32(shift)
 
 
-# A forward's BN_STATS_PARAMS (bn_stats.cuh) when no statistics are wanted: the partials null.
+# A forward's BN_STATS_PARAMS and a backward-data's BN_SUMS_PARAMS (bn_stats.cuh) when none are wanted:
+# the partials null.
 NO_STATISTICS = (None, None, 0, None, None, None, None, 0.0, 0.0, 0.0)
+NO_SUMS = (None, None, None, None, None, None, 0, None, None)
 
 
 def _counters(p):

@@ -262,6 +262,43 @@ __device__ __forceinline__ void tc_batch_stats(const BnStats& s, const RowsOut& 
     bn_tile_statistics(s, m, mine, c, out.columns, int(blockIdx.x), int(gridDim.x), T::BM, out.rows, int(blockIdx.y));
 }
 
+// The backward sums (bn_stats.cuh) of the batch norm whose dy is a stride-1 backward-data's dx (one
+// phase), from the tile as the block that finished it stored it (in `dx`, read back: dx, the norm's y
+// and x at each element): each thread every READERS-th row of a column (channel), in order, then the
+// block's threads of a column in order, then the tiles of rows (bn_tile_merge). smem: 2 * (TC_THREADS /
+// BN) * BN floats the block is done with. Every thread of the block must call it.
+template <class T, class Out, class E>
+__device__ __forceinline__ void tc_norm_sums(const BnSums<E>& s, const Out& out, int rows, int columns, const E* dx,
+                                             float* smem, int m0, int n0) {
+    constexpr int READERS = TC_THREADS / T::BN;
+    static_assert(TC_THREADS % T::BN == 0, "whole threads to a column");
+    BackwardSums* part = reinterpret_cast<BackwardSums*>(smem);   // [READERS][BN]
+    __syncthreads();   // every warp is done with the main loop's shared memory, and dx's tile is stored
+    const int column = int(threadIdx.x) % T::BN, c = n0 + column;
+    BackwardSums sums{0.0f, 0.0f};
+    if (out.column(c) >= 0) {
+        const float mean = s.mean[c], invstd = s.invstd[c];
+        for (int r = int(threadIdx.x) / T::BN; r < T::BM; r += READERS) {
+            const int row = out.row(m0 + r);
+            if (row < 0) continue;
+            const int at = row + out.column(c);
+            const float g = to_float(s.y[at]) > 0.0f ? to_float(dx[at]) : 0.0f;
+            sums.dgamma = fmaf(g, (to_float(s.x[at]) - mean) * invstd, sums.dgamma);
+            sums.dbeta += g;
+        }
+    }
+    part[threadIdx.x] = sums;
+    __syncthreads();
+    const bool mine = int(threadIdx.x) < T::BN && c < columns;
+    if (mine)
+        for (int q = 1; q < READERS; ++q) sums = merged(sums, part[q * T::BN + threadIdx.x]);
+    if (bn_tile_merge(s.partial, s.counters, s.group, sums, mine, c, columns, int(blockIdx.x), int(gridDim.x), T::BM,
+                      rows, int(blockIdx.y))) {
+        s.dgamma[c] = sums.dgamma;
+        s.dbeta[c] = sums.dbeta;
+    }
+}
+
 // The dx rows (NHWC) of the phase's cells.
 struct PhaseRowsOut {
     static constexpr bool M_CONTIGUOUS = false;
