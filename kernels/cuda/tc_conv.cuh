@@ -282,7 +282,8 @@ __device__ __forceinline__ void tc_norm_sums(const BnSums<E>& s, const Out& out,
             const int row = out.row(m0 + r);
             if (row < 0) continue;
             const int at = row + out.column(c);
-            const float g = to_float(s.y[at]) > 0.0f ? to_float(dx[at]) : 0.0f;
+            const float d = to_float(dx[at]);   // loaded whatever the mask: one load instruction a warp
+            const float g = to_float(s.y[at]) > 0.0f ? d : 0.0f;
             sums.dgamma = fmaf(g, (to_float(s.x[at]) - mean) * invstd, sums.dgamma);
             sums.dbeta += g;
         }
