@@ -43,21 +43,31 @@ __device__ __forceinline__ Moments shuffled_xor(const Moments& m, int lane_mask)
             __shfl_xor_sync(kFullMask, m.m2, lane_mask)};
 }
 
-// A thread's values of one channel: their sums shifted by the first.
+// A thread's values of one channel, in runs of RUN: each run's sums shifted by its first value, so
+// that the squares do not cancel when the mean is far from zero, and the runs' moments merged, so that
+// a long sequence (a tile read back, a row per value) is not one long shifted sum, whose cancellation
+// grows with its length (its first value may lie several deviations from the mean).
 struct ShiftedSums {
+    static constexpr float RUN = 8.0f;
+    Moments done{0.0f, 0.0f, 0.0f};   // the runs before this one
     float n = 0.0f, shift = 0.0f, sum = 0.0f, squares = 0.0f;
     __device__ void add(float v) {
+        if (n == RUN) {
+            done = merged(done, run());
+            n = sum = squares = 0.0f;
+        }
         if (n == 0.0f) shift = v;
         const float d = v - shift;
         n += 1.0f;
         sum += d;
         squares = fmaf(d, d, squares);
     }
-    __device__ Moments moments() const {
+    __device__ Moments run() const {
         if (n == 0.0f) return {0.0f, 0.0f, 0.0f};
         const float centre = sum / n;
         return {n, shift + centre, fmaxf(squares - sum * centre, 0.0f)};
     }
+    __device__ Moments moments() const { return merged(done, run()); }
 };
 
 // Where the statistics go (the kernels' BN_STATS_PARAMS); partial null: none are wanted.
