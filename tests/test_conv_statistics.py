@@ -118,7 +118,8 @@ def test_the_cpu_backend_returns_its_batch_norms_statistics():
     """The CPU backend's statistics are batch_norm_forward's, bit for bit, and move the running pair alike."""
     from kernels import cpu
     g = rng()
-    x, w, b = g.standard_normal((2, 3, 6, 5)).astype(np.float32), g.standard_normal((4, 3, 3, 3)).astype(np.float32), None
+    x, w = g.standard_normal((2, 3, 6, 5)).astype(np.float32), g.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    b = None
     pairs = [tuple(np.full(4, v, np.float32) for v in (0.5, 2.0)) for _ in range(2)]
     y, mean, invstd = cpu.conv2d_forward(x, w, b, 1, 1, statistics=(EPS, pairs[0], MOMENTUM))
     _, bn_mean, bn_invstd = cpu.batch_norm_forward(cpu.conv2d_forward(x, w, b, 1, 1), np.ones(4, np.float32),

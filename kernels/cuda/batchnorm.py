@@ -30,19 +30,12 @@ def batch_norm_forward(be, x, gamma, beta, eps, *, running=None, momentum=0.1, r
     pair (running_mean, running_var), when given) and the normalisation with its relu or residual join."""
     op = "batch_norm_forward"
     x, (gamma, beta) = dense(be, op, x), float32(be, op, gamma, beta)
-    _sizes(x, gamma)
-    mean, invstd = batch_statistics(be, x, eps, running, momentum, op)
-    return apply(be, x, gamma, beta, mean, invstd, relu, residual), mean, invstd
-
-
-def batch_statistics(be, x, eps, running, momentum, op):
-    """(mean, invstd) of x's channels, float32, moving `running` (the pair, or None) in place: one launch of
-    bn_stats or bn_stats_rows, whose shift is a sample of each channel (its first value of x)."""
-    c = x.shape[1]
+    n, c, plane = _sizes(x, gamma)
     mean, invstd = be.xp.empty((2, c), np.float32)
+    # no shifts: a sample of each channel (its first value of x) centres its sums
     _stats(be, x, None, mean=mean, invstd=invstd, eps=eps, running=running_pair(be, op, running, c),
            momentum=momentum)
-    return mean, invstd
+    return apply(be, x, gamma, beta, mean, invstd, relu, residual), mean, invstd
 
 
 def running_pair(be, op, running, c):

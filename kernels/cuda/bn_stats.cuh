@@ -147,7 +147,8 @@ __device__ __forceinline__ bool bn_tile_merge(float* partial, unsigned* counters
     if (!last_block(counters, terms) || !mine) return false;
     v = load_slot<V>(partial, first_slot, channels, c, values_of(0, tiles_per_slot));
     for (int k = 1; k < terms; ++k)
-        v = merged(v, load_slot<V>(partial, first_slot + k, channels, c, values_of(k * tiles_per_slot, tiles_per_slot)));
+        v = merged(v, load_slot<V>(partial, first_slot + k, channels, c,
+                                   values_of(k * tiles_per_slot, tiles_per_slot)));
     return true;
 }
 

@@ -63,7 +63,7 @@ def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None):
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if statistics is not None:
         eps, running, momentum = statistics
-        statistics = conv_tc.Statistics(eps, None if running is None else running_pair(be, op, running, o), momentum)
+        statistics = conv_tc.Statistics(eps, running_pair(be, op, running, o), momentum)
     kind = _tensor_cores(c, o)
     if kind:
         out = conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry, statistics)
@@ -114,7 +114,8 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
             into = None if add_dx_to is None else add_dx_to.transpose(0, 2, 3, 1)   # its memory, if that is NHWC
             epilogue = _epilogue_norm(be, norm, dy.dtype, geometry)
             if epilogue is not None:
-                dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, norm=epilogue, sums=sums).transpose(0, 3, 1, 2)
+                dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, norm=epilogue, sums=sums)
+                dx = dx.transpose(0, 3, 1, 2)
             elif into is None or into.flags.c_contiguous:
                 dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into).transpose(0, 3, 1, 2)
                 dx = dx if into is None else add_dx_to

@@ -224,9 +224,9 @@ class Statistics(typing.NamedTuple):
     """What a forward computes for the training batch norm that follows it, in its epilogue
     (tc_conv.cuh's tc_batch_stats): the batch's mean and invstd of each output channel, with the
     norm's eps, and the running pair (running_mean, running_var, float32, moved in place with
-    `momentum`) or None."""
+    `momentum`; (None, None): none)."""
     eps: float
-    running: typing.Optional[tuple]
+    running: tuple
     momentum: float
 
 
@@ -256,7 +256,7 @@ def statistics_arguments(be, statistics, tiles, channel_tiles, channels, values,
     mean, invstd = be.xp.empty((2, channels), np.float32)
     correction = values / (values - 1) if values > 1 else 1.0
     return (*tile_merge_arguments(be, tiles, channel_tiles, channels, offset), mean, invstd,
-            *(statistics.running or (None, None)), float(statistics.eps), float(statistics.momentum),
+            *statistics.running, float(statistics.eps), float(statistics.momentum),
             float(correction)), mean, invstd
 
 
