@@ -28,14 +28,15 @@ def _multiplied(weight, K):
     return flat.bfloat16_view(weight)
 
 
-def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None, sole_reader=False):
+def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
     """PyTorch's F.conv2d. ``statistics``: a training batch norm's request (BatchNorm2d.statistics_request:
     its eps, running pair and momentum) for the statistics of the output, which the convolution computes
     where its output is (on a GPU, in the epilogue of its tensor-core kernel) and hands to that batch norm
-    as the output tensor's ``statistics``, (mean, invstd); None otherwise. ``sole_reader``: this
-    convolution is the only reader of x; when x is a training batch norm's output with its relu
-    (x.norm, see batch_norm), the backward computes that norm's sums where dx is (conv2d_backward's
-    norm) and hands them to its backward."""
+    as the output tensor's ``statistics``, (mean, invstd); None otherwise. When x is a training batch
+    norm's output with its relu or residual join (x.norm, see batch_norm) and this convolution's backward
+    is the last of x's readers' to run, it computes that norm's backward sums where x's final gradient is
+    (conv2d_backward's norm, dx added there to the gradient the other readers gave) and hands them to
+    the norm's backward."""
     K = backend_of(x.data)
     w = _multiplied(weight, K)   # the bias is added in float32 under every precision
     y = K.conv2d_forward(x.data, w, _data(bias), stride, padding, statistics=statistics)
@@ -45,13 +46,15 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None, sole_read
         # x's gradient so far, when no one else holds it, takes dx in place (a residual block's input);
         # without a bias there are two parents, and the tape ignores the third gradient. The weight
         # multiplied is the forward's: the optimizer writes the bfloat16 copy only after the backward
-        norm = getattr(x, "norm", None) if sole_reader and x.requires_grad and x.grad is None else None
-        if norm is None:
+        add_dx_to = x.grad if x._grad_owned else None
+        norm = getattr(x, "norm", None)
+        if norm is None or not x.requires_grad or x._readers_left != 1 or (x.grad is not None and add_dx_to is None):
             return K.conv2d_backward(dy, x.data, w, stride, padding, need_dx=x.requires_grad,
-                                     out=_outputs(weight, bias), add_dx_to=x.grad if x._grad_owned else None)
+                                     out=_outputs(weight, bias), add_dx_to=add_dx_to)
         arrays, norm_weight, norm_bias, handed = norm
         dx, dw, db, dgamma, dbeta = K.conv2d_backward(dy, x.data, w, stride, padding, out=_outputs(weight, bias),
-                                                      norm=arrays, norm_out=_outputs(norm_weight, norm_bias))
+                                                      add_dx_to=add_dx_to, norm=arrays,
+                                                      norm_out=_outputs(norm_weight, norm_bias))
         handed["sums"] = (dgamma, dbeta)
         return dx, dw, db
     out = Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
@@ -86,7 +89,7 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.
         y, mean, invstd = K.batch_norm_forward(x.data, weight.data, bias.data, eps, running=running,
                                                momentum=momentum, relu=relu, residual=r)
     masked = relu or residual is not None
-    handed = {}   # the sums the convolution that alone reads the output computes (conv2d's sole_reader)
+    handed = {}   # the sums that the convolution whose backward is the output's last computes (see conv2d)
 
     def backward(dy):
         return K.batch_norm_backward(dy, x.data, weight.data, mean, invstd, y=y if masked else None,
@@ -94,7 +97,7 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.
                                      sums=handed.pop("sums", None))
     out = Tensor._make(y, (x, weight, bias) if residual is None else (x, weight, bias, residual), backward,
                        fresh=True)
-    if relu and residual is None:   # its output and what its sums need, for the convolution that reads it
+    if masked:   # its output and what its sums need, for the convolution that reads it last (see conv2d)
         out.norm = ((y, x.data, mean, invstd), weight, bias, handed)
     return out
 
@@ -134,6 +137,16 @@ def relu(x):
     K = backend_of(x.data)
     y = K.relu_forward(x.data)
     return Tensor._make(y, (x,), lambda dy: (K.relu_backward(dy, y),), fresh=True)
+
+
+def applied_relu(y):
+    """relu(y) where y is a relu's output already (a batch norm's that fused it: Sequential): y passed on,
+    as an op of its own, so that the relu module keeps its place on the tape (module hooks, a profile's
+    row); the norm's request for its backward sums (y.norm, see batch_norm) goes with it."""
+    out = Tensor._make(y.data, (y,), lambda dy: (dy,))
+    if hasattr(y, "norm"):
+        out.norm = y.norm
+    return out
 
 
 def add_relu(a, b):

@@ -389,11 +389,18 @@ class Sequential(Module):
 
     def forward(self, x):
         """Each module on the last one's output; a convolution followed by a batch norm computes the
-        norm's statistics (BatchNorm2d.statistics_request) where its output is."""
+        norm's statistics (BatchNorm2d.statistics_request) where its output is, and a batch norm
+        followed by a relu applies the relu itself (the relu module, still called, then has nothing
+        to do: its row stays in a profile)."""
         modules = list(self._modules.values())
+        applied = False   # x is already the output of the relu module m
         for m, following in zip(modules, modules[1:] + [None]):
-            if isinstance(m, Conv2d) and isinstance(following, BatchNorm2d):
+            if applied:
+                x, applied = m(x, applied=True), False
+            elif isinstance(m, Conv2d) and isinstance(following, BatchNorm2d):
                 x = m(x, following.statistics_request())
+            elif isinstance(m, BatchNorm2d) and isinstance(following, ReLU):
+                x, applied = m(x, relu=True), True
             else:
                 x = m(x)
         return x
@@ -420,12 +427,10 @@ class Conv2d(Module):
     def reset_parameters(self, scheme="pytorch"):
         init_layer(self.weight, self.bias, scheme)
 
-    def forward(self, x, statistics=None, sole_reader=False):
+    def forward(self, x, statistics=None):
         """The convolution of x; with ``statistics`` (the request of the training batch norm that follows,
-        BatchNorm2d.statistics_request), the output also carries that norm's batch statistics;
-        ``sole_reader``: nothing else reads x, whose batch norm then gets its backward sums from this
-        convolution's backward (F.conv2d)."""
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, statistics, sole_reader)
+        BatchNorm2d.statistics_request), the output also carries that norm's batch statistics."""
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, statistics)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
@@ -488,8 +493,10 @@ class BatchNorm2d(Module):
 
 
 class ReLU(Module):
-    def forward(self, x):
-        return F.relu(x)
+    def forward(self, x, applied=False):
+        """relu(x); with ``applied``, x is the relu's output already (Sequential fuses the relu into the
+        batch norm before it), passed on (F.applied_relu)."""
+        return F.applied_relu(x) if applied else F.relu(x)
 
 
 class MaxPool2d(Module):

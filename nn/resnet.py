@@ -18,10 +18,11 @@ class Residual(Module):
         self.bn2 = BatchNorm2d(channels)
 
     def forward(self, x):
-        # each convolution computes the statistics of the batch norm after it, where its output is, and
-        # conv2, bn1's output's only reader, bn1's backward sums, where its dx is
+        # each convolution computes the statistics of the batch norm after it, where its output is, and the
+        # backward sums of the norm before it, where its dx is (F.conv2d: bn1's in conv2, and the previous
+        # block's bn2's in whichever of conv1 and conv3 runs its backward last)
         y = self.bn1(self.conv1(x, self.bn1.statistics_request()), relu=True)
-        y = self.conv2(y, self.bn2.statistics_request(), sole_reader=True)
+        y = self.conv2(y, self.bn2.statistics_request())
         shortcut = self.conv3(x) if self.conv3 is not None else x
         return self.bn2(y, residual=shortcut)
 

@@ -57,6 +57,9 @@ class Tensor:
         self._grad_owned = False   # self.grad is an array no one else holds: it may be added to in place
         self._module_path = ()
         self._grad_hooks = []
+        # during backward(), the ops reading this tensor whose backward has not yet returned (the one
+        # running included): 1 tells that op it is the last, so that the gradient it adds is final
+        self._readers_left = 0
 
     @classmethod
     def _make(cls, data, parents, backward, fresh=False):
@@ -121,6 +124,8 @@ class Tensor:
             if node._backward is None:
                 continue
             path = hooks.move_backward(path, node._module_path)
+            for p in node._parents:
+                p._readers_left = consumers[id(p)]
             grads = node._backward(node.grad)
             handed = collections.Counter(id(g) for g in grads if g is not None)
             for parent, g in zip(node._parents, grads):

@@ -42,7 +42,7 @@ def force(variant, monkeypatch):
         monkeypatch.setattr(conv_tc, "MIN_SPLIT_K", 32)
         monkeypatch.setattr(conv_tc, "BF16_MIN_SPLIT_K", 64)
         monkeypatch.setattr(conv_tc, "HALO_SLOTS", 0)   # no halo forward: it does not split
-    elif variant == "halo":
+    elif variant.startswith("halo"):
         monkeypatch.setattr(conv_tc, "BF16_SPLIT_TARGET", 1)
     names, launch = [], conv_tc.launch
     monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, grid, args, **k: names.append((kernel, grid)) or
@@ -138,25 +138,34 @@ def test_running_statistics_of_the_wrong_shape_are_refused():
 
 # ---- the backward's sums from backward-data ----------------------------------------------------------
 
-BACKWARD_SHAPES = SHAPES[:3] + [((2, 32, 9, 7), (32, 32, 3, 3), 2, 1)]   # stride 2: batchnorm.py's pass
+BACKWARD_SHAPES = SHAPES[:3] + [
+    ((2, 32, 9, 7), (32, 32, 3, 3), 2, 1),    # stride 2: four phases' tiles merged
+    ((6, 32, 9, 9), (32, 32, 3, 3), 2, 1),    # phases of 150, 120, 120 and 96 cells: blocks past theirs merge zeros
+    ((3, 32, 8, 8), (64, 32, 1, 1), 2, 0),    # a projection's: three phases no tap reaches, dx 0 there
+]
 
 
-def backward_with_sums(order, dy, x, w, norm, stride, padding, out):
+def backward_with_sums(order, dy, x, w, norm, stride, padding, out, add):
+    """The backward with the norm's sums and without, each adding dx to a copy of `add` (None: no add)."""
     with thread_order(order):
         be = kernels._device_backend("emu")
-        grads = be.conv2d_backward(dy, x, w, stride, padding, norm=norm, norm_out=out)
-        plain = be.conv2d_backward(dy, x, w, stride, padding)
+        grads = be.conv2d_backward(dy, x, w, stride, padding, norm=norm, norm_out=out,
+                                   add_dx_to=None if add is None else add.copy())
+        plain = be.conv2d_backward(dy, x, w, stride, padding, add_dx_to=None if add is None else add.copy())
     return grads, plain
 
 
 @pytest.mark.parametrize("precision, variant", [("tf32", "plan"), ("tf32", "split"), ("bf16", "plan"),
-                                                ("bf16", "split"), ("bf16", "halo")])
+                                                ("bf16", "split"), ("bf16", "halo"), ("tf32", "add"),
+                                                ("bf16", "halo add")])
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", BACKWARD_SHAPES)
 def test_batch_norm_sums_from_backward_data(monkeypatch, precision, variant, x_shape, w_shape, stride, padding):
     """conv2d_backward(..., norm=(y, x_norm, mean, invstd), norm_out=(dgamma, dbeta)): the sums of the batch
-    norm (with its relu) whose output the convolution reads, g = dx where y > 0: sum(g * xhat) and sum(g),
-    into norm_out, against float64 of the stored dx; dx, dw and db bit for bit the backward's without them,
-    the sums bit for bit the same in both orders."""
+    norm (with its relu, or residual join) whose output the convolution reads, g = dx where y > 0: sum(g *
+    xhat) and sum(g), into norm_out, against float64 of the stored dx; dx, dw and db bit for bit the
+    backward's without them, the sums bit for bit the same in both orders. Variants "... add": dx added to a
+    gradient already there (add_dx_to: the other readers' of a residual block's output), the sums those of
+    the total."""
     launched = force(variant, monkeypatch)
     conv_tc.plan.cache_clear()
     try:
@@ -171,16 +180,18 @@ def test_batch_norm_sums_from_backward_data(monkeypatch, precision, variant, x_s
             invstd = g.uniform(0.5, 2, x_shape[1]).astype(np.float32)
             out_shape = kernels._device_backend("emu").conv2d_forward(x, w, None, stride, padding).shape
             dy = channels_last(g.standard_normal(out_shape).astype(np.float32)).astype(storage)
+            add = channels_last(g.standard_normal(x_shape).astype(np.float32)).astype(storage) \
+                if variant.endswith("add") else None
             runs = []
             for order in ("ascending", "descending"):
                 out = tuple(np.full(x_shape[1], np.nan, np.float32) for _ in range(2))
-                runs.append(backward_with_sums(order, dy, x, w, (y, x_norm, mean, invstd), stride, padding, out) +
-                            (out,))
+                runs.append(backward_with_sums(order, dy, x, w, (y, x_norm, mean, invstd), stride, padding, out,
+                                               add) + (out,))
     finally:
         conv_tc.plan.cache_clear()
     (grads, plain, out), other = runs[0], runs[1]
     name = f"{precision} {variant} conv {x_shape} * {w_shape} stride {stride}"
-    if stride == 1 and x_shape[1] % 4 == 0 and variant == "halo" and x_shape[2:] == (28, 28):
+    if stride == 1 and x_shape[1] % 4 == 0 and variant.startswith("halo") and x_shape[2:] == (28, 28):
         assert any("dgrad_halo" in kernel for kernel, _ in launched), launched
     assert len(grads) == 5 and grads[3] is out[0] and grads[4] is out[1], f"{name}: the sums go to norm_out"
     for ours, theirs, what in zip(grads[:3], plain, ("dx", "dw", "db")):
@@ -212,10 +223,46 @@ def test_the_cpu_backend_hands_over_its_batch_norms_sums():
         assert ours.tobytes() == theirs.tobytes()
 
 
-def test_sums_need_a_dx_of_their_own():
+def test_sums_need_dx():
     with kernels.use_precision("bf16"):
         be = kernels._device_backend("emu")
         x, w, _, _ = draw((1, 8, 4, 4), (8, 8, 3, 3))
-        with pytest.raises(ValueError, match="dx of its own"):
+        with pytest.raises(ValueError, match="need dx"):
             be.conv2d_backward(x, x, w, 1, 1, need_dx=False, norm=(x, x, np.zeros(8, np.float32),
                                                                     np.ones(8, np.float32)))
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_in_a_residual_network_every_norm_read_by_a_convolution_gets_its_sums_from_it(monkeypatch, precision):
+    """ResNet-18's step on the emulator: the norms run no statistics pass, and no backward-sums pass but
+    the last block's second norm's (the pool reads its output): bn1's sums come from conv2, each block's
+    bn2's and the stem's from the next block's conv1 or conv3, whichever runs its backward last (dx added
+    there to the other's); the stem's relu runs inside its norm (no relu kernel), its module still
+    on the tape (its hooks run each way)."""
+    import nn
+    import nn.functional as F
+    from kernels.cuda import batchnorm, elementwise
+    from kernels.cuda import launch as cuda_launch
+    names = []
+
+    def recording(be, family, kernel, grid, args, block=(cuda_launch.THREADS,)):
+        names.append(kernel)
+        return cuda_launch.launch(be, family, kernel, grid, args, block)
+    for module in (batchnorm, elementwise):
+        monkeypatch.setattr(module, "launch", recording)
+    nn.manual_seed(0)
+    model = nn.resnet18(width=8)
+    g = rng()
+    events = []
+    handle = nn.register_module_hook(lambda m, e: events.append((e, m)))
+    try:
+        with kernels.use_precision(precision), kernels.emulate():
+            x = g.random((2, 1, 12, 12)).astype(np.float32)
+            F.cross_entropy(model(nn.Tensor(x)), np.array([3, 7], np.int32)).backward()
+    finally:
+        handle.remove()
+    count = lambda prefix: sum(name.startswith(prefix) for name in names)   # noqa: E731
+    assert count("bn_stats") == 0 and count("bn_backward_sums") == 1, names
+    assert count("bn_backward_dx") == 17 and count("relu_") == 0, names
+    relu = model[2]
+    assert [e for e, m in events if m is relu] == ["forward_begin", "forward_end", "backward_begin", "backward_end"]

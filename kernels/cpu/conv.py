@@ -38,9 +38,9 @@ def conv2d_forward(x, w, b, stride, padding, *, statistics=None):
 def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
                     norm_out=None):
     if norm is not None:
-        if not need_dx or add_dx_to is not None:
-            raise ValueError("conv2d_backward: a batch norm's sums (norm) need a dx of its own (need_dx, no add_dx_to)")
-        dx, dw, db = conv2d_backward(dy, x, w, stride, padding, out=out)
+        if not need_dx:
+            raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
+        dx, dw, db = conv2d_backward(dy, x, w, stride, padding, out=out, add_dx_to=add_dx_to)
         return (dx, dw, db) + masked_backward_sums(dx, *norm, out=norm_out)
     stride, padding = pair(stride), pair(padding)
     n, oh, ow = _output_shape(x, w, stride, padding)

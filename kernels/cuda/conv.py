@@ -84,10 +84,11 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
     (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
     to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given.
-    With `norm`, the batch norm's backward sums of dx as well (into norm_out), from the tensor-core
-    backward-data's epilogue (stride 1, channels-last y and x), else from batchnorm.py's pass over dx."""
-    if norm is not None and (not need_dx or add_dx_to is not None):
-        raise ValueError("conv2d_backward: a batch norm's sums (norm) need a dx of its own (need_dx, no add_dx_to)")
+    With `norm`, the batch norm's backward sums of dx (after the add, when add_dx_to is given) as well
+    (into norm_out), from the tensor-core backward-data's epilogue (channels-last y and x, dx added in
+    place there), else from batchnorm.py's pass over dx."""
+    if norm is not None and not need_dx:
+        raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
     sums = None
     if norm is not None:
         c = x.shape[1]
@@ -112,12 +113,10 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
         dx = None
         if need_dx:
             into = None if add_dx_to is None else add_dx_to.transpose(0, 2, 3, 1)   # its memory, if that is NHWC
-            epilogue = _epilogue_norm(be, norm, dy.dtype, geometry)
-            if epilogue is not None:
-                dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, norm=epilogue, sums=sums)
-                dx = dx.transpose(0, 3, 1, 2)
-            elif into is None or into.flags.c_contiguous:
-                dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into).transpose(0, 3, 1, 2)
+            if into is None or into.flags.c_contiguous:
+                epilogue = _epilogue_norm(be, norm, dy.dtype)
+                dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into, norm=epilogue,
+                                           sums=sums).transpose(0, 3, 1, 2)
                 dx = dx if into is None else add_dx_to
             else:   # an NCHW add_dx_to: added by a kernel of its own
                 dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry).transpose(0, 3, 1, 2))
@@ -132,11 +131,11 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     return (*grads, *sums)
 
 
-def _epilogue_norm(be, norm, dtype, geometry):
+def _epilogue_norm(be, norm, dtype):
     """The NHWC memory of a batch norm's (y, x, mean, invstd) (norm) for conv_tc.backward_data's epilogue,
-    or None where it cannot take it: no norm, a backward-data of several phases, or y and x not
-    channels-last arrays of dx's dtype (whose elements lie where dx's do)."""
-    if norm is None or not conv_tc.single_phase(geometry):
+    or None where it cannot take it: no norm, or y and x not channels-last arrays of dx's dtype (whose
+    elements lie where dx's do)."""
+    if norm is None:
         return None
     y, x, mean, invstd = norm
     if any(a.dtype != dtype or not is_channels_last(a) for a in (y, x)):

@@ -240,8 +240,8 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
 // [x * BM, ...) by input channels [y * BN, ...) over k in [part * k_chunk, ...) (split-K in groups
 // of `group`, see tc_finish), added to what dx holds when `add` is set. Blocks past the phase's
 // cells (phases differ in size by a row or column) leave at once; a phase, or a part of one, that
-// no tap reaches gets zeros. Unless sums_partial is null (stride 1), the backward sums of the batch
-// norm whose dy dx is (tc_norm_sums).
+// no tap reaches gets zeros. Unless sums_partial is null, the backward sums of the batch norm whose
+// dy dx is (tc_norm_sums, over the tiles of every phase: a block past its phase's cells merges zeros).
 template <class T, int ALIGN>
 __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
 conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, float* __restrict__ dx, int add,
@@ -251,7 +251,13 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
     const int phase = blockIdx.z / splits;
     const Phase f = stride_phase(g, phase);
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN;
-    if (m0 >= g.n * f.cells()) return;  // the same for the whole block
+    const int tile = phase * gridDim.x + blockIdx.x, sums_tiles = g.sh * g.sw * gridDim.x;   // of the norm's sums
+    __shared__ float sums_smem[2 * TC_THREADS];
+    if (m0 >= g.n * f.cells()) {   // the same for the whole block
+        if (sums_partial && part == 0)
+            tc_norm_sums<T>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile, sums_tiles);
+        return;
+    }
     const int k_begin = part * k_chunk, k_end = min(k_begin + k_chunk, f.taps() * g.o);
     const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;
     float acc[T::MI][T::NI][4];
@@ -265,9 +271,8 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
     const SplitK split{splits, group, part};
     const bool finished = tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
                                               tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
-    __shared__ float sums_smem[2 * TC_THREADS];
-    if (finished && sums_partial)   // one phase (stride 1): the launcher asks for no more
-        tc_norm_sums<T>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.n * g.h * g.w, g.c, dx, sums_smem, m0, n0);
+    if (finished && sums_partial)
+        tc_norm_sums<T>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile, sums_tiles);
 }
 
 // The bias gradient (tc_conv.cuh's BiasTotals) summed from the raw values of this thread's chunks of

@@ -276,8 +276,8 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None):
     `into` (a C-contiguous (N, H, W, C) array of that dtype), in place, when given. With `norm` = (y, x,
     mean, invstd), the batch norm (with its relu) whose output is this convolution's input (y and x
     C-contiguous (N, H, W, C) arrays of dx's dtype), also that norm's backward sums of dx, into `sums` =
-    (dgamma, dbeta), float32 (C,): sum(g * xhat) and sum(g), g = dx where y > 0, from the kernel's
-    epilogue; at stride 1 alone (single_phase)."""
+    (dgamma, dbeta), float32 (C,): sum(g * xhat) and sum(g), g = dx (after the add into `into`) where
+    y > 0, from the kernel's epilogue, over the tiles of every stride phase."""
     n, c, h, wd = geometry[:4]
     p = plan("dgrad", geometry, kind_of(dy.dtype))
     dy, w_krsc = aligned(dy), aligned(w_krsc)
@@ -285,16 +285,10 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None):
     if norm is None:
         _launch(be, p, (dy, w_krsc), dx, geometry, (int(into is not None),), tail=NO_SUMS)
         return dx
-    if not single_phase(geometry):
-        raise ValueError(f"the backward sums come from a backward-data of one phase (stride 1), not {geometry[7:9]}")
-    tail = (*norm, *tile_merge_arguments(be, p.grid[0], p.grid[1], c, _counters(p)), *sums)
+    phases = geometry[7] * geometry[8]
+    tail = (*norm, *tile_merge_arguments(be, p.grid[0] * phases, p.grid[1], c, _counters(p)), *sums)
     _launch(be, p, (dy, w_krsc), dx, geometry, (int(into is not None),), tail=tail)
     return dx
-
-
-def single_phase(geometry):
-    """Whether a convolution's backward-data is one GEMM (stride 1), which can hand a batch norm its sums."""
-    return geometry[7:9] == (1, 1)
 
 
 def backward_weight(be, dy, x, geometry, dw, db):

@@ -262,14 +262,16 @@ __device__ __forceinline__ void tc_batch_stats(const BnStats& s, const RowsOut& 
     bn_tile_statistics(s, m, mine, c, out.columns, int(blockIdx.x), int(gridDim.x), T::BM, out.rows, int(blockIdx.y));
 }
 
-// The backward sums (bn_stats.cuh) of the batch norm whose dy is a stride-1 backward-data's dx (one
-// phase), from the tile as the block that finished it stored it (in `dx`, read back: dx, the norm's y
-// and x at each element): each thread every READERS-th row of a column (channel), in order, then the
-// block's threads of a column in order, then the tiles of rows (bn_tile_merge). smem: 2 * (TC_THREADS /
-// BN) * BN floats the block is done with. Every thread of the block must call it.
+// The backward sums (bn_stats.cuh) of the batch norm whose dy is a backward-data's dx, from the tile as
+// the block that finished it stored it (in `dx`, read back: dx, the norm's y and x at each element):
+// each thread every READERS-th row of a column (channel), in order, then the block's threads of a
+// column in order, then the `tiles` tiles of rows, this one `tile` (bn_tile_merge): with several
+// stride phases, the tiles of every phase, each phase's rows its own cells of dx. A tile with no rows
+// (past its phase's cells) merges zeros. smem: 2 * (TC_THREADS / BN) * BN floats the block is done
+// with. Every thread of the block must call it.
 template <class T, class Out, class E>
-__device__ __forceinline__ void tc_norm_sums(const BnSums<E>& s, const Out& out, int rows, int columns, const E* dx,
-                                             float* smem, int m0, int n0) {
+__device__ __forceinline__ void tc_norm_sums(const BnSums<E>& s, const Out& out, int columns, const E* dx,
+                                             float* smem, int m0, int n0, int tile, int tiles) {
     constexpr int READERS = TC_THREADS / T::BN;
     static_assert(TC_THREADS % T::BN == 0, "whole threads to a column");
     BackwardSums* part = reinterpret_cast<BackwardSums*>(smem);   // [READERS][BN]
@@ -293,8 +295,9 @@ __device__ __forceinline__ void tc_norm_sums(const BnSums<E>& s, const Out& out,
     const bool mine = int(threadIdx.x) < T::BN && c < columns;
     if (mine)
         for (int q = 1; q < READERS; ++q) sums = merged(sums, part[q * T::BN + threadIdx.x]);
-    if (bn_tile_merge(s.partial, s.counters, s.group, sums, mine, c, columns, int(blockIdx.x), int(gridDim.x), T::BM,
-                      rows, int(blockIdx.y))) {
+    // (the sums carry no count: the tiles' sizes are the merge's bookkeeping alone)
+    if (bn_tile_merge(s.partial, s.counters, s.group, sums, mine, c, columns, tile, tiles, T::BM, tiles * T::BM,
+                      int(blockIdx.y))) {
         s.dgamma[c] = sums.dgamma;
         s.dbeta[c] = sums.dbeta;
     }
