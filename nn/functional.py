@@ -36,7 +36,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
     norm's output with its relu or residual join (x.norm, see batch_norm) and this convolution's backward
     is the last of x's readers' to run, it computes that norm's backward sums where x's final gradient is
     (conv2d_backward's norm, dx added there to the gradient the other readers gave) and hands them to
-    the norm's backward."""
+    the norm's backward (so does adaptive_avg_pool2d)."""
     K = backend_of(x.data)
     w = _multiplied(weight, K)   # the bias is added in float32 under every precision
     y = K.conv2d_forward(x.data, w, _data(bias), stride, padding, statistics=statistics)
@@ -47,8 +47,8 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
         # without a bias there are two parents, and the tape ignores the third gradient. The weight
         # multiplied is the forward's: the optimizer writes the bfloat16 copy only after the backward
         add_dx_to = x.grad if x._grad_owned else None
-        norm = getattr(x, "norm", None)
-        if norm is None or not x.requires_grad or x._readers_left != 1 or (x.grad is not None and add_dx_to is None):
+        norm = _norm_to_sum(x, adds=True)
+        if norm is None:
             return K.conv2d_backward(dy, x.data, w, stride, padding, need_dx=x.requires_grad,
                                      out=_outputs(weight, bias), add_dx_to=add_dx_to)
         arrays, norm_weight, norm_bias, handed = norm
@@ -60,6 +60,17 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
     out = Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
     out.statistics = stats
     return out
+
+
+def _norm_to_sum(x, adds):
+    """x.norm (see batch_norm) when the op whose backward is running can compute that norm's backward sums
+    where it makes x's gradient: it is the last of x's readers to run its backward (x's gradient is final
+    after it), and x's gradient so far is none, or (an op that `adds` its dx in place) one no one else
+    holds; None otherwise."""
+    norm = getattr(x, "norm", None)
+    if norm is None or not x.requires_grad or x._readers_left != 1:
+        return None
+    return norm if x.grad is None or (adds and x._grad_owned) else None
 
 
 def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.1, eps=1e-5, group=None,
@@ -175,10 +186,19 @@ def adaptive_avg_pool2d(x, output_size):
     K = backend_of(x.data)
     n, c = x.shape[:2]
     y = K.global_avg_pool_forward(x.data).reshape(n, c, 1, 1)
-    # dx in x's dtype (bfloat16 under the bf16 precision on a device backend), not in dy's: dy is the
-    # float32 linear layer's gradient
-    return Tensor._make(y, (x,), lambda dy: (K.global_avg_pool_backward(dy.reshape(n, c), x.shape, dtype=x.dtype),),
-                        fresh=True)
+
+    def backward(dy):
+        # dx in x's dtype (bfloat16 under the bf16 precision on a device backend), not in dy's: dy is the
+        # float32 linear layer's gradient; the sums of the batch norm that made x where dx is made (see conv2d)
+        norm = _norm_to_sum(x, adds=False)
+        if norm is None:
+            return (K.global_avg_pool_backward(dy.reshape(n, c), x.shape, dtype=x.dtype),)
+        arrays, norm_weight, norm_bias, handed = norm
+        dx, dgamma, dbeta = K.global_avg_pool_backward(dy.reshape(n, c), x.shape, dtype=x.dtype, norm=arrays,
+                                                       norm_out=_outputs(norm_weight, norm_bias))
+        handed["sums"] = (dgamma, dbeta)
+        return (dx,)
+    return Tensor._make(y, (x,), backward, fresh=True)
 
 
 def flatten(x, start_dim=1):

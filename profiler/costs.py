@@ -258,8 +258,14 @@ def global_avg_pool_forward(x):
     return Cost(size(x), nbytes(x) + FLOAT * size(x[:2]))
 
 
-def global_avg_pool_backward(dy, x_shape, *, dtype=None):
-    return Cost(size(x_shape), FLOAT * size(dy) + _itemsize(dtype) * size(x_shape))
+def global_avg_pool_backward(dy, x_shape, *, dtype=None, norm=None, norm_out=None):
+    """With `norm`, the batch norm's backward sums of dx in the same pass: its y and x read, as
+    conv2d_backward's norm."""
+    cost = Cost(size(x_shape), FLOAT * size(dy) + _itemsize(dtype) * size(x_shape))
+    if norm is None:
+        return cost
+    y, x_norm = norm[:2]
+    return cost + Cost(BN_BACKWARD_SUMS * size(y) + size(y), nbytes(y) + nbytes(x_norm) + FLOAT * 4 * x_shape[1])
 
 
 # ---- linear --------------------------------------------------------------------------------

@@ -234,10 +234,10 @@ def test_sums_need_dx():
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 def test_in_a_residual_network_every_norm_read_by_a_convolution_gets_its_sums_from_it(monkeypatch, precision):
-    """ResNet-18's step on the emulator: the norms run no statistics pass, and no backward-sums pass but
-    the last block's second norm's (the pool reads its output): bn1's sums come from conv2, each block's
-    bn2's and the stem's from the next block's conv1 or conv3, whichever runs its backward last (dx added
-    there to the other's); the stem's relu runs inside its norm (no relu kernel), its module still
+    """ResNet-18's step on the emulator: the norms run no statistics pass and no backward-sums pass: bn1's
+    sums come from conv2, each block's bn2's and the stem's from the next block's conv1 or conv3, whichever
+    runs its backward last (dx added there to the other's), the last block's bn2's from the pool's
+    backward (bn_pooled_backward); the stem's relu runs inside its norm (no relu kernel), its module still
     on the tape (its hooks run each way)."""
     import nn
     import nn.functional as F
@@ -262,7 +262,59 @@ def test_in_a_residual_network_every_norm_read_by_a_convolution_gets_its_sums_fr
     finally:
         handle.remove()
     count = lambda prefix: sum(name.startswith(prefix) for name in names)   # noqa: E731
-    assert count("bn_stats") == 0 and count("bn_backward_sums") == 1, names
+    assert count("bn_stats") == 0 and count("bn_backward_sums") == 0 and count("bn_pooled_backward") == 1, names
     assert count("bn_backward_dx") == 17 and count("relu_") == 0, names
     relu = model[2]
     assert [e for e, m in events if m is relu] == ["forward_begin", "forward_end", "backward_begin", "backward_end"]
+
+
+# (N, C, H, W) of the pooled activations: C a multiple of 32 (bn_pooled_backward, one split or several),
+# or not (the pool's kernel, then batchnorm.py's pass)
+POOLED_SHAPES = [(2, 64, 4, 4), (64, 32, 6, 6), (3, 24, 2, 2)]
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("shape", POOLED_SHAPES)
+def test_batch_norm_sums_from_the_pools_backward(precision, shape):
+    """global_avg_pool_backward(..., norm=(y, x, mean, invstd), norm_out=...): the sums of the batch norm
+    whose output the pool read, g = dx where y > 0, against float64 of the stored dx; dx bit for bit the
+    pool's backward without them; the sums bit for bit the same in both orders; the CPU backend's equal
+    batch_norm_backward's own."""
+    g = rng()
+    with kernels.use_precision(precision):
+        storage = kernels.storage_dtype()
+        channels_last = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)  # noqa: E731
+        y = channels_last(np.maximum(g.standard_normal(shape), 0).astype(np.float32)).astype(storage)
+        x_norm = channels_last((g.standard_normal(shape) + 2).astype(np.float32)).astype(storage)
+        mean = g.standard_normal(shape[1]).astype(np.float32)
+        invstd = g.uniform(0.5, 2, shape[1]).astype(np.float32)
+        dy = g.standard_normal(shape[:2]).astype(np.float32)
+        runs = []
+        for order in ("ascending", "descending"):
+            with thread_order(order):
+                be = kernels._device_backend("emu")
+                out = tuple(np.full(shape[1], np.nan, np.float32) for _ in range(2))
+                runs.append((be.global_avg_pool_backward(dy, shape, dtype=storage, norm=(y, x_norm, mean, invstd),
+                                                         norm_out=out), out,
+                             be.global_avg_pool_backward(dy, shape, dtype=storage)))
+    (grads, out, plain), other = runs[0], runs[1][0]
+    name = f"{precision} pool {shape}"
+    assert len(grads) == 3 and grads[1] is out[0] and grads[2] is out[1], f"{name}: the sums go to norm_out"
+    assert np.asarray(grads[0]).tobytes() == np.asarray(plain).tobytes(), f"{name}: dx differs with the sums"
+    for ours, theirs, what in zip(grads[1:], other[1:], ("dgamma", "dbeta")):
+        assert ours.tobytes() == theirs.tobytes(), f"{name}: {what} differs between orders"
+    masked = np.where(np.asarray(y).astype(np.float64) > 0, np.asarray(grads[0]).astype(np.float64), 0.0)
+    xhat = (np.asarray(x_norm).astype(np.float64) - mean[None, :, None, None]) * invstd[None, :, None, None]
+    axes = (0, 2, 3)
+    for what, ours, exact, magnitude in (("dgamma", out[0], (masked * xhat).sum(axes), np.abs(masked * xhat).sum(axes)),
+                                         ("dbeta", out[1], masked.sum(axes), np.abs(masked).sum(axes))):
+        excess = np.abs(ours - exact) - 64 * 2.0**-24 * magnitude
+        worst = int(np.argmax(excess))
+        assert excess[worst] <= 0, (f"{name}: {what} of channel {worst}: {ours[worst]!r}, float64 {exact[worst]!r}"
+                                    f"\n{reproduce_hint()}")
+    from kernels import cpu
+    y64, x64 = np.asarray(y).astype(np.float64), np.asarray(x_norm).astype(np.float64)
+    dx, dgamma, dbeta = cpu.global_avg_pool_backward(dy.astype(np.float64), shape, norm=(y64, x64, mean, invstd))
+    alone = cpu.batch_norm_backward(dx, x64, np.ones(shape[1]), mean, invstd, y=y64)
+    assert dgamma.tobytes() == alone[1].tobytes() and dbeta.tobytes() == alone[2].tobytes()
+

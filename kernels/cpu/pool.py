@@ -8,6 +8,7 @@ dy at those indices with np.bincount, which sums the contributions of overlappin
 import numpy as np
 
 from ._util import output_size, pair, padded, windows
+from .batchnorm import masked_backward_sums
 
 
 def max_pool2d_forward(x, kernel_size, stride, padding):
@@ -39,12 +40,15 @@ def global_avg_pool_forward(x):
     return x.mean(axis=(2, 3))
 
 
-def global_avg_pool_backward(dy, x_shape, *, dtype=None):
-    # channels-last, like the convolutions' arrays that it flows back into
+def global_avg_pool_backward(dy, x_shape, *, dtype=None, norm=None, norm_out=None):
+    """dx (channels-last, like the convolutions' arrays that it flows back into); with `norm` = (y, x, mean,
+    invstd), also the backward sums (dgamma, dbeta) of the training batch norm whose output y the pool
+    read (x its input), of that dx, into norm_out when given: (dx, dgamma, dbeta)."""
     n, c, h, w = x_shape
     dx = np.empty((n, h, w, c), dtype=dy.dtype if dtype is None else dtype)
     dx[...] = (dy / (h * w))[:, None, None, :]
-    return dx.transpose(0, 3, 1, 2)
+    dx = dx.transpose(0, 3, 1, 2)
+    return dx if norm is None else (dx, *masked_backward_sums(dx, *norm, out=norm_out))
 
 
 def _check_pool_args(x, kernel, stride, padding):

@@ -27,7 +27,8 @@
 //   last block per channel writing dgamma and dbeta; bn_backward_sums_rows on channels-last memory,
 //   as bn_stats_rows), bn_backward_dx. Given the output y of a fused relu, both take dy where y > 0
 //   and 0 elsewhere, and bn_backward_dx can also write that masked dy (the gradient of a residual
-//   join's shortcut).
+//   join's shortcut). The sums of a norm whose output a global average pool reads come from the
+//   pool's backward, bn_pooled_backward (as bn_backward_sums_rows, dy made as it is stored).
 // Inference: bn_invstd from the running variance, then bn_apply; its backward
 //   bn_backward_sums (or _rows) + bn_inference_dx.
 // bn_update_running: PyTorch's running-statistics update, in place (synchronised batch norm).
@@ -212,23 +213,25 @@ bn_invstd(const float* __restrict__ var, int channels, float eps, float* __restr
     if (c < channels) invstd[c] = 1.0f / sqrtf(var[c] + eps);
 }
 
-// dy where a relu's output y is positive, else 0; dy itself without a relu (y null).
+// Element i, of dy d, into the backward's sums of g * xhat and of g, g = d where y[i] > 0 (d itself
+// without y), xhat = (x - m) * inv.
 template <class T>
-__device__ __forceinline__ float bn_masked(const T* __restrict__ dy, const T* __restrict__ y, int i) {
-    return !y || to_float(y[i]) > 0.0f ? to_float(dy[i]) : 0.0f;
-}
-
-// Element i into the backward's sums of g * xhat and of g, g the masked dy (bn_masked), xhat = (x - m) * inv.
-template <class T>
-__device__ __forceinline__ void bn_add_gradient(const T* __restrict__ dy, const T* __restrict__ y,
-                                                const T* __restrict__ x, int i, float m, float inv,
-                                                float& dy_xhat, float& dy_sum) {
-    const float g = bn_masked(dy, y, i);
+__device__ __forceinline__ void bn_add_gradient(float d, const T* __restrict__ y, const T* __restrict__ x, int i,
+                                                float m, float inv, float& dy_xhat, float& dy_sum) {
+    const float g = !y || to_float(y[i]) > 0.0f ? d : 0.0f;
     dy_xhat = fmaf(g, (to_float(x[i]) - m) * inv, dy_xhat);
     dy_sum += g;
 }
 
-// The two per-channel sums of the backward, in one pass over dy (masked by y, see bn_masked) and
+// Element i of dy into them.
+template <class T>
+__device__ __forceinline__ void bn_add_gradient(const T* __restrict__ dy, const T* __restrict__ y,
+                                                const T* __restrict__ x, int i, float m, float inv,
+                                                float& dy_xhat, float& dy_sum) {
+    bn_add_gradient(to_float(dy[i]), y, x, i, m, inv, dy_xhat, dy_sum);
+}
+
+// The two per-channel sums of the backward, in one pass over dy (masked by y, see bn_add_gradient) and
 // x: block (c, s) of a (C, splits) grid reduces channel c's values e in [s * chunk, ...), each
 // thread a strided subset in order, then block_sum, into dgamma[c] = sum(dy * xhat) and
 // dbeta[c] = sum(dy), xhat = (x - mean) * invstd; with several splits through partial
@@ -270,6 +273,34 @@ bn_backward_sums_rows(const T* __restrict__ dy, const T* __restrict__ y, const T
 #pragma unroll 4  // the loads of 4 rows of dy, y and x in flight before their adds, in order: 48 (24) bytes a lane
     for (int r = begin + warp; r < end; r += warps)
         bn_add_gradient(dy, y, x, r * channels + c, m, inv, dy_xhat, dy_sum);
+    dy_xhat = bn_sum_over_warps(dy_xhat, scratch);
+    dy_sum = bn_sum_over_warps(dy_sum, scratch);
+    if (!bn_rows_totals(dy_xhat, dy_sum, c, channels, partial, counters, scratch) || warp != 0) return;
+    dgamma[c] = dy_xhat;
+    dbeta[c] = dy_sum;
+}
+
+// The backward of a global average pool whose input is the output y of a training batch norm (x its
+// input), with that norm's sums: dx (rows, C) channels-last, each image's `plane` rows its pooled
+// gradient (N, C) / plane (as global_avg_pool_backward stores it), and the norm's sums of that dx as
+// bn_backward_sums_rows adds them, in one pass; C a multiple of 32.
+template <class T>
+__global__ void __launch_bounds__(256)
+bn_pooled_backward(const float* __restrict__ pooled, int plane, T* __restrict__ dx, const T* __restrict__ y,
+                   const T* __restrict__ x, const float* __restrict__ mean, const float* __restrict__ invstd,
+                   int rows, int channels, int chunk, float* partial, unsigned* counters, float* __restrict__ dgamma,
+                   float* __restrict__ dbeta) {
+    __shared__ float scratch[256 / 32][32];
+    const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int c = blockIdx.x * 32 + threadIdx.x % 32, begin = blockIdx.y * chunk, end = min(begin + chunk, rows);
+    const float m = mean[c], inv = invstd[c];
+    float dy_xhat = 0.0f, dy_sum = 0.0f;
+#pragma unroll 4
+    for (int r = begin + warp; r < end; r += warps) {
+        const T d = stored<T>(pooled[r / plane * channels + c] / float(plane));
+        dx[r * channels + c] = d;
+        bn_add_gradient(to_float(d), y, x, r * channels + c, m, inv, dy_xhat, dy_sum);
+    }
     dy_xhat = bn_sum_over_warps(dy_xhat, scratch);
     dy_sum = bn_sum_over_warps(dy_sum, scratch);
     if (!bn_rows_totals(dy_xhat, dy_sum, c, channels, partial, counters, scratch) || warp != 0) return;

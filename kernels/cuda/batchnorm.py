@@ -17,7 +17,7 @@ OPS = ("batch_norm_forward", "batch_norm_backward", "batch_norm_update_running",
        "batch_norm_backward_sums", "batch_norm_backward_dx")
 KERNELS = ("bn_stats_finish", "bn_invstd", "bn_update_running") + \
     tuple(f"{kernel}<{t}>" for kernel in ("bn_stats", "bn_stats_rows", "bn_backward_sums", "bn_backward_sums_rows",
-                                          "bn_inference_dx") for t in STORAGE_TYPES.values()) + \
+                                          "bn_pooled_backward", "bn_inference_dx") for t in STORAGE_TYPES.values()) + \
     tuple(f"bn_backward_dx<{vec}{storage_argument(t)}>" for vec in (1, 4) for t in STORAGE_TYPES.values()) + \
     tuple(f"bn_apply<{mode}, {vec}{storage_argument(t)}>" for mode in (0, 1, 2) for vec in (1, 4)
           for t in STORAGE_TYPES.values())
@@ -128,6 +128,26 @@ def backward_sums(be, dy, y, x, mean, invstd, op, into=None):
     sums = be.xp.empty((2, mean.size), np.float32) if into is None else into
     _affine_grads(be, dy, y, x, mean, invstd, sums[0], sums[1])
     return sums
+
+
+def pooled_backward(be, pooled, dx, norm, sums, op):
+    """dx (a channels-last (N, C, H, W) array) = pooled ((N, C) float32) / (H * W) at each pixel, and into
+    `sums` = (dgamma, dbeta) the backward sums of the training batch norm whose output is the pooled
+    activations, norm = (y, x, mean, invstd) (backward_sums' g of that dx): one launch of bn_pooled_backward,
+    where its rows take them (channels-last y and x of dx's dtype, C a multiple of GROUP); else False, and
+    nothing launched."""
+    y, x, mean, invstd = norm
+    n, c, h, w = dx.shape
+    if not (by_rows(c, 1) and all(is_channels_last(a) and a.dtype == dx.dtype and a.shape == dx.shape
+                                  for a in (dx, y, x))):
+        return False
+    mean, invstd = float32(be, op, mean, invstd)
+    _sizes(x, mean)
+    suffix, grid, chunk = reduction(n * h * w, c, 1)
+    launch(be, "batchnorm", f"bn_pooled_backward<{STORAGE_TYPES[dx.dtype]}>", grid,
+           (pooled, h * w, dx, y, x, mean, invstd, n * h * w, c, chunk, _partial(be, grid, c), be.counters(grid[0]),
+            *sums))
+    return True
 
 
 def batch_norm_backward_dx(be, dy, x, gamma, mean, invstd, sums, count):

@@ -11,7 +11,8 @@ import kernels
 
 from kernels.cpu._util import output_size, pair
 
-from .launch import STORAGE_TYPES, blocks, cdiv, dense, float32, is_channels_last, launch, typed
+from .batchnorm import backward_sums, pooled_backward
+from .launch import STORAGE_TYPES, blocks, cdiv, dense, float32, gradient_outputs, is_channels_last, launch, typed
 
 OPS = ("max_pool2d_forward", "max_pool2d_backward", "global_avg_pool_forward", "global_avg_pool_backward")
 KERNELS = tuple(f"{kernel}<{t}>" for kernel in OPS for t in STORAGE_TYPES.values())
@@ -61,8 +62,11 @@ def global_avg_pool_forward(be, x):
     return y
 
 
-def global_avg_pool_backward(be, dy, x_shape, *, dtype=None):
-    (dy,) = float32(be, "global_avg_pool_backward", dy)
+def global_avg_pool_backward(be, dy, x_shape, *, dtype=None, norm=None, norm_out=None):
+    """See kernels/cpu/pool.py. With `norm`, the sums of the batch norm whose output the pool read, in the
+    same pass where batchnorm.py's pooled_backward takes them, else in batchnorm.py's pass over dx."""
+    op = "global_avg_pool_backward"
+    (dy,) = float32(be, op, dy)
     dtype = np.dtype(np.float32 if dtype is None else dtype)
     if dtype not in STORAGE_TYPES:
         raise TypeError(f"global_avg_pool_backward: dx is float32 or bfloat16, not {dtype}")
@@ -71,6 +75,13 @@ def global_avg_pool_backward(be, dy, x_shape, *, dtype=None):
         raise ValueError(f"global_avg_pool_backward: dy {dy.shape} does not fit x {tuple(x_shape)}")
     channels_last = kernels.channels_last()
     dx = be.xp.empty((n, h, w, c), dtype).transpose(0, 3, 1, 2) if channels_last else be.xp.empty((n, c, h, w), dtype)
-    launch(be, "pool", f"global_avg_pool_backward<{STORAGE_TYPES[dtype]}>", blocks(dx.size),
-           (dy, dx.size, h * w, c, int(channels_last), dx))
-    return dx
+    if norm is None:
+        launch(be, "pool", f"global_avg_pool_backward<{STORAGE_TYPES[dtype]}>", blocks(dx.size),
+               (dy, dx.size, h * w, c, int(channels_last), dx))
+        return dx
+    sums = tuple(be.xp.empty((c,), np.float32) if a is None else a
+                 for a in gradient_outputs(be, op, norm_out, ((c,), (c,))))
+    if not pooled_backward(be, dy, dx, norm, sums, op):
+        dx = global_avg_pool_backward(be, dy, x_shape, dtype=dtype)
+        backward_sums(be, dx, *norm, op, into=sums)
+    return (dx, *sums)
