@@ -92,7 +92,7 @@ def resnet18_layers(batch=BATCH, width=64, image=IMAGE, in_channels=1, classes=C
     of (batch, image, image) uint8 images, forward order, then the optimizer's update."""
     layers = [Layer("images_to_float", "input", (batch, image, image))]
     x = _conv(layers, "0", (batch, in_channels, image, image), width, 3, 1, 1)
-    layers += [Layer("batch_norm", "1", x), Layer("relu", "2", x)]
+    layers.append(Layer("batch_norm_relu", "1", x))   # the relu "2" runs inside the norm (nn.Sequential)
     for stage in range(1, 5):
         channels = width * 2 ** (stage - 1)
         for block in range(2):

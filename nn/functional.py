@@ -102,14 +102,17 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.
     masked = relu or residual is not None
     handed = {}   # the sums that the convolution whose backward is the output's last computes (see conv2d)
 
+    alone = relu and residual is None   # a relu alone: its mask can be recomputed from x (see batch_norm_backward)
+
     def backward(dy):
         return K.batch_norm_backward(dy, x.data, weight.data, mean, invstd, y=y if masked else None,
-                                     out=_outputs(weight, bias), shortcut=residual is not None,
-                                     sums=handed.pop("sums", None))
+                                     beta=bias.data if alone else None, out=_outputs(weight, bias),
+                                     shortcut=residual is not None, sums=handed.pop("sums", None))
     out = Tensor._make(y, (x, weight, bias) if residual is None else (x, weight, bias, residual), backward,
                        fresh=True)
     if masked:   # its output and what its sums need, for the convolution that reads it last (see conv2d)
-        out.norm = ((y, x.data, mean, invstd), weight, bias, handed)
+        affine = (weight.data, bias.data) if alone else (None, None)
+        out.norm = ((y, x.data, mean, invstd, *affine), weight, bias, handed)
     return out
 
 

@@ -131,7 +131,7 @@ def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to
     """Backward-data (unless need_dx is false) and backward-weight GEMMs and the bias gradient (a
     sum over dy); dx added to add_dx_to (read, and one add per element) when given; with `norm`, the
     batch norm's backward sums of dx where dx is: its y and x read (as batch_norm_backward_sums reads
-    them, less dx), the sums written."""
+    them, less dx; x alone where the relu's mask is recomputed), the sums written."""
     passes = 2 if need_dx else 1
     added = size(add_dx_to) if need_dx else 0
     data = nbytes(w) + item(dy) * (size(x) + added) if need_dx else 0   # w read, dx written, add_dx_to read
@@ -139,8 +139,9 @@ def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to
                 nbytes(dy) + nbytes(x) + FLOAT * (size(w) + w[0]) + data)   # dy and x read, dw and db written
     if norm is None:
         return cost
-    y, x_norm = norm[:2]
-    return cost + Cost(BN_BACKWARD_SUMS * size(x) + size(y), nbytes(y) + nbytes(x_norm) + FLOAT * 4 * x[1])
+    y, x_norm, recomputed = norm[0], norm[1], norm[5] is not None   # a relu alone's mask from x: y not read
+    return cost + Cost(BN_BACKWARD_SUMS * size(x) + (2 if recomputed else 1) * size(y),
+                       (0 if recomputed else nbytes(y)) + nbytes(x_norm) + FLOAT * 4 * x[1])
 
 
 # ---- batch normalisation ---------------------------------------------------------------------
@@ -153,12 +154,16 @@ def batch_norm_forward(x, gamma, beta, eps, running=None, momentum=0.1, relu=Fal
     return Cost(BN_FORWARD * size(x) + join, 2 * nbytes(x) + nbytes(residual) + FLOAT * statistics)
 
 
-def batch_norm_backward(dy, x, gamma, mean, invstd, y=None, out=None, shortcut=False, sums=None):
+def batch_norm_backward(dy, x, gamma, mean, invstd, y=None, beta=None, out=None, shortcut=False, sums=None):
     """Masked by a fused relu's output y (read, one comparison), writing the masked dy for a shortcut;
-    with its sums given (computed by the convolution after it), its dx pass alone."""
+    with its sums given (computed by the convolution after it), its dx pass alone, which with `beta`
+    (a relu alone) recomputes the mask from x (a multiply-add and a comparison) instead of reading y."""
     c = x[1]
-    return Cost((BN_BACKWARD_DX if sums is not None else BN_BACKWARD) * size(x) + (size(y) if y is not None else 0),
-                nbytes(dy) + nbytes(x) + nbytes(y) + item(x) * size(x) * (2 if shortcut else 1) + FLOAT * 5 * c)
+    recomputed = beta is not None and sums is not None
+    mask = 0 if y is None else 2 * size(x) if recomputed else size(y)
+    return Cost((BN_BACKWARD_DX if sums is not None else BN_BACKWARD) * size(x) + mask,
+                nbytes(dy) + nbytes(x) + (0 if recomputed else nbytes(y)) + item(x) * size(x) * (2 if shortcut else 1)
+                + FLOAT * 5 * c)
 
 
 def batch_norm_sums(x, shift):

@@ -157,15 +157,17 @@ def backward_with_sums(order, dy, x, w, norm, stride, padding, out, add):
 
 @pytest.mark.parametrize("precision, variant", [("tf32", "plan"), ("tf32", "split"), ("bf16", "plan"),
                                                 ("bf16", "split"), ("bf16", "halo"), ("tf32", "add"),
-                                                ("bf16", "halo add")])
+                                                ("bf16", "halo add"), ("tf32", "relu"), ("bf16", "halo relu")])
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", BACKWARD_SHAPES)
 def test_batch_norm_sums_from_backward_data(monkeypatch, precision, variant, x_shape, w_shape, stride, padding):
-    """conv2d_backward(..., norm=(y, x_norm, mean, invstd), norm_out=(dgamma, dbeta)): the sums of the batch
-    norm (with its relu, or residual join) whose output the convolution reads, g = dx where y > 0: sum(g *
-    xhat) and sum(g), into norm_out, against float64 of the stored dx; dx, dw and db bit for bit the
+    """conv2d_backward(..., norm=(y, x_norm, mean, invstd, None, None), norm_out=(dgamma, dbeta)): the sums of
+    the batch norm (with its relu, or residual join) whose output the convolution reads, g = dx where y > 0:
+    sum(g * xhat) and sum(g), into norm_out, against float64 of the stored dx; dx, dw and db bit for bit the
     backward's without them, the sums bit for bit the same in both orders. Variants "... add": dx added to a
     gradient already there (add_dx_to: the other readers' of a residual block's output), the sums those of
-    the total."""
+    the total. Variants "... relu": a relu alone, norm=(y, x_norm, mean, invstd, gamma, beta), y the
+    emulator's own batch_norm_apply(..., relu=True) of x_norm, handed to the convolution as NaN: the mask
+    is recomputed from x_norm, bit for bit the forward's, and y is not read."""
     launched = force(variant, monkeypatch)
     conv_tc.plan.cache_clear()
     try:
@@ -178,6 +180,11 @@ def test_batch_norm_sums_from_backward_data(monkeypatch, precision, variant, x_s
             x_norm = channels_last((g.standard_normal(x_shape) + 2).astype(np.float32)).astype(storage)
             mean = g.standard_normal(x_shape[1]).astype(np.float32)
             invstd = g.uniform(0.5, 2, x_shape[1]).astype(np.float32)
+            affine, handed_y = (None, None), y
+            if variant.endswith("relu"):   # y as the forward made it; the convolution is handed NaN
+                affine = tuple(g.standard_normal(x_shape[1]).astype(np.float32) for _ in range(2))
+                y = kernels._device_backend("emu").batch_norm_apply(x_norm, *affine, mean, invstd, relu=True)
+                handed_y = np.full_like(y, np.nan)
             out_shape = kernels._device_backend("emu").conv2d_forward(x, w, None, stride, padding).shape
             dy = channels_last(g.standard_normal(out_shape).astype(np.float32)).astype(storage)
             add = channels_last(g.standard_normal(x_shape).astype(np.float32)).astype(storage) \
@@ -185,8 +192,8 @@ def test_batch_norm_sums_from_backward_data(monkeypatch, precision, variant, x_s
             runs = []
             for order in ("ascending", "descending"):
                 out = tuple(np.full(x_shape[1], np.nan, np.float32) for _ in range(2))
-                runs.append(backward_with_sums(order, dy, x, w, (y, x_norm, mean, invstd), stride, padding, out,
-                                               add) + (out,))
+                runs.append(backward_with_sums(order, dy, x, w, (handed_y, x_norm, mean, invstd, *affine), stride,
+                                               padding, out, add) + (out,))
     finally:
         conv_tc.plan.cache_clear()
     (grads, plain, out), other = runs[0], runs[1]
@@ -216,7 +223,7 @@ def test_the_cpu_backend_hands_over_its_batch_norms_sums():
     x, w, dy = g.standard_normal((2, 3, 6, 5)), g.standard_normal((4, 3, 3, 3)), g.standard_normal((2, 4, 6, 5))
     y, x_norm = np.maximum(g.standard_normal(x.shape), 0), g.standard_normal(x.shape)
     gamma, mean, invstd = g.standard_normal(3), g.standard_normal(3), g.uniform(0.5, 2, 3)
-    dx, _, _, dgamma, dbeta = cpu.conv2d_backward(dy, x, w, 1, 1, norm=(y, x_norm, mean, invstd))
+    dx, _, _, dgamma, dbeta = cpu.conv2d_backward(dy, x, w, 1, 1, norm=(y, x_norm, mean, invstd, None, None))
     alone = cpu.batch_norm_backward(dx, x_norm, gamma, mean, invstd, y=y)
     handed = cpu.batch_norm_backward(dx, x_norm, gamma, mean, invstd, y=y, sums=(dgamma, dbeta))
     for ours, theirs in zip(handed, alone):
@@ -229,7 +236,7 @@ def test_sums_need_dx():
         x, w, _, _ = draw((1, 8, 4, 4), (8, 8, 3, 3))
         with pytest.raises(ValueError, match="need dx"):
             be.conv2d_backward(x, x, w, 1, 1, need_dx=False, norm=(x, x, np.zeros(8, np.float32),
-                                                                    np.ones(8, np.float32)))
+                                                                    np.ones(8, np.float32), None, None))
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
@@ -276,7 +283,7 @@ POOLED_SHAPES = [(2, 64, 4, 4), (64, 32, 6, 6), (3, 24, 2, 2)]
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 @pytest.mark.parametrize("shape", POOLED_SHAPES)
 def test_batch_norm_sums_from_the_pools_backward(precision, shape):
-    """global_avg_pool_backward(..., norm=(y, x, mean, invstd), norm_out=...): the sums of the batch norm
+    """global_avg_pool_backward(..., norm=(y, x, mean, invstd, None, None), norm_out=...): the sums of the batch norm
     whose output the pool read, g = dx where y > 0, against float64 of the stored dx; dx bit for bit the
     pool's backward without them; the sums bit for bit the same in both orders; the CPU backend's equal
     batch_norm_backward's own."""
@@ -294,8 +301,8 @@ def test_batch_norm_sums_from_the_pools_backward(precision, shape):
             with thread_order(order):
                 be = kernels._device_backend("emu")
                 out = tuple(np.full(shape[1], np.nan, np.float32) for _ in range(2))
-                runs.append((be.global_avg_pool_backward(dy, shape, dtype=storage, norm=(y, x_norm, mean, invstd),
-                                                         norm_out=out), out,
+                norm = (y, x_norm, mean, invstd, None, None)
+                runs.append((be.global_avg_pool_backward(dy, shape, dtype=storage, norm=norm, norm_out=out), out,
                              be.global_avg_pool_backward(dy, shape, dtype=storage)))
     (grads, out, plain), other = runs[0], runs[1][0]
     name = f"{precision} pool {shape}"
@@ -314,7 +321,35 @@ def test_batch_norm_sums_from_the_pools_backward(precision, shape):
                                     f"\n{reproduce_hint()}")
     from kernels import cpu
     y64, x64 = np.asarray(y).astype(np.float64), np.asarray(x_norm).astype(np.float64)
-    dx, dgamma, dbeta = cpu.global_avg_pool_backward(dy.astype(np.float64), shape, norm=(y64, x64, mean, invstd))
+    dx, dgamma, dbeta = cpu.global_avg_pool_backward(dy.astype(np.float64), shape, norm=(y64, x64, mean, invstd, None, None))
     alone = cpu.batch_norm_backward(dx, x64, np.ones(shape[1]), mean, invstd, y=y64)
     assert dgamma.tobytes() == alone[1].tobytes() and dbeta.tobytes() == alone[2].tobytes()
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("shape, layout", [((2, 16, 5, 6), "channels-last"), ((3, 5, 3, 3), "nchw")])
+def test_a_relu_alones_mask_is_recomputed_from_x(precision, shape, layout):
+    """batch_norm_backward(..., y=y, beta=beta) on a device backend: the relu's mask from x (bn_affine, as
+    batch_norm_apply computed y), y not read (handed as NaN): dx bit for bit the backward's that reads the
+    true y, in 4-wide and 1-wide kernels. beta without y, or with a shortcut, is refused."""
+    g = rng()
+    with kernels.use_precision(precision):
+        be = kernels._device_backend("emu")
+        storage = kernels.storage_dtype()
+        arrange = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)) \
+            if layout == "channels-last" else np.ascontiguousarray
+        x, dy = (arrange(g.standard_normal(shape).astype(np.float32)).astype(storage) for _ in range(2))
+        gamma = g.standard_normal(shape[1]).astype(np.float32)
+        beta, mean = (0.1 * g.standard_normal(shape[1]).astype(np.float32) for _ in range(2))   # half pass, or so
+        invstd = g.uniform(0.5, 2, shape[1]).astype(np.float32)
+        sums = tuple(g.standard_normal(shape[1]).astype(np.float32) for _ in range(2))
+        y = be.batch_norm_apply(x, gamma, beta, mean, invstd, relu=True)
+        assert 0.1 < np.mean(np.asarray(y).astype(np.float32) > 0) < 0.9
+        read = be.batch_norm_backward(dy, x, gamma, mean, invstd, y=y, sums=sums)
+        recomputed = be.batch_norm_backward(dy, x, gamma, mean, invstd, y=np.full_like(y, np.nan), beta=beta,
+                                            sums=sums)
+        assert np.asarray(recomputed[0]).tobytes() == np.asarray(read[0]).tobytes()
+        for wrong in (dict(y=None, beta=beta), dict(y=y, beta=beta, shortcut=True)):
+            with pytest.raises(ValueError, match="beta"):
+                be.batch_norm_backward(dy, x, gamma, mean, invstd, sums=sums, **wrong)
 

@@ -31,11 +31,13 @@ conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=
     need_dx (the first layer's input needs none). out = (dw, db): arrays that the gradients
     are written into (a parameter's gradient, say; either may be None), returned. add_dx_to:
     x's gradient so far, to which dx is added in place and which is returned as dx. norm =
-    (y, x_norm, mean, invstd): x is the output y of a training batch norm of x_norm with its
-    relu, which only this convolution reads; then also that norm's backward sums of dx (its dy),
-    as batch_norm_backward computes them where y > 0, written into norm_out = (dgamma, dbeta)
-    when given (a device backend's tensor-core backward-data computes them in its epilogue, where
-    dx is), which batch_norm_backward then takes as `sums`.
+    (y, x_norm, mean, invstd, gamma, beta): x is the output y of a training batch norm of x_norm
+    with its relu or residual join, and dx (with add_dx_to, the total) is its final gradient; then
+    also that norm's backward sums of dx (its dy), as batch_norm_backward computes them where
+    y > 0, written into norm_out = (dgamma, dbeta) when given (a device backend's tensor-core
+    backward-data computes them in its epilogue, where dx is), which batch_norm_backward then
+    takes as `sums`. gamma and beta: the norm's, for a relu alone (None for a join), whose mask
+    y > 0 a device backend recomputes from x_norm (as the forward computed y) rather than read y.
 
 batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None)
     -> (y, mean, invstd)
@@ -43,10 +45,12 @@ batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=Fals
     (running_mean, running_var), updated in place as batch_norm_update_running does. relu:
     y = relu(batch norm); residual (x's shape): y = relu(batch norm + residual), a residual
     block's join.
-batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False, sums=None)
-    -> (dx, dgamma, dbeta[, g])
+batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False,
+                    sums=None) -> (dx, dgamma, dbeta[, g])
     y: the output of a forward with relu or residual; the gradient then flows where y > 0
-    (g = dy there, 0 elsewhere), and `shortcut` also returns g, the residual's gradient.
+    (g = dy there, 0 elsewhere), and `shortcut` also returns g, the residual's gradient. beta
+    (with y, for a relu alone): the norm's, from which a device backend recomputes the mask
+    (gamma * xhat + beta > 0, as its batch_norm_apply computed y) rather than read y.
     out = (dgamma, dbeta): arrays the parameter gradients are written into, returned. sums:
     (dgamma, dbeta) computed already (conv2d_backward's norm), returned as they are.
 batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps) -> None
@@ -81,8 +85,10 @@ max_pool2d_forward(x, kernel_size, stride, padding) -> (y, argmax)
     argmax: int64 (N, C, OH, OW), flat index h * W + w into the input plane.
 max_pool2d_backward(dy, argmax, x_shape) -> dx
 global_avg_pool_forward(x) -> y       (N, C, H, W) -> (N, C); float32 y of float32 or bfloat16 x
-global_avg_pool_backward(dy, x_shape, *, dtype=None) -> dx
-    dx of dtype `dtype` (None: dy's), e.g. the bfloat16 of the activations it flows back into
+global_avg_pool_backward(dy, x_shape, *, dtype=None, norm=None, norm_out=None) -> dx, or
+                         (dx, dgamma, dbeta)
+    dx of dtype `dtype` (None: dy's), e.g. the bfloat16 of the activations it flows back into;
+    norm, norm_out: the sums of the batch norm whose output the pool read, as conv2d_backward's
 
 linear_forward(x, w, b) -> y          x (N, I), w (O, I), b (O,) or None
 linear_backward(dy, x, w, *, out=None) -> (dx, dw, db)

@@ -40,7 +40,8 @@ def batch_statistics(x, eps, running, momentum):
     return mean, invstd
 
 
-def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False, sums=None):
+def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False, sums=None):
+    # beta (a relu alone) lets a device backend recompute the mask from x; here reading y costs less
     if y is not None:
         dy = np.where(y > 0, dy, 0).astype(dy.dtype)
     if sums is None:

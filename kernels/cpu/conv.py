@@ -41,7 +41,7 @@ def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx
         if not need_dx:
             raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
         dx, dw, db = conv2d_backward(dy, x, w, stride, padding, out=out, add_dx_to=add_dx_to)
-        return (dx, dw, db) + masked_backward_sums(dx, *norm, out=norm_out)
+        return (dx, dw, db) + masked_backward_sums(dx, *norm[:4], out=norm_out)
     stride, padding = pair(stride), pair(padding)
     n, oh, ow = _output_shape(x, w, stride, padding)
     if dy.shape != (n, w.shape[0], oh, ow):

@@ -42,13 +42,13 @@ def global_avg_pool_forward(x):
 
 def global_avg_pool_backward(dy, x_shape, *, dtype=None, norm=None, norm_out=None):
     """dx (channels-last, like the convolutions' arrays that it flows back into); with `norm` = (y, x, mean,
-    invstd), also the backward sums (dgamma, dbeta) of the training batch norm whose output y the pool
+    invstd, gamma, beta) (see conv2d_backward), also the backward sums (dgamma, dbeta) of the training batch norm whose output y the pool
     read (x its input), of that dx, into norm_out when given: (dx, dgamma, dbeta)."""
     n, c, h, w = x_shape
     dx = np.empty((n, h, w, c), dtype=dy.dtype if dtype is None else dtype)
     dx[...] = (dy / (h * w))[:, None, None, :]
     dx = dx.transpose(0, 3, 1, 2)
-    return dx if norm is None else (dx, *masked_backward_sums(dx, *norm, out=norm_out))
+    return dx if norm is None else (dx, *masked_backward_sums(dx, *norm[:4], out=norm_out))
 
 
 def _check_pool_args(x, kernel, stride, padding):

@@ -26,7 +26,8 @@
 // Training backward, two launches: bn_backward_sums (sum dy * xhat and sum dy in one pass, the
 //   last block per channel writing dgamma and dbeta; bn_backward_sums_rows on channels-last memory,
 //   as bn_stats_rows), bn_backward_dx. Given the output y of a fused relu, both take dy where y > 0
-//   and 0 elsewhere, and bn_backward_dx can also write that masked dy (the gradient of a residual
+//   and 0 elsewhere (bn_backward_dx, given beta instead of y, the relu alone's mask recomputed from
+//   x: bn_stats.cuh's bn_affine), and bn_backward_dx can also write that masked dy (the gradient of a residual
 //   join's shortcut). The sums of a norm whose output a global average pool reads come from the
 //   pool's backward, bn_pooled_backward (as bn_backward_sums_rows, dy made as it is stored).
 // Inference: bn_invstd from the running variance, then bn_apply; its backward
@@ -197,8 +198,7 @@ bn_apply(const T* __restrict__ x, const float* __restrict__ mean, const float* _
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
             const int c = ((i + e) / plane) % channels;
-            const float scale = gamma[c] * invstd[c];
-            float out = v.v[e] * scale + (beta[c] - mean[c] * scale);
+            float out = bn_affine(v.v[e], mean[c], invstd[c], gamma[c], beta[c]);
             if (MODE == 2) out += r.v[e];
             v.v[e] = MODE != 0 && out < 0.0f ? 0.0f : out;
         }
@@ -309,31 +309,34 @@ bn_pooled_backward(const float* __restrict__ pooled, int plane, T* __restrict__ 
 }
 
 // dx of training-mode batch norm, gamma * invstd * (g - dbeta / M - xhat * dgamma / M) with g the
-// masked dy (dy where y > 0, dy itself without y) and M = count, and g itself into masked when it
-// is not null: VEC elements per thread and step, grid-stride.
+// masked dy (dy where y > 0; without y, where bn_affine(x) > 0 when beta is not null, a relu alone
+// whose mask is recomputed; else dy itself) and M = count, and g itself into masked when it is not
+// null: VEC elements per thread and step, grid-stride.
 template <int VEC, class T = float>
 __global__ void __launch_bounds__(256)
 bn_backward_dx(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
                const float* __restrict__ mean, const float* __restrict__ invstd, const float* __restrict__ gamma,
-               const float* __restrict__ dgamma, const float* __restrict__ dbeta, int count, int total,
-               int channels, int plane, T* __restrict__ dx, T* __restrict__ masked) {
+               const float* __restrict__ beta, const float* __restrict__ dgamma, const float* __restrict__ dbeta,
+               int count, int total, int channels, int plane, T* __restrict__ dx, T* __restrict__ masked) {
     for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * VEC; i < total; i += gridDim.x * blockDim.x * VEC) {
         Floats<VEC> g = load_floats<VEC>(dy + i);
         const Floats<VEC> xs = load_floats<VEC>(x + i);
-        if (y) {
-            const Floats<VEC> out = load_floats<VEC>(y + i);
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) g.v[e] = out.v[e] > 0.0f ? g.v[e] : 0.0f;
-        }
-        if (masked) store_floats<VEC>(masked + i, g);
+        Floats<VEC> out;
+        if (y) out = load_floats<VEC>(y + i);
         Floats<VEC> d;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
             const int c = ((i + e) / plane) % channels;
-            const float xhat = (xs.v[e] - mean[c]) * invstd[c];
+            const float m = mean[c], inv = invstd[c], scale = gamma[c];
+            if (y)
+                g.v[e] = out.v[e] > 0.0f ? g.v[e] : 0.0f;
+            else if (beta)   // a relu alone: its mask recomputed from x, as bn_apply computed it
+                g.v[e] = bn_affine(xs.v[e], m, inv, scale, beta[c]) > 0.0f ? g.v[e] : 0.0f;
+            const float xhat = (xs.v[e] - m) * inv;
             const float centred = g.v[e] - dbeta[c] / float(count) - xhat * (dgamma[c] / float(count));
-            d.v[e] = centred * (gamma[c] * invstd[c]);
+            d.v[e] = centred * (scale * inv);
         }
+        if (masked) store_floats<VEC>(masked + i, g);
         store_floats<VEC>(dx + i, d);
     }
 }

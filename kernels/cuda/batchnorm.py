@@ -88,15 +88,18 @@ def apply(be, x, gamma, beta, mean, invstd, relu=False, residual=None):
     return y
 
 
-def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, out=None, shortcut=False, sums=None):
+def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False, sums=None):
     """See kernels/cpu/batchnorm.py: (dx, dgamma, dbeta), and the masked dy when `shortcut`; `sums`: the
     (dgamma, dbeta) that the convolution after the norm computed (conv2d_backward's norm_out), which
-    then are the gradients returned."""
+    then are the gradients returned. With `beta` (a relu alone), the dx pass recomputes the relu's mask
+    from x (bn_affine) and does not read y."""
     op = "batch_norm_backward"
     x = dense(be, op, x)
     dy, y = like(be, op, x, dy, y)
     storage(op, x, dy, y)
-    gamma, mean, invstd = float32(be, op, gamma, mean, invstd)
+    gamma, mean, invstd, beta = float32(be, op, gamma, mean, invstd, beta)
+    if beta is not None and (y is None or shortcut or beta.shape != gamma.shape):
+        raise ValueError(f"{op}: beta is given for a relu alone (y given, no shortcut), of gamma's shape")
     _sizes(x, gamma, dy)
     if y is not None:
         _sizes(x, gamma, y)
@@ -110,7 +113,8 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, out=None, sho
                          for a in gradient_outputs(be, op, out, ((c,), (c,))))
         _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta)
     masked = be.xp.empty_like(x) if shortcut else None
-    dx = _dx(be, dy, y, x, gamma, mean, invstd, dgamma, dbeta, x.size // x.shape[1], masked)
+    dx = _dx(be, dy, None if beta is not None else y, x, gamma, beta, mean, invstd, dgamma, dbeta,
+             x.size // x.shape[1], masked)
     return (dx, dgamma, dbeta) + ((masked,) if shortcut else ())
 
 
@@ -133,10 +137,10 @@ def backward_sums(be, dy, y, x, mean, invstd, op, into=None):
 def pooled_backward(be, pooled, dx, norm, sums, op):
     """dx (a channels-last (N, C, H, W) array) = pooled ((N, C) float32) / (H * W) at each pixel, and into
     `sums` = (dgamma, dbeta) the backward sums of the training batch norm whose output is the pooled
-    activations, norm = (y, x, mean, invstd) (backward_sums' g of that dx): one launch of bn_pooled_backward,
+    activations, norm = (y, x, mean, invstd, ...) (backward_sums' g of that dx): one launch of bn_pooled_backward,
     where its rows take them (channels-last y and x of dx's dtype, C a multiple of GROUP); else False, and
     nothing launched."""
-    y, x, mean, invstd = norm
+    y, x, mean, invstd = norm[:4]
     n, c, h, w = dx.shape
     if not (by_rows(c, 1) and all(is_channels_last(a) and a.dtype == dx.dtype and a.shape == dx.shape
                                   for a in (dx, y, x))):
@@ -157,7 +161,7 @@ def batch_norm_backward_dx(be, dy, x, gamma, mean, invstd, sums, count):
     storage(op, x, dy)
     gamma, mean, invstd, sums = float32(be, op, gamma, mean, invstd, sums)
     _sizes(x, gamma, dy)
-    return _dx(be, dy, None, x, gamma, mean, invstd, sums[0], sums[1], count, None)
+    return _dx(be, dy, None, x, gamma, None, mean, invstd, sums[0], sums[1], count, None)
 
 
 def batch_norm_update_running(be, running_mean, running_var, mean, invstd, count, momentum, eps):
@@ -238,12 +242,14 @@ def _partial(be, grid, c):
     return be.xp.empty((grid[1], 2, c), np.float32) if grid[1] > 1 else None
 
 
-def _dx(be, dy, y, x, gamma, mean, invstd, dgamma, dbeta, count, masked):
+def _dx(be, dy, y, x, gamma, beta, mean, invstd, dgamma, dbeta, count, masked):
+    """One launch of bn_backward_dx: dy masked by y where y is given, else by the relu's mask recomputed
+    from x where beta is, else not at all."""
     n, c, plane = _sizes(x, gamma, dy)
     dx = be.xp.empty_like(x)
     vec = vector_width(x.size, dy, y, x, dx, masked)
     launch(be, "batchnorm", f"bn_backward_dx<{vec}{storage_argument(STORAGE_TYPES[x.dtype])}>", blocks(x.size // vec),
-           (dy, y, x, mean, invstd, gamma, dgamma, dbeta, count, x.size, c, plane, dx, masked))
+           (dy, y, x, mean, invstd, gamma, beta, dgamma, dbeta, count, x.size, c, plane, dx, masked))
     return dx
 
 

@@ -165,27 +165,43 @@ __device__ __forceinline__ void bn_tile_statistics(const BnStats& s, Moments m, 
                                         s.correction);
 }
 
+// ---- the normalisation ---------------------------------------------------------------------------------
+
+// A training batch norm's value of x before its relu: x * scale + shift, scale = gamma * invstd and shift =
+// beta - mean * scale, in two fmaf (nothing left for the compiler to contract), so that the relu's mask
+// recomputed from x in the backward is bit for bit the forward's (batchnorm.cu's bn_apply).
+__device__ __forceinline__ float bn_affine(float x, float mean, float invstd, float gamma, float beta) {
+    const float scale = gamma * invstd;
+    return fmaf(x, scale, fmaf(-mean, scale, beta));
+}
+
 // ---- the backward's sums where dy is produced ------------------------------------------------------
 //
-// A batch norm with a fused relu whose output only one convolution reads gets its backward's sums,
-// dgamma = sum(g * xhat) and dbeta = sum(g), g = dy where its output y > 0 (else 0) and xhat = (x - mean)
-// * invstd, from that convolution's backward-data, whose dx is the norm's dy: in its epilogue (tc_conv.cuh's
-// tc_norm_sums), merged across tiles as the statistics are. The norm's backward then runs bn_backward_dx
-// alone.
+// A batch norm with a fused relu or residual join whose output a convolution reads gets its backward's
+// sums, dgamma = sum(g * xhat) and dbeta = sum(g), g = dy where its output y > 0 (else 0) and xhat = (x -
+// mean) * invstd, from the backward-data of the reader that runs last, whose dx is the norm's dy: in its
+// epilogue (tc_conv.cuh's tc_norm_sums), merged across tiles as the statistics are. The norm's backward
+// then runs bn_backward_dx alone. With a relu alone, y > 0 is bn_affine(x) > 0, recomputed from x (gamma
+// and beta given) rather than read.
 
 // Where they go (BN_SUMS_PARAMS(T)); sums_partial null: none are wanted.
 template <class T>
 struct BnSums {
-    const T* y;            // the norm's output: its relu's mask
+    const T* y;            // the norm's output: its relu's mask, when gamma and beta are null
     const T* x;            // the norm's input
     const float *mean, *invstd;
+    const float *gamma, *beta;   // a relu alone: its mask recomputed from x (bn_affine), y not read
     float* partial;        // (slots, 2, channels)
     unsigned* counters;    // per tile of channels: groups + 1
     int group;
     float *dgamma, *dbeta;
 };
-#define BN_SUMS_PARAMS(T)                                                                                   \
-    const T *norm_y, const T *norm_x, const float *norm_mean, const float *norm_invstd, float *sums_partial, \
-        unsigned *sums_counters, int sums_group, float *norm_dgamma, float *norm_dbeta
-#define BN_SUMS \
-    { norm_y, norm_x, norm_mean, norm_invstd, sums_partial, sums_counters, sums_group, norm_dgamma, norm_dbeta }
+#define BN_SUMS_PARAMS(T)                                                                                       \
+    const T *norm_y, const T *norm_x, const float *norm_mean, const float *norm_invstd, const float *norm_gamma, \
+        const float *norm_beta, float *sums_partial, unsigned *sums_counters, int sums_group, float *norm_dgamma, \
+        float *norm_dbeta
+#define BN_SUMS                                                                                                \
+    {                                                                                                          \
+        norm_y, norm_x, norm_mean, norm_invstd, norm_gamma, norm_beta, sums_partial, sums_counters, sums_group, \
+            norm_dgamma, norm_dbeta                                                                            \
+    }

@@ -84,7 +84,8 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
     (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
     to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given.
-    With `norm`, the batch norm's backward sums of dx (after the add, when add_dx_to is given) as well
+    With `norm` = (y, x, mean, invstd, gamma, beta) (gamma and beta None but for a relu alone, whose mask
+    the epilogue then recomputes from x), the batch norm's backward sums of dx (after the add, when add_dx_to is given) as well
     (into norm_out), from the tensor-core backward-data's epilogue (channels-last y and x, dx added in
     place there), else from batchnorm.py's pass over dx."""
     if norm is not None and not need_dx:
@@ -127,20 +128,22 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     if norm is None:
         return grads
     if epilogue is None:
-        backward_sums(be, dx, *norm, "conv2d_backward", into=sums)
+        backward_sums(be, dx, *norm[:4], "conv2d_backward", into=sums)
     return (*grads, *sums)
 
 
 def _epilogue_norm(be, norm, dtype):
-    """The NHWC memory of a batch norm's (y, x, mean, invstd) (norm) for conv_tc.backward_data's epilogue,
-    or None where it cannot take it: no norm, or y and x not channels-last arrays of dx's dtype (whose
-    elements lie where dx's do)."""
+    """The NHWC memory of a batch norm's (y, x, mean, invstd, gamma, beta) (norm) for conv_tc.backward_data's
+    epilogue, y None where gamma and beta are given (a relu alone, whose mask the epilogue recomputes
+    from x), or None where it cannot take it: no norm, or y and x not channels-last arrays of dx's dtype
+    (whose elements lie where dx's do)."""
     if norm is None:
         return None
-    y, x, mean, invstd = norm
+    y, x, mean, invstd, gamma, beta = norm
     if any(a.dtype != dtype or not is_channels_last(a) for a in (y, x)):
         return None
-    return (y.transpose(0, 2, 3, 1), x.transpose(0, 2, 3, 1), *float32(be, "conv2d_backward", mean, invstd))
+    return (None if beta is not None else y.transpose(0, 2, 3, 1), x.transpose(0, 2, 3, 1),
+            *float32(be, "conv2d_backward", mean, invstd, gamma, beta))
 
 
 def _tensor_cores(c, o):

@@ -274,8 +274,9 @@ def tile_merge_arguments(be, tiles, channel_tiles, channels, offset):
 def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None):
     """dx (N, H, W, C), of dy's dtype, from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C); added to
     `into` (a C-contiguous (N, H, W, C) array of that dtype), in place, when given. With `norm` = (y, x,
-    mean, invstd), the batch norm (with its relu) whose output is this convolution's input (y and x
-    C-contiguous (N, H, W, C) arrays of dx's dtype), also that norm's backward sums of dx, into `sums` =
+    mean, invstd, gamma, beta), the batch norm (with its relu or residual join) whose output is this
+    convolution's input (y and x C-contiguous (N, H, W, C) arrays of dx's dtype; y None and its relu's mask
+    recomputed from x where gamma and beta are given), also that norm's backward sums of dx, into `sums` =
     (dgamma, dbeta), float32 (C,): sum(g * xhat) and sum(g), g = dx (after the add into `into`) where
     y > 0, from the kernel's epilogue, over the tiles of every stride phase."""
     n, c, h, wd = geometry[:4]
@@ -330,7 +331,7 @@ def fast_divmod(d):
 # A forward's BN_STATS_PARAMS and a backward-data's BN_SUMS_PARAMS (bn_stats.cuh) when none are wanted:
 # the partials null.
 NO_STATISTICS = (None, None, 0, None, None, None, None, 0.0, 0.0, 0.0)
-NO_SUMS = (None, None, None, None, None, None, 0, None, None)
+NO_SUMS = (None, None, None, None, None, None, None, None, 0, None, None)
 
 
 def _counters(p):

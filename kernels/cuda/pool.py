@@ -83,5 +83,5 @@ def global_avg_pool_backward(be, dy, x_shape, *, dtype=None, norm=None, norm_out
                  for a in gradient_outputs(be, op, norm_out, ((c,), (c,))))
     if not pooled_backward(be, dy, dx, norm, sums, op):
         dx = global_avg_pool_backward(be, dy, x_shape, dtype=dtype)
-        backward_sums(be, dx, *norm, op, into=sums)
+        backward_sums(be, dx, *norm[:4], op, into=sums)
     return (dx, *sums)

@@ -263,7 +263,8 @@ __device__ __forceinline__ void tc_batch_stats(const BnStats& s, const RowsOut& 
 }
 
 // The backward sums (bn_stats.cuh) of the batch norm whose dy is a backward-data's dx, from the tile as
-// the block that finished it stored it (in `dx`, read back: dx, the norm's y and x at each element):
+// the block that finished it stored it (in `dx`, read back: dx, and the norm's x, and y unless the mask
+// is recomputed from x, at each element):
 // each thread every READERS-th row of a column (channel), in order, then the block's threads of a
 // column in order, then the `tiles` tiles of rows, this one `tile` (bn_tile_merge): with several
 // stride phases, the tiles of every phase, each phase's rows its own cells of dx. A tile with no rows
@@ -280,13 +281,15 @@ __device__ __forceinline__ void tc_norm_sums(const BnSums<E>& s, const Out& out,
     BackwardSums sums{0.0f, 0.0f};
     if (out.column(c) >= 0) {
         const float mean = s.mean[c], invstd = s.invstd[c];
+        const float gamma = s.beta ? s.gamma[c] : 0.0f, beta = s.beta ? s.beta[c] : 0.0f;
         for (int r = int(threadIdx.x) / T::BN; r < T::BM; r += READERS) {
             const int row = out.row(m0 + r);
             if (row < 0) continue;
             const int at = row + out.column(c);
-            const float d = to_float(dx[at]);   // loaded whatever the mask: one load instruction a warp
-            const float g = to_float(s.y[at]) > 0.0f ? d : 0.0f;
-            sums.dgamma = fmaf(g, (to_float(s.x[at]) - mean) * invstd, sums.dgamma);
+            const float d = to_float(dx[at]), xv = to_float(s.x[at]);   // loaded whatever the mask: one load a warp
+            const bool passed = s.beta ? bn_affine(xv, mean, invstd, gamma, beta) > 0.0f : to_float(s.y[at]) > 0.0f;
+            const float g = passed ? d : 0.0f;
+            sums.dgamma = fmaf(g, (xv - mean) * invstd, sums.dgamma);
             sums.dbeta += g;
         }
     }
