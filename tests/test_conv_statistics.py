@@ -29,6 +29,7 @@ SHAPES = [
     ((1, 8, 5, 5), (200, 8, 3, 3), 2, 1),      # 9 rows; BF16's gathered copies
     ((2, 3, 6, 6), (8, 3, 3, 3), 1, 1),        # conv.cu's forward (3 channels: no tensor cores)
     ((2, 1, 28, 28), (72, 1, 3, 3), 1, 1),     # the stem's, at 72 channels: two tiles of them, 25 of pixels
+    ((2, 32, 9, 9), (96, 32, 3, 3), 1, 1),     # 162 rows by 96 columns: TF32's 128 x 128 tile, unsplit by its plan
 ]
 
 

@@ -51,14 +51,22 @@
 // are added in a fixed order; so is the bias gradient (BiasSums).
 #include "tc_conv.cuh"
 
-constexpr int TC_BK = 16, TC_STAGES = 3;
-// Registers for 3 blocks an SM (170 a thread): at the 128 that 4 blocks allow, ptxas recomputes the
-// threads' shared-memory offsets and the loop's bound in every iteration of the main loop
-// (bench/tc_plan.py counts the instructions).
-constexpr int TC_MIN_BLOCKS = 3;
+constexpr int TC_BK = 16;
 
-struct Tc128x64 : TcTile<128, 64> {};
-struct Tc64x64 : TcTile<64, 64> {};
+// A block's tile (tc_conv.cuh's TcTile) with the number of its stages and the blocks an SM that its
+// registers are bounded for. 128 x 64 and 64 x 64: 3 stages, 3 blocks (170 registers a thread: at the
+// 128 that 4 blocks allow, ptxas recomputes the threads' shared-memory offsets and the loop's bound in
+// every iteration of the main loop; bench/tc_plan.py counts the instructions). 128 x 128 (64 x 64 warp
+// tiles: 128 accumulators a thread, 32 FLOPs per byte of operands a block loads, against 21.3): 2 stages
+// (40 KB, where 3 would pass the 48 KB of static shared memory a block may have), 2 blocks (255
+// registers).
+template <int BM, int BN, int STAGES_, int MIN_BLOCKS_>
+struct TcConfig : TcTile<BM, BN> {
+    static constexpr int STAGES = STAGES_, MIN_BLOCKS = MIN_BLOCKS_;
+};
+struct Tc128x128 : TcConfig<128, 128, 2, 2> {};
+struct Tc128x64 : TcConfig<128, 64, 3, 3> {};
+struct Tc64x64 : TcConfig<64, 64, 3, 3> {};
 
 // One stage of one operand in shared memory, W rows (m or n) by TC_BK k; K_MAJOR: [W][BK + 4],
 // else [BK][W + 8] (see the header).
@@ -156,8 +164,8 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles,
                                         float (&acc)[T::MI][T::NI][4], OnChunk&& on_chunk_b = OnChunk()) {
     using StageA = TcStage<T::BM, A_K_MAJOR>;
     using StageB = TcStage<T::BN, B_K_MAJOR>;
-    __shared__ __align__(16) float As[TC_STAGES][StageA::SIZE];
-    __shared__ __align__(16) float Bs[TC_STAGES][StageB::SIZE];
+    __shared__ __align__(16) float As[T::STAGES][StageA::SIZE];
+    __shared__ __align__(16) float Bs[T::STAGES][StageB::SIZE];
     const int warp = int(threadIdx.x) / 32, wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
     tc_clear<T>(acc);
     const auto load = [&](int tile, int stage) {
@@ -174,12 +182,12 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles,
     const auto step = [&](int tile, int stage) {
         float* as = As[stage];
         float* bs = Bs[stage];
-        cp_async_wait<TC_STAGES - 2>();  // this thread's copies of `tile` have landed
+        cp_async_wait<T::STAGES - 2>();  // this thread's copies of `tile` have landed
         NoChunkWork none;
         tc_round_stage<T::BM, A_K_MAJOR>(as, none);
         tc_round_stage<T::BN, B_K_MAJOR>(bs, on_chunk_b);
         __syncthreads();                 // everyone's are rounded, and everyone is done with tile - 1
-        load(tile + TC_STAGES - 1, (stage + TC_STAGES - 1) % TC_STAGES);
+        load(tile + T::STAGES - 1, (stage + T::STAGES - 1) % T::STAGES);
 #pragma unroll
         for (int k = 0; k < TC_BK; k += 8) {
             unsigned fa[T::MI][4], fb[T::NI / 2][2][2];
@@ -194,11 +202,11 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles,
         }
     };
 #pragma unroll
-    for (int s = 0; s < TC_STAGES - 1; ++s) load(s, s);
+    for (int s = 0; s < T::STAGES - 1; ++s) load(s, s);
     // the loop unrolled over the ring, so that each stage's shared-memory addresses are constants
-    for (int tile = 0; tile < tiles; tile += TC_STAGES)
+    for (int tile = 0; tile < tiles; tile += T::STAGES)
 #pragma unroll
-        for (int s = 0; s < TC_STAGES; ++s)
+        for (int s = 0; s < T::STAGES; ++s)
             if (tile + s < tiles) step(tile + s, s);
     cp_async_wait<0>();  // the empty groups: nothing may be pending when the thread exits
 }
@@ -210,7 +218,7 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles,
 // (split-K over the gridDim.z parts, in groups of `group`, see tc_finish); and, unless stats_partial is
 // null, the statistics of y's columns for the batch norm that follows (tc_batch_stats).
 template <class T, int ALIGN>
-__global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
+__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
 conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
                 float* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
                 BN_STATS_PARAMS) {
@@ -243,7 +251,7 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
 // no tap reaches gets zeros. Unless sums_partial is null, the backward sums of the batch norm whose
 // dy dx is (tc_norm_sums, over the tiles of every phase: a block past its phase's cells merges zeros).
 template <class T, int ALIGN>
-__global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
+__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
 conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, float* __restrict__ dx, int add,
               float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group, BN_SUMS_PARAMS(float)) {
     const Geometry<0, 0> g CONV_GEOMETRY;
@@ -316,7 +324,7 @@ struct BiasSums : BiasTotals<T> {
 // is null, the bias gradient (BiasSums). plane_..., width_...: the FastDivmod multipliers and
 // shifts of OH*OW and OW.
 template <class T, int ALIGN>
-__global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
+__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
 conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dw, int krsc,
               float* __restrict__ db, float* partial, float* db_partial, unsigned* counters, CONV_PARAMS,
               int k_chunk, int group, unsigned plane_multiplier, unsigned plane_shift, unsigned width_multiplier,

@@ -55,20 +55,23 @@ class Kind(typing.NamedTuple):
 
 
 # TF32 (conv_tc.cu): a stage of 16 k.
-TF32 = Kind("conv_tc", (("Tc128x64", 128, 64, 16, True), ("Tc64x64", 64, 64, 16, True)), 4)
+TF32 = Kind("conv_tc", (("Tc128x128", 128, 128, 16, True), ("Tc128x64", 128, 64, 16, True),
+                        ("Tc64x64", 64, 64, 16, True)), 4)
 BK, GEMMS = 16, TF32.gemms
-# Backward-weight runs the large tile at every size (WGRAD_TILE): its grid is small and split-K
+# Backward-weight runs a large tile at every size (choose_wgrad_tile): its grid is small and split-K
 # fills the GPU, and the small tile's loop issues more than 8 instructions per HMMA.
-WGRAD_TILE = "Tc128x64"
-KERNELS = TF32.kernels((WGRAD_TILE,))
+KERNELS = TF32.kernels(("Tc128x128", "Tc128x64"))
 # Split-K: a grid of fewer blocks than SPLIT_TARGET splits its k into parts of at least
 # MIN_SPLIT_K (whole k steps) until it has that many blocks: two per SM of an H200 (132 SMs) for
-# the forward and backward-data, whose grids are large but at the last stage. Backward-weight's k
-# is the batch's pixels and its grid the size of the weights, small at every layer: it splits to
-# WGRAD_SPLIT_TARGET, two waves of the blocks that fit on 132 SMs (3 of its blocks fit on an SM:
-# bench/tc_plan.py shows the waves), in parts of at least WGRAD_MIN_SPLIT_K pixels.
+# the forward and backward-data, whose grids are large but at the last stage; one per SM for the
+# 128 x 128 tile, whose blocks are twice the others' work (split_target). Backward-weight's k is the
+# batch's pixels and its grid the size of the weights, small at every layer: it splits to
+# WGRAD_SPLIT_TARGET[tile], two waves of the 128 x 64 tile's blocks on 132 SMs (3 fit on an SM), one of
+# the 128 x 128's (2 fit; two waves of them would write a third more float32 partials than the 128 x
+# 64 tile's: bench/tc_plan.py shows the waves and the partials), in parts of at least
+# WGRAD_MIN_SPLIT_K pixels.
 SPLIT_TARGET, MIN_SPLIT_K = 264, 32 * BK
-WGRAD_SPLIT_TARGET, WGRAD_MIN_SPLIT_K = 2 * 3 * 132, 2 * BK
+WGRAD_SPLIT_TARGET, WGRAD_MIN_SPLIT_K = {"Tc128x64": 2 * 3 * 132, "Tc128x128": 2 * 132}, 2 * BK
 
 # BF16 (conv_bf16.cu): the 128 x 128 tile (64 x 64 warp tiles: 64 FLOPs per byte of operands a block
 # loads), stages of 32 k, wherever the GEMM has more than 64 columns and channel counts that are
@@ -111,11 +114,22 @@ def supports(c, o, kind=TF32):
     return c % kind.chunk == 0 and o % kind.chunk == 0
 
 
-def choose_tile(rows):
-    """TF32's tile for an output of `rows` rows: Tc128x64 when they fill it, Tc64x64 below 128. The
-    large tile issues fewer instructions per HMMA (bench/tc_plan.py), and split-K keeps its grids
-    large enough."""
-    return "Tc128x64" if rows >= 128 else "Tc64x64"
+def choose_tile(rows, columns):
+    """TF32's tile for an output of `rows` x `columns`: Tc128x128 when both fill it (more than 64
+    columns), Tc128x64 when the rows do, Tc64x64 below 128 rows. The large tiles issue fewer
+    instructions per HMMA (bench/tc_plan.py) and the square one reads half again the FLOPs per byte
+    of operands, and split-K keeps their grids large enough."""
+    return "Tc64x64" if rows < 128 else "Tc128x128" if columns > 64 else "Tc128x64"
+
+
+def split_target(tile):
+    """The split-K target of a TF32 forward or backward-data on `tile` (see SPLIT_TARGET)."""
+    return SPLIT_TARGET // 2 if tile == "Tc128x128" else SPLIT_TARGET
+
+
+def choose_wgrad_tile(columns):
+    """TF32's backward-weight tile for `columns` output channels: Tc128x128 above 64, else Tc128x64."""
+    return "Tc128x128" if columns > 64 else "Tc128x64"
 
 
 def choose_bf16_tile(columns, aligned):
@@ -161,12 +175,12 @@ def plan(gemm, geometry, kind=TF32):
                               BF16_WGRAD_MIN_SPLIT_K)
         return Plan(WGRAD_HALO_KERNEL, grid + (parts,), chunk, parts, group_size(parts), kind.family)
     if gemm == "wgrad":
-        tile = choose_bf16_tile(columns, aligned) if bf16 else WGRAD_TILE
+        tile = choose_bf16_tile(columns, aligned) if bf16 else choose_wgrad_tile(columns)
         target, min_split = (BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K) if bf16 else \
-            (WGRAD_SPLIT_TARGET, WGRAD_MIN_SPLIT_K)
+            (WGRAD_SPLIT_TARGET[tile], WGRAD_MIN_SPLIT_K)
     else:
-        tile = choose_bf16_tile(columns, aligned) if bf16 else choose_tile(rows)
-        target, min_split = (BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K) if bf16 else (SPLIT_TARGET, MIN_SPLIT_K)
+        tile = choose_bf16_tile(columns, aligned) if bf16 else choose_tile(rows, columns)
+        target, min_split = (BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K) if bf16 else (split_target(tile), MIN_SPLIT_K)
     bm, bn, bk = kind.tile(tile)
     align = bk if c % bk == 0 and o % bk == 0 and kh * kw <= MAX_ALIGNED_TAPS else kind.chunk
     grid = (cdiv(rows, bm), cdiv(columns, bn))
