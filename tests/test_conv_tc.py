@@ -231,7 +231,7 @@ def test_small_grids_split_their_k_and_large_ones_do_not():
                 for gemm in ("forward", "dgrad", "wgrad")}
     for gemm, p in plans("conv 3x3/1 512->512 4->4").items():
         tile = p.kernel.partition("<")[2].partition(",")[0]
-        target = conv_tc.WGRAD_SPLIT_TARGET[tile] if gemm == "wgrad" else conv_tc.split_target(tile)
+        target = conv_tc.WGRAD_SPLIT_TARGET[tile] if gemm == "wgrad" else conv_tc.SPLIT_TARGET
         assert p.grid[0] * p.grid[1] * p.grid[2] >= target and p.splits > 1, (gemm, p)
         assert p.chunk % conv_tc.BK == 0
         assert p.chunk >= (conv_tc.WGRAD_MIN_SPLIT_K if gemm == "wgrad" else conv_tc.MIN_SPLIT_K)

@@ -62,23 +62,23 @@ BK, GEMMS = 16, TF32.gemms
 # fills the GPU, and the small tile's loop issues more than 8 instructions per HMMA.
 KERNELS = TF32.kernels(("Tc128x128", "Tc128x64"))
 # Split-K: a grid of fewer blocks than SPLIT_TARGET splits its k into parts of at least
-# MIN_SPLIT_K (whole k steps) until it has that many blocks: two per SM of an H200 (132 SMs) for
-# the forward and backward-data, whose grids are large but at the last stage; one per SM for the
-# 128 x 128 tile, whose blocks are twice the others' work (split_target). Backward-weight's k is the
+# MIN_SPLIT_K (whole k steps) until it has that many blocks: one per SM of an H200 (132 SMs) for
+# the forward and backward-data, whose grids are large but at the last stages, so that no SM is
+# left idle (a grid of more blocks runs unsplit, and writes no float32 partials). Backward-weight's k is the
 # batch's pixels and its grid the size of the weights, small at every layer: it splits to
 # WGRAD_SPLIT_TARGET[tile], two waves of the 128 x 64 tile's blocks on 132 SMs (3 fit on an SM), one of
 # the 128 x 128's (2 fit; two waves of them would write a third more float32 partials than the 128 x
 # 64 tile's: bench/tc_plan.py shows the waves and the partials), in parts of at least
 # WGRAD_MIN_SPLIT_K pixels.
-SPLIT_TARGET, MIN_SPLIT_K = 264, 32 * BK
+SPLIT_TARGET, MIN_SPLIT_K = 132, 32 * BK
 WGRAD_SPLIT_TARGET, WGRAD_MIN_SPLIT_K = {"Tc128x64": 2 * 3 * 132, "Tc128x128": 2 * 132}, 2 * BK
 
 # BF16 (conv_bf16.cu): the 128 x 128 tile (64 x 64 warp tiles: 64 FLOPs per byte of operands a block
 # loads), stages of 32 k, wherever the GEMM has more than 64 columns and channel counts that are
 # multiples of 32 (all of ResNet-18's but the stem's); 128 x 64, stages of 64 k, where it has 64 or
 # fewer (ResNet-18's first stage), or other multiples of 8 (small widths), for every GEMM. 2 blocks
-# fit on an SM (registers): a grid under BF16_SPLIT_TARGET blocks, one wave on 132 SMs, splits its k,
-# backward-weight's too.
+# fit on an SM (registers). As TF32's, a forward or backward-data grid under BF16_SPLIT_TARGET blocks,
+# one an SM, splits its k; backward-weight's under BF16_WGRAD_SPLIT_TARGET, one wave on 132 SMs.
 BF16 = Kind("conv_bf16", (("Bf128x128", 128, 128, 32, False), ("Bf128x64", 128, 64, 64, True)), 8)
 # The 3x3, stride-1 convolutions of 64 columns or fewer (ResNet-18's first stage) forward and
 # backward-data from windows of the image (conv_bf16.cu's halo kernels), where their window fits
@@ -92,7 +92,7 @@ WGRAD_HALO_KERNEL = f"conv_bf16_wgrad_halo<{WGRAD_HALO_TILE}>"
 BF16_KERNELS = BF16.kernels(("Bf128x128", "Bf128x64")) + tuple(
     f"conv_bf16_{gemm}_halo<{HALO_TILE}>" for gemm in ("forward", "dgrad")) + (WGRAD_HALO_KERNEL,)
 BF16_GEMMS = BF16.gemms
-BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K = 2 * 132, 512
+BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K = 132, 512
 BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K = 2 * 132, 64
 # The halo backward-weight's too (2 of its blocks fit on an SM); their float32 partials are twice the
 # 128 x 64 tile's, whose blocks hold half the accumulators.
@@ -120,11 +120,6 @@ def choose_tile(rows, columns):
     instructions per HMMA (bench/tc_plan.py) and the square one reads half again the FLOPs per byte
     of operands, and split-K keeps their grids large enough."""
     return "Tc64x64" if rows < 128 else "Tc128x128" if columns > 64 else "Tc128x64"
-
-
-def split_target(tile):
-    """The split-K target of a TF32 forward or backward-data on `tile` (see SPLIT_TARGET)."""
-    return SPLIT_TARGET // 2 if tile == "Tc128x128" else SPLIT_TARGET
 
 
 def choose_wgrad_tile(columns):
@@ -180,7 +175,7 @@ def plan(gemm, geometry, kind=TF32):
             (WGRAD_SPLIT_TARGET[tile], WGRAD_MIN_SPLIT_K)
     else:
         tile = choose_bf16_tile(columns, aligned) if bf16 else choose_tile(rows, columns)
-        target, min_split = (BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K) if bf16 else (split_target(tile), MIN_SPLIT_K)
+        target, min_split = (BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K) if bf16 else (SPLIT_TARGET, MIN_SPLIT_K)
     bm, bn, bk = kind.tile(tile)
     align = bk if c % bk == 0 and o % bk == 0 and kh * kw <= MAX_ALIGNED_TAPS else kind.chunk
     grid = (cdiv(rows, bm), cdiv(columns, bn))
