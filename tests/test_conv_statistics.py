@@ -156,6 +156,21 @@ def backward_with_sums(order, dy, x, w, norm, stride, padding, out, add):
     return grads, plain
 
 
+def check_sums(name, dx, y, x_norm, mean, invstd, sums):
+    """The norm's backward sums (dgamma, dbeta) of dx against float64 of them (g = dx where y > 0), within
+    64 units of float32's rounding of their magnitude."""
+    masked = np.where(np.asarray(y).astype(np.float64) > 0, np.asarray(dx).astype(np.float64), 0.0)
+    xhat = (np.asarray(x_norm).astype(np.float64) - mean[None, :, None, None]) * invstd[None, :, None, None]
+    axes = (0, 2, 3)
+    for what, ours, exact, magnitude in (("dgamma", sums[0], (masked * xhat).sum(axes),
+                                          np.abs(masked * xhat).sum(axes)),
+                                         ("dbeta", sums[1], masked.sum(axes), np.abs(masked).sum(axes))):
+        excess = np.abs(ours - exact) - 64 * 2.0**-24 * magnitude
+        worst = int(np.argmax(excess))
+        assert excess[worst] <= 0, (f"{name}: {what} of channel {worst}: {ours[worst]!r}, float64 {exact[worst]!r}"
+                                    f"\n{reproduce_hint()}")
+
+
 @pytest.mark.parametrize("precision, variant", [("tf32", "plan"), ("tf32", "split"), ("bf16", "plan"),
                                                 ("bf16", "split"), ("bf16", "halo"), ("tf32", "add"),
                                                 ("bf16", "halo add"), ("tf32", "relu"), ("bf16", "halo relu")])
@@ -206,15 +221,7 @@ def test_batch_norm_sums_from_backward_data(monkeypatch, precision, variant, x_s
         assert np.asarray(ours).tobytes() == np.asarray(theirs).tobytes(), f"{name}: {what} differs with the sums"
     for ours, theirs, what in zip(grads[3:], other[0][3:], ("dgamma", "dbeta")):
         assert ours.tobytes() == theirs.tobytes(), f"{name}: {what} differs between orders"
-    masked = np.where(np.asarray(y).astype(np.float64) > 0, np.asarray(grads[0]).astype(np.float64), 0.0)
-    xhat = (np.asarray(x_norm).astype(np.float64) - mean[None, :, None, None]) * invstd[None, :, None, None]
-    axes = (0, 2, 3)
-    for what, ours, exact, magnitude in (("dgamma", out[0], (masked * xhat).sum(axes), np.abs(masked * xhat).sum(axes)),
-                                         ("dbeta", out[1], masked.sum(axes), np.abs(masked).sum(axes))):
-        excess = np.abs(ours - exact) - 64 * 2.0**-24 * magnitude
-        worst = int(np.argmax(excess))
-        assert excess[worst] <= 0, (f"{name}: {what} of channel {worst}: {ours[worst]!r}, float64 {exact[worst]!r}"
-                                    f"\n{reproduce_hint()}")
+    check_sums(name, grads[0], y, x_norm, mean, invstd, out)
 
 
 def test_the_cpu_backend_hands_over_its_batch_norms_sums():
@@ -311,18 +318,11 @@ def test_batch_norm_sums_from_the_pools_backward(precision, shape):
     assert np.asarray(grads[0]).tobytes() == np.asarray(plain).tobytes(), f"{name}: dx differs with the sums"
     for ours, theirs, what in zip(grads[1:], other[1:], ("dgamma", "dbeta")):
         assert ours.tobytes() == theirs.tobytes(), f"{name}: {what} differs between orders"
-    masked = np.where(np.asarray(y).astype(np.float64) > 0, np.asarray(grads[0]).astype(np.float64), 0.0)
-    xhat = (np.asarray(x_norm).astype(np.float64) - mean[None, :, None, None]) * invstd[None, :, None, None]
-    axes = (0, 2, 3)
-    for what, ours, exact, magnitude in (("dgamma", out[0], (masked * xhat).sum(axes), np.abs(masked * xhat).sum(axes)),
-                                         ("dbeta", out[1], masked.sum(axes), np.abs(masked).sum(axes))):
-        excess = np.abs(ours - exact) - 64 * 2.0**-24 * magnitude
-        worst = int(np.argmax(excess))
-        assert excess[worst] <= 0, (f"{name}: {what} of channel {worst}: {ours[worst]!r}, float64 {exact[worst]!r}"
-                                    f"\n{reproduce_hint()}")
+    check_sums(name, grads[0], y, x_norm, mean, invstd, out)
     from kernels import cpu
     y64, x64 = np.asarray(y).astype(np.float64), np.asarray(x_norm).astype(np.float64)
-    dx, dgamma, dbeta = cpu.global_avg_pool_backward(dy.astype(np.float64), shape, norm=(y64, x64, mean, invstd, None, None))
+    dx, dgamma, dbeta = cpu.global_avg_pool_backward(dy.astype(np.float64), shape,
+                                                     norm=(y64, x64, mean, invstd, None, None))
     alone = cpu.batch_norm_backward(dx, x64, np.ones(shape[1]), mean, invstd, y=y64)
     assert dgamma.tobytes() == alone[1].tobytes() and dbeta.tobytes() == alone[2].tobytes()
 

@@ -408,4 +408,5 @@ def test_the_launch_plan_of_resnet18_covers_every_product():
     assert fp32 == ["conv 3x3/1 1->64 28->28", "linear 512->10"]
     assert all(1 <= row["resident"] <= 16 and row["blocks"] >= 1 for row in rows), rows
     assert all(resources[row["kernel"]].spill_stores == 0 for row in rows)
-    assert all(row["waves"] >= (2 if "Tc128x64" in row["kernel"] else 1) for row in rows if row["gemm"] == "wgrad"), rows
+    assert all(row["waves"] >= (2 if "Tc128x64" in row["kernel"] else 1) for row in rows
+               if row["gemm"] == "wgrad"), rows

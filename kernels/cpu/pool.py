@@ -42,8 +42,9 @@ def global_avg_pool_forward(x):
 
 def global_avg_pool_backward(dy, x_shape, *, dtype=None, norm=None, norm_out=None):
     """dx (channels-last, like the convolutions' arrays that it flows back into); with `norm` = (y, x, mean,
-    invstd, gamma, beta) (see conv2d_backward), also the backward sums (dgamma, dbeta) of the training batch norm whose output y the pool
-    read (x its input), of that dx, into norm_out when given: (dx, dgamma, dbeta)."""
+    invstd, gamma, beta) (see conv2d_backward), also the backward sums (dgamma, dbeta) of the training
+    batch norm whose output y the pool read (x its input), of that dx, into norm_out when given:
+    (dx, dgamma, dbeta)."""
     n, c, h, w = x_shape
     dx = np.empty((n, h, w, c), dtype=dy.dtype if dtype is None else dtype)
     dx[...] = (dy / (h * w))[:, None, None, :]

@@ -257,14 +257,16 @@ bn_backward_sums(const T* __restrict__ dy, const T* __restrict__ y, const T* __r
     }
 }
 
-// bn_backward_sums on channels-last dy, y and x (rows, C), C a multiple of 32, by (32-channel group,
-// split) blocks as bn_stats_rows: each sector of dy, y and x is read once.
-template <class T>
-__global__ void __launch_bounds__(256)
-bn_backward_sums_rows(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
-                      const float* __restrict__ mean, const float* __restrict__ invstd, int rows, int channels,
-                      int chunk, float* partial, unsigned* counters, float* __restrict__ dgamma,
-                      float* __restrict__ dbeta) {
+// The backward's sums over channels-last y and x (rows, C), C a multiple of 32, by (32-channel group,
+// split) blocks as bn_stats_rows, element (r, c)'s dy from gradient(r, c): each sector of y and x is
+// read once; warp 0 of the group's last block writes dgamma and dbeta. Every thread of the block must
+// call it.
+template <class T, class Gradient>
+__device__ __forceinline__ void bn_rows_backward_sums(const Gradient& gradient, const T* __restrict__ y,
+                                                      const T* __restrict__ x, const float* __restrict__ mean,
+                                                      const float* __restrict__ invstd, int rows, int channels,
+                                                      int chunk, float* partial, unsigned* counters,
+                                                      float* __restrict__ dgamma, float* __restrict__ dbeta) {
     __shared__ float scratch[256 / 32][32];
     const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const int c = blockIdx.x * 32 + threadIdx.x % 32, begin = blockIdx.y * chunk, end = min(begin + chunk, rows);
@@ -272,12 +274,23 @@ bn_backward_sums_rows(const T* __restrict__ dy, const T* __restrict__ y, const T
     float dy_xhat = 0.0f, dy_sum = 0.0f;
 #pragma unroll 4  // the loads of 4 rows of dy, y and x in flight before their adds, in order: 48 (24) bytes a lane
     for (int r = begin + warp; r < end; r += warps)
-        bn_add_gradient(dy, y, x, r * channels + c, m, inv, dy_xhat, dy_sum);
+        bn_add_gradient(gradient(r, c), y, x, r * channels + c, m, inv, dy_xhat, dy_sum);
     dy_xhat = bn_sum_over_warps(dy_xhat, scratch);
     dy_sum = bn_sum_over_warps(dy_sum, scratch);
     if (!bn_rows_totals(dy_xhat, dy_sum, c, channels, partial, counters, scratch) || warp != 0) return;
     dgamma[c] = dy_xhat;
     dbeta[c] = dy_sum;
+}
+
+// bn_backward_sums on channels-last dy, y and x (rows, C), C a multiple of 32 (bn_rows_backward_sums).
+template <class T>
+__global__ void __launch_bounds__(256)
+bn_backward_sums_rows(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
+                      const float* __restrict__ mean, const float* __restrict__ invstd, int rows, int channels,
+                      int chunk, float* partial, unsigned* counters, float* __restrict__ dgamma,
+                      float* __restrict__ dbeta) {
+    const auto gradient = [&](int r, int c) { return to_float(dy[r * channels + c]); };
+    bn_rows_backward_sums(gradient, y, x, mean, invstd, rows, channels, chunk, partial, counters, dgamma, dbeta);
 }
 
 // The backward of a global average pool whose input is the output y of a training batch norm (x its
@@ -290,22 +303,12 @@ bn_pooled_backward(const float* __restrict__ pooled, int plane, T* __restrict__ 
                    const T* __restrict__ x, const float* __restrict__ mean, const float* __restrict__ invstd,
                    int rows, int channels, int chunk, float* partial, unsigned* counters, float* __restrict__ dgamma,
                    float* __restrict__ dbeta) {
-    __shared__ float scratch[256 / 32][32];
-    const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    const int c = blockIdx.x * 32 + threadIdx.x % 32, begin = blockIdx.y * chunk, end = min(begin + chunk, rows);
-    const float m = mean[c], inv = invstd[c];
-    float dy_xhat = 0.0f, dy_sum = 0.0f;
-#pragma unroll 4
-    for (int r = begin + warp; r < end; r += warps) {
+    const auto gradient = [&](int r, int c) {
         const T d = stored<T>(pooled[r / plane * channels + c] / float(plane));
         dx[r * channels + c] = d;
-        bn_add_gradient(to_float(d), y, x, r * channels + c, m, inv, dy_xhat, dy_sum);
-    }
-    dy_xhat = bn_sum_over_warps(dy_xhat, scratch);
-    dy_sum = bn_sum_over_warps(dy_sum, scratch);
-    if (!bn_rows_totals(dy_xhat, dy_sum, c, channels, partial, counters, scratch) || warp != 0) return;
-    dgamma[c] = dy_xhat;
-    dbeta[c] = dy_sum;
+        return to_float(d);
+    };
+    bn_rows_backward_sums(gradient, y, x, mean, invstd, rows, channels, chunk, partial, counters, dgamma, dbeta);
 }
 
 // dx of training-mode batch norm, gamma * invstd * (g - dbeta / M - xhat * dgamma / M) with g the

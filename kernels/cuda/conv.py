@@ -85,9 +85,9 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
     to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given.
     With `norm` = (y, x, mean, invstd, gamma, beta) (gamma and beta None but for a relu alone, whose mask
-    the epilogue then recomputes from x), the batch norm's backward sums of dx (after the add, when add_dx_to is given) as well
-    (into norm_out), from the tensor-core backward-data's epilogue (channels-last y and x, dx added in
-    place there), else from batchnorm.py's pass over dx."""
+    the epilogue then recomputes from x), the batch norm's backward sums of dx (after the add, when
+    add_dx_to is given) as well (into norm_out), from the tensor-core backward-data's epilogue
+    (channels-last y and x, dx added in place there), else from batchnorm.py's pass over dx."""
     if norm is not None and not need_dx:
         raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
     sums = None
