@@ -114,10 +114,10 @@ VARIANTS = ("default", "large tile", "square tile", "split", "square tile split"
 def variant(request, monkeypatch):
     """The launchers' choices, or the 128 x 64 or 128 x 128 tile (where the copies allow it) or many-way
     split-K forced, or both, so that small shapes exercise those code paths too."""
-    if "tile" in request.param:
+    if "tile" in request.param:   # the square tile has the aligned copies alone
         tile = "Tc128x64" if request.param == "large tile" else "Tc128x128"
-        monkeypatch.setattr(conv_tc, "choose_tile", lambda rows, columns: tile)
-        monkeypatch.setattr(conv_tc, "choose_wgrad_tile", lambda columns: tile)
+        monkeypatch.setattr(conv_tc, "choose_tile", lambda rows, columns, aligned: tile if aligned else "Tc128x64")
+        monkeypatch.setattr(conv_tc, "choose_wgrad_tile", lambda columns, aligned: tile if aligned else "Tc128x64")
     if request.param.endswith("split"):   # every GEMM in parts of one k step, in two levels past ONE_LEVEL_PARTS
         monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 10**9)
         monkeypatch.setattr(conv_tc, "WGRAD_SPLIT_TARGET", collections.defaultdict(lambda: 10**9))
@@ -350,7 +350,8 @@ def test_every_tensor_core_kernel_runs_hmma(arch):
     compiled = compile_family("conv_tc", arch)
     sass = compiled.sass()
     gemms = [name for name in conv_tc.KERNELS if name.startswith("conv_tc_")]
-    assert len(gemms) == 16   # 3 tiles x 2 copy paths forward and backward-data, 2 x 2 backward-weight
+    assert len(gemms) == 13   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
+    # backward-weight: 128 x 64's two and the square's
     for name in gemms:
         instructions = sass[compiled.lowered_names[name]]
         assert any(i.startswith("HMMA.1688.F32.TF32") for i in instructions), f"{name} for {arch}: no HMMA"

@@ -55,7 +55,7 @@ class Kind(typing.NamedTuple):
 
 
 # TF32 (conv_tc.cu): a stage of 16 k.
-TF32 = Kind("conv_tc", (("Tc128x128", 128, 128, 16, True), ("Tc128x64", 128, 64, 16, True),
+TF32 = Kind("conv_tc", (("Tc128x128", 128, 128, 16, False), ("Tc128x64", 128, 64, 16, True),
                         ("Tc64x64", 64, 64, 16, True)), 4)
 BK, GEMMS = 16, TF32.gemms
 # Backward-weight runs a large tile at every size (choose_wgrad_tile): its grid is small and split-K
@@ -114,17 +114,20 @@ def supports(c, o, kind=TF32):
     return c % kind.chunk == 0 and o % kind.chunk == 0
 
 
-def choose_tile(rows, columns):
+def choose_tile(rows, columns, aligned):
     """TF32's tile for an output of `rows` x `columns`: Tc128x128 when both fill it (more than 64
-    columns), Tc128x64 when the rows do, Tc64x64 below 128 rows. The large tiles issue fewer
-    instructions per HMMA (bench/tc_plan.py) and the square one reads half again the FLOPs per byte
-    of operands, and split-K keeps their grids large enough."""
-    return "Tc64x64" if rows < 128 else "Tc128x128" if columns > 64 else "Tc128x64"
+    columns) and `aligned` (its aligned copies take the convolution: channel counts multiples of 16, at
+    most 32 filter taps; it has no other, as the gathered copies' loops issue 11-16 instructions per
+    HMMA whatever the tile), Tc128x64 when the rows fill it, Tc64x64 below 128 rows. The large tiles
+    issue fewer instructions per HMMA (bench/tc_plan.py) and the square one reads half again the
+    FLOPs per byte of operands, and split-K keeps their grids large enough."""
+    return "Tc64x64" if rows < 128 else "Tc128x128" if columns > 64 and aligned else "Tc128x64"
 
 
-def choose_wgrad_tile(columns):
-    """TF32's backward-weight tile for `columns` output channels: Tc128x128 above 64, else Tc128x64."""
-    return "Tc128x128" if columns > 64 else "Tc128x64"
+def choose_wgrad_tile(columns, aligned):
+    """TF32's backward-weight tile for `columns` output channels: Tc128x128 above 64 when `aligned` (see
+    choose_tile), else Tc128x64."""
+    return "Tc128x128" if columns > 64 and aligned else "Tc128x64"
 
 
 def choose_bf16_tile(columns, aligned):
@@ -155,6 +158,7 @@ def plan(gemm, geometry, kind=TF32):
         raise ValueError(f"the {kind.family} convolutions need channel counts that are multiples of {kind.chunk}, "
                          f"not C = {c}, O = {o}")
     bf16, aligned = kind is BF16, c % 32 == 0 and o % 32 == 0 and kh * kw <= MAX_ALIGNED_TAPS
+    tf32_aligned = c % BK == 0 and o % BK == 0 and kh * kw <= MAX_ALIGNED_TAPS   # TF32's copies of a 16-k stage
     if gemm == "forward":
         rows, columns, k, phases = n * oh * ow, o, kh * kw * c, 1
     elif gemm == "dgrad":   # one GEMM per stride phase of the input cells, sized for the largest
@@ -170,11 +174,11 @@ def plan(gemm, geometry, kind=TF32):
                               BF16_WGRAD_MIN_SPLIT_K)
         return Plan(WGRAD_HALO_KERNEL, grid + (parts,), chunk, parts, group_size(parts), kind.family)
     if gemm == "wgrad":
-        tile = choose_bf16_tile(columns, aligned) if bf16 else choose_wgrad_tile(columns)
+        tile = choose_bf16_tile(columns, aligned) if bf16 else choose_wgrad_tile(columns, tf32_aligned)
         target, min_split = (BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K) if bf16 else \
             (WGRAD_SPLIT_TARGET[tile], WGRAD_MIN_SPLIT_K)
     else:
-        tile = choose_bf16_tile(columns, aligned) if bf16 else choose_tile(rows, columns)
+        tile = choose_bf16_tile(columns, aligned) if bf16 else choose_tile(rows, columns, tf32_aligned)
         target, min_split = (BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K) if bf16 else (SPLIT_TARGET, MIN_SPLIT_K)
     bm, bn, bk = kind.tile(tile)
     align = bk if c % bk == 0 and o % bk == 0 and kh * kw <= MAX_ALIGNED_TAPS else kind.chunk
