@@ -171,10 +171,14 @@ def check_sums(name, dx, y, x_norm, mean, invstd, sums):
                                     f"\n{reproduce_hint()}")
 
 
-@pytest.mark.parametrize("precision, variant", [("tf32", "plan"), ("tf32", "split"), ("bf16", "plan"),
-                                                ("bf16", "split"), ("bf16", "halo"), ("tf32", "add"),
-                                                ("bf16", "halo add"), ("tf32", "relu"), ("bf16", "halo relu")])
-@pytest.mark.parametrize("x_shape, w_shape, stride, padding", BACKWARD_SHAPES)
+BACKWARD_VARIANTS = [("tf32", "plan"), ("tf32", "split"), ("bf16", "plan"), ("bf16", "split"), ("bf16", "halo"),
+                     ("tf32", "add"), ("bf16", "halo add"), ("tf32", "relu"), ("bf16", "halo relu")]
+
+
+# every variant at every shape, but TF32's add and relu at 28 x 28 (the halo ones are BF16's; the suite's time)
+@pytest.mark.parametrize("precision, variant, x_shape, w_shape, stride, padding", [
+    (precision, variant, *shape) for shape in BACKWARD_SHAPES for precision, variant in BACKWARD_VARIANTS
+    if not (precision == "tf32" and variant in ("add", "relu") and shape[0][2:] == (28, 28))])
 def test_batch_norm_sums_from_backward_data(monkeypatch, precision, variant, x_shape, w_shape, stride, padding):
     """conv2d_backward(..., norm=(y, x_norm, mean, invstd, None, None), norm_out=(dgamma, dbeta)): the sums of
     the batch norm (with its relu, or residual join) whose output the convolution reads, g = dx where y > 0:
