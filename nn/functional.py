@@ -51,12 +51,8 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
         if norm is None:
             return K.conv2d_backward(dy, x.data, w, stride, padding, need_dx=x.requires_grad,
                                      out=_outputs(weight, bias), add_dx_to=add_dx_to)
-        arrays, norm_weight, norm_bias, handed = norm
-        dx, dw, db, dgamma, dbeta = K.conv2d_backward(dy, x.data, w, stride, padding, out=_outputs(weight, bias),
-                                                      add_dx_to=add_dx_to, norm=arrays,
-                                                      norm_out=_outputs(norm_weight, norm_bias))
-        handed["sums"] = (dgamma, dbeta)
-        return dx, dw, db
+        return _handing_sums(norm, lambda **sums: K.conv2d_backward(
+            dy, x.data, w, stride, padding, out=_outputs(weight, bias), add_dx_to=add_dx_to, **sums))
     out = Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
     out.statistics = stats
     return out
@@ -71,6 +67,16 @@ def _norm_to_sum(x, adds):
     if norm is None or not x.requires_grad or x._readers_left != 1:
         return None
     return norm if x.grad is None or (adds and x._grad_owned) else None
+
+
+def _handing_sums(norm, backward):
+    """backward(norm=, norm_out=) (a kernel's backward that also computes the sums of the batch norm whose
+    request x.norm is, _norm_to_sum) with the norm's arrays and its parameters' gradients as the sums'
+    outputs; the sums handed to the norm's backward, the backward's other results returned."""
+    arrays, weight, bias, handed = norm
+    *grads, dgamma, dbeta = backward(norm=arrays, norm_out=_outputs(weight, bias))
+    handed["sums"] = (dgamma, dbeta)
+    return tuple(grads)
 
 
 def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.1, eps=1e-5, group=None,
@@ -196,11 +202,8 @@ def adaptive_avg_pool2d(x, output_size):
         norm = _norm_to_sum(x, adds=False)
         if norm is None:
             return (K.global_avg_pool_backward(dy.reshape(n, c), x.shape, dtype=x.dtype),)
-        arrays, norm_weight, norm_bias, handed = norm
-        dx, dgamma, dbeta = K.global_avg_pool_backward(dy.reshape(n, c), x.shape, dtype=x.dtype, norm=arrays,
-                                                       norm_out=_outputs(norm_weight, norm_bias))
-        handed["sums"] = (dgamma, dbeta)
-        return (dx,)
+        return _handing_sums(norm, lambda **sums: K.global_avg_pool_backward(dy.reshape(n, c), x.shape,
+                                                                             dtype=x.dtype, **sums))
     return Tensor._make(y, (x,), backward, fresh=True)
 
 

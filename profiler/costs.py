@@ -137,11 +137,16 @@ def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to
     data = nbytes(w) + item(dy) * (size(x) + added) if need_dx else 0   # w read, dx written, add_dx_to read
     cost = Cost(2 * passes * _conv_macs(x, w, stride, padding) + size(dy) + added,
                 nbytes(dy) + nbytes(x) + FLOAT * (size(w) + w[0]) + data)   # dy and x read, dw and db written
-    if norm is None:
-        return cost
-    y, x_norm, recomputed = norm[0], norm[1], norm[5] is not None   # a relu alone's mask from x: y not read
-    return cost + Cost(BN_BACKWARD_SUMS * size(x) + (2 if recomputed else 1) * size(y),
-                       (0 if recomputed else nbytes(y)) + nbytes(x_norm) + FLOAT * 4 * x[1])
+    return cost if norm is None else cost + _handed_sums(norm, x[1])
+
+
+def _handed_sums(norm, channels):
+    """What a backward adds for the batch norm's sums it computes where dx is (a `norm` = (y, x, mean,
+    invstd, gamma, beta) argument): the norm's x read, and its y unless a relu alone's mask is recomputed
+    from x (a multiply-add then, beside the comparison), the sums written."""
+    y, x_norm, recomputed = norm[0], norm[1], norm[5] is not None
+    return Cost(BN_BACKWARD_SUMS * size(x_norm) + (2 if recomputed else 1) * size(y),
+                (0 if recomputed else nbytes(y)) + nbytes(x_norm) + FLOAT * 4 * channels)
 
 
 # ---- batch normalisation ---------------------------------------------------------------------
@@ -267,10 +272,7 @@ def global_avg_pool_backward(dy, x_shape, *, dtype=None, norm=None, norm_out=Non
     """With `norm`, the batch norm's backward sums of dx in the same pass: its y and x read, as
     conv2d_backward's norm."""
     cost = Cost(size(x_shape), FLOAT * size(dy) + _itemsize(dtype) * size(x_shape))
-    if norm is None:
-        return cost
-    y, x_norm = norm[:2]
-    return cost + Cost(BN_BACKWARD_SUMS * size(y) + size(y), nbytes(y) + nbytes(x_norm) + FLOAT * 4 * x_shape[1])
+    return cost if norm is None else cost + _handed_sums(norm, x_shape[1])
 
 
 # ---- linear --------------------------------------------------------------------------------

@@ -109,13 +109,18 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, beta=None, ou
         if out is not None and any(o is not None and o is not s for o, s in zip(out, sums)):
             raise ValueError(f"{op}: the sums given are not the gradients' outputs (out)")
     else:
-        dgamma, dbeta = (be.xp.empty((c,), np.float32) if a is None else a
-                         for a in gradient_outputs(be, op, out, ((c,), (c,))))
+        dgamma, dbeta = sums_outputs(be, op, out, c)
         _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta)
     masked = be.xp.empty_like(x) if shortcut else None
     dx = _dx(be, dy, None if beta is not None else y, x, gamma, beta, mean, invstd, dgamma, dbeta,
              x.size // x.shape[1], masked)
     return (dx, dgamma, dbeta) + ((masked,) if shortcut else ())
+
+
+def sums_outputs(be, op, out, c):
+    """(dgamma, dbeta) where a norm's backward sums over `c` channels go: the arrays of `out` (checked by
+    gradient_outputs; either may be None), new float32 ones for the others."""
+    return tuple(be.xp.empty((c,), np.float32) if a is None else a for a in gradient_outputs(be, op, out, ((c,), (c,))))
 
 
 def batch_norm_backward_sums(be, dy, x, mean, invstd):

@@ -16,7 +16,7 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
-from .batchnorm import backward_sums, running_pair
+from .batchnorm import backward_sums, running_pair, sums_outputs
 from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
     storage_argument
 
@@ -90,11 +90,7 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     (channels-last y and x, dx added in place there), else from batchnorm.py's pass over dx."""
     if norm is not None and not need_dx:
         raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
-    sums = None
-    if norm is not None:
-        c = x.shape[1]
-        sums = tuple(be.xp.empty((c,), np.float32) if a is None else a
-                     for a in gradient_outputs(be, "conv2d_backward", norm_out, ((c,), (c,))))
+    sums = None if norm is None else sums_outputs(be, "conv2d_backward", norm_out, x.shape[1])
     dy, x, w = _operands(be, "conv2d_backward", dy, x, w)
     geometry = _geometry(x, w, stride, padding)
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry

@@ -11,8 +11,8 @@ import kernels
 
 from kernels.cpu._util import output_size, pair
 
-from .batchnorm import backward_sums, pooled_backward
-from .launch import STORAGE_TYPES, blocks, cdiv, dense, float32, gradient_outputs, is_channels_last, launch, typed
+from .batchnorm import backward_sums, pooled_backward, sums_outputs
+from .launch import STORAGE_TYPES, blocks, cdiv, dense, float32, is_channels_last, launch, typed
 
 OPS = ("max_pool2d_forward", "max_pool2d_backward", "global_avg_pool_forward", "global_avg_pool_backward")
 KERNELS = tuple(f"{kernel}<{t}>" for kernel in OPS for t in STORAGE_TYPES.values())
@@ -75,13 +75,10 @@ def global_avg_pool_backward(be, dy, x_shape, *, dtype=None, norm=None, norm_out
         raise ValueError(f"global_avg_pool_backward: dy {dy.shape} does not fit x {tuple(x_shape)}")
     channels_last = kernels.channels_last()
     dx = be.xp.empty((n, h, w, c), dtype).transpose(0, 3, 1, 2) if channels_last else be.xp.empty((n, c, h, w), dtype)
-    if norm is None:
+    sums = None if norm is None else sums_outputs(be, op, norm_out, c)
+    if norm is None or not pooled_backward(be, dy, dx, norm, sums, op):
         launch(be, "pool", f"global_avg_pool_backward<{STORAGE_TYPES[dtype]}>", blocks(dx.size),
                (dy, dx.size, h * w, c, int(channels_last), dx))
-        return dx
-    sums = tuple(be.xp.empty((c,), np.float32) if a is None else a
-                 for a in gradient_outputs(be, op, norm_out, ((c,), (c,))))
-    if not pooled_backward(be, dy, dx, norm, sums, op):
-        dx = global_avg_pool_backward(be, dy, x_shape, dtype=dtype)
-        backward_sums(be, dx, *norm[:4], op, into=sums)
-    return (dx, *sums)
+        if norm is not None:
+            backward_sums(be, dx, *norm[:4], op, into=sums)
+    return dx if norm is None else (dx, *sums)
