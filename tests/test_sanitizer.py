@@ -71,6 +71,13 @@ def test_memcheck_refuses_each_access_outside_its_array(order, name, block, args
     assert re.search(message.format(line=LINE), refused(name, (1,), block, args())), name
 
 
+def test_an_atomic_out_of_bounds_names_the_kernel_line(order):
+    error = refused("atomic_past_end", (1,), (4,), (np.zeros(4, np.uint32), np.int32(4)))
+    assert re.search(rf"thread \(\d,0,0\) of block \(0,0,0\): memcheck: out-of-bounds global atomic of 4 bytes at "
+                     rf"0x[0-9a-f]+ at \S+\.cu:{line_of('atomicAdd(count + n, 1u)')} \(argument 0 \(unsigned\* count\) "
+                     rf"of 4 elements: element 4, 0 bytes past its end\)", error), error
+
+
 def test_memcheck_holds_dynamic_shared_memory_to_what_the_launch_asked_for():
     error = refused("dynamic_shared_past_what_was_asked", (1,), (32,), (floats(32),), shared_mem=32 * 4)
     assert re.search(r"thread \(31,0,0\) of block \(0,0,0\): memcheck: out-of-bounds shared read of 4 bytes at "
@@ -100,6 +107,19 @@ def test_synccheck_refuses_a_barrier_that_part_of_the_block_skips(order):
     assert {int(n) for n in re.findall(r"\.cu:(\d+)", error)} == {first, second}, error
 
 
+def test_synccheck_knows_one_barrier_of_the_source_whose_calls_the_compiler_copied(order):
+    """g++ copies the one call of a helper that holds a barrier into both sides of the kernel's
+    `if (i < n)`: the threads wait at two code addresses, but at one barrier of the source, as on a
+    GPU. The helper called from two calls of the source, one a side, is two barriers."""
+    x, y = floats(64), np.zeros(64, np.float32)
+    module().get_function("barrier_in_a_helper_called_once")((1,), (64,), (x, y, np.int32(40)))
+    np.testing.assert_array_equal(y[:40], x[:40] + np.concatenate([x[1:40], np.zeros(1, np.float32)]))
+    assert not y[40:].any()
+    error = refused("barrier_in_a_helper_called_from_both_sides", (1,), (64,), (x, y, np.int32(40)))
+    assert re.search(r"synccheck: thread \(\d+,0,0\) of block \(0,0,0\) waits at a __syncthreads\(\) at (\S+:\d+) and "
+                     r"thread \(\d+,0,0\) at another at \1 \(the same line, reached through other calls\)", error), error
+
+
 def test_synccheck_matches_warp_wide_instructions_by_call_instance_not_by_source_line(order):
     error = refused("mma_by_two_halves_through_one_helper", (1,), (32,), (np.zeros(32, np.float32),))
     assert re.search(r"synccheck: reached mma\.sync\.aligned\.m16n8k8\.row\.col\.f32\.tf32\.tf32\.f32 at \S+ while "
@@ -108,6 +128,27 @@ def test_synccheck_matches_warp_wide_instructions_by_call_instance_not_by_source
     out = np.zeros(32, np.float32)   # one call of the helper: fine (D = 0 0 + C, C[0] the lane)
     module().get_function("mma_through_one_helper")((1,), (32,), (out,))
     np.testing.assert_array_equal(out, np.arange(32, dtype=np.float32))
+
+
+# ---- shuffles ---------------------------------------------------------------------------------------
+
+def test_a_shuffle_of_lanes_that_are_not_there_is_refused(order):
+    """A shuffle whose mask names lanes that do not exist (a block of 48 threads) or that returned, or
+    whose lane reads one of them: undefined values on a GPU, refused with the lanes and the line. Its
+    twin, which exchanges among the lanes there, runs clean."""
+    x = floats(48)
+    error = refused("warp_sum_in_a_partial_warp", (1,), (48,), (x, np.zeros(2, np.float32)))
+    assert re.search(rf"thread \(32,0,0\) of block \(0,0,0\): __shfl_down_sync\(mask 0xffffffff\) names lanes 16-31, "
+                     rf"which have returned or are not in the block \(of 48 threads\): a shuffle's mask may name only lanes that "
+                     rf"execute it \(the values are undefined on a GPU\) {LINE}", error), error
+    assert f".cu:{line_of('v += __shfl_down_sync(0xffffffffu')}" in error, error
+    error = refused("shuffle_reads_lanes_that_returned", (1,), (32,), (x[:32], np.zeros(32, np.float32)))
+    assert re.search(r"thread \(\d+,0,0\) of block \(0,0,0\): __shfl_sync\(mask 0x0000ffff\) of lane \d+ reads lane "
+                     r"(1[6-9]|2\d|3[01]), which is not in the mask: the value is undefined on a GPU", error), error
+    y = np.zeros(2, np.float32)
+    module().get_function("warp_sum_of_the_lanes_there")((1,), (48,), (x, y))
+    np.testing.assert_allclose(y, [x[:32].astype(np.float64).sum(), x[32:].astype(np.float64).sum()], rtol=1e-5,
+                               atol=1e-5)
 
 
 # ---- racecheck --------------------------------------------------------------------------------------
@@ -141,7 +182,7 @@ def test_a_warp_sum_with_its_syncwarps_runs_clean(order):
 def test_racecheck_refuses_two_plain_stores_to_one_global_word(name, grid, block):
     error = refused(name, (grid,), (block,), (np.zeros(1, np.float32),))
     assert re.search(r"racecheck: writes global memory at 0x[0-9a-f]+ that thread \(0,0,0\) of block \(0,0,0\) wrote "
-                     r"in this launch: two plain stores to one word race \(one is lost\); use an atomic", error), error
+                     r"in this launch: two plain stores to one word race \(one is lost: they differ\); use an atomic", error), error
     assert "argument 0 (float* y) of 1 elements: element 0" in error
 
 
@@ -154,6 +195,31 @@ def test_atomics_and_the_last_block_reduction_are_not_races(order):
     module().get_function("split_sum_finished_by_the_last_block")((8,), (128,), (x, partial, counter, total))
     np.testing.assert_allclose(total[0], x.astype(np.float64).sum(), rtol=1e-4, atol=1e-4)
     assert counter[0] == 0
+
+
+def test_racecheck_lets_threads_store_one_value_to_one_word(order):
+    """Many threads setting one flag to the same value lose nothing (every_thread_writes_one_global_word,
+    whose values differ, is refused above)."""
+    x, found = np.abs(floats(4 * 64)), np.zeros(1, np.int32)
+    module().get_function("threads_set_one_flag")((4,), (64,), (x, found))
+    assert found[0] == 0
+    x[rng().choice(x.size, 20, replace=False)] *= -1
+    module().get_function("threads_set_one_flag")((4,), (64,), (x, found))
+    assert found[0] == 1
+
+
+def test_racecheck_sees_a_slot_handed_on_by_the_last_block_counter(order):
+    """last_block's fence and counter hand every block's slot to the block that comes last, which may
+    then overwrite it; a block that writes its slot after it has counted itself races with that block."""
+    x = floats(8 * 64)
+    partial, counter = np.zeros(8, np.float32), np.zeros(1, np.uint32)
+    module().get_function("last_block_reuses_the_partials")((8,), (64,), (x, partial, counter))
+    np.testing.assert_allclose(partial, np.cumsum(x.reshape(8, 64).astype(np.float64).sum(1)), rtol=1e-4, atol=1e-4)
+    counter[0] = 0
+    error = refused("partial_written_after_counting", (8,), (64,), (x, np.zeros(8, np.float32), counter))
+    assert re.search(r"racecheck: writes global memory at 0x[0-9a-f]+ that thread \(0,0,0\) of block \(\d,0,0\) "
+                     r"wrote in this launch: two plain stores to one word race \(one is lost: they differ\)", error), error
+    assert "argument 1 (float* partial)" in error
 
 
 # ---- initcheck ----------------------------------------------------------------------------------------

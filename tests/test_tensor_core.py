@@ -224,9 +224,9 @@ def test_cp_async_lands_at_the_wait_that_covers_it(order, bytes_, src_bytes, cg)
      r"reached mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32 at \S+:\d+ while lane \d+ waits in "
      r"mma\.sync\S+ at \S+:\d+: a warp-wide \.aligned instruction needs all 32 lanes at the same call"),
     ("mma_after_half_the_warp_returned", lambda: (np.zeros(32, np.float32),),
-     # lanes 0-15 wait when 16 returns (ascending order), or find 16-31 returned (descending)
-     r"(lanes 16 returned while lanes 0-15 wait in mma\.sync\S+ at \S+:\d+, which all 32 lanes must execute|"
-     r"mma\.sync\S+ at \S+:\d+ with lanes 16-31 of its warp returned or not there: all 32 lanes must execute it)"),
+     # the same words in both orders: lanes 0-15 wait as 16-31 return, or find them returned
+     r"thread \(0,0,0\) of block \(0,0,0\): synccheck: mma\.sync\S+ at \S+:\d+ with lanes 16-31 of its warp returned "
+     r"or not there: all 32 lanes must execute it$"),
     ("misaligned_ldmatrix", lambda: (np.zeros(32, np.uint32),),
      r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16 at \S+:\d+: address 0x[0-9a-f]+ is not a multiple of 16"),
     ("ldmatrix_from_global", lambda: (np.zeros(64, np.uint16), np.zeros(32, np.uint32)),

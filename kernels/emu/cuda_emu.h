@@ -103,10 +103,17 @@ inline int __syncthreads_or(int predicate, EMU_BARRIER_SITE) {
 }
 #undef EMU_BARRIER_SITE
 // Blocks run one after another and each thread's writes are visible at once: fences order
-// nothing further, but they still stop the compiler from caching memory across them.
+// nothing further, but they still stop the compiler from caching memory across them. Under the
+// sanitizer a fence beyond the block also tells racecheck that the block's writes before it may be
+// handed on to another block (emu_threadfence).
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+#ifdef EMU_SANITIZE
+inline void __threadfence() { emu_threadfence(); }
+inline void __threadfence_system() { emu_threadfence(); }
+#else
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+#endif
 
 inline void __syncwarp(unsigned mask = 0xffffffffu) { emu_warp(EMU_SYNCWARP, mask, 0, 0, 32); }
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
@@ -119,18 +126,19 @@ inline int __all_sync(unsigned mask, int predicate) {
     return int(emu_warp(EMU_ALL, mask, predicate != 0, 0, 32));
 }
 
-// CUDA's overload set of the shuffles, no more.
+// CUDA's overload set of the shuffles, no more; inlined, so that a message names the kernel's line.
+#define EMU_SHUFFLE inline __attribute__((always_inline))
 #define EMU_SHUFFLES(T)                                                                        \
-    inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = warpSize) {           \
+    EMU_SHUFFLE T __shfl_sync(unsigned mask, T var, int src_lane, int width = warpSize) {           \
         return emu::from_bits<T>(emu_warp(EMU_SHFL_IDX, mask, emu::to_bits(var), src_lane, width)); \
     }                                                                                          \
-    inline T __shfl_up_sync(unsigned mask, T var, unsigned int delta, int width = warpSize) {  \
+    EMU_SHUFFLE T __shfl_up_sync(unsigned mask, T var, unsigned int delta, int width = warpSize) {  \
         return emu::from_bits<T>(emu_warp(EMU_SHFL_UP, mask, emu::to_bits(var), int(delta), width)); \
     }                                                                                          \
-    inline T __shfl_down_sync(unsigned mask, T var, unsigned int delta, int width = warpSize) { \
+    EMU_SHUFFLE T __shfl_down_sync(unsigned mask, T var, unsigned int delta, int width = warpSize) { \
         return emu::from_bits<T>(emu_warp(EMU_SHFL_DOWN, mask, emu::to_bits(var), int(delta), width)); \
     }                                                                                          \
-    inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize) {      \
+    EMU_SHUFFLE T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize) {      \
         return emu::from_bits<T>(emu_warp(EMU_SHFL_XOR, mask, emu::to_bits(var), lane_mask, width)); \
     }
 EMU_SHUFFLES(int)
@@ -142,13 +150,15 @@ EMU_SHUFFLES(unsigned long long)
 EMU_SHUFFLES(float)
 EMU_SHUFFLES(double)
 #undef EMU_SHUFFLES
+#undef EMU_SHUFFLE
 
 // ---- atomics: exactly CUDA's overloads -----------------------------------------------------
 // Under the sanitizer (EMU_SANITIZE, see build.py) an atomic is checked for bounds and alignment
-// but is not a plain store: atomics never race. So the compiler must not instrument them.
+// but is not a plain store: atomics never race. So the compiler must not instrument them, nor inline
+// them into a kernel that it does instrument; the check names the kernel's call.
 #ifdef EMU_SANITIZE
-#define EMU_ATOMIC __attribute__((no_sanitize_thread)) inline
-#define EMU_CHECK_ATOMIC(address) emu_check_access(address, sizeof *(address), 2)
+#define EMU_ATOMIC __attribute__((no_sanitize_thread, noinline)) inline
+#define EMU_CHECK_ATOMIC(address) emu_check_access(address, sizeof *(address), 2, __builtin_return_address(0))
 #else
 #define EMU_ATOMIC inline
 #define EMU_CHECK_ATOMIC(address) ((void)0)
@@ -534,12 +544,12 @@ inline void signature(void (*)(A...), char* out, int n) {
 // after every use of them in this header.)
 #ifdef EMU_SANITIZE
 inline void* emu_checked_memcpy(void* to, const void* from, std::size_t n) {
-    emu_check_access(from, n, 0);
-    emu_check_access(to, n, 1);
+    emu_check_access(from, n, 0, nullptr);
+    emu_check_access(to, n, 1, nullptr);
     return std::memcpy(to, from, n);
 }
 inline void* emu_checked_memset(void* to, int value, std::size_t n) {
-    emu_check_access(to, n, 1);
+    emu_check_access(to, n, 1, nullptr);
     return std::memset(to, value, n);
 }
 #define memcpy emu_checked_memcpy

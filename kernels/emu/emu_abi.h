@@ -62,8 +62,13 @@ void emu_warp_aligned(const char* what, const char* file, int line, const void* 
 // all at once as the instruction does, into every lane's `out` (32 * row_bytes), lane by lane.
 void emu_warp_aligned_rows(const char* what, const char* file, int line, const void* row, int row_bytes, void* out);
 // The sanitizer's check of an access the compiler does not instrument (memcpy, memset, an atomic):
-// `how` 0 read, 1 write, 2 atomic (bounds and alignment only: atomics never race).
-void emu_check_access(const void* p, std::size_t bytes, int how);
+// `how` 0 read, 1 write, 2 atomic (bounds and alignment; atomics never race, and one on global memory
+// hands on or takes the writes a fence released: see emu_threadfence); `caller`, the return address
+// into the kernel to name, or null for the call's own.
+void emu_check_access(const void* p, std::size_t bytes, int how, const void* caller);
+// __threadfence() under the sanitizer: the fence, and for racecheck, a block's writes before it handed on
+// by its next atomic to the blocks that update the same word after (last_block's counter).
+void emu_threadfence(void);
 // An error unless [p, p + bytes) lies in the block's shared memory and p is a multiple of `align`.
 void emu_check_shared(const void* p, std::size_t bytes, std::size_t align, const char* what, const char* file,
                       int line);

@@ -52,6 +52,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -82,7 +83,7 @@ struct Warp {
     void* out[32];
     bool rows[32];                 // an .aligned load of rows (ldmatrix): `in` is the row's address
     std::uint64_t path[32];        // the call instance of each lane's .aligned instruction
-    const void* pc[32];
+    const void* pc[32];            // where each lane's operation (.aligned or a shuffle) is, for messages
     // the __syncwarp()s completed since the block's last barrier: (generation, lanes); memory
     // accesses of two lanes are ordered by one that both took part in after the first access
     std::vector<std::pair<std::uint32_t, unsigned>> syncs;
@@ -176,6 +177,22 @@ class LoadTraffic {
         requests_;
 };
 
+// The return addresses of a thread's calls that lead to a call into the runtime, innermost first.
+constexpr int kChainDepth = 32;
+struct CallChain {
+    int n = 0;
+    const void* ret[kChainDepth];
+};
+
+// A store to global bytes that another thread of the launch wrote (global_write): their values before.
+struct RacingStore {
+    int thread;
+    std::uintptr_t a;
+    std::vector<unsigned char> before;
+    std::uint32_t other;   // the other writer (global thread + 1)
+    const void* pc;
+};
+
 struct Launch {
     void (*entry)(void**);
     void** args;
@@ -206,9 +223,19 @@ struct Launch {
     int sanitize;                                     // 0 off, 1 memcheck (and synccheck), 2 every check
     std::vector<SharedVariable> shared;               // the kernel's, and the dynamic shared memory asked for
     const SharedVariable* last_shared;                // the one the last shared access lay in
-    std::vector<std::uint32_t*> writers;              // of each region: the writer of each byte (global thread + 1)
+    std::vector<std::uint32_t*> writers;              // of each region: the writer of each byte (global thread + 1),
+                                                      // then the fences counted when it wrote (global_write)
+    std::vector<RacingStore> racing;                  // the running thread's stores that race with another's
+    std::uint32_t fences;                             // the __threadfence()s of the launch so far
+    std::uint32_t block_fence;                        // the count at this block's last one, 0 before any
+    std::vector<std::uintptr_t> acquiring, acquired;  // the words this block updated atomically, before and
+                                                      // after a fence of its own (write_released)
+    std::unordered_map<std::uintptr_t, std::unordered_map<std::uint32_t, std::uint32_t>> released;
+                                                      // of each such word: the blocks that updated it after
+                                                      // a fence, and that fence's count
     std::uint32_t block_start, phase;                 // the phase this block started in; the phase now
     std::vector<std::uint64_t> barrier_path;          // the call instance of each thread at the barrier
+    std::vector<CallChain> barrier_calls;             // its chain of calls
     std::vector<std::pair<const char*, int>> barrier_site;   // and its source line
     LoadTraffic* traffic;                             // the traffic counter, or null
 };
@@ -388,8 +415,9 @@ std::string at(const void* pc) {
 
 // The call instance of the running thread's call into the runtime: a hash of the return addresses
 // of its frames, from the runtime function whose frame is `frame` up to the thread's first one,
-// but the `skip` innermost.
-std::uint64_t call_path(void* frame, const void** first, int skip = 0, const void** second = nullptr) {
+// but the `skip` innermost; and, with `chain`, those return addresses, innermost first.
+std::uint64_t call_path(void* frame, const void** first, int skip = 0, const void** second = nullptr,
+                        CallChain* chain = nullptr) {
     const auto lo = reinterpret_cast<std::uintptr_t>(g_slots.guard(g_launch->current));
     const auto hi = reinterpret_cast<std::uintptr_t>(g_slots.stack_top(g_launch->current));
     std::uint64_t h = 1469598103934665603ull;
@@ -402,9 +430,45 @@ std::uint64_t call_path(void* frame, const void** first, int skip = 0, const voi
         if (depth == 1 && second) *second = ret;
         if (!*first) *first = ret;
         if (depth >= skip) h = (h ^ reinterpret_cast<std::uintptr_t>(ret)) * 1099511628211ull;
+        if (depth >= skip && chain && chain->n < kChainDepth) chain->ret[chain->n++] = ret;
         fp = static_cast<void**>(fp[0]);
     }
     return h;
+}
+
+// The source place of the call before a return address ("file:line", and the places of the calls it is
+// inlined into), from the module's line table by addr2line; the address itself where that cannot tell.
+// Only a suspected error asks, so the cost of a process a place does not matter; each place is asked once.
+const std::string& source_place(const void* ret) {
+    static std::unordered_map<const void*, std::string> places;
+    const auto found = places.find(ret);
+    if (found != places.end()) return found->second;
+    std::string place = format("%p", ret);
+    Dl_info info{};
+    if (dladdr(ret, &info) && info.dli_fname && !std::strchr(info.dli_fname, '\'')) {
+        const auto offset = reinterpret_cast<std::uintptr_t>(ret) - 1 - reinterpret_cast<std::uintptr_t>(info.dli_fbase);
+        if (FILE* out = popen(format("addr2line -i -e '%s' %lx 2>/dev/null", info.dli_fname,
+                                     static_cast<unsigned long>(offset)).c_str(), "r")) {
+            std::string lines;
+            char buffer[4096];
+            while (std::fgets(buffer, sizeof buffer, out)) {
+                std::string line(buffer);
+                line = line.substr(0, line.find_first_of(" \n"));   // without " (discriminator n)"
+                lines += line + ";";
+            }
+            if (pclose(out) == 0 && !lines.empty() && lines.find("??") == std::string::npos) place = lines;
+        }
+    }
+    return places.emplace(ret, place).first->second;
+}
+
+// Whether two chains of calls are the same calls in the source: the same return addresses, or, where
+// the compiler copied a call (into the two sides of a branch, say), return addresses of the same places.
+bool same_source_calls(const CallChain& a, const CallChain& b) {
+    if (a.n != b.n) return false;
+    for (int k = 0; k < a.n; ++k)
+        if (a.ret[k] != b.ret[k] && source_place(a.ret[k]) != source_place(b.ret[k])) return false;
+    return true;
 }
 
 const char* verb(int how, bool past = false) {
@@ -509,35 +573,101 @@ void shared_shadow(int t, std::uintptr_t a, std::size_t n, int how, const Shared
     }
 }
 
-// racecheck of a global write: two threads of the launch may not write one byte with plain stores.
+// Whether the write of global byte `a` by `writer` (global thread + 1), made when the launch had counted
+// `epoch` fences, is ordered before the running thread: a block releases its writes with a
+// __threadfence() and then an atomic on a word (last_block's counter), and a block that updates the same
+// word atomically after, and then fences, acquires them. Blocks run one at a time here, so a release seen
+// is always earlier. The model is a block's, not a thread's: the barriers around last_block's fences and
+// its atomic order the block's threads.
+bool write_released(std::uint32_t writer, std::uint32_t epoch) {
+    const Launch& g = *g_launch;
+    const std::uint32_t block = (writer - 1) / std::uint32_t(g.threads);
+    for (const std::uintptr_t word : g.acquired) {
+        const auto releases = g.released.find(word);
+        if (releases == g.released.end()) continue;
+        const auto release = releases->second.find(block);
+        if (release != releases->second.end() && epoch < release->second) return true;
+    }
+    return false;
+}
+
+std::string thread_of(std::uint32_t writer) {
+    const Launch& g = *g_launch;
+    const std::uint32_t other = writer - 1, threads = std::uint32_t(g.threads);
+    const std::uint32_t b = other / threads, o = other % threads;
+    const dim3 bd = g.block;
+    return format("thread (%u,%u,%u) of block (%u,%u,%u)", o % bd.x, o / bd.x % bd.y, o / (bd.x * bd.y), b % g.grid.x,
+                  b / g.grid.x % g.grid.y, b / (g.grid.x * g.grid.y));
+}
+
+// racecheck of a global write: two threads of the launch may not write one byte with plain stores unless
+// the first write is handed on (write_released). The second store of such a pair is judged by its value,
+// once it has happened (check_racing_stores): one that leaves the bytes as they were (many threads
+// setting one flag) loses nothing; one that changes them loses the first.
 void global_write(std::size_t region, std::uintptr_t a, std::size_t n, const void* pc) {
     Launch& g = *g_launch;
     const auto [start, end] = g.regions[region];
     if (!g.writers[region]) {
-        void* p = mmap(nullptr, (end - start) * sizeof(std::uint32_t), PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        const std::size_t bytes = (end - start) * sizeof(std::uint32_t);
+        void* p = mmap(nullptr, 2 * bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (p == MAP_FAILED) return;   // no room to track it: unchecked rather than wrong
         g.writers[region] = static_cast<std::uint32_t*>(p);
     }
+    std::uint32_t* writers = g.writers[region];
+    std::uint32_t* epochs = writers + (end - start);
     const std::uint32_t me = std::uint32_t((((g.block_idx.z * g.grid.y) + g.block_idx.y) * g.grid.x + g.block_idx.x) *
                                            std::uint32_t(g.threads) + std::uint32_t(g.current) + 1);
     for (std::size_t k = 0; k < n; ++k) {
-        std::uint32_t& w = g.writers[region][a + k - start];
-        if (w && w != me) {
-            g_report_address = a + k;
-            const std::uint32_t other = w - 1, threads = std::uint32_t(g.threads);
-            const std::uint32_t b = other / threads, x = b % g.grid.x, y = b / g.grid.x % g.grid.y,
-                                z = b / (g.grid.x * g.grid.y);
-            const dim3 bd = g.block;
-            const std::uint32_t o = other % threads;
-            fail_in_fiber(format("racecheck: writes global memory at 0x%lx that thread (%u,%u,%u) of block (%u,%u,%u) "
-                                 "wrote in this launch: two plain stores to one word race (one is lost); use an "
-                                 "atomic, or give each thread its own place%s",
-                                 static_cast<unsigned long>(a + k), o % bd.x, o / bd.x % bd.y, o / (bd.x * bd.y),
-                                 x, y, z, at(pc).c_str()));
+        std::uint32_t& w = writers[a + k - start];
+        if (w && w != me && !write_released(w, epochs[a + k - start])) {
+            const auto byte = *reinterpret_cast<const unsigned char*>(a + k);
+            RacingStore* last = g.racing.empty() ? nullptr : &g.racing.back();
+            if (last && last->thread == g.current && last->a + last->before.size() == a + k && last->pc == pc)
+                last->before.push_back(byte);
+            else
+                g.racing.push_back({g.current, a + k, {byte}, w, pc});
         }
         w = me;
+        epochs[a + k - start] = g.fences;
     }
+}
+
+// The second stores of racing pairs that the running thread made (global_write), now that they have
+// happened: an error for the first that changed what the first store left.
+bool check_racing_stores() {
+    Launch& g = *g_launch;
+    for (const RacingStore& r : g.racing) {
+        const auto* now = reinterpret_cast<const unsigned char*>(r.a);
+        for (std::size_t k = 0; k < r.before.size(); ++k) {
+            if (now[k] == r.before[k]) continue;
+            g_report_address = r.a + k;
+            fail(describe_thread(r.thread) + ": " +
+                 format("racecheck: writes global memory at 0x%lx that %s wrote in this launch: two plain stores "
+                        "to one word race (one is lost: they differ); use an atomic, give each thread its own "
+                        "place, or hand it on with a fence and an atomic counter (last_block)%s",
+                        static_cast<unsigned long>(r.a + k), thread_of(r.other).c_str(), at(r.pc).c_str()));
+            g.racing.clear();
+            return false;
+        }
+    }
+    g.racing.clear();
+    return true;
+}
+
+// A __threadfence() of the running thread, and an atomic update of global `word`: the release and the
+// acquire of write_released.
+void on_threadfence() {
+    Launch& g = *g_launch;
+    g.block_fence = ++g.fences;
+    g.acquired.insert(g.acquired.end(), g.acquiring.begin(), g.acquiring.end());
+    g.acquiring.clear();
+}
+
+void on_global_atomic(std::uintptr_t word) {
+    Launch& g = *g_launch;
+    const std::uint32_t block = ((g.block_idx.z * g.grid.y) + g.block_idx.y) * g.grid.x + g.block_idx.x;
+    if (g.block_fence) g.released[word][block] = g.block_fence;
+    g.acquiring.push_back(word);
 }
 
 // Every check of a kernel's access to [a, a + n): `aligned`, the natural alignment of an n-byte access.
@@ -561,6 +691,7 @@ void check_access(std::uintptr_t a, std::size_t n, int how, bool aligned, const 
         if (a < start || a >= end) continue;
         if (a + n > end) break;
         if (how == WRITE && g.sanitize > 1) global_write(r, a, n, pc);
+        if (how == ATOMIC && g.sanitize > 1) on_global_atomic(a);
         if (how == READ && g.traffic) g.traffic->load(g.current, a, n, pc);
         return;
     }
@@ -598,11 +729,10 @@ std::string waits_in(const Warp& w, int lane) {
     return format("%s at %s:%d", w.what[lane], w.file[lane], w.line[lane]);
 }
 
-// A lane's result under PTX's shfl.sync rules: CUDA's width w becomes the segment mask
-// 32 - w, the source lane or offset is taken modulo 32, and a source outside the lane's
-// segment yields the lane's own value. Reading a lane that does not take part is undefined
-// on a GPU; here it yields all one bits (NaN for floats) so that it shows.
-std::uint64_t shuffle_result(const Warp& w, unsigned group, int lane) {
+// The lane a lane's shuffle reads under PTX's shfl.sync rules: CUDA's width w becomes the segment mask
+// 32 - w, the source lane or offset is taken modulo 32, and a source outside the lane's segment is the
+// lane itself.
+int shuffle_source(const Warp& w, int lane) {
     const int segmask = 32 - w.width[lane];
     const int b = w.arg[lane] & 31;
     const int low = lane & segmask;
@@ -615,9 +745,36 @@ std::uint64_t shuffle_result(const Warp& w, unsigned group, int lane) {
         case EMU_SHFL_DOWN: src = lane + b; inside = src <= high; break;
         case EMU_SHFL_XOR: src = lane ^ b; inside = src <= high; break;
     }
-    if (!inside) src = lane;
-    if (!(group >> src & 1u)) return ~std::uint64_t(0);
-    return w.value[src];
+    return inside ? src : lane;
+}
+
+std::string lane_list(unsigned lanes);
+
+// A shuffle of lanes that are not all there: its value is undefined on a GPU where a lane reads one that
+// does not execute it, and where the mask names lanes that returned or do not exist (NVIDIA's CUDA C++
+// guidelines, 2.1 and 2.3). An error for the first such lane of the group, or false.
+bool shuffle_without_its_lanes(int wi, unsigned mask, unsigned group) {
+    const Warp& w = g_launch->warps[wi];
+    const int first = __builtin_ctz(group);
+    if (mask & w.returned) {
+        fail(describe_thread(wi * 32 + first) +
+             format(": %s(mask 0x%08x) names lanes %s, which have returned or are not in the block (of %d "
+                    "threads): a shuffle's mask may name only lanes that execute it (the values are undefined on a "
+                    "GPU)%s", warp_op_name(w.op[first]), mask, lane_list(mask & w.returned).c_str(), g_launch->threads,
+                    at(w.pc[first]).c_str()));
+        return true;
+    }
+    for (unsigned rest = group; rest; rest &= rest - 1) {
+        const int lane = __builtin_ctz(rest), src = shuffle_source(w, lane);
+        if (group >> src & 1u) continue;
+        fail(describe_thread(wi * 32 + lane) +
+             format(": %s(mask 0x%08x) of lane %d reads lane %d, which %s: the value is undefined on a GPU%s",
+                    warp_op_name(w.op[lane]), mask, lane, src,
+                    mask >> src & 1u ? "has returned or is not in the block" : "is not in the mask",
+                    at(w.pc[lane]).c_str()));
+        return true;
+    }
+    return false;
 }
 
 // Completes the group of lanes waiting with `mask` in warp `wi` if every lane the mask names
@@ -635,6 +792,7 @@ void try_complete_warp(int wi, unsigned mask) {
         if (w.mask[lane] != mask || w.op[lane] != op) return;
         if (w.value[lane]) votes |= 1u << lane;
     }
+    if (op <= EMU_SHFL_XOR && shuffle_without_its_lanes(wi, mask, group)) return;
     for (unsigned rest = group; rest; rest &= rest - 1) {
         const int lane = __builtin_ctz(rest);
         switch (op) {
@@ -642,7 +800,7 @@ void try_complete_warp(int wi, unsigned mask) {
             case EMU_ANY: w.result[lane] = votes != 0; break;
             case EMU_ALL: w.result[lane] = votes == group; break;
             case EMU_SYNCWARP: w.result[lane] = 0; break;
-            default: w.result[lane] = shuffle_result(w, group, lane); break;
+            default: w.result[lane] = w.value[shuffle_source(w, lane)]; break;
         }
         g.state[wi * 32 + lane] = RUNNABLE;
     }
@@ -650,14 +808,21 @@ void try_complete_warp(int wi, unsigned mask) {
     if (op == EMU_SYNCWARP) w.syncs.emplace_back(++g_warp_gen, group);
 }
 
-std::string lane_list(unsigned lanes);
-
 // A warp-wide .aligned instruction completes when all 32 lanes wait in it, at one call site:
 // each lane's input is gathered into every lane's output.
+// Lanes that returned (or do not exist) make it an error, once every lane has either returned or
+// arrived, so that the message does not depend on the order the lanes run in.
 void try_complete_aligned(int wi) {
     Launch& g = *g_launch;
     Warp& w = g.warps[wi];
-    if (w.waiting != ~0u) return;
+    if ((w.waiting | w.returned) != ~0u) return;
+    if (w.returned) {
+        const int lane = __builtin_ctz(w.waiting);
+        fail(describe_thread(wi * 32 + lane) +
+             format(": synccheck: %s at %s:%d with lanes %s of its warp returned or not there: all 32 lanes must "
+                    "execute it", w.what[lane], w.file[lane], w.line[lane], lane_list(w.returned).c_str()));
+        return;
+    }
     for (int lane = 1; lane < 32; ++lane) {
         if (w.op[lane] != w.op[0] || w.path[lane] != w.path[0] || w.rows[lane] != w.rows[0]) {
             fail(format("synccheck: warp %d diverged: lane 0 waits in %s%s, lane %d in %s%s: a warp-wide .aligned "
@@ -697,13 +862,11 @@ void try_complete_aligned(int wi) {
 }
 
 // A returned lane no longer holds anyone up: retry every group waiting in its warp; but lanes
-// that wait in a warp-wide .aligned instruction now wait for ever.
+// that wait in a warp-wide .aligned instruction now wait for ever (try_complete_aligned says so).
 void release_warp_after_return(int wi) {
     const Warp& w = g_launch->warps[wi];
     if (w.waiting && w.op[__builtin_ctz(w.waiting)] == EMU_ALIGNED) {
-        const int lane = __builtin_ctz(w.waiting);
-        fail(format("warp %d: lanes %s returned while lanes %s wait in %s, which all 32 lanes must execute", wi,
-                    lane_list(w.returned).c_str(), lane_list(w.waiting).c_str(), waits_in(w, lane).c_str()));
+        try_complete_aligned(wi);
         return;
     }
     unsigned untried = w.waiting;
@@ -757,6 +920,8 @@ bool barrier_converged() {
         } else if (g.barrier_path[i] != g.barrier_path[first]) {
             const auto [first_file, first_line] = g.barrier_site[first];
             const auto [file, line] = g.barrier_site[i];
+            if (file == first_file && line == first_line && same_source_calls(g.barrier_calls[i], g.barrier_calls[first]))
+                continue;   // one barrier of the source, whose calls the compiler copied
             fail(format("synccheck: %s waits at a __syncthreads() at %s:%d and %s at another at %s:%d%s: a barrier "
                         "that part of the block skips (a barrier in divergent code) releases the wrong threads",
                         describe_thread(first).c_str(), first_file, first_line, thread_name(i).c_str(), file, line,
@@ -819,6 +984,9 @@ void start_block(uint3 block_idx) {
         w.syncs.clear();
     }
     g.block_start = g.phase = ++g_phase;
+    g.block_fence = 0;
+    g.acquiring.clear();
+    g.acquired.clear();
     const int last = g.threads - (int(g.warps.size()) - 1) * 32;
     if (last < 32) g.warps.back().returned = ~0u << last;  // lanes that do not exist
     g.live = g.threads;
@@ -840,7 +1008,7 @@ bool run_block(uint3 block_idx) {
             g.current = i;
             switch_to_fiber(i);
             g.current = -1;
-            if (g.failed) return false;
+            if (g.failed || (!g.racing.empty() && !check_racing_stores())) return false;
             ran = true;
         }
         if (g.live == 0) break;
@@ -946,12 +1114,15 @@ extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(std::uintpt
 
 // A barrier's call instance is its source line and the calls that led to it: not its code address,
 // which the compiler may duplicate into the two sides of a divergent branch (it knows nothing of
-// barriers: nvcc never does that).
+// barriers: nvcc never does that). It may copy the calls that lead there too: threads whose chains of
+// return addresses differ are at one barrier when the calls are at the same places of the source
+// (barrier_converged asks).
 extern "C" int emu_syncthreads_reduce(int predicate, int how, const char* file, int line) {
     Launch& g = *g_launch;
     const int i = g.current;
     const void* innermost;
-    const std::uint64_t outer = call_path(__builtin_frame_address(0), &innermost, 1);
+    g.barrier_calls[i].n = 0;
+    const std::uint64_t outer = call_path(__builtin_frame_address(0), &innermost, 1, nullptr, &g.barrier_calls[i]);
     g.barrier_path[i] = outer ^ (reinterpret_cast<std::uintptr_t>(file) * 31 + std::uint64_t(line)) * 1099511628211ull;
     g.barrier_site[i] = {file, line};
     g.state[i] = AT_BARRIER;
@@ -981,6 +1152,7 @@ extern "C" std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, in
     w.value[lane] = value;
     w.arg[lane] = arg;
     w.width[lane] = width;
+    w.pc[lane] = __builtin_return_address(0);
     try_complete_warp(i / 32, mask);
     switch_to_scheduler(i);
     return w.result[lane];
@@ -992,9 +1164,6 @@ void warp_aligned(const char* what, const char* file, int line, const void* in, 
     Launch& g = *g_launch;
     const int i = g.current, lane = i % 32;
     Warp& w = g.warps[i / 32];
-    if (w.returned)
-        fail_in_fiber(format("synccheck: %s at %s:%d with lanes %s of its warp returned or not there: all 32 lanes "
-                             "must execute it", what, file, line, lane_list(w.returned).c_str()));
     if (bytes < 0 || bytes > kEmuAlignedBytes) fail_in_fiber(format("%s: %d bytes a lane", what, bytes));
     for (unsigned rest = w.waiting; rest; rest &= rest - 1) {
         const int other = __builtin_ctz(rest);
@@ -1145,8 +1314,15 @@ extern "C" void __tsan_init(void) {}
 extern "C" void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 extern "C" void __tsan_atomic_signal_fence(int) {}
 
-extern "C" void emu_check_access(const void* p, std::size_t bytes, int how) {
-    instrumented(reinterpret_cast<std::uintptr_t>(p), bytes, how, how == ATOMIC, __builtin_return_address(0));
+extern "C" void emu_threadfence() {
+    Launch* g = g_launch;
+    if (g && g->sanitize > 1 && g->current >= 0) on_threadfence();
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+extern "C" void emu_check_access(const void* p, std::size_t bytes, int how, const void* caller) {
+    instrumented(reinterpret_cast<std::uintptr_t>(p), bytes, how, how == ATOMIC,
+                 caller ? caller : __builtin_return_address(0));
 }
 
 extern "C" void emu_assert_fail(const char* expr, const char* file, int line, const char* function) {
@@ -1281,6 +1457,7 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
         return 1;
     }
     g.barrier_path.assign(g.threads, 0);
+    g.barrier_calls.assign(g.threads, CallChain{});
     g.barrier_site.assign(g.threads, {nullptr, 0});
     if (g.sanitize) {
         const auto tls = reinterpret_cast<std::uintptr_t>(g.tls);
@@ -1318,7 +1495,8 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
     }
     g_launch = nullptr;
     for (std::size_t r = 0; r < g.writers.size(); ++r)
-        if (g.writers[r]) munmap(g.writers[r], (g.regions[r].second - g.regions[r].first) * sizeof(std::uint32_t));
+        if (g.writers[r])
+            munmap(g.writers[r], 2 * (g.regions[r].second - g.regions[r].first) * sizeof(std::uint32_t));
     *fault_address = g_report_address ? g_report_address : g_fault.address;
     std::fflush(stdout);
     if (g.failed) set_error(err, errlen, g.error);

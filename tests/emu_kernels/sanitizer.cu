@@ -62,6 +62,10 @@ extern "C" __global__ void memcpy_past_end(const float* x, float* y, int n) {
     if (threadIdx.x == 0) memcpy(y, x, (n + 1) * sizeof(float));   // one float too many
 }
 
+extern "C" __global__ void atomic_past_end(unsigned* count, int n) {
+    atomicAdd(count + n, 1u);   // one past the end
+}
+
 __device__ float device_scale = 2.0f;
 
 extern "C" __global__ void scaled_by_a_device_variable(const float* x, float* y) {   // correct
@@ -80,6 +84,34 @@ extern "C" __global__ void barrier_in_divergent_code(const float* x, float* y) {
     }
     __syncthreads();
     y[t] = s[t % 32];
+}
+
+// A helper that holds one barrier, which every thread reaches, guarding its loads alone.
+__device__ __noinline__ float staged_neighbour(float* s, const float* x, int i, int n) {
+    if (i < n) s[i] = x[i];
+    __syncthreads();
+    return i + 1 < n ? s[i + 1] : 0.0f;
+}
+
+// Correct: one call of the helper, which g++ copies into the two sides of the kernel's `if (i < n)`;
+// on a GPU it is one barrier.
+extern "C" __global__ void barrier_in_a_helper_called_once(const float* x, float* y, int n) {
+    __shared__ float s[64];
+    const int i = threadIdx.x;
+    float v = 0.0f;
+    if (i < n) v = x[i];
+    const float next = staged_neighbour(s, x, i, n);
+    if (i < n) y[i] = v + next;
+}
+
+// The helper called from the two sides of a divergent branch: two barriers of the source.
+extern "C" __global__ void barrier_in_a_helper_called_from_both_sides(const float* x, float* y, int n) {
+    __shared__ float s[64];
+    const int i = threadIdx.x;
+    float v;
+    if (i < n) v = 2.0f * staged_neighbour(s, x, i, n);
+    else v = staged_neighbour(s, x, i, n);
+    if (i < n) y[i] = v;
 }
 
 __device__ __noinline__ void mma_step(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
@@ -108,6 +140,31 @@ extern "C" __global__ void mma_through_one_helper(float* out) {   // correct: on
     float d[4];
     mma_step(d, a, b, c);
     out[threadIdx.x] = d[0];
+}
+
+// ---- shuffles ----------------------------------------------------------------------------------
+
+// A warp's sum by shuffles in a block of 48 threads: the mask of the last warp names lanes 16-31,
+// which do not exist, and lane 0 reads lane 16 at the first step.
+extern "C" __global__ void warp_sum_in_a_partial_warp(const float* x, float* y) {
+    float v = x[threadIdx.x];
+    for (int k = 16; k > 0; k >>= 1) v += __shfl_down_sync(0xffffffffu, v, k);
+    if (threadIdx.x % 32 == 0) y[threadIdx.x / 32] = v;
+}
+
+// Correct: the last warp's 16 lanes exchange among themselves (width 16, a mask of those lanes).
+extern "C" __global__ void warp_sum_of_the_lanes_there(const float* x, float* y) {
+    const unsigned lanes = threadIdx.x < 32 ? 0xffffffffu : 0x0000ffffu;
+    const int width = threadIdx.x < 32 ? 32 : 16;
+    float v = x[threadIdx.x];
+    for (int k = width / 2; k > 0; k >>= 1) v += __shfl_xor_sync(lanes, v, k, width);
+    if (threadIdx.x % 32 == 0) y[threadIdx.x / 32] = v;
+}
+
+// Lanes 16-31 return; lanes 0-15 then read them, with a mask of themselves.
+extern "C" __global__ void shuffle_reads_lanes_that_returned(const float* x, float* y) {
+    if (threadIdx.x >= 16) return;
+    y[threadIdx.x] = __shfl_sync(0x0000ffffu, x[threadIdx.x], int(threadIdx.x) + 16);
 }
 
 // ---- racecheck ------------------------------------------------------------------------------------
@@ -184,6 +241,40 @@ extern "C" __global__ void split_sum_finished_by_the_last_block(const float* x, 
     const float sum = block_sum(x[blockIdx.x * blockDim.x + threadIdx.x], scratch);
     if (threadIdx.x == 0) partial[blockIdx.x] = sum;
     if (last_block(counter, gridDim.x) && threadIdx.x == 0) *total = added_partials(partial, gridDim.x, 1);
+}
+
+// Correct: the threads that see a negative value set one flag, all to the same value; nothing is lost.
+extern "C" __global__ void threads_set_one_flag(const float* x, int* found) {
+    if (x[blockIdx.x * blockDim.x + threadIdx.x] < 0.0f) *found = 1;
+}
+
+// The running sums of the blocks' sums, in place: each block writes its sum, the last to finish
+// overwrites every block's slot with the running sum.
+__device__ __forceinline__ void running_sums(float* partial, unsigned blocks) {
+    volatile float* p = partial;
+    float running = 0.0f;
+    for (unsigned b = 0; b < blocks; ++b) {
+        running += p[b];
+        p[b] = running;
+    }
+}
+
+// Correct: the slots are handed to the last block by last_block's fence and counter.
+extern "C" __global__ void last_block_reuses_the_partials(const float* x, float* partial, unsigned* counter) {
+    __shared__ float scratch[32];
+    const float sum = block_sum(x[blockIdx.x * blockDim.x + threadIdx.x], scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+    if (last_block(counter, gridDim.x) && threadIdx.x == 0) running_sums(partial, gridDim.x);
+}
+
+// Each block writes its sum after it has counted itself: the last block may overwrite a slot before
+// its block's store lands, which then overwrites the running sum.
+extern "C" __global__ void partial_written_after_counting(const float* x, float* partial, unsigned* counter) {
+    __shared__ float scratch[32];
+    const float sum = block_sum(x[blockIdx.x * blockDim.x + threadIdx.x], scratch);
+    const bool last = last_block(counter, gridDim.x);
+    if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+    if (last && threadIdx.x == 0) running_sums(partial, gridDim.x);
 }
 
 // ---- initcheck ------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ extern "C" __global__ void warp_sum(const float* x, float* out) {
 }
 
 // out[op * n + i] for each primitive op, with the given lane/offset and width; lanes of an
-// odd warp take part only in the shuffles of the low half (mask 0x0000ffff), the others skip them.
+// odd warp take part only in the shuffles of the low half (mask 0x0000ffff), the others skip them,
+// and shuffle within segments of at most 16 lanes, so that no lane reads one outside the mask.
 extern "C" __global__ void warp_primitives(const int* v, const int* predicate, int* out, int lane_arg,
                                            int width) {
     const int n = blockDim.x * gridDim.x;
@@ -19,6 +20,7 @@ extern "C" __global__ void warp_primitives(const int* v, const int* predicate, i
     const bool odd_warp = (threadIdx.x / 32) % 2 == 1;
     const unsigned mask = odd_warp ? 0x0000ffffu : 0xffffffffu;
     for (int op = 0; op < 4; ++op) out[op * n + i] = -7;
+    if (odd_warp && width > 16) width = 16;
     if (!odd_warp || lane < 16) {
         out[0 * n + i] = __shfl_sync(mask, v[i], lane_arg, width);
         out[1 * n + i] = __shfl_up_sync(mask, v[i], lane_arg, width);
