@@ -64,3 +64,37 @@ def parameter_count(width, num_classes=10, in_channels=1):
     finally:
         set_rng_state(state)
     return f1 + (f2 - f1) * (width - 1) + (f3 - 2 * f2 + f1) * (width - 1) * (width - 2) // 2
+
+
+# what the model holds per parameter: its value, its gradient and its momentum, each float32, and as much
+# again while it is made (each layer's arrays, then the flat buffers they are copied into)
+MODEL_BYTES_PER_PARAMETER = 4 * 5
+
+
+def memory_shortfall(width, num_classes, in_channels, xp):
+    """Why ``resnet18(num_classes, in_channels, width)`` cannot be made and trained on ``xp``'s device,
+    in words, asked before it is made: its parameters alone do not fit in the host's available
+    memory or, on a GPU, in the device's (activations come on top); None when they fit."""
+    count = parameter_count(width, num_classes, in_channels)
+    need = count * MODEL_BYTES_PER_PARAMETER
+    places = [("the host", _host_memory())]
+    if xp.__name__ != "numpy":
+        device = xp.cuda.runtime.getDevice()
+        places.append((f"GPU {device}", xp.cuda.runtime.getDeviceProperties(device)["totalGlobalMem"]))
+    for place, have in places:
+        if have is not None and need > have:
+            return (f"--width {width}: the model has {count:,} parameters, {need / 2**30:,.1f} GiB with their "
+                    f"gradients and momentum, more than the {have / 2**30:,.1f} GiB {place} has")
+    return None
+
+
+def _host_memory():
+    """Bytes of memory the host has available now (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -11,6 +11,7 @@ infinite, or a negative running variance is a SerializationError naming the key.
 files are read (a named pipe would block the open). No pickle either way.
 """
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -26,14 +27,23 @@ _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (s
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+# paths that name nothing a file could be, in file_kind's words
+_PATH_ERRORS = {errno.ELOOP: "a loop of symbolic links", errno.ENAMETOOLONG: "a name too long for the file system"}
+
+
 def file_kind(path):
     """What is at ``path``, following symbolic links: "a regular file", "a folder", "a named pipe
-    (FIFO)", "a character device", ...; None when nothing is. Asked before an open, which would
+    (FIFO)", "a character device", ..., "a loop of symbolic links", "a name too long for the file
+    system"; None when nothing is. Asked before an open, which would
     block on a named pipe and ignore signals while it waits."""
     try:
         mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as e:   # what the path itself cannot be
+        if e.errno in _PATH_ERRORS:
+            return _PATH_ERRORS[e.errno]
+        raise
     if stat.S_ISREG(mode):
         return "a regular file"
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")

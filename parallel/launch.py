@@ -39,12 +39,22 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"
 
 
 def mpi_world(environ=None):
-    """This rank's World when started by mpiexec, else None."""
+    """This rank's World when started by mpiexec, else None. LaunchError when the variables are not
+    numbers that fit (a rank below 0 or not below the size)."""
     environ = os.environ if environ is None else environ
-    for rank, size, local_rank, local_size in _ENVIRONMENTS:
+    for names in _ENVIRONMENTS:
+        rank, size, local_rank, local_size = names
         if rank in environ and size in environ:
-            r, n = int(environ[rank]), int(environ[size])
-            return World(r, n, int(environ.get(local_rank, r)), int(environ.get(local_size, n)))
+            try:
+                r, n = int(environ[rank]), int(environ[size])
+                world = World(r, n, int(environ.get(local_rank, r)), int(environ.get(local_size, n)))
+            except ValueError:
+                world = None
+            if world is None or not 0 <= world.rank < world.size or not 0 <= world.local_rank < world.local_size:
+                said = ", ".join(f"{name}={environ[name]!r}" for name in names if name in environ)
+                raise LaunchError(f"the MPI environment does not make sense ({said}): start the ranks with mpiexec, "
+                                  f"or unset these variables")
+            return world
     return None
 
 
@@ -61,13 +71,77 @@ def limit_threads(environ=None):
     """Under mpiexec, set the thread pools to this rank's cores, unless the user set them;
     returns the number set, or None. Call before NumPy is imported."""
     environ = os.environ if environ is None else environ
-    world = mpi_world(environ)
+    try:
+        world = mpi_world(environ)
+    except LaunchError:   # the command says so, once it can
+        return None
     if world is None or world.size == 1:
         return None
     threads = cores_per_rank(world.local_size)
     for name in THREAD_VARIABLES:
         environ.setdefault(name, str(threads))
     return threads
+
+
+class _ForgivingStream:
+    """stdout or stderr, kept from stopping the run when what reads it goes away (``| head -1``, a log
+    reader that died, ``2>&-``): a job's output is not its work. The first write that fails for that
+    sends the stream's file to /dev/null, and the other stream says so once; a text the encoding cannot
+    hold (a path that is not UTF-8, under a strict UTF-8 stdout) is written with backslash escapes."""
+
+    def __init__(self, stream, name):
+        self._stream, self._name, self._gone = stream, name, stream is None
+        if stream is not None and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                pass
+
+    def write(self, text):
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except (BrokenPipeError, ValueError):   # a closed pipe, or a closed file
+                self._go()
+        return len(text)
+
+    def flush(self):
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, ValueError):
+                self._go()
+
+    def isatty(self):
+        try:
+            return not self._gone and self._stream.isatty()
+        except ValueError:
+            return False
+
+    def _go(self):
+        self._gone = True
+        try:   # what is still buffered, and the flush at exit, go nowhere instead of failing again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        other = sys.stderr if self._name == "stdout" else sys.stdout
+        if other is not self:
+            other.write(f"{self._name} was closed (what read it went away): the run goes on without it\n")
+            other.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def forgiving_streams():
+    """Make sys.stdout and sys.stderr forgiving (_ForgivingStream), once per process: the command's
+    and each --gpus worker's."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, _ForgivingStream):
+            setattr(sys, name, _ForgivingStream(stream, name))
 
 
 def flush_quietly():
@@ -168,6 +242,7 @@ def _watchdog(parent):
 def _worker(rank, world_size, target, args, beat, stop, errors, parent):
     global _beat, _stop
     _beat, _stop = beat, stop
+    forgiving_streams()
     threading.Thread(target=_watchdog, args=(parent,), name="watchdog", daemon=True).start()
     heartbeat()
     try:

@@ -2,6 +2,7 @@
 Fashion-MNIST's shape (28 x 28, 10 classes); the package's docstring is its --help."""
 import argparse
 import functools
+import sys
 import time
 
 import numpy as np
@@ -10,7 +11,8 @@ import kernels
 import profiler
 from nn.init import manual_seed
 from nn.optim import SGD
-from nn.resnet import resnet18
+from nn.resnet import memory_shortfall, resnet18
+from . import report
 from .steps import profile
 
 CLASSES = 10
@@ -49,6 +51,12 @@ def parse_args(argv):
     except kernels.DeviceError as e:
         p.error(f"--device {args.device}: {e}")
     args.out = args.out or time.strftime("runs/profile-%Y%m%d-%H%M%S")
+    problem = report.unwritable(report.output_paths(args.out, args.json, args.csv, args.png, args.trace), args.out)
+    if problem:
+        p.error(problem)
+    shortfall = memory_shortfall(args.width, CLASSES, 1, args.xp)
+    if shortfall:
+        p.error(shortfall)
     return args
 
 
@@ -63,10 +71,14 @@ def main(argv=None):
     images = args.xp.asarray(rng.integers(0, 256, (count, 28, 28), dtype=np.uint8))
     labels = args.xp.asarray(rng.integers(0, CLASSES, count).astype(np.int32))
     log = functools.partial(print, flush=True)
-    report = profile(model, optimizer, images, labels, args.batch_size, args.steps, args.warmup, log=log,
+    result = profile(model, optimizer, images, labels, args.batch_size, args.steps, args.warmup, log=log,
                      title=f"ResNet-18 (width {args.width})")
-    print(report.table(args.top))
-    paths = report.write(args.out, args.json, args.csv, args.png, args.trace)
+    print(result.table(args.top))
+    try:
+        paths = result.write(args.out, args.json, args.csv, args.png, args.trace)
+    except OSError as e:   # what the checks before profiling could not foresee (a full disk, /proc)
+        print(f"python -m profiler: error: cannot write the profile: {e}", file=sys.stderr)
+        return 1
     print("written: " + ", ".join(str(p) for p in paths.values()))
     return 0
 

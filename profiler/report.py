@@ -5,12 +5,13 @@ import csv
 import dataclasses
 import io
 import json
+import os
 import statistics
 from pathlib import Path
 
 import numpy as np
 
-from nn.serialization import atomic_write
+from nn.serialization import atomic_write, file_kind
 from . import costs, trace
 from .measure import PHASES, UNTRACKED, label
 from .roofs import Peak
@@ -195,10 +196,7 @@ class Report:
         """profile.json, profile.csv, profile.png and the timeline profile.trace.json in `out_dir`
         (or at the paths given), each replaced atomically; {'json': path, 'csv': path, 'png': path,
         'trace': path}."""
-        given = {"json": json_path, "csv": csv_path, "png": png_path, "trace": trace_path}
-        if not all(given.values()) and out_dir is None:
-            raise ValueError("write() needs an output folder for the files without a path")
-        paths = {kind: Path(given[kind]) if given[kind] else Path(out_dir) / name for kind, name in FILES.items()}
+        paths = output_paths(out_dir, json_path, csv_path, png_path, trace_path)
         for path in paths.values():
             path.parent.mkdir(parents=True, exist_ok=True)
         document = self.to_json()
@@ -242,6 +240,43 @@ class Report:
 
 
 FILES = {"json": "profile.json", "csv": "profile.csv", "png": "profile.png", "trace": "profile.trace.json"}
+OPTIONS = {"json": "--json", "csv": "--csv", "png": "--png", "trace": "--trace"}
+
+
+def output_paths(out_dir=None, json_path=None, csv_path=None, png_path=None, trace_path=None):
+    """{'json': path, 'csv': path, 'png': path, 'trace': path}: the paths given, the others in ``out_dir``."""
+    given = {"json": json_path, "csv": csv_path, "png": png_path, "trace": trace_path}
+    if not all(given.values()) and out_dir is None:
+        raise ValueError("write() needs an output folder for the files without a path")
+    return {kind: Path(given[kind]) if given[kind] else Path(out_dir) / name for kind, name in FILES.items()}
+
+
+def unwritable(paths, out_dir=None):
+    """Why the profile's files cannot go to ``paths`` (output_paths), in words, asked before profiling
+    (the trainer checks its outputs first too); None when they can: two of them the same file, one that
+    is not a regular file, or in a folder that is a file or cannot be made or written."""
+    seen = {}
+    for kind, path in paths.items():
+        named = OPTIONS[kind] if path.name != FILES[kind] or out_dir is None else f"--out {out_dir}"
+        try:
+            key = path.resolve()
+        except (RuntimeError, OSError):   # a loop of symbolic links (RuntimeError before Python 3.13)
+            key = path
+        if key in seen:
+            return f"{seen[key]} and {OPTIONS[kind]} name the same file, {path}: give each its own"
+        seen[key] = OPTIONS[kind]
+        what = file_kind(path)
+        if what not in (None, "a regular file"):
+            return f"{named}: {path} is {what}, not a file the profile can write"
+        folder = path.parent
+        while file_kind(folder) is None and folder != folder.parent:   # made when the files are written
+            folder = folder.parent
+        what = file_kind(folder)
+        if what != "a folder":
+            return f"{named}: {folder} is {what}, not a folder"
+        if not os.access(folder, os.W_OK):
+            return f"{named}: the folder {folder} cannot be written"
+    return None
 PHASE_HEADS = ("fwd ms", "bwd ms", "other ms")
 LABEL_WIDTH = 34 + 1 + 14 + 1 + 10     # the layer, type and output columns
 TABLE_HEADER = (f"{'layer':34s} {'type':14s} {'output':>10s} " + " ".join(f"{h:>8s}" for h in PHASE_HEADS)

@@ -108,6 +108,16 @@ def test_an_overwrite_killed_before_its_first_checkpoint_is_undone_by_the_next_s
     assert intact(out, finished) and not (out / output.REPLACED).exists()
 
 
+def test_resume_after_an_overwrite_killed_before_its_first_checkpoint_continues_the_earlier_run(
+        data_dir, finished, tmp_path):
+    """--resume is the next run on the folder too: it puts the set-aside files back before it looks
+    for the checkpoint (it said "no checkpoint" while the run sat in .replaced)."""
+    out = copy_of(finished, tmp_path)
+    output.set_aside(out)   # an --overwrite run killed with SIGKILL in its first epoch
+    assert run(data_dir, None, "--resume", out, "--epochs", "2") == 0
+    assert checkpoint.load(out)[1]["epoch"] == 2 and not (out / output.REPLACED).exists()
+
+
 def test_a_resumed_run_never_writes_into_a_folder_that_holds_another_run(data_dir, finished, tmp_path, capsys):
     other = copy_of(finished, tmp_path)
     line = refused(capsys, data_dir, other, "--resume", finished[0], "--epochs", "2")
@@ -262,6 +272,69 @@ def test_a_failing_mpi_rank_that_sigterm_reaches_exits_with_its_code_and_no_trac
     environment = {**os.environ, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=environment)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_sigterm_in_the_handling_of_an_error_ends_quietly(data_dir, tmp_path, capsys, monkeypatch):
+    """Under mpiexec -n 2 with a bad --init-from, the other rank's abort sent SIGTERM while this rank
+    was still in the handler of its own error: once in twelve runs a traceback of cli.Terminated."""
+    def terminated():
+        raise cli.Terminated
+    monkeypatch.setattr(output, "discard_unused", terminated)   # where the signal landed
+    assert run(data_dir, tmp_path / "run", "--init-from", tmp_path / "no-such.safetensors") == 128 + 15
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--out", "{loop}"], "--out {loop} is a loop of symbolic links, not a folder"),
+    (["--init-from", "{loop}"], "--init-from: {loop} is a loop of symbolic links, not a regular file"),
+    (["--export", "{loop}"], "--export {loop} is a loop of symbolic links"),
+    (["--export", "{long}.safetensors"], "is a name too long for the file system"),
+    (["--resume", "{long}"], "is a name too long for the file system, not a checkpoint file"),
+])
+def test_a_path_the_system_refuses_is_one_line(data_dir, tmp_path, capsys, flags, message):
+    loop_ = tmp_path / "loop"
+    loop_.symlink_to(loop_)
+    names = {"loop": loop_, "long": tmp_path / ("x" * 300)}
+    line = refused(capsys, data_dir, tmp_path / "run", "--epochs", "1", *(f.format(**names) for f in flags))
+    assert message.format(**names) in line, line
+
+
+def test_the_mpi_environment_that_makes_no_sense_is_named(data_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "x")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert "the MPI environment does not make sense (OMPI_COMM_WORLD_RANK='x', OMPI_COMM_WORLD_SIZE='2')" in refused(
+        capsys, data_dir, tmp_path / "run", "--epochs", "1")
+
+
+def command(data_dir, out, *flags):
+    return [sys.executable, str(ROOT / "train_resnet.py"), "--data-dir", str(data_dir), "--out", out, *SMALL,
+            "--epochs", "1", *flags]
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_closed_stdout_or_stderr_stops_nothing(data_dir, tmp_path, closed):
+    """| head -1, a log reader that went away, 2>&-: the run trains on and writes its files; a closed stdout
+    is said once on stderr."""
+    out = tmp_path / "run"
+    if closed == "stdout":   # the reader goes away at once: the first line meets a broken pipe
+        done = subprocess.Popen(command(data_dir, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        done.stdout.close()
+        err = done.communicate(timeout=120)[1]
+        assert err.count("stdout was closed (what read it went away): the run goes on without it") == 1, err
+    else:   # started with no file 2 at all
+        done = subprocess.run(command(data_dir, out), stdout=subprocess.PIPE, preexec_fn=lambda: os.close(2),
+                              timeout=120)
+        err = ""
+    assert done.returncode == 0 and "Traceback" not in err, err
+    assert checkpoint.load(out)[1]["epoch"] == 1
+
+
+def test_an_output_folder_whose_name_is_not_utf8_under_a_strict_utf8_stdout(data_dir, tmp_path):
+    out = tmp_path / os.fsdecode(b"run-\xff")
+    done = subprocess.run(command(data_dir, out), capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "run-\\udcff" in done.stdout and checkpoint.load(out)[1]["epoch"] == 1
 
 
 # ---- wrong results --------------------------------------------------------------------------------------

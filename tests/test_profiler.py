@@ -451,6 +451,23 @@ def test_bad_arguments_are_refused(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--out", "{tmp}/a-file"], "--out {tmp}/a-file: {tmp}/a-file is a regular file, not a folder"),
+    (["--json", "{tmp}/p.json", "--trace", "{tmp}/p.json"], "--json and --trace name the same file, {tmp}/p.json"),
+    (["--csv", "{tmp}/a-file/p.csv"], "--csv: {tmp}/a-file is a regular file, not a folder"),
+    (["--out", "{tmp}/loop"], "{tmp}/loop/profile.json is a loop of symbolic links"),
+    (["--width", "100000"], "--width 100000: the model has 27,240,028,600,010 parameters"),
+])
+def test_outputs_and_memory_are_checked_before_profiling(flags, message, tmp_path, capsys):
+    """Refused at the start, not after the profile has run (or with a traceback)."""
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(SystemExit):
+        command.parse_args(["--device", "cpu", "--out", str(tmp_path / "out"), *(f.format(tmp=tmp_path) for f in flags)])
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err, err
+
+
 @pytest.mark.skipif(kernels.gpu_count() > 0, reason="this machine has a GPU")
 def test_cuda_without_a_gpu_says_so(capsys):
     with pytest.raises(SystemExit):

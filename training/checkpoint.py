@@ -47,7 +47,7 @@ def save(path, model, optimizer, record):
 def resolve(path):
     """A checkpoint file, or the checkpoint inside an output folder."""
     path = Path(path)
-    if path.is_dir():
+    if file_kind(path) == "a folder":
         path = path / FILENAME
     kind = file_kind(path)
     if kind is None:

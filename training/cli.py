@@ -18,6 +18,7 @@ prints and writes the files. --lr is the learning rate of the global batch (add
 --scale-lr to multiply it by the number of ranks). An error on any rank ends the job.
 """
 import argparse
+import json
 import math
 import signal
 import sys
@@ -126,7 +127,10 @@ def usage_error(parser, message):
     rank 0 says so (the others give it time to, since mpiexec ends the job at the first
     rank that exits with an error). A default output folder this start made goes again."""
     output.discard_unused()
-    world = launch.mpi_world()
+    try:
+        world = launch.mpi_world()
+    except launch.LaunchError:
+        world = None
     if world is not None and world.rank != 0:
         launch.exit_on_sigterm(2)
         time.sleep(10)
@@ -169,6 +173,27 @@ def train_on_gpus(parser, given, watchdog, profile_steps):
     return 0
 
 
+# flags a rank may give otherwise than the others: where this node keeps the data
+LOCAL_FLAGS = ("data_dir",)
+
+
+def _check_ranks_agree(parser, comm, flags):
+    """Every rank of an MPI job must be started with the flags that define the run (mpiexec -n 1 ...
+    --lr 0.1 : -n 1 ... --lr 0.2 would train replicas that drift apart, or hang at the end): the
+    first flag that differs, with its value on each rank, is a usage error before anything starts."""
+    if comm.world_size == 1:
+        return
+    mine = {k: v for k, v in flags.items() if k not in LOCAL_FLAGS}
+    ranks = [json.loads(part) for part in comm.all_gather_bytes(json.dumps(mine, sort_keys=True).encode())]
+    for name in sorted(set().union(*ranks)):
+        values = [rank.get(name) for rank in ranks]
+        if any(v != values[0] for v in values):
+            flag = "--" + name.replace("_", "-")
+            said = ", ".join(f"{'not given' if v is None else v} on rank {r}" for r, v in enumerate(values))
+            usage_error(parser, f"the ranks were started with different flags: {flag} is {said}; start every "
+                                f"rank with the same flags")
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, what schedulers and kill send: treated as Ctrl-C is."""
 
@@ -186,10 +211,17 @@ def _exit_code(interrupt):
 
 
 def main(argv=None):
-    """The command; SIGTERM stops it as Ctrl-C does, keeping the last finished epoch."""
+    """The command; SIGTERM stops it as Ctrl-C does, keeping the last finished epoch. A SIGTERM that
+    lands while an error is being dealt with (the MPI runtime's, sent to every rank once one has
+    failed, reaching a rank that is failing too, before it has said so) ends the command quietly
+    with SIGTERM's code: the failure is reported by the rank that ended the job."""
+    launch.forgiving_streams()
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return _main(argv)
+    except Terminated as e:
+        launch.flush_quietly()
+        return _exit_code(e)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -205,7 +237,13 @@ def _main(argv):
         usage_error(parser, "--export writes the weights a run trained, and --profile trains none: give one of them")
     if not 0 < args.watchdog < math.inf:
         usage_error(parser, f"--watchdog must be a positive number of seconds, got {args.watchdog}")
+    try:
+        launch.mpi_world()   # an environment that makes no sense, named before it is used
+    except launch.LaunchError as e:
+        usage_error(parser, str(e))
     gpus = args.gpus
+    if args.resume:
+        output.put_back_before_resuming(args.resume)
     if gpus is None:   # a resumed run keeps its checkpoint's device; a new one trains on the CPU
         try:
             gpus = checkpoint.record_of(args.resume)["config"].get("gpus", 0) if args.resume else 0
@@ -225,6 +263,7 @@ def _main(argv):
     comm = communicators.SingleProcess()
     try:
         comm = communicators.from_environment()
+        _check_ranks_agree(parser, comm, {**given, "profile_steps": profile_steps})
         if comm.world_size > 1 and not given.get("out") and not given.get("resume"):
             config.Config(**given).check()   # before a folder is made for nothing
             given["out"] = comm.broadcast_object(str(output.fresh_default()) if comm.rank == 0 else None)

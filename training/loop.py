@@ -20,7 +20,7 @@ from kernels import (DeviceError, array_module_for, backend_of, cupy_module, get
 from nn import data, init
 from nn.functional import cross_entropy
 from nn.optim import SGD, CosineAnnealingLR
-from nn.resnet import parameter_count, resnet18
+from nn.resnet import memory_shortfall, resnet18
 from nn.serialization import SerializationError, load_safetensors, save_safetensors
 from nn.tensor import Tensor, no_grad
 from parallel.comm import NCCLCommunicator, SingleProcess
@@ -244,37 +244,11 @@ def _data_and_model(cfg, xp, world_size, saved_arrays, record, log, dry=False):
     return train, test, model, opt
 
 
-# what the model holds per parameter: its value, its gradient and its momentum, each float32, and as much
-# again while it is made (each layer's arrays, then the flat buffers they are copied into)
-MODEL_BYTES_PER_PARAMETER = 4 * 5
-
-
 def _check_memory(cfg, xp):
-    """ConfigError, before the model is made, when its parameters alone cannot fit in the host's
-    available memory or, on GPUs, in the device's (activations come on top: the out-of-memory
-    handling of the training loop covers those)."""
-    count = parameter_count(cfg.width, fashion_mnist.NUM_CLASSES, 1)
-    need = count * MODEL_BYTES_PER_PARAMETER
-    places = [("the host", _host_memory())]
-    if xp is not np:
-        places.append((f"GPU {xp.cuda.runtime.getDevice()}",
-                       xp.cuda.runtime.getDeviceProperties(xp.cuda.runtime.getDevice())["totalGlobalMem"]))
-    for place, have in places:
-        if have is not None and need > have:
-            raise ConfigError(f"--width {cfg.width}: the model has {count:,} parameters, {need / 2**30:,.1f} GiB with "
-                              f"their gradients and momentum, more than the {have / 2**30:,.1f} GiB {place} has")
-
-
-def _host_memory():
-    """Bytes of memory the host has available now (Linux's MemAvailable), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """ConfigError, before the model is made, when its parameters cannot fit (nn.resnet.memory_shortfall)."""
+    shortfall = memory_shortfall(cfg.width, fashion_mnist.NUM_CLASSES, 1, xp)
+    if shortfall:
+        raise ConfigError(shortfall)
 
 
 def _step(cfg, model, opt, ddp, images, labels):

@@ -143,6 +143,35 @@ def restore_set_aside(out):
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def put_back_before_resuming(resume):
+    """Put back what an --overwrite run that never wrote a checkpoint set aside in the folder that
+    ``resume`` names (a folder, or the checkpoint in one), before the resumed run looks for its
+    checkpoint: a run killed outright (SIGKILL) in its first epoch leaves the earlier run's files
+    in .replaced, and --resume is the next run on the folder. Nothing is done while another run
+    holds the folder (it is alive, and settles them itself)."""
+    path = Path(resume)
+    folder = path if file_kind(path) == "a folder" else path.parent
+    if file_kind(folder / REPLACED) != "a folder":
+        return
+    try:
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return   # a folder this run cannot write: the checkpoint check says what is missing
+    with Claim(fd):
+        for _ in range(50):   # a sibling rank putting them back holds the lock a moment
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(0.05)
+        else:
+            return
+        try:
+            restore_set_aside(folder)
+        except OSError:
+            pass
+
+
 def export_target(export, out, resume=None):
     """The regular file that ``--export`` writes: the path given, or where its symbolic link leads
     (the link itself is never replaced). ConfigError, at the start rather than after training,
@@ -151,7 +180,10 @@ def export_target(export, out, resume=None):
     resumes)."""
     if not export:
         raise ConfigError("--export needs the name of the file to write")
-    target = Path(export).resolve()   # through any symbolic links
+    try:
+        target = Path(export).resolve()   # through any symbolic links
+    except (RuntimeError, OSError):   # a loop of them (RuntimeError before Python 3.13)
+        target = Path(export)
     kind = file_kind(target)
     if kind not in (None, "a regular file"):
         raise ConfigError(f"--export {export} is {kind}: it writes regular files only")

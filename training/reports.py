@@ -17,7 +17,8 @@ class Progress:
     time, and the running loss (this rank's); elsewhere (a pipe, a log file) one line with the
     same figures when the epoch ends."""
 
-    def __init__(self, images, label, stream=sys.stderr):
+    def __init__(self, images, label, stream=None):
+        stream = sys.stderr if stream is None else stream   # as it is now (launch.forgiving_streams)
         self.images, self.label, self.stream = images, label, stream
         self.began, self.done, self.loss = time.perf_counter(), 0, None
         self.bar = tqdm(total=images, desc=label, unit="img", file=stream, leave=False, dynamic_ncols=True) \
