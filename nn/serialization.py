@@ -59,12 +59,14 @@ def temporary(path):
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share one
 
 
-def remove_stale_temporaries(path):
+def remove_stale_temporaries(path, pattern=None):
     """Delete the temporary files beside ``path`` that writers killed before they finished left
-    (SIGKILL, a power cut): those of processes that no longer run."""
+    (SIGKILL, a power cut): those of processes that no longer run. With ``pattern`` ("*"), those of
+    every file of the folder ``path`` whose name matches it."""
     path = Path(path)
-    for leftover in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = leftover.name[len(path.name) + 2:-len(".tmp")]
+    folder, name = (path, pattern) if pattern else (path.parent, path.name)
+    for leftover in folder.glob(f".{name}.*.tmp"):
+        pid = leftover.name[:-len(".tmp")].rpartition(".")[2]
         if pid.isdigit() and not _running(int(pid)):
             leftover.unlink(missing_ok=True)
 

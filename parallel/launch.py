@@ -309,10 +309,23 @@ def _watch(workers, beats, errors, watchdog, poll):
             return None
         if watchdog is not None:
             now = time.monotonic()
-            for rank, w in enumerate(workers):
-                if w.exitcode is None and now - beats[rank].value > watchdog:
-                    return rank, f"hung: no progress for {now - beats[rank].value:.0f} s (watchdog {watchdog:g} s)", None
+            late = [rank for rank, w in enumerate(workers) if w.exitcode is None and now - beats[rank].value > watchdog]
+            if late:   # the one the others wait for: a stopped one (kill -STOP), late or not yet, else the
+                # one silent longest
+                live = [rank for rank, w in enumerate(workers) if w.exitcode is None]
+                rank = min(live, key=lambda r: (not _stopped(workers[r].pid), r not in late, beats[r].value))
+                how = "stopped (SIGSTOP): " if _stopped(workers[rank].pid) else "hung: "
+                return rank, f"{how}no progress for {now - beats[rank].value:.0f} s (watchdog {watchdog:g} s)", None
         time.sleep(poll)
+
+
+def _stopped(pid):
+    """Whether process ``pid`` is stopped by a signal (Linux's /proc; False where it cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _stop_all(workers, stop):

@@ -49,6 +49,18 @@ def one_hangs(rank, world_size, out, bad):
     busy()
 
 
+def one_freezes(rank, world_size, out, frozen):
+    """Rank ``frozen`` is stopped (kill -STOP) a moment after its last heartbeat; the others wait for it
+    from before then, without heartbeats, as in a collective."""
+    record_pid(out, rank)
+    launch.heartbeat()
+    if rank == frozen:
+        time.sleep(0.5)
+        launch.heartbeat()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(3600)
+
+
 def all_busy(rank, world_size, out):
     record_pid(out, rank)
     busy()

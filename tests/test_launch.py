@@ -83,6 +83,14 @@ def test_a_worker_that_hangs_past_the_watchdog_is_named(tmp_path):
     assert_all_ended(tmp_path, 2)
 
 
+def test_a_frozen_worker_is_named_not_the_one_waiting_for_it(tmp_path):
+    """Worker 1 stops (SIGSTOP) after its last heartbeat; worker 0 waits for it from before that: the one
+    named is the frozen one, though worker 0 has been silent longer."""
+    with pytest.raises(launch.WorkerFailed, match=r"worker 1 stopped \(SIGSTOP\): no progress for \d+ s"):
+        launch.run_workers(2, launch_targets.one_freezes, (tmp_path, 1), watchdog=1.5)
+    assert_all_ended(tmp_path, 2)
+
+
 def start_parent(out, parents):
     """A parent process running two busy workers; returns it once both have started. It gets
     Ctrl-C's default handling whatever pytest was started with (a shell starts a background job

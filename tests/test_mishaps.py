@@ -166,13 +166,13 @@ def test_test_images_of_another_size_are_an_error(tmp_path, capsys):
 def test_a_data_folder_that_cannot_be_read_is_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "a-file").write_text("x")
     assert f"{tmp_path / 'a-file'} is a file, not a folder" in usage_error(capsys, run, tmp_path / "a-file", tmp_path / "r1")
-    real_exists = Path.exists
+    real_kind = fashion_mnist.file_kind
 
     def denied(path):   # what a folder without read permission gives a user other than root
-        if "locked" in path.parts:
+        if "locked" in Path(path).parts[:-1]:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-        return real_exists(path)
-    monkeypatch.setattr(Path, "exists", denied)
+        return real_kind(path)
+    monkeypatch.setattr(fashion_mnist, "file_kind", denied)
     assert f"{tmp_path / 'locked'}: cannot be read (Permission denied)" in \
         usage_error(capsys, run, tmp_path / "locked", tmp_path / "r2")
 

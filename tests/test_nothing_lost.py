@@ -12,9 +12,14 @@ used to lose a finished run, print a traceback, give wrong results or hang, hand
 - Wrong results: a resumed run keeps its checkpoint's --gpus unless given one, and says when it
   changes; impossible values in --init-from (a negative running variance, NaN, infinity).
 - Hangs: a named pipe where a file belongs.
-- Smaller: --export checked at the start, its leftovers cleaned; no empty default folder after a
-  failed start; a bad KERNELS_SIMULATED_GPUS named; --watchdog, --export '' and --profile --export
-  refused; PyTorch's 'module.' prefix a one-line hint; a safetensors file given to --resume.
+- Smaller: --export checked at the start, its leftovers cleaned (by the next export, or the next run
+  on the folder); no empty default folder after a failed start; a bad KERNELS_SIMULATED_GPUS named;
+  --watchdog, --export '' and --profile --export refused; PyTorch's 'module.' prefix a one-line hint;
+  a safetensors file given to --resume; an export of a finished run writes nothing in its folder; a
+  finished run may be profiled; gunzipped data files; empty paths; an --export folder that is a file.
+- Systems and streams: --resume after a killed --overwrite; MPI ranks that disagree on a flag; a loop
+  of symbolic links, a name too long; a closed stdout or stderr; a path that is not UTF-8; an MPI
+  environment that makes no sense; a SIGTERM while an error is handled.
 """
 import json
 import os
@@ -397,6 +402,54 @@ def test_an_export_killed_midway_leaves_nothing_behind_after_the_next_start(data
     leftover.write_bytes(b"half a file")
     assert run(data_dir, None, "--resume", finished[0], "--export", target) == 0
     assert not leftover.exists() and target.is_file()
+
+
+def test_a_run_on_the_folder_removes_what_an_export_killed_midway_left_in_it(data_dir, finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = out / f".w.safetensors.{dead.stdout.strip()}.tmp"
+    leftover.write_bytes(b"half a file")
+    assert run(data_dir, None, "--resume", out, "--epochs", "2") == 0
+    assert not leftover.exists()
+
+
+def test_export_of_a_finished_run_writes_nothing_in_its_folder(data_dir, finished, tmp_path):
+    """It only reads the run (which may sit on a read-only mount): no lock, no file of the folder touched."""
+    out = copy_of(finished, tmp_path)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert run(data_dir, None, "--resume", out, "--export", tmp_path / "w.safetensors") == 0
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert (tmp_path / "w.safetensors").is_file()
+
+
+def test_a_finished_run_may_be_profiled(data_dir, finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    assert run(data_dir, None, "--resume", out, "--profile", "--profile-steps", "1") == 0
+    assert (out / "profile.json").is_file() and intact(out, finished)
+
+
+def test_data_files_that_gunzip_left_uncompressed_are_read(data_dir, tmp_path):
+    import gzip
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for gz in Path(data_dir).glob("*.gz"):
+        (plain / gz.stem).write_bytes(gzip.decompress(gz.read_bytes()))
+    assert run(plain, tmp_path / "run", "--epochs", "1") == 0
+    assert not list(plain.glob("*.gz")), "nothing downloaded"
+
+
+@pytest.mark.parametrize("flag", ["--data-dir", "--out", "--init-from", "--resume"])
+def test_an_empty_path_is_refused_not_taken_for_the_default(data_dir, tmp_path, capsys, monkeypatch, flag):
+    monkeypatch.chdir(tmp_path)
+    line = refused(capsys, data_dir, tmp_path / "run", "--epochs", "1", flag, "")
+    assert f"{flag} needs a path, got an empty one" in line, line
+    assert not (tmp_path / "data").exists() and not (tmp_path / "runs").exists()
+
+
+def test_export_into_a_folder_that_is_a_file_says_so(data_dir, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("x")
+    line = refused(capsys, data_dir, tmp_path / "run", "--export", tmp_path / "a-file" / "w.safetensors")
+    assert f"the folder {tmp_path / 'a-file'} is a regular file, not a folder" in line, line
 
 
 def test_a_failed_start_leaves_no_empty_default_folder(data_dir, tmp_path, capsys, monkeypatch):

@@ -62,6 +62,9 @@ class Config:
         return bool(self.gpus) if self.graph is None else self.graph
 
     def check(self):
+        for name in ("data_dir", "out", "resume", "init_from"):
+            if getattr(self, name) == "":   # an unset shell variable: not the default, unasked
+                raise ConfigError(f"--{name.replace('_', '-')} needs a path, got an empty one")
         positive = {"epochs": self.epochs, "batch size": self.batch_size, "width": self.width}
         for name, value in positive.items():
             if value < 1:

@@ -1,5 +1,5 @@
-"""Fashion-MNIST from its four standard IDX .gz files: found, downloaded when missing,
-checked. (Shuffled batches: nn/data.py.)
+"""Fashion-MNIST from its four standard IDX .gz files (or the files gunzip makes of them): found,
+downloaded when missing, checked. (Shuffled batches: nn/data.py.)
 
 The folder is ``data_dir``, else ``$FASHION_MNIST_DIR``, else ``./data/fashion-mnist``.
 Every problem with a file (missing, truncated, corrupt, wrong magic, sizes that do not
@@ -42,13 +42,23 @@ def resolve_dir(data_dir=None):
     return Path(data_dir or os.environ.get("FASHION_MNIST_DIR") or DEFAULT_DIR)
 
 
+def found(folder, name):
+    """Where one of the four files is in ``folder``: ``name`` (the .gz), or ``name`` without .gz where only
+    that is there (gunzip left it so)."""
+    path = Path(folder) / name
+    plain = path.with_suffix("")
+    return plain if file_kind(path) is None and file_kind(plain) is not None else path
+
+
 def read_idx(path, ndim):
-    """The uint8 array of an IDX file (gzip-compressed) with ``ndim`` dimensions."""
+    """The uint8 array of an IDX file with ``ndim`` dimensions, gzip-compressed or not."""
     kind = file_kind(path)
     if kind not in (None, "a regular file"):
         raise DataError(f"{path} is {kind}, not a regular file")
     try:
-        with gzip.open(path, "rb") as f:
+        with open(path, "rb") as f:
+            compressed = f.read(2) == b"\x1f\x8b"
+        with (gzip.open if compressed else open)(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
@@ -71,7 +81,7 @@ def read_idx(path, ndim):
 
 def load_split(folder, split):
     """(images (N, 28, 28) uint8, labels (N,) uint8) of 'train' or 'test'."""
-    images_file, labels_file = (Path(folder) / name for name in FILES[split])
+    images_file, labels_file = (found(folder, name) for name in FILES[split])
     images, labels = read_idx(images_file, 3), read_idx(labels_file, 1)
     if len(images) != len(labels):
         raise DataError(f"{images_file} holds {len(images)} images but {labels_file} "
@@ -109,7 +119,7 @@ def ensure_files(folder, mirror=None, log=print):
         if kind not in (None, "a folder"):
             raise DataError(f"{folder} is {'a file' if kind == 'a regular file' else kind}, not a folder: point "
                             f"--data-dir (or FASHION_MNIST_DIR) at the folder of the four .gz files")
-        missing = [name for pair in FILES.values() for name in pair if not (folder / name).exists()]
+        missing = [name for pair in FILES.values() for name in pair if file_kind(found(folder, name)) is None]
     except OSError as e:   # a folder that may not be read
         raise DataError(f"{folder}: cannot be read ({e.strerror})") from None
     if not missing:
@@ -134,10 +144,10 @@ def load_fashion_mnist(data_dir=None, download=True, log=print):
     splits = {split: load_split(folder, split) for split in FILES}
     for split, (images, _) in splits.items():
         if len(images) == 0:
-            raise DataError(f"{folder / FILES[split][0]} holds no images: the {split} split is empty")
+            raise DataError(f"{found(folder, FILES[split][0])} holds no images: the {split} split is empty")
     sizes = {split: images.shape[1:] for split, (images, _) in splits.items()}
     if sizes["train"] != sizes["test"]:
-        raise DataError(f"{folder / FILES['test'][0]} holds images of {sizes['test'][0]}x{sizes['test'][1]} pixels, "
-                        f"{folder / FILES['train'][0]} of {sizes['train'][0]}x{sizes['train'][1]}: a model trained on "
+        raise DataError(f"{found(folder, FILES['test'][0])} holds images of {sizes['test'][0]}x{sizes['test'][1]} pixels, "
+                        f"{found(folder, FILES['train'][0])} of {sizes['train'][0]}x{sizes['train'][1]}: a model trained on "
                         f"the one cannot be tested on the other")
     return splits

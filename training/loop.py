@@ -188,10 +188,13 @@ def prepare(given, log=print, world_size=1, lead=True, profiling=False, dry=Fals
         xp = array_module_for(cfg.device)
     except DeviceError as e:
         raise ConfigError(f"--gpus {cfg.gpus}: {e}") from None
-    if record is not None and record["epoch"] >= cfg.epochs and not given.get("export"):
+    finished = record is not None and record["epoch"] >= cfg.epochs and not profiling   # a profile trains none
+    if finished and not given.get("export"):
         raise ConfigError(f"the checkpoint has finished {record['epoch']} epochs already; "
                           f"ask for more with --epochs (or only --export its weights)")
-    if lead:
+    if lead and finished:   # --export of a finished run reads the run and writes nothing in its folder, which
+        held = output.Claim(None)   # may be read-only
+    elif lead:
         cfg.out = str(cfg.out or output.fresh_default())
         elsewhere = record is not None and Path(cfg.out).resolve() != home.resolve()
         if elsewhere and output.earlier_run(cfg.out):

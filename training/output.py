@@ -98,8 +98,7 @@ def claim(out, continues=False, overwrite=False):
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             restore_set_aside(out)
-            for name in RUN_FILES:
-                remove_stale_temporaries(out / name)
+            remove_stale_temporaries(out, "*")   # the run's files', and an export's into the folder
         except OSError as e:
             raise ConfigError(f"--out {out}: cannot write there ({e.strerror})") from None
         earlier = earlier_run(out)
@@ -187,8 +186,10 @@ def export_target(export, out, resume=None):
     kind = file_kind(target)
     if kind not in (None, "a regular file"):
         raise ConfigError(f"--export {export} is {kind}: it writes regular files only")
-    if not target.parent.is_dir():
-        raise ConfigError(f"--export {export}: the folder {target.parent} does not exist")
+    folder = file_kind(target.parent)
+    if folder != "a folder":
+        raise ConfigError(f"--export {export}: the folder {target.parent} "
+                          + ("does not exist" if folder is None else f"is {folder}, not a folder"))
     if not os.access(target.parent, os.W_OK):
         raise ConfigError(f"--export {export}: the folder {target.parent} cannot be written")
     own = [Path(out) / name for name in (*RUN_FILES, LOCK)] if out else []
