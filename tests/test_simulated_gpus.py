@@ -34,7 +34,6 @@ import sim_targets
 from helpers import rng, write_fashion_mnist
 from kernels.simulated import cuda as sim_cuda
 from kernels.simulated import nccl as sim_nccl
-from kernels.simulated import timeline
 from parallel import launch
 from parallel.comm import NCCLCommunicator
 from training import checkpoint
@@ -63,9 +62,9 @@ def gpus(monkeypatch, tmp_path):
     cupy.simulate = simulate
     yield cupy
     simulate()
+    for device in range(2):   # the test's end orders its work before the next test's, as a program's end does
+        sim_cuda.Device(device).synchronize()
     sim_cuda.setDevice(0)
-    for device in range(2):   # what the test left unordered when its arrays were freed
-        timeline.raise_pending(device)
 
 
 def host(shape=(64,)):
@@ -210,7 +209,9 @@ def test_arrays_remember_their_device_and_cuda_never_switches_it(gpus):
         b = a * 2
     assert b.device.id == 1
     np.testing.assert_array_equal(b.get(), a.get() * 2)
-    assert gpus.asarray(a).device.id == 0, "asarray copies an array of another device to the current one"
+    copied = gpus.asarray(a)
+    assert copied.device.id == 0, "asarray copies an array of another device to the current one"
+    np.testing.assert_array_equal(copied.get(), a.get())
     assert kernels.array_module_for("cuda:1") is gpus and gpus.cuda.Device().id == 1, "cuda:N selects GPU N"
 
 
@@ -268,6 +269,7 @@ def test_streams_and_events_belong_to_their_device(gpus):
     with gpus.cuda.Device(1):
         start = stream.record()
         end = stream.record(gpus.cuda.Event())
+    end.synchronize()
     assert gpus.cuda.get_elapsed_time(start, end) >= 0
 
 
@@ -376,13 +378,13 @@ def test_two_ranks_on_one_gpu_are_refused(gpus):
 def test_abort_ends_a_wait_for_a_peer_that_is_gone(gpus):
     def body(rank, comm):
         if rank == 1:
-            return None  # gone: it never joins the all-reduce
+            return comm  # gone, as a killed process is, without leaving: it never joins the all-reduce
         threading.Timer(0.5, comm.comm.abort).start()  # as the launcher's watchdog does
         comm.all_reduce(gpus.zeros(4, np.float32))
     began = time.monotonic()
     waited, gone = run_ranks(gpus, body)
     assert isinstance(waited, sim_nccl.NcclError) and "aborted while rank 0 waited" in str(waited), waited
-    assert gone is None and 0.4 < time.monotonic() - began < 30
+    assert isinstance(gone, NCCLCommunicator) and 0.4 < time.monotonic() - began < 30
 
 
 # ---- the project on simulated GPUs, end to end -----------------------------------------------------

@@ -20,12 +20,19 @@ It refuses what a GPU punishes, with an error naming the call: an array of anoth
 the current one in a kernel or operation, a buffer of another device than the communicator's,
 an event recorded on another device's stream, a host NumPy array where a device array is
 needed, an NCCL call that differs between ranks (a collective replayed in a graph on some ranks
-and eager on others included), two ranks on one GPU; two streams touching the same bytes, one
-of them writing, with no event or synchronize ordering them, and memory freed while another
-stream may use it; what CUDA refuses during a stream capture (copies to and from the host,
-synchronizing, queries, the legacy stream beside a capturing blocking stream); and a graph
-replay that reaches memory freed since its capture. What it cannot show: speed, real overlap
-(work runs when it is queued, checked against the order CUDA guarantees), the real NCCL
+and eager on others included), two ranks on one GPU, an all-reduce whose buffers overlap without
+being the same, a collective waiting for a rank that has left the communicator (after a
+time-out: GPUs hang); two streams touching the same elements, one of them writing, with no event
+or synchronize ordering them (a copy between devices is asynchronous on its stream, each host
+thread has its own per-thread default stream, a query is not a wait, the launches of one graph
+are ordered, and host threads are ordered by start and join), and memory that CuPy's pool hands
+to a new array while another stream's use of it is not ordered before the new array's work;
+``get_elapsed_time`` before its events completed; what CUDA refuses during a stream capture
+(copies to and from the host on the capturing stream, or on any while a capture in global mode
+runs, synchronizing, queries, the legacy stream beside a capturing blocking stream, a wait across
+the capture's boundary or between two captures, a fork not joined back into the origin stream);
+and a graph replay that reaches memory freed since its capture. What it cannot show: speed, real
+overlap (work runs when it is queued, checked against the order CUDA guarantees), the real NCCL
 transport, and the GPU's rounding (the emulator's is the CPU's, with subnormals flushed as
 ``-ftz=true`` does).
 """

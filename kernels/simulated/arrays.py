@@ -96,7 +96,9 @@ def _queue(name, function, inputs, out=None, order="K"):
     """``function(*inputs)`` as one operation on the current stream, its value written into ``out``
     (a device array) or into a new array of its shape and dtype (in ``order``); returns the array.
     The device arrays among ``inputs`` are read (those of another device refused, unless the
-    operation is a ``copy``, which CuPy makes between devices); other inputs pass as they are."""
+    operation is a ``copy``, which CuPy makes between devices as an asynchronous copy on the
+    current stream, ordered after nothing of the other device's streams); other inputs pass as they
+    are."""
     stream = cuda.get_current_stream()
     slots = [i for i, v in enumerate(inputs) if isinstance(v, ndarray)]
     arrays = [v._array if name == "copy" and isinstance(v, ndarray) else _operand(f"cupy {name}", v) for v in inputs]
@@ -125,8 +127,6 @@ def _queue(name, function, inputs, out=None, order="K"):
     operands = [(timeline.Span(arrays[i]), False, f"operand {i}") for i in slots]
     operands.append((timeline.Span(out._array), True, "its output"))
     cuda.enqueue(stream, timeline.Work(f"the array operation '{name}'", operands, None if fresh else run))
-    if any(inputs[i]._device != out._device for i in slots):
-        stream.synchronize()   # a copy between devices (no peer access) goes through the host, synchronously
     return _count(name, out)
 
 
@@ -192,7 +192,7 @@ class ndarray:  # noqa: N801  (CuPy's name)
         CuPy, on the array's device: the null stream is then that device's) after the work queued
         there; the host waits for it unless ``blocking`` is false."""
         stream = cuda.get_current_stream() if stream is None else stream
-        cuda.refuse_during_capture(f"{call} (a copy to the host)", self._device)
+        cuda.refuse_during_capture(f"{call} (a copy to the host)", stream)
         host = np.empty(self.shape, self.dtype) if out is None else out
 
         def run(views):
@@ -388,7 +388,7 @@ def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
         if a._device != cuda.getDevice():  # CuPy copies an array of another device to the current one
             return _queue("copy", lambda v: np.asarray(v, dtype=dtype), [a], order=order or "K")
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
-    cuda.refuse_during_capture("cupy.asarray of host memory (a copy from the host)")
+    cuda.refuse_during_capture("cupy.asarray of host memory (a copy from the host)", cuda.get_current_stream())
     values = np.array(a, dtype=dtype, order=order or "K")
     return _queue("copy from the host", lambda: values, [])
 

@@ -14,14 +14,19 @@ Stream capture: between ``begin_capture()`` and ``end_capture()`` a stream recor
 on it (kernels, array operations, NCCL calls) instead of running it, and a ``Graph`` replays the
 record on ``launch()``: the capturing stream's work on the stream it is launched on, each stream
 that joined the capture on a branch of its own, ordered as the events of the capture ordered
-them, and the stream's later work after all of it. A stream that waits on an event recorded
-during the capture joins it, and must be joined back (the capturing stream waiting on an event
-recorded after its last work) before the capture ends, or ``end_capture`` fails as CUDA does.
-What CUDA refuses during a capture is refused by name: a copy to the host or from host memory,
-a synchronize of the device, of a capturing stream or of an event recorded in the capture, a
-query of either, and work on the legacy null stream while a blocking stream of its device
-captures. A capture's arrays come from the pool ``using_allocator`` names, which the graph keeps;
-a graph holds addresses, not arrays, so a replay that reaches memory freed since the capture fails.
+them, after the graph's previous launch (CUDA orders the launches of one graph), and the
+stream's later work after all of it. A stream that waits on an event recorded during the capture
+joins it, and its work must be joined back (the origin stream's last work depending on it, through
+events, directly or through other joined streams) before the capture ends, or ``end_capture``
+fails as CUDA does. What CUDA refuses during a capture is refused by name: a copy to the host or
+from host memory on the capturing stream, or on any stream while a capture in global mode (or in
+thread-local mode, on its own host thread) runs; a synchronize of the device, of a capturing
+stream or of an event recorded in the capture, a query of either; work on the legacy null stream
+while a blocking stream of its device captures; a wait in a capture on an event recorded outside
+it or in another capture. A capture's arrays come from the pool ``using_allocator`` names, which
+the graph keeps; a graph holds addresses, not arrays, so a replay that reaches memory freed since
+the capture fails. ``Stream.done`` and ``Event.done`` answer as timeline.query models a GPU's
+progress, and ``get_elapsed_time`` wants both events complete.
 """
 import collections
 import contextlib
@@ -75,8 +80,8 @@ def _visible(count, visible):
 
 
 def _state():
-    if not hasattr(_local, "device"):
-        _local.device, _local.streams = 0, {}
+    if not hasattr(_local, "device"):   # the thread's per-thread default stream is its own
+        _local.device, _local.streams, _local.per_thread = 0, {}, next(_handles)
     return _local
 
 
@@ -112,7 +117,9 @@ def deviceGetPCIBusId(device):
 
 runtime = types.SimpleNamespace(CUDARuntimeError=CUDARuntimeError, getDeviceCount=getDeviceCount,
                                 getDevice=getDevice, setDevice=setDevice, getDeviceProperties=getDeviceProperties,
-                                deviceGetPCIBusId=deviceGetPCIBusId)
+                                deviceGetPCIBusId=deviceGetPCIBusId, streamCaptureModeGlobal=0,
+                                streamCaptureModeThreadLocal=1, streamCaptureModeRelaxed=2)
+_MODES = {0: "cudaStreamCaptureModeGlobal", 1: "cudaStreamCaptureModeThreadLocal", 2: "cudaStreamCaptureModeRelaxed"}
 nvtx = types.SimpleNamespace(available=False, RangePush=lambda message, id_color=-1: None, RangePop=lambda: None)
 
 
@@ -158,9 +165,11 @@ class Device:
 
 
 class Stream:
-    """cupy.cuda.Stream: ``Stream.null`` (the current device's legacy default stream) or a stream
-    of the device current when it was made (blocking unless ``non_blocking``: a blocking stream
-    and the legacy stream wait for each other's work)."""
+    """cupy.cuda.Stream: ``Stream.null`` (the current device's legacy default stream),
+    ``Stream.ptds`` (the per-thread default stream: one object, and on each host thread the current
+    device's stream of that thread) or a stream of the device current when it was made (blocking
+    unless ``non_blocking``: a blocking stream, a per-thread one included, and the legacy stream
+    wait for each other's work)."""
     null = None
     ptds = None
 
@@ -170,7 +179,7 @@ class Stream:
         else:
             self.ptr, self.device_id = next(_handles), getDevice()
         self.non_blocking = bool(non_blocking) and not (null or ptds)
-        self._capture, self._queued = None, 0   # the capture it records into; its work queued in it
+        self._capture = None   # the capture it records into
         _streams[self.ptr] = self
 
     def device(self):
@@ -178,7 +187,13 @@ class Stream:
         return getDevice() if self.device_id == -1 else self.device_id
 
     def key(self):
-        """The stream in timeline's terms: (device, handle), known to it."""
+        """The stream in timeline's terms: (device, handle), known to it; the per-thread default
+        stream's handle is the current host thread's."""
+        if self.ptr == 2:
+            key, thread = (self.device(), ("per-thread", _state().per_thread)), threading.current_thread().name
+            timeline.stream(key, "blocking", lambda: f"the per-thread default stream of host thread {thread} on "
+                                                     f"device {key[0]}")
+            return key
         key = (self.device(), self.ptr)
         kind = "legacy" if self.ptr == 0 else "non-blocking" if self.non_blocking else "blocking"
         timeline.stream(key, kind, lambda: f"the null stream of device {key[0]}" if self.ptr == 0 else
@@ -212,15 +227,24 @@ class Stream:
         if not isinstance(event, Event):
             raise TypeError(f"Stream.wait_event takes a cupy.cuda.Event, got {type(event).__name__}")
         if event._captured is not None:
-            capture, source, queued, node = event._captured
+            capture, record, before = event._captured
             if capture.ended:
                 raise CUDARuntimeError("cudaErrorStreamCaptureIsolation", "Stream.wait_event on an event last "
                                                                           "recorded in a stream capture that has ended")
-            if self._capture is None:
-                self._capture = capture   # it joins the capture
-            capture.joined_back[source] = queued
-            capture.nodes.append(("wait", self, node))
-        elif self._capture is None and event._clock is not None:
+            if self._capture not in (None, capture):
+                raise CUDARuntimeError("cudaErrorStreamCaptureMerge",
+                                       f"Stream.wait_event: stream {self.ptr:#x} captures into the capture begun on "
+                                       f"stream {self._capture.origin.ptr:#x}, and the event was recorded in the "
+                                       f"capture begun on stream {capture.origin.ptr:#x} (it would merge two captures)")
+            self._capture = capture   # a stream that was not capturing joins the capture
+            capture.wait(self, record, before)
+        elif self._capture is not None:
+            if event._clock is not None:
+                raise CUDARuntimeError("cudaErrorStreamCaptureIsolation",
+                                       f"Stream.wait_event: stream {self.ptr:#x} captures, and the event was recorded "
+                                       f"outside the capture (a dependency across the capture's boundary, where only "
+                                       f"a stream's own order may cross)")
+        elif event._clock is not None:
             timeline.wait(self.key(), event._clock)
 
     def synchronize(self):
@@ -233,21 +257,21 @@ class Stream:
             raise RuntimeError("cannot capture on the default (legacy) stream")
         if self._capture is not None:
             raise CUDARuntimeError("cudaErrorIllegalState", "begin_capture on a stream that is capturing already")
-        self._capture = _Capture(self)
+        self._capture = _Capture(self, runtime.streamCaptureModeRelaxed if mode is None else mode)   # CuPy's default
 
     def end_capture(self):
         capture = self._capture
         if capture is None or capture.origin is not self:
             raise CUDARuntimeError("cudaErrorIllegalState", "end_capture on a stream that did not begin a capture")
-        joined = [s for s in _streams.values() if s._capture is capture]
-        for s in joined:
+        for s in capture.streams:
             s._capture = None
         capture.ended = True
-        unjoined = [s for s in joined if s is not self and capture.joined_back.get(s, -1) != s._queued]
+        unjoined = capture.unjoined()
         if unjoined:
             raise CUDARuntimeError("cudaErrorStreamCaptureUnjoined",
-                                   f"end_capture: stream(s) {', '.join(hex(s.ptr) for s in unjoined)} joined the "
-                                   f"capture and were not joined back (wait on an event recorded after their work)")
+                                   f"end_capture: the work of stream(s) {', '.join(hex(s.ptr) for s in unjoined)}, "
+                                   f"which joined the capture, was not joined back into stream {self.ptr:#x} that "
+                                   f"began it (make it wait on an event recorded after that work)")
         return Graph(capture.nodes, self)
 
     def is_capturing(self):
@@ -255,10 +279,12 @@ class Stream:
 
     @property
     def done(self):
+        """Whether the stream's work is complete (timeline.query: not before the host waited for it, or
+        asked twice)."""
         if self._capture is not None:
             raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported", "Stream.done (a query) on a capturing stream")
-        timeline.host_waits(self.key())   # the host saw its work finished
-        return True
+        key = self.key()
+        return timeline.query(key, timeline.work_of(key))
 
     def __repr__(self):
         return f"<Stream {self.ptr} (device {self.device_id})>"
@@ -303,8 +329,7 @@ class Event:
             _refuse_legacy_during_capture(stream, "Event.record")
             self._captured, self._clock = None, timeline.snapshot(stream.key())
         else:
-            capture.nodes.append(("record", stream, None))
-            self._captured, self._clock = (capture, stream, stream._queued, len(capture.nodes) - 1), None
+            self._captured, self._clock = (capture, *capture.record(stream)), None
 
     def synchronize(self):
         self._refuse_captured("Event.synchronize")
@@ -312,9 +337,9 @@ class Event:
 
     @property
     def done(self):
+        """Whether the work before the event's record is complete (timeline.query)."""
         self._refuse_captured("Event.done (a query)")
-        timeline.host_waits(clock=self._clock)
-        return True
+        return timeline.query(("event", self.ptr), self._clock or {})
 
     def _refuse_captured(self, call):
         if self._captured is not None:
@@ -329,25 +354,61 @@ def get_elapsed_time(start_event, end_event):
     if start_event.device_id != end_event.device_id:
         raise CUDARuntimeError("cudaErrorInvalidResourceHandle",
                                f"get_elapsed_time: events of devices {start_event.device_id} and {end_event.device_id}")
+    for which, event in (("start", start_event), ("end", end_event)):
+        if not timeline.complete(event._clock):
+            raise CUDARuntimeError("cudaErrorNotReady", f"get_elapsed_time: the {which} event has not completed "
+                                                        f"(synchronize with it, or the stream or device it was "
+                                                        f"recorded on, first)")
     return (end_event._recorded - start_event._recorded) * 1e3
 
 
 # ---- work, and stream capture --------------------------------------------------------------------
 class _Capture:
     """What a stream capture records, in order: ("work", stream, Work), ("record", stream, None) and
-    ("wait", stream, index of the record waited for); and, for each stream that joined it, how much
-    of its work the capturing streams have waited for (what end_capture checks)."""
+    ("wait", stream, index of the record waited for); the graph's edges, as CUDA builds them: for
+    each stream in the capture the work nodes its next work depends on, for each work node those it
+    depends on; its mode, and the host thread that began it."""
 
-    def __init__(self, origin):
-        self.origin, self.nodes, self.joined_back, self.ended = origin, [], {}, False
+    def __init__(self, origin, mode):
+        self.origin, self.mode, self.thread, self.nodes, self.ended = origin, mode, threading.get_ident(), [], False
+        self.after = {origin: frozenset()}   # a stream of the capture -> the work nodes its next work depends on
+        self.edges = {}                      # a work node -> the work nodes it depends on
+
+    @property
+    def streams(self):
+        return list(self.after)
+
+    def work(self, stream, work):
+        self.edges[len(self.nodes)], self.after[stream] = self.after[stream], frozenset([len(self.nodes)])
+        self.nodes.append(("work", stream, work))
+
+    def record(self, stream):
+        """(index of the record, the work nodes it stands for)."""
+        self.nodes.append(("record", stream, None))
+        return len(self.nodes) - 1, self.after[stream]
+
+    def wait(self, stream, record, before):
+        self.after[stream] = self.after.get(stream, frozenset()) | before
+        self.nodes.append(("wait", stream, record))
+
+    def unjoined(self):
+        """The streams with work that the origin stream's last work does not depend on, directly or
+        through other work: CUDA's end of capture requires every fork joined back into the origin."""
+        reached, todo = set(), list(self.after[self.origin])
+        while todo:
+            node = todo.pop()
+            if node not in reached:
+                reached.add(node)
+                todo.extend(self.edges[node])
+        return list(dict.fromkeys(stream for i, (kind, stream, _) in enumerate(self.nodes)
+                                  if kind == "work" and i not in reached))
 
 
 def enqueue(stream, work):
     """Queue ``work`` (a timeline.Work) on ``stream``: run it now, its accesses checked against the
     other streams', or, when the stream is capturing, record it for the graph's replays."""
     if stream._capture is not None:
-        stream._capture.nodes.append(("work", stream, work))
-        stream._queued += 1
+        stream._capture.work(stream, work)
         return
     _refuse_legacy_during_capture(stream, work.label)
     timeline.perform(stream.key(), work)
@@ -366,16 +427,27 @@ def _refuse_legacy_during_capture(stream, call):
                                    f"device {stream.device()} captures (the null stream would wait for it)")
 
 
-def refuse_during_capture(call, device=None):
-    """Refuse ``call`` (a copy to the host, or from host memory) while a stream of the device captures:
-    CUDA refuses such copies on a capturing stream, and the values a capture would read are not
-    computed yet (the captured work runs only when the graph is launched)."""
-    capturing = _capturing(getDevice() if device is None else device)
-    if capturing:
+def refuse_during_capture(call, stream):
+    """Refuse ``call`` (a copy to the host, or from host memory, on ``stream``) on a capturing stream:
+    CUDA refuses such copies there, and the values a capture would read are not computed yet (the
+    captured work runs only when the graph is launched). On another stream it is refused only where
+    the capture's mode forbids calls that are unsafe during a capture, a synchronous copy among
+    them: a capture begun in global mode, on any host thread, or in thread-local mode on this one;
+    CuPy's default, relaxed, allows them."""
+    if stream._capture is not None:
         raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported",
-                               f"{call} during a stream capture (stream {capturing[0].ptr:#x} of device "
-                               f"{capturing[0].device()} is capturing): nothing captured has run yet, and CUDA "
-                               f"allows no copy between host and device there")
+                               f"{call} during a stream capture (stream {stream.ptr:#x} of device {stream.device()} "
+                               f"is capturing): nothing captured has run yet, and CUDA allows no copy between "
+                               f"host and device there")
+    for other in list(_streams.values()):
+        capture = other._capture
+        if capture is not None and capture.origin is other and (
+                capture.mode == runtime.streamCaptureModeGlobal or
+                capture.mode == runtime.streamCaptureModeThreadLocal and capture.thread == threading.get_ident()):
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported",
+                                   f"{call} while stream {other.ptr:#x} of device {other.device()} captures in "
+                                   f"{_MODES[capture.mode]}, which forbids calls that are unsafe during a capture, "
+                                   f"such as a synchronous copy (CuPy's default mode, relaxed, allows them)")
 
 
 _replaying = threading.local()
@@ -395,6 +467,7 @@ class Graph:
         self._nodes, self._origin, self._device = nodes, origin, origin.device()
         self._id = next(Graph._ids)
         self._branches = {}   # a joined stream -> its branch's timeline key, the same for every replay
+        self._finished = None   # timeline's clock of the end of its last launch, which the next one follows
 
     def _branch(self, stream):
         if stream not in self._branches:
@@ -417,6 +490,7 @@ class Graph:
         key = stream.key()
         lanes = {self._origin: key}
         marks = {}
+        timeline.wait(key, self._finished)   # CUDA orders the launches of a graph, on any streams
         timeline.perform(key, timeline.Work(f"the launch of CUDA graph {self._id}", [], None))
         _replaying.graph = True
         try:
@@ -431,6 +505,7 @@ class Graph:
         finally:
             _replaying.graph = False
             timeline.join(key, lanes.values())   # the stream's later work follows the whole graph
+            self._finished = timeline.snapshot(key)
 
     def upload(self, stream=None):
         pass

@@ -9,7 +9,10 @@ NCCL leaves undefined (a hang, or garbage) is an error here too: a call whose ki
 datatype, reduction or root differs between ranks, or that is replayed in a CUDA graph on some ranks
 and eager on others (NCCL requires graph capture to be uniform over ranks). A call is work on its
 stream (cuda.enqueue): a capture records it, and its buffers' accesses are ordered against other
-streams' as a kernel's are. ``abort()`` ends a wait for a peer that is gone.
+streams' as a kernel's are, and an all-reduce's buffers must be the same (in place) or apart.
+``abort()`` ends a wait for a peer that is gone; a call that waits for a rank that has left the
+communicator (destroyed or aborted it, or ended) without making it fails after LEFT_TIMEOUT,
+naming the call, where GPUs would hang.
 A rank deletes its post of call k - 2 once it has read all of call k - 1 (every peer has read
 it by then); the folder goes when the last rank's communicator is destroyed or its process exits.
 """
@@ -35,6 +38,9 @@ _DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: n
            7: np.float32, 8: np.float64}
 _REDUCTIONS = {NCCL_SUM: np.add, NCCL_PROD: np.multiply, NCCL_MAX: np.maximum, NCCL_MIN: np.minimum, NCCL_AVG: np.add}
 _ID_BYTES = 128
+# how long a call waits for a rank that has left the communicator without making it, before it
+# fails: long enough for the launcher, which names the rank that failed first, to stop the job
+LEFT_TIMEOUT = 5.0
 _PREFIX = b"simulated-nccl "
 
 
@@ -76,6 +82,11 @@ class NcclCommunicator:
         dtype = self._check("allReduce", datatype, stream, op=op)
         source = self._buffer(sendbuf, count, dtype, "allReduce sendbuf")
         target = self._buffer(recvbuf, count, dtype, "allReduce recvbuf")
+        if sendbuf != recvbuf and np.shares_memory(source, target):
+            raise NcclError("NCCL_ERROR_INVALID_USAGE",
+                            f"allReduce: sendbuf {sendbuf:#x} and recvbuf {recvbuf:#x} of {count * dtype.itemsize} "
+                            f"bytes overlap without being the same (in place, NCCL takes sendbuf == recvbuf; a "
+                            f"partial overlap it does not check: on GPUs, garbage)")
 
         def run(views):
             source, target = views
@@ -144,7 +155,7 @@ class NcclCommunicator:
         tmp.write_bytes(json.dumps(header).encode() + b"\n" + payload)
         os.replace(tmp, post)
         (self._folder / f"{call - 2}.{self._rank}").unlink(missing_ok=True)
-        posts = [self._wait(self._folder / f"{call}.{r}", call) for r in range(self._size)]
+        posts = [self._wait(r, call, header) for r in range(self._size)]
         shared = [{k: v for k, v in h.items() if k not in (local or {})} for h, _ in posts]
         graphed = [r for r, s in enumerate(shared) if s["graph"]]
         if graphed and len(graphed) < self._size:
@@ -157,16 +168,29 @@ class NcclCommunicator:
             raise NcclError("NCCL_ERROR_INVALID_USAGE", f"call {call} differs between ranks ({described})")
         return posts
 
-    def _wait(self, path, call):
-        delay = 1e-4
+    def _wait(self, rank, call, header):
+        """Rank ``rank``'s post of call ``call`` (this rank's ``header``), once it is there; an error if
+        this rank is aborted meanwhile, or if ``rank`` left the communicator without posting it
+        (destroyed or aborted it, or ended: its post would have come before its leaving) and
+        LEFT_TIMEOUT has passed since this rank saw it gone."""
+        post, left = self._folder / f"{call}.{rank}", self._folder / f"exit.{rank}"
+        delay, seen_gone = 1e-4, None
         while True:
+            gone = left.exists()
             try:
-                head, _, payload = path.read_bytes().partition(b"\n")
+                head, _, payload = post.read_bytes().partition(b"\n")
                 return json.loads(head), payload
             except FileNotFoundError:
                 if self._aborted:
                     raise NcclError("NCCL_ERROR_REMOTE_ERROR",
                                     f"call {call} aborted while rank {self._rank} waited for its peers") from None
+                if gone:
+                    seen_gone = seen_gone or time.monotonic()
+                    if time.monotonic() - seen_gone > LEFT_TIMEOUT:
+                        raise NcclError("NCCL_ERROR_REMOTE_ERROR",
+                                        f"call {call} ({_describe(header)}) of rank {self._rank} waited "
+                                        f"{LEFT_TIMEOUT:g} s for rank {rank}, which left the communicator (destroyed "
+                                        f"or aborted it, or ended) without making the call (on GPUs, a hang)") from None
                 time.sleep(delay)
                 delay = min(2 * delay, 0.01)
 
