@@ -13,7 +13,8 @@ at --host-width and --host-batch (4 and 2: the same launches, give or take a spl
 stand-in's own work on the arrays (NumPy copies and fills that a GPU would run asynchronously, and
 its bookkeeping of device memory, a few microseconds an allocation) is small beside what it
 measures: the launchers, the tape and the optimizer. It still bounds the Python side of a step
-from above. Prints a table by kernel, with the totals.
+from above. Prints a table by kernel, with the totals, and the device memory the step holds,
+eager and captured as a CUDA graph (device_memory).
 """
 import argparse
 import collections
@@ -79,7 +80,29 @@ def measure(width, batch, host_width, host_batch, steps):
     return {"width": width, "batch": batch, "precision": kernels.precision(),
             "kernels": {k: (n, StubModule.launch_bytes[k]) for k, n in StubModule.launches.items()},
             "operations": {k: (n, cuda.ledger["operation_bytes"][k]) for k, n in cuda.ledger["operations"].items()},
-            "host_width": host_width, "host_batch": host_batch, "host_ms": host_ms, "host_launches": host_launches}
+            "host_width": host_width, "host_batch": host_batch, "host_ms": host_ms, "host_launches": host_launches,
+            "device_bytes": device_memory(width, batch)}
+
+
+def device_memory(width, batch):
+    """Device memory of a training step of a fresh model (training/step.py's GraphedStep), as CuPy's pools
+    hold it: {'eager': (in use, cached) bytes of the default pool after the first, eager step (the cached
+    blocks are what the next step reuses); 'graphed': (the default pool's bytes, the graph's pool's) once
+    the second step is captured, the default pool having given its cached blocks back first}. The stand-in's
+    capture pool keeps every block it hands out, where CuPy's reuses a block freed within the capture: the
+    graph's figure is an upper bound."""
+    import gc
+    from bench.train_times import ours_graph_step, random_data
+    pool = kernels.simulated.get_default_memory_pool()
+    gc.collect()
+    pool.free_all_blocks()
+    config = {"device": "cuda", "batch": batch, "width": width, "batches": 2}
+    step = ours_graph_step(config, *random_data(config))
+    step()
+    eager = (pool.used_bytes(), pool.free_bytes())
+    step()
+    graphs = [o for o in gc.get_objects() if isinstance(o, kernels.simulated.cuda.MemoryPool) and o is not pool]
+    return {"eager": eager, "graphed": (pool.total_bytes(), sum(g.used_bytes() for g in graphs))}
 
 
 OPERATIONS = ("operations", "operation_bytes")
@@ -101,7 +124,11 @@ def table(result):
               f"median "
               f"{statistics.median(result['host_ms']):.1f} ms of {len(result['host_ms'])} steps, "
               f"{result['host_launches']:.0f} launches, "
-              f"{1e3 * statistics.median(result['host_ms']) / result['host_launches']:.1f} us per launch"]
+              f"{1e3 * statistics.median(result['host_ms']) / result['host_launches']:.1f} us per launch",
+              "device memory of the step: eager {:.2f} GB in use between steps and {:.2f} GB cached; captured as a "
+              "CUDA graph {:.2f} GB in the default pool (its cached blocks given back first) and at most {:.2f} GB "
+              "in the graph's".format(*(b / 1e9 for b in (*result["device_bytes"]["eager"],
+                                                         *result["device_bytes"]["graphed"])))]
     return "\n".join(lines)
 
 

@@ -141,6 +141,35 @@ def gpu_count():
         return 0
 
 
+TENSOR_CORES = (8, 0)   # the compute capability of mma.sync on TF32 and BF16, and of cp.async: Ampere's
+
+
+def gpu_description(device):
+    """(name, (major, minor) compute capability) of GPU ``device``, as cudaGetDeviceProperties gives
+    them (which makes no CUDA context: the parent of --gpus N workers may ask)."""
+    properties = cupy_module().cuda.runtime.getDeviceProperties(device)
+    name = properties["name"]
+    return (name.decode(errors="replace") if isinstance(name, bytes) else str(name)), (properties["major"],
+                                                                                       properties["minor"])
+
+
+def precision_for(devices, asked=None):
+    """The precision of a step on the GPUs ``devices``: ``asked``, or tf32 where every one of them has the
+    tensor cores of TF32 (compute capability 8.0, Ampere, and later), else fp32 (a T4, 7.5; a V100, 7.0,
+    whose kernels of tf32 and bf16 do not compile). (precision, a line saying why when fp32 was chosen
+    for want of tensor cores, else None); DeviceError when ``asked`` is tf32 or bf16 and a GPU lacks them."""
+    lacking = [(device, *gpu_description(device)) for device in devices]
+    lacking = [(device, name, capability) for device, name, capability in lacking if capability < TENSOR_CORES]
+    if not lacking or asked == "fp32":
+        return asked or "tf32", None
+    device, name, (major, minor) = lacking[0]
+    said = f"GPU {device} ({name}) is of compute capability {major}.{minor}"
+    if asked is not None:
+        raise DeviceError(f"--precision {asked} multiplies on the tensor cores of compute capability 8.0 and later "
+                          f"(Ampere): {said}; use --precision fp32 there")
+    return "fp32", f"{said}, without TF32 tensor cores: the step computes in fp32"
+
+
 def local_gpu(local_rank, local_size):
     """The GPU of the rank ``local_rank`` of ``local_size`` ranks on this machine: the one of its
     index when the rank sees them all, the only one when the scheduler made one GPU visible per rank

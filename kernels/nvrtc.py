@@ -47,6 +47,17 @@ def version():
     return _nvrtc().getVersion()
 
 
+def unsupported_reason(arch):
+    """None when this NVRTC compiles for ``arch`` ("sm_70"), else why not (CUDA 13 dropped sm_70)."""
+    nvrtc = _nvrtc()
+    supported = nvrtc.getSupportedArchs()
+    if int(arch.partition("_")[2]) in supported:
+        return None
+    major, minor = nvrtc.getVersion()
+    return (f"NVRTC {major}.{minor} does not compile for {arch} (it compiles for sm_{min(supported)} to "
+            f"sm_{max(supported)}); CUDA 12's NVRTC does")
+
+
 @dataclass
 class Resources:
     """What ptxas reports for one kernel (``-Xptxas -v``)."""

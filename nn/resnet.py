@@ -66,6 +66,12 @@ def parameter_count(width, num_classes=10, in_channels=1):
     return f1 + (f2 - f1) * (width - 1) + (f3 - 2 * f2 + f1) * (width - 1) * (width - 2) // 2
 
 
+def largest_activation(width, size=28):
+    """Elements per image of ``resnet18(width=width)``'s largest activation on ``size`` x ``size`` images:
+    the stem's and the first stage's, ``width`` channels at the input's resolution."""
+    return width * size * size
+
+
 # what the model holds per parameter: its value, its gradient and its momentum, each float32, and as much
 # again while it is made (each layer's arrays, then the flat buffers they are copied into)
 MODEL_BYTES_PER_PARAMETER = 4 * 5

@@ -342,6 +342,23 @@ def test_an_output_folder_whose_name_is_not_utf8_under_a_strict_utf8_stdout(data
     assert "run-\\udcff" in done.stdout and checkpoint.load(out)[1]["epoch"] == 1
 
 
+def test_a_batch_whose_activations_pass_the_kernels_int_indices_is_refused(data_dir, tmp_path, capsys, monkeypatch):
+    """On GPUs the kernels index with int: a batch of 50,000 at width 64 (the stem's output, 2.5e9 elements)
+    is refused before training, naming the largest batch that fits, and every launch checks its arrays
+    (outputs included) as a last line."""
+    from kernels.cuda import launch
+    monkeypatch.setenv(kernels.SIMULATED_GPUS, "1")
+    line = refused(capsys, data_dir, tmp_path / "run", "--gpus", "1", "--width", "64", "--batch-size", "50000")
+    assert ("--batch-size 50000: a GPU's batch of 50,000 images at --width 64 makes the first stage's activations "
+            "2,508,800,000 elements, more than the CUDA kernels index (2,146,435,072); at most 42,778 images fit a "
+            "GPU's batch") in line, line
+    output_ = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (42800, 64, 28, 28), (0, 0, 0, 0))
+    with pytest.raises(ValueError, match=r"conv2d_forward: arrays of more than 2146435072 .* got shape "
+                                         r"\(42800, 64, 28, 28\) .*; a batch of at most 42778 fits"):
+        never = type("Backend", (), {"function": lambda self, family, kernel: pytest.fail("launched")})()
+        launch.launch(never, "conv", "conv2d_forward", (1,), (np.zeros(4, np.float32), output_))
+
+
 # ---- wrong results --------------------------------------------------------------------------------------
 
 @pytest.mark.slow

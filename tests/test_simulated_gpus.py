@@ -32,6 +32,7 @@ import kernels
 import nn
 import sim_targets
 from helpers import rng, write_fashion_mnist
+from kernels import emu
 from kernels.simulated import cuda as sim_cuda
 from kernels.simulated import nccl as sim_nccl
 from parallel import launch
@@ -126,7 +127,8 @@ SIGNATURES = [f"{path}" for path in (
     "RawKernel.__call__", "cuda.Device", "cuda.Device.use", "cuda.Device.synchronize", "cuda.Stream",
     "cuda.Stream.use", "cuda.Stream.record", "cuda.Stream.wait_event", "cuda.Stream.synchronize",
     "cuda.Stream.begin_capture", "cuda.Stream.end_capture", "cuda.Stream.is_capturing", "cuda.Graph.launch",
-    "cuda.Graph.upload", "cuda.MemoryPool", "cuda.MemoryPool.malloc", "cuda.using_allocator", "cuda.Event",
+    "cuda.Graph.upload", "cuda.MemoryPool", "cuda.MemoryPool.malloc", "cuda.MemoryPool.free_all_blocks",
+    "cuda.MemoryPool.used_bytes", "cuda.MemoryPool.total_bytes", "get_default_memory_pool", "cuda.using_allocator", "cuda.Event",
     "cuda.Event.record", "cuda.Event.synchronize", "cuda.get_current_stream", "cuda.get_elapsed_time",
     "cuda.runtime.getDeviceCount", "cuda.runtime.getDevice", "cuda.runtime.setDevice",
     "cuda.runtime.getDeviceProperties", "cuda.nvtx.RangePush", "cuda.nvtx.RangePop", "nccl.get_unique_id",
@@ -394,11 +396,13 @@ def data_dir(tmp_path_factory):
     return write_fashion_mnist(tmp_path_factory.mktemp("fashion"), 32, 16)
 
 
-def train_resnet(gpus, data_dir, out, *flags, sanitize=None):
+def train_resnet(gpus, data_dir, out, *flags, sanitize=None, capability=None):
     """``KERNELS_SIMULATED_GPUS=gpus python train_resnet.py ...``: CompletedProcess; `sanitize`, the emulator's
-    sanitizer for it (CUDA_EMU_SANITIZE; the simulated GPUs' memcheck unless given)."""
+    sanitizer for it (CUDA_EMU_SANITIZE; the simulated GPUs' memcheck unless given); `capability`, the GPUs'
+    compute capability as CuPy writes it (an H200's 90 unless given)."""
     environment = {**os.environ, kernels.SIMULATED_GPUS: str(gpus), "TMPDIR": str(out.parent),
-                   **({"CUDA_EMU_SANITIZE": sanitize} if sanitize else {})}
+                   **({"CUDA_EMU_SANITIZE": sanitize} if sanitize else {}),
+                   **({sim_cuda.CAPABILITY: str(capability)} if capability else {})}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
     return subprocess.run([sys.executable, "train_resnet.py", "--data-dir", str(data_dir), "--out", str(out),
                            *SMALL, *flags], cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment)
@@ -442,6 +446,52 @@ def test_a_gpu_run_multiplies_in_tf32_unless_told_fp32(data_dir, tmp_path):
     assert document["config"]["precision"] == "fp32"
     conv = next(row for row in document["rows"] if row["kind"] == "Conv2d")
     assert any(name.startswith("conv2d_forward<") for name in conv["kernels"]["forward"]), conv["kernels"]
+
+
+@pytest.mark.slow
+def test_a_gpu_without_tf32_tensor_cores_trains_in_fp32_and_refuses_tf32(data_dir, tmp_path):
+    """A T4 (compute capability 7.5): the default run computes in fp32 and says why in its first lines;
+    --precision tf32 or bf16 is one line naming the GPU and its capability, before anything starts, for
+    --gpus 2 too. The stand-in refuses the tensor-core families there, as the GPU's compiler does."""
+    tiny = ["--batch-size", "4", "--limit", "8", "--test-limit", "4"]
+    run = train_resnet(1, data_dir, tmp_path / "run", "--gpus", "1", *tiny, sanitize="off", capability=75)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0] == ("GPU 0 (Simulated GPU 0 (CPU emulator)) is of compute capability 7.5, "
+                                          "without TF32 tensor cores: the step computes in fp32"), run.stdout
+    assert "precision fp32" in run.stdout
+    assert checkpoint.load(tmp_path / "run")[1]["metrics"][0]["precision"] == "fp32"
+    for gpus, precision in ((1, "tf32"), (2, "bf16")):
+        refused = train_resnet(gpus, data_dir, tmp_path / f"refused{gpus}", "--gpus", str(gpus), "--precision",
+                               precision, *tiny, capability=75)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        assert refused.stderr.strip().splitlines()[-1] == (
+            f"train_resnet.py: error: --gpus {gpus}: --precision {precision} multiplies on the tensor cores of "
+            f"compute capability 8.0 and later (Ampere): GPU 0 (Simulated GPU 0 (CPU emulator)) is of compute "
+            f"capability 7.5; use --precision fp32 there"), refused.stderr
+        assert "starting" not in refused.stdout and not (tmp_path / f"refused{gpus}" / "checkpoint.npz").exists()
+
+
+def test_a_capture_gives_the_default_pools_cached_blocks_back_first(gpus):
+    """The graph's arrays come from a pool of its own: what the default pool caches from the eager steps
+    goes back before the capture, or the step would hold its memory twice (bench/launches.py reports both)."""
+    import gc
+    from kernels.cuda import graph
+    pool = gpus.get_default_memory_pool()
+    gpus.zeros(1 << 20, np.float32).fill(1.0)   # made and dropped: its block stays cached
+    gc.collect()
+    assert pool.free_bytes() >= 4 << 20
+    graph.capture(kernels._device_backend("cuda"), lambda: None)
+    assert pool.free_bytes() == 0
+
+
+def test_the_stand_in_refuses_the_tensor_core_families_below_sm_80(gpus, monkeypatch):
+    from kernels.cuda import source
+    monkeypatch.setenv(sim_cuda.CAPABILITY, "75")
+    with pytest.raises(emu.CompileError, match=r"mma\.sync \.tf32 requires \.target sm_80 or higher"):
+        gpus.RawModule(code=source("conv_tc"), options=("--std=c++17",))
+    monkeypatch.setenv(sim_cuda.CAPABILITY, "80")
+    assert gpus.cuda.Device(0).compute_capability == "80"
+    assert gpus.cuda.runtime.getDeviceProperties(0)["major"] == 8
 
 
 @pytest.mark.slow

@@ -74,6 +74,31 @@ def test_a_write_and_a_read_on_two_streams_need_an_event_between_them(gpus):
     np.testing.assert_array_equal(w.get(), z.get())
 
 
+def test_split_reductions_on_two_streams_share_the_devices_counters_and_race(gpus):
+    """Every kernel that finishes a split reduction in its launch counts its blocks in the device's one
+    counter array (Backend.counters): two such launches on unordered streams would corrupt each other's
+    counts. Nothing does that today; the stand-ins refuse it, naming the counters, and the same two
+    launches ordered by an event run clean."""
+    from kernels.cuda import batchnorm
+    be = kernels._device_backend("cuda")
+    x = gpus.asarray(np.random.default_rng(1).standard_normal((4, 8, 6, 6)).astype(np.float32))
+    side = gpus.cuda.Stream(non_blocking=True)
+    shift = gpus.zeros(8, np.float32)
+    gpus.cuda.Device(0).synchronize()         # x and shift are ready for every stream
+    batchnorm.batch_norm_sums(be, x, shift)   # on the null stream
+    with pytest.raises(timeline.UnorderedAccess, match=r"kernel 'bn_stats<float>' \(argument \d+ \(unsigned int\* "
+                                                       r"counters\)\) on stream 0x[0-9a-f]+ of device 0 writes .* of an array of shape \(\d+,\) "
+                                                       r"uint32 .* which kernel 'bn_stats<float>' .* on the null "
+                                                       r"stream of device 0 wrote"):
+        with side:
+            batchnorm.batch_norm_sums(be, x, shift)
+    side.wait_event(gpus.cuda.get_current_stream().record())
+    with side:
+        sums = batchnorm.batch_norm_sums(be, x, shift)
+    side.synchronize()
+    np.testing.assert_allclose(sums[0].get(), x.get().sum(axis=(0, 2, 3)), rtol=1e-5, atol=1e-4)
+
+
 def test_the_legacy_stream_and_a_blocking_stream_order_each_other(gpus):
     blocking = gpus.cuda.Stream()
     y = relu(gpus.asarray(host()))

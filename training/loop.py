@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 
 from kernels import (DeviceError, array_module_for, backend_of, cupy_module, get_array_module, local_gpu,
-                     use_precision)
+                     precision_for, use_precision)
+from kernels.cuda.launch import ELEMENT_LIMIT
 from nn import data, init
 from nn.functional import cross_entropy
 from nn.optim import SGD, CosineAnnealingLR
-from nn.resnet import memory_shortfall, resnet18
+from nn.resnet import largest_activation, memory_shortfall, resnet18
 from nn.serialization import SerializationError, load_safetensors, save_safetensors
 from nn.tensor import Tensor, no_grad
 from parallel.comm import NCCLCommunicator, SingleProcess
@@ -186,6 +187,11 @@ def prepare(given, log=print, world_size=1, lead=True, profiling=False, dry=Fals
     cfg.check_world(world_size)
     try:
         xp = array_module_for(cfg.device)
+        if cfg.gpus:   # the GPUs this process trains on: the node's, for the parent of --gpus N workers
+            devices = range(cfg.gpus) if dry else [xp.cuda.runtime.getDevice()]
+            cfg.precision, why = precision_for(devices, cfg.precision)
+            if why:
+                log(why)
     except DeviceError as e:
         raise ConfigError(f"--gpus {cfg.gpus}: {e}") from None
     finished = record is not None and record["epoch"] >= cfg.epochs and not profiling   # a profile trains none
@@ -227,6 +233,8 @@ def _data_and_model(cfg, xp, world_size, saved_arrays, record, log, dry=False):
     if len(train[0]) < world_size:
         raise ConfigError(f"{len(train[0])} training images cannot be shared by {world_size} ranks")
     _check_memory(cfg, place)   # dry: the host's only (asking a GPU would make a CUDA context in the parent)
+    if cfg.gpus:
+        _check_index_range(cfg, world_size, test[0].shape)
     init.manual_seed(cfg.seed)
     try:
         model = resnet18(num_classes=fashion_mnist.NUM_CLASSES, in_channels=1, width=cfg.width, init=cfg.init)
@@ -252,6 +260,20 @@ def _check_memory(cfg, xp):
     shortfall = memory_shortfall(cfg.width, fashion_mnist.NUM_CLASSES, 1, xp)
     if shortfall:
         raise ConfigError(shortfall)
+
+
+def _check_index_range(cfg, world_size, test_shape):
+    """ConfigError, before the model is made, when a GPU's largest activation, the first stage's of its
+    largest batch (a training step's share of --batch-size, or an evaluation batch of its shard of the
+    test images), has more elements than the CUDA kernels index with int (kernels/cuda/launch.py checks every
+    array of every launch too, as a last line)."""
+    per_image = largest_activation(cfg.width, test_shape[1])
+    batch = max(-(-cfg.batch_size // world_size), min(cfg.batch_size, -(-test_shape[0] // world_size)))
+    fits = ELEMENT_LIMIT // per_image
+    if batch > fits:
+        raise ConfigError(f"--batch-size {cfg.batch_size}: a GPU's batch of {batch:,} images at --width {cfg.width} "
+                          f"makes the first stage's activations {batch * per_image:,} elements, more than the CUDA "
+                          f"kernels index ({ELEMENT_LIMIT:,}); at most {fits:,} images fit a GPU's batch")
 
 
 def _step(cfg, model, opt, ddp, images, labels):

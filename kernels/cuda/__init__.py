@@ -23,6 +23,15 @@ from pathlib import Path
 import numpy as np
 
 FAMILIES = ("conv", "conv_tc", "conv_bf16", "batchnorm", "elementwise", "pool", "linear", "loss", "optim")
+TENSOR_CORE_FAMILIES = ("conv_tc", "conv_bf16")   # mma.sync of TF32 and BF16, cp.async: sm_80 and later
+# the GPUs the project compiles for: Volta and Turing (sm_70, sm_75: a V100, a T4) run the fp32 step, every
+# family but the tensor cores'; Ampere (sm_80, sm_86), Ada (sm_89) and Hopper (sm_90) every precision
+ARCHITECTURES = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+
+
+def families_for(arch):
+    """The families that compile, and run, on GPUs of ``arch`` ("sm_75")."""
+    return FAMILIES if int(arch[3:]) >= 80 else tuple(f for f in FAMILIES if f not in TENSOR_CORE_FAMILIES)
 OPTIONS = ("--std=c++17",)
 HERE = Path(__file__).resolve().parent
 COUNTERS = 4096   # the backend's counters per device, at least (Backend.counters)

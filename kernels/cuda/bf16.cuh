@@ -2,7 +2,8 @@
 // the bf16 precision (kernels.precision()): the type, its widening to float32 and the rounding back.
 // Kernels compute in float32: what they load they widen (exactly: a bfloat16 is the top half of a
 // float32), what they store they round once, to nearest, ties to even, as cvt.rn.bf16x2.f32 and
-// cvt.rn.bf16.f32 do. Under the CPU emulator (__CUDA_EMU__) the roundings are emulated exactly;
+// cvt.rn.bf16.f32 do (sm_80 and later; below, and under the CPU emulator (__CUDA_EMU__), the same
+// rounding on the bits, so that the families of bf16 kernels compile for every GPU);
 // tests/test_tensor_core.py holds them to NumPy's bfloat16 (ml_dtypes) and, marked gpu, the GPU to
 // the emulator.
 //
@@ -24,13 +25,20 @@ struct __align__(2) bf16 {
 
 __device__ __forceinline__ float bf16_float(bf16 h) { return __uint_as_float(unsigned(h.bits) << 16); }
 
+// Round to nearest, ties to even, on the bits, what the instructions do; a NaN gives the canonical NaN.
+// The emulator's rounding (on the bits, so that its flush of subnormal floats does not touch a
+// subnormal input, which the instruction rounds like any other), and the GPUs' below sm_80, which
+// lack the instructions.
+#if defined(__CUDA_EMU__) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+#define BF16_BY_BITS 1
 #ifdef __CUDA_EMU__
-// Round to nearest, ties to even, on the bits (so that the emulator's flush of subnormal floats does
-// not touch a subnormal input, which the instruction rounds like any other); a NaN gives the
-// canonical NaN.
-EMU_UNCHECKED inline unsigned short emu_bf16_rn(float x) {
+EMU_UNCHECKED inline unsigned short bf16_rn_bits(float x) {
     unsigned bits;
     __builtin_memcpy(&bits, &x, 4);
+#else
+__device__ __forceinline__ unsigned short bf16_rn_bits(float x) {
+    const unsigned bits = __float_as_uint(x);
+#endif
     if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
     return static_cast<unsigned short>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
@@ -38,8 +46,8 @@ EMU_UNCHECKED inline unsigned short emu_bf16_rn(float x) {
 
 __device__ __forceinline__ bf16 bf16_round(float x) {
     bf16 h;
-#ifdef __CUDA_EMU__
-    h.bits = emu_bf16_rn(x);
+#ifdef BF16_BY_BITS
+    h.bits = bf16_rn_bits(x);
 #else
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
 #endif
@@ -47,8 +55,8 @@ __device__ __forceinline__ bf16 bf16_round(float x) {
 }
 
 __device__ __forceinline__ unsigned bf16x2_round(float lo, float hi) {
-#ifdef __CUDA_EMU__
-    return unsigned(emu_bf16_rn(lo)) | unsigned(emu_bf16_rn(hi)) << 16;
+#ifdef BF16_BY_BITS
+    return unsigned(bf16_rn_bits(lo)) | unsigned(bf16_rn_bits(hi)) << 16;
 #else
     unsigned packed;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));   // the first source goes high

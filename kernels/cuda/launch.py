@@ -20,7 +20,8 @@ MIN_SPLIT_LENGTH = 4096
 _INT_LIMIT = 2**31  # kernels take their sizes as int
 # ... and index with int: a grid-stride loop's index reaches the last element plus one stride of
 # ELEMENTWISE_BLOCKS * THREADS, which must still fit
-_ELEMENT_LIMIT = _INT_LIMIT - ELEMENTWISE_BLOCKS * THREADS
+ELEMENT_LIMIT = _INT_LIMIT - ELEMENTWISE_BLOCKS * THREADS   # an array's elements at most (a run's configuration
+                                                            # is checked against it too)
 
 C_TYPES = {np.dtype(np.uint8): "unsigned char", np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 # The storage of activations and their gradients (kernels.storage_dtype()): the C type a kernel's
@@ -133,7 +134,7 @@ def vector_width(total, *arrays):
     float32, 8-byte ones of bfloat16): the count a multiple of 4, every array (None aside) at an
     address that is a multiple of 4 of its elements, and the grid's last step still within an int;
     else 1. Checked, not assumed: a view into a flat buffer may start anywhere."""
-    fits = total % 4 == 0 and total < _ELEMENT_LIMIT - 3 * ELEMENTWISE_BLOCKS * THREADS
+    fits = total % 4 == 0 and total < ELEMENT_LIMIT - 3 * ELEMENTWISE_BLOCKS * THREADS
     return 4 if fits and all(a is None or _address(a) % (4 * a.itemsize) == 0 for a in arrays) else 1
 
 
@@ -194,9 +195,10 @@ def _contiguous(be, op, a):
 
 
 def _check_size(op, a):
-    if a.size > _ELEMENT_LIMIT:
-        raise ValueError(f"{op}: arrays of more than {_ELEMENT_LIMIT} (2**31 - 2**20) elements are not supported "
-                         f"(the kernels index with int), got shape {a.shape} of {a.size} elements")
+    if a.size > ELEMENT_LIMIT:
+        fits = f"; a batch of at most {ELEMENT_LIMIT // (a.size // a.shape[0])} fits" if a.ndim == 4 else ""
+        raise ValueError(f"{op}: arrays of more than {ELEMENT_LIMIT} (2**31 - 2**20) elements are not supported "
+                         f"(the kernels index with int), got shape {a.shape} of {a.size} elements{fits}")
 
 
 def _describe(a):
@@ -207,14 +209,16 @@ def _describe(a):
 def launch(be, family, kernel, grid, args, block=(THREADS,)):
     """Launch `kernel` of `family` with Python ints passed as int32 and Python floats as
     float32, which is what every kernel of the project declares; CuPy and the emulator would
-    otherwise pass them as 64-bit values."""
-    be.function(family, kernel)(grid, block, tuple([_typed(a) for a in args]))
+    otherwise pass them as 64-bit values. Every array, the outputs the launchers made included,
+    must have few enough elements for the kernels' int indices (_check_size)."""
+    typed = tuple([_typed(a, kernel) for a in args])   # checked before the kernel is looked up (or compiled)
+    be.function(family, kernel)(grid, block, typed)
 
 
 _INT32 = {}   # the ints kernels were given (sizes, geometry: a few hundred), as int32 scalars
 
 
-def _typed(arg):
+def _typed(arg, kernel="a kernel"):
     kind = type(arg)   # the common kinds first: this runs for every argument of every launch
     if kind is int:
         typed = _INT32.get(arg)
@@ -233,6 +237,8 @@ def _typed(arg):
         raise TypeError("kernels take int flags, not bool")
     if isinstance(arg, int):
         return _typed(int(arg))
+    if getattr(arg, "size", 0) > ELEMENT_LIMIT:
+        _check_size(kernel, arg)
     if getattr(arg, "ndim", 0) == 4 and not arg.flags.c_contiguous:
         # the launchers pass dense arrays (dense(), like()): this is a channels-last one, whose memory's
         # own view (memory()) the kernel gets the pointer of

@@ -37,6 +37,15 @@
 // until the wait that covers it, and its source must lie in one of the kernel's arguments.
 #pragma once
 
+// A simulated GPU below sm_80 (kernels/simulated, KERNELS_SIMULATED_COMPUTE_CAPABILITY): what ptxas
+// refuses for such a target, mma.sync of TF32 and BF16 and cp.async, fails the module's compile, as the
+// module fails to load on such a GPU.
+#if defined(__CUDA_EMU__) && defined(EMU_COMPUTE_CAPABILITY) && EMU_COMPUTE_CAPABILITY < 80
+#define TC_SM80(what) static_assert(EMU_COMPUTE_CAPABILITY >= 80, what " requires .target sm_80 or higher")
+#else
+#define TC_SM80(what)
+#endif
+
 #ifdef __CUDA_EMU__
 // the call site of a wrapper, which the emulator checks all lanes agree on and names in errors
 #define TC_CALL_SITE , const char *call_file = __builtin_FILE(), int call_line = __builtin_LINE()
@@ -110,6 +119,7 @@ EMU_UNCHECKED __attribute__((noinline)) void emu_mma_tf32(float (&d)[4], const u
 
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
                                          const float (&c)[4] TC_CALL_SITE) {
+    TC_SM80("mma.sync .tf32");
 #ifdef __CUDA_EMU__
     emu_mma_tf32(d, a, b, c, call_file, call_line);
 #else
@@ -151,6 +161,7 @@ EMU_UNCHECKED __attribute__((noinline)) void emu_mma_bf16(float (&d)[4], const u
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
                                          const float (&c)[4] TC_CALL_SITE) {
+    TC_SM80("mma.sync .bf16");
 #ifdef __CUDA_EMU__
     emu_mma_bf16(d, a, b, c, call_file, call_line);
 #else
@@ -246,6 +257,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
 
 template <int BYTES>
 __device__ __forceinline__ void cp_async_ca(void* dst, const void* src, int src_bytes TC_CALL_SITE) {
+    TC_SM80("cp.async");
     static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async.ca copies 4, 8 or 16 bytes");
 #ifdef __CUDA_EMU__
     emu_cp_async(dst, src, BYTES, src_bytes, 0, call_file, call_line);
@@ -256,6 +268,7 @@ __device__ __forceinline__ void cp_async_ca(void* dst, const void* src, int src_
 }
 
 __device__ __forceinline__ void cp_async_cg(void* dst, const void* src, int src_bytes TC_CALL_SITE) {
+    TC_SM80("cp.async");
 #ifdef __CUDA_EMU__
     emu_cp_async(dst, src, 16, src_bytes, 1, call_file, call_line);
 #else

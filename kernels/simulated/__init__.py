@@ -41,6 +41,7 @@ from .arrays import (RawModule, __version__, arange, asarray, ascontiguousarray,
                      ones, ones_like, zeros, zeros_like)
 
 cuda.nccl = nccl
+get_default_memory_pool = cuda.get_default_memory_pool
 
 __all__ = ["ndarray", "asarray", "ascontiguousarray", "empty", "empty_like", "zeros", "zeros_like", "ones",
-           "ones_like", "arange", "RawModule", "cuda", "__version__"]
+           "ones_like", "arange", "RawModule", "cuda", "get_default_memory_pool", "__version__"]

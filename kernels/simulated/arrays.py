@@ -451,6 +451,9 @@ class RawModule:
 
     def __init__(self, code=None, *, path=None, options=(), backend="nvrtc", translate_cucomplex=False,
                  enable_cooperative_groups=False, name_expressions=None, jitify=None):
+        capability = cuda.compute_capability()   # CuPy compiles for the current GPU's architecture: below 8.0
+        if capability < (8, 0):                   # the emulator is told (tensor_core.cuh)
+            options = (*options, f"-DEMU_COMPUTE_CAPABILITY={10 * capability[0] + capability[1]}")
         self._module = emu.RawModule(code=code, path=path, options=options, backend=backend,
                                      translate_cucomplex=translate_cucomplex,
                                      enable_cooperative_groups=enable_cooperative_groups,

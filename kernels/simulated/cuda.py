@@ -100,8 +100,23 @@ def setDevice(device):
 
 def getDeviceProperties(device):
     _check_device(device, "cudaGetDeviceProperties")
-    return {"name": f"Simulated GPU {physical_devices()[device]} (CPU emulator)".encode(), "major": 9, "minor": 0,
-            "multiProcessorCount": 132, "totalGlobalMem": 141 * 2**30}
+    major, minor = compute_capability()
+    return {"name": f"Simulated GPU {physical_devices()[device]} (CPU emulator)".encode(), "major": major,
+            "minor": minor, "multiProcessorCount": 132, "totalGlobalMem": 141 * 2**30}
+
+
+CAPABILITY = "KERNELS_SIMULATED_COMPUTE_CAPABILITY"
+
+
+def compute_capability():
+    """(major, minor) of every simulated GPU: an H200's 9.0, or ``KERNELS_SIMULATED_COMPUTE_CAPABILITY``
+    as CuPy writes it (75 for a T4's 7.5), so that the choices and errors that depend on it run here. A
+    module compiled for a GPU below 8.0 cannot use the tensor-core instructions of sm_80 (tensor_core.cuh
+    refuses them under EMU_COMPUTE_CAPABILITY, as ptxas does)."""
+    value = os.environ.get(CAPABILITY, "90").strip()
+    if not value.isdigit() or not 50 <= int(value) <= 129:
+        raise RuntimeError(f"{CAPABILITY}={value!r}: give a compute capability as CuPy writes it, e.g. 75 for 7.5")
+    return int(value) // 10, int(value) % 10
 
 
 def _check_device(device, call):
@@ -140,6 +155,12 @@ class Device:
                                    f"Device.synchronize while stream {_capturing(self.id)[0].ptr:#x} of device "
                                    f"{self.id} captures (it would wait for work that does not run)")
         timeline.host_waits(*timeline.keys_of(self.id))
+
+    @property
+    def compute_capability(self):
+        """As CuPy gives it: '90' for 9.0."""
+        _check_device(self.id, "cudaDeviceGetAttribute")
+        return "".join(map(str, compute_capability()))
 
     @property
     def pci_bus_id(self):
@@ -513,7 +534,8 @@ class Graph:
 
 class MemoryPool:
     """cupy.cuda.MemoryPool: while ``using_allocator(pool.malloc)`` is in effect, new arrays belong
-    to the pool, which keeps their memory until it goes itself (a graph keeps its capture's pool)."""
+    to the pool, which keeps their memory until it goes itself (a graph keeps its capture's pool);
+    the default pool (``get_default_memory_pool``) is the device memory every other array comes from."""
 
     def __init__(self, allocator=None):
         self._blocks = []   # the raw memory of the arrays made from it
@@ -521,6 +543,28 @@ class MemoryPool:
     def malloc(self, size):
         raise NotImplementedError("simulated GPUs: arrays are made by the array functions, which put them in "
                                   "the pool of using_allocator; malloc itself is not simulated")
+
+    def used_bytes(self):
+        return timeline.pool_bytes(getDevice())[0] if self is _DEFAULT_POOL else sum(b.nbytes for b in self._blocks)
+
+    def free_bytes(self):
+        return timeline.pool_bytes(getDevice())[1] if self is _DEFAULT_POOL else 0
+
+    def total_bytes(self):
+        return self.used_bytes() + self.free_bytes()
+
+    def free_all_blocks(self, stream=None):
+        """The current device's free blocks go back (of every stream: ``stream`` is not simulated)."""
+        if self is _DEFAULT_POOL:
+            timeline.release_free(getDevice())
+
+
+_DEFAULT_POOL = MemoryPool()
+
+
+def get_default_memory_pool():
+    """cupy.get_default_memory_pool()."""
+    return _DEFAULT_POOL
 
 
 @contextlib.contextmanager

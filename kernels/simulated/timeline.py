@@ -390,6 +390,22 @@ def _touch(span, writes, key, clock, label):
     allocation.records = kept
 
 
+def pool_bytes(device):
+    """(used, free) bytes of CuPy's pool on ``device``: its blocks in use, and those its free lists keep."""
+    with _lock:
+        used = sum(a.size for a in _registry.values() if a.device == device)
+        free = sum(block[0] for key, blocks in _free.items() if key[0] == device for block in blocks)
+    return used, free
+
+
+def release_free(device):
+    """CuPy's pool gives the free blocks of ``device`` back (free_all_blocks: a synchronous cudaFree), with
+    what was done to them: no later allocation inherits it."""
+    with _lock:
+        for key in [key for key in _free if key[0] == device]:
+            del _free[key]
+
+
 def _freed(allocation):
     """An allocation's last array is gone: CuPy's pool keeps its block in the free list of the stream
     that allocated it, with what was done to it, for that stream's next allocations (register)."""
