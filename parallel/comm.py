@@ -231,6 +231,29 @@ def from_environment():
     return _mpi(world)
 
 
+def from_slurm(gpus):
+    """The communicator of a task that Slurm's srun started, one of several of a step, without MPI (the
+    pip-installed Open MPI is not wired to Slurm: under srun each task is an MPI world of one): NCCL
+    between GPU ranks (``gpus`` per node, the GPU from SLURM_LOCALID, or the one CUDA_VISIBLE_DEVICES
+    leaves), the NCCL id handed from rank 0 over TCP (launch.rendezvous); a world of one outside such a
+    step. LaunchError for CPU ranks, which need MPI, and for a step whose tasks per node are not --gpus."""
+    world = launch.slurm_world()
+    if world is None or world.size == 1:
+        return SingleProcess()
+    if not gpus:
+        raise launch.LaunchError(f"srun started {world.size} tasks, and MPI sees each of them alone: ranks on the "
+                                 f"CPU exchange gradients over MPI (srun --mpi=pmix, or mpiexec inside the "
+                                 f"allocation), ranks on GPUs over NCCL (--gpus G, one task per GPU)")
+    if world.local_size != gpus:
+        raise launch.LaunchError(f"--gpus {gpus} is the GPUs per node, but srun started {world.local_size} tasks "
+                                 f"on this node: start one task per GPU (srun --ntasks-per-node={gpus})")
+    cupy = cupy_module()
+    cupy.cuda.Device(local_gpu(world.local_rank, world.local_size)).use()
+    place = (socket.gethostname(), cupy.cuda.Device().pci_bus_id)
+    unique_id = launch.rendezvous(world, NCCLCommunicator.unique_id() if world.rank == 0 else None, place)
+    return NCCLCommunicator(world.rank, world.size, unique_id, world.local_rank)
+
+
 def for_training(gpus, comm=None):
     """This process's communicator for ``--gpus``: under mpiexec, MPI between CPU ranks
     (gpus 0), or NCCL between GPU ranks (one GPU per rank: see kernels.local_gpu; the NCCL id

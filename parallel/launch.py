@@ -58,6 +58,141 @@ def mpi_world(environ=None):
     return None
 
 
+def slurm_world(environ=None):
+    """This task's World when Slurm's srun started it, one task of a step of several, else None: rank
+    SLURM_PROCID of the step's SLURM_STEP_NUM_TASKS (SLURM_NTASKS outside a step), and SLURM_LOCALID of
+    the tasks of this node (SLURM_STEP_TASKS_PER_NODE, "2(x3),1", at SLURM_NODEID). LaunchError when the
+    variables make no sense."""
+    environ = os.environ if environ is None else environ
+    if "SLURM_STEP_ID" not in environ:   # the batch script, or salloc's shell: not one of srun's tasks
+        tasks = environ.get("SLURM_NTASKS", "1")
+        if tasks.strip().isdigit() and int(tasks) > 1:
+            raise LaunchError(f"this Slurm job has SLURM_NTASKS={tasks} tasks, and this process is not one of "
+                              f"them (no job step): start them with srun (srun python train_resnet.py ...), or ask "
+                              f"for one task")
+        return None
+    size = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS"))
+    if size is None or "SLURM_PROCID" not in environ:
+        return None
+    names = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID",
+             "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    try:
+        per_node = []
+        for part in environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE", size)).split(","):
+            count, _, times = part.partition("(x")
+            per_node += [int(count)] * (int(times.rstrip(")")) if times else 1)
+        rank, size, local_rank = int(environ["SLURM_PROCID"]), int(size), int(environ.get("SLURM_LOCALID", 0))
+        world = World(rank, size, local_rank, per_node[int(environ.get("SLURM_NODEID", 0))])
+    except (ValueError, IndexError):
+        world = None
+    if world is None or not 0 <= world.rank < world.size or not 0 <= world.local_rank < world.local_size:
+        said = ", ".join(f"{name}={environ[name]!r}" for name in names if name in environ)
+        raise LaunchError(f"Slurm's environment does not make sense ({said}): start the tasks with srun")
+    return world
+
+
+def first_node(environ=None):
+    """The first host of the step's nodes (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST), whose list
+    Slurm compresses ("gpu[01-04,7],login2"): where rank 0 runs."""
+    environ = os.environ if environ is None else environ
+    nodes = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", "localhost"))
+    head, bracket, rest = nodes.partition("[")
+    if "," in head or not bracket:
+        return head.split(",")[0]
+    first = rest.split("]")[0].split(",")[0].split("-")[0]
+    return head + first
+
+
+RENDEZVOUS_SECONDS = 300.0   # for every task of a step to reach rank 0 (they start within seconds of each other)
+
+
+def rendezvous(world, payload=None, place=None, environ=None, timeout=RENDEZVOUS_SECONDS):
+    """Rank 0's ``payload`` (bytes: the NCCL id) on every rank of ``world`` (srun's tasks, which share no
+    MPI), over TCP to the first node of the step, as torchrun's and PyTorch Lightning's rendezvous do:
+    rank 0 listens on MASTER_PORT (else a port of the job and step), the others connect, each saying
+    its rank and ``place`` (where its GPU is: two ranks on one GPU are refused here, for all of them).
+    LaunchError, naming the ranks, when some never arrive within ``timeout`` seconds, or rank 0 never
+    answers."""
+    import json
+    import socket
+    environ = os.environ if environ is None else environ
+    port = int(environ.get("MASTER_PORT") or 20000 + (int(environ.get("SLURM_JOB_ID", 0)) * 7 +
+                                                         int(environ.get("SLURM_STEP_ID", 0) or 0)) % 20000)
+    deadline = time.monotonic() + timeout
+    if world.rank == 0:
+        return _serve(world, payload, place, port, deadline)
+    host = environ.get("MASTER_ADDR") or first_node(environ)
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())) as peer:
+                _send(peer, json.dumps([world.rank, place]).encode())
+                answer = _receive(peer)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise LaunchError(f"rank {world.rank} of {world.size}: rank 0 never answered at {host}:{port} within "
+                                  f"{timeout:g} s (did every task start? is the port free?)") from None
+            time.sleep(0.2)
+    if answer.startswith(b"error: "):
+        raise LaunchError(answer[7:].decode())
+    return answer
+
+
+def _serve(world, payload, place, port, deadline):
+    import json
+    import socket
+    places, peers = {0: place}, {}
+    with socket.create_server(("", port), reuse_port=False) as server:
+        try:
+            while len(peers) < world.size - 1:
+                server.settimeout(max(0.01, deadline - time.monotonic()))
+                try:
+                    peer, _ = server.accept()
+                except TimeoutError:
+                    missing = sorted(set(range(1, world.size)) - set(peers))
+                    raise LaunchError(f"rank(s) {', '.join(map(str, missing))} of {world.size} never reached rank 0 "
+                                      f"on port {port}: did every task start?") from None
+                peer.settimeout(10)
+                rank, places[rank] = json.loads(_receive(peer))
+                peers[rank] = peer
+            held = {}
+            for rank in sorted(places):
+                if places[rank] is not None and tuple(places[rank]) in held:
+                    other = held[tuple(places[rank])]
+                    message = (f"ranks {other} and {rank} both use the GPU at PCI bus {places[rank][1]} of "
+                               f"{places[rank][0]}: NCCL needs a GPU of its own for each rank (srun "
+                               f"--ntasks-per-node=G --gpus-per-node=G, each task seeing its own or all of them)")
+                    for peer in peers.values():
+                        _send(peer, b"error: " + message.encode())
+                    raise LaunchError(message)
+                held[tuple(places[rank] or (rank,))] = rank
+            for peer in peers.values():
+                _send(peer, payload)
+        finally:
+            for peer in peers.values():
+                peer.close()
+    return payload
+
+
+def _send(peer, data):
+    peer.sendall(len(data).to_bytes(4, "big") + data)
+
+
+def _receive(peer):
+    size = int.from_bytes(_exactly(peer, 4), "big")
+    return _exactly(peer, size)
+
+
+def _exactly(peer, size):
+    data = b""
+    while len(data) < size:
+        chunk = peer.recv(size - len(data))
+        if not chunk:
+            raise OSError("the connection closed")
+        data += chunk
+    return data
+
+
 def cores_per_rank(local_size):
     """The cores each of ``local_size`` ranks on this machine may use: those it is bound
     to when mpiexec bound it to fewer than all, else an equal share of the machine."""

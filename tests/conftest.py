@@ -1,7 +1,8 @@
 """Puts the repository root on sys.path (for the project's packages under plain `pytest`), prints
 the session's random seed in the header and at the end (also under -q), adds the command that
 replays it to every failure's report, starts NVRTC on the families that the session's `nvrtc` tests read (on a
-thread, while the others run), and offers the `poisoned_empty` fixture and `order`, the emulator's thread orders."""
+thread, while the others run), and offers the `poisoned_empty` fixture, `order`, the emulator's thread orders,
+and `slurm`, a one-node Slurm cluster for the tests marked `slurm`."""
 import os
 import sys
 
@@ -41,6 +42,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("nvrtc"):
             item.add_marker(pytest.mark.xdist_group("nvrtc"))
+        elif item.get_closest_marker("slurm"):   # one worker starts the session's cluster
+            item.add_marker(pytest.mark.xdist_group("slurm"))
         elif any(d.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
@@ -89,3 +92,71 @@ def order(request):
     """The test once per order in which the emulator runs a block's threads (kernels.emu.ORDERS)."""
     with emu.thread_order(request.param):
         yield request.param
+
+
+SLURM_PROGRAMS = ("srun", "sinfo", "slurmctld", "slurmd", "munged", "munge")
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """The environment for ``srun`` on a one-node Slurm cluster: the one running here (sinfo answers), or
+    one that this session starts (munged, slurmctld and slurmd, with a configuration of its own in a
+    temporary folder) and stops at its end. Skipped, saying why, where Slurm is not installed (Debian:
+    apt-get install slurmd slurmctld slurm-client munge) or cannot be started."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+    missing = [name for name in SLURM_PROGRAMS if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} not found): apt-get install slurmd slurmctld "
+                    f"slurm-client munge")
+    environment = dict(os.environ)
+    if subprocess.run(["sinfo", "-h"], capture_output=True, timeout=60, env=environment).returncode == 0:
+        yield environment
+        return
+    if os.geteuid() != 0:
+        pytest.skip("no Slurm cluster runs here, and starting slurmd takes root")
+    folder = tmp_path_factory.mktemp("slurm")
+    host = socket.gethostname().split(".")[0]
+    (folder / "state").mkdir()
+    (folder / "spool").mkdir()
+    (folder / "slurm.conf").write_text(
+        f"ClusterName=tests\nSlurmctldHost={host}\nAuthType=auth/munge\nCredType=cred/munge\nSlurmUser=root\n"
+        f"SlurmdUser=root\nStateSaveLocation={folder}/state\nSlurmdSpoolDir={folder}/spool\n"
+        f"SlurmctldPidFile={folder}/slurmctld.pid\nSlurmdPidFile={folder}/slurmd.pid\n"
+        f"SlurmctldLogFile={folder}/slurmctld.log\nSlurmdLogFile={folder}/slurmd.log\n"
+        f"ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
+        f"SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\nMpiDefault=none\nReturnToService=2\n"
+        f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN\n"
+        f"PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE\n")
+    environment["SLURM_CONF"] = str(folder / "slurm.conf")
+    started = []
+    try:
+        if subprocess.run(["munge", "-n"], capture_output=True, timeout=30).returncode != 0:
+            os.makedirs("/run/munge", exist_ok=True)
+            shutil.chown("/run/munge", "munge", "munge")
+            subprocess.run(["munged", "--force", f"--pid-file={folder}/munged.pid"], check=True, capture_output=True,
+                           timeout=30)
+            started.append(folder / "munged.pid")
+        for daemon in ("slurmctld", "slurmd"):
+            subprocess.run([daemon], check=True, capture_output=True, timeout=60, env=environment)
+            started.append(folder / f"{daemon}.pid")
+        for _ in range(300):
+            state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30,
+                                   env=environment).stdout.strip()
+            if state == "idle":
+                break
+            time.sleep(0.1)
+        else:
+            pytest.skip(f"the one-node Slurm cluster started here did not come up (its node is {state!r}; logs in "
+                        f"{folder})")
+        yield environment
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"a one-node Slurm cluster could not be started here ({e}; logs in {folder})")
+    finally:
+        for pid_file in reversed(started):
+            try:
+                os.kill(int(pid_file.read_text()), 15)
+            except (OSError, ValueError):
+                pass

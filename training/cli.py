@@ -123,12 +123,13 @@ USER_ERRORS = (config.ConfigError, checkpoint.CheckpointError, fashion_mnist.Dat
 
 
 def usage_error(parser, message):
-    """parser.error, printed once: under mpiexec every rank finds the same fault, and only
-    rank 0 says so (the others give it time to, since mpiexec ends the job at the first
-    rank that exits with an error). A default output folder this start made goes again."""
+    """parser.error, printed once: under mpiexec (or srun) every rank finds the same fault, and only
+    rank 0 says so (the others give it time to, since mpiexec, and srun --kill-on-bad-exit, end the
+    job at the first rank that exits with an error). A default output folder this start made goes
+    again."""
     output.discard_unused()
     try:
-        world = launch.mpi_world()
+        world = launch.mpi_world() or launch.slurm_world()
     except launch.LaunchError:
         world = None
     if world is not None and world.rank != 0:
@@ -237,8 +238,8 @@ def _main(argv):
         usage_error(parser, "--export writes the weights a run trained, and --profile trains none: give one of them")
     if not 0 < args.watchdog < math.inf:
         usage_error(parser, f"--watchdog must be a positive number of seconds, got {args.watchdog}")
-    try:
-        launch.mpi_world()   # an environment that makes no sense, named before it is used
+    try:   # an environment that makes no sense, named before it is used
+        mpi, slurm = launch.mpi_world() is not None, (launch.slurm_world() or launch.World(0, 1, 0, 1)).size > 1
     except launch.LaunchError as e:
         usage_error(parser, str(e))
     gpus = args.gpus
@@ -254,15 +255,16 @@ def _main(argv):
             kernels.cupy_module()
         except kernels.DeviceError as e:
             usage_error(parser, f"--gpus {gpus}: {e}")
-        # under mpiexec, --gpus counts the node's GPUs, and a rank may see only its own (kernels.local_gpu)
-        mpi = launch.mpi_world() is not None
-        if kernels.gpu_count() < (1 if mpi else gpus):
+        # under mpiexec or srun, --gpus counts the node's GPUs, and a rank may see only its own (kernels.local_gpu)
+        if kernels.gpu_count() < (1 if mpi or slurm else gpus):
             usage_error(parser, f"--gpus {gpus}: this machine has {kernels.gpu_count()} GPU(s) that CuPy can use")
-        if gpus > 1 and not mpi:
+        if gpus > 1 and not mpi and not slurm:
             return train_on_gpus(parser, {**given, "gpus": gpus}, args.watchdog, profile_steps)
     comm = communicators.SingleProcess()
     try:
         comm = communicators.from_environment()
+        if comm.world_size == 1:   # srun's tasks, whose MPI sees each alone
+            comm = communicators.from_slurm(gpus)
         _check_ranks_agree(parser, comm, {**given, "profile_steps": profile_steps})
         if comm.world_size > 1 and not given.get("out") and not given.get("resume"):
             config.Config(**given).check()   # before a folder is made for nothing
@@ -278,6 +280,9 @@ def _main(argv):
         code, message = 1, f"error: {e}"
     except (launch.LaunchError, kernels.DeviceError) as e:
         code, message = 2, f"{parser.prog}: error: {e}"
+        if comm.world_size == 1:   # srun's tasks find it alike: rank 0 says it (usage_error)
+            output.discard_unused()
+            usage_error(parser, str(e))
     except KeyboardInterrupt as e:
         kept = getattr(e, "kept", "it stopped before training: nothing was written")
         code, message = _exit_code(e), f"\n{_stopped_by(e)}: {kept}"

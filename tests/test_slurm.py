@@ -1,0 +1,121 @@
+"""Slurm: ``srun --ntasks-per-node=G python train_resnet.py --gpus G`` without mpiexec (parallel/launch.py's
+slurm_world and rendezvous, parallel/comm.py's from_slurm). Srun's variables and the rendezvous are read and
+tried here without Slurm; the tests marked `slurm` run srun on a one-node cluster (conftest's `slurm`
+fixture), on simulated GPUs: the same result, bit for bit, as --gpus 2 started by the project; a task that
+dies ends the job, named, with no task left behind; CPU tasks without MPI are one line."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kernels
+from helpers import write_fashion_mnist
+from parallel import launch
+from training import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--width", "2", "--batch-size", "8", "--limit", "16", "--test-limit", "8", "--epochs", "1",
+        "--momentum", "0.9"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return write_fashion_mnist(tmp_path_factory.mktemp("fashion"), 16, 8)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def srun_variables(rank, tasks, port=None, **extra):
+    """What srun sets for task ``rank`` of a step of ``tasks`` tasks on one node."""
+    return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(tasks), "SLURM_STEP_NUM_TASKS": str(tasks),
+            "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": str(tasks),
+            "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
+            **({"MASTER_PORT": str(port)} if port else {}), **extra}
+
+
+def test_slurms_world_and_first_node_are_read_as_srun_sets_them():
+    world = launch.slurm_world({**srun_variables(3, 6), "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+                                "SLURM_STEP_TASKS_PER_NODE": "2(x2),2"})
+    assert world == launch.World(3, 6, 1, 2)
+    assert launch.slurm_world({}) is None
+    with pytest.raises(launch.LaunchError, match=r"Slurm's environment does not make sense \(SLURM_PROCID='7'"):
+        launch.slurm_world(srun_variables(7, 2))
+    with pytest.raises(launch.LaunchError, match=r"this Slurm job has SLURM_NTASKS=2 tasks, and this process is "
+                                                 r"not one of them \(no job step\): start them with srun"):
+        launch.slurm_world({"SLURM_NTASKS": "2", "SLURM_PROCID": "0"})   # python run in an sbatch -n 2 script
+    assert launch.slurm_world({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+    assert launch.first_node({"SLURM_STEP_NODELIST": "gpu[07-09,12],login2"}) == "gpu07"
+    assert launch.first_node({"SLURM_JOB_NODELIST": "a,b"}) == "a"
+
+
+def test_a_plain_run_in_a_job_of_several_tasks_says_to_use_srun(data_dir, tmp_path, capsys, monkeypatch):
+    """python train_resnet.py in an sbatch -n 2 script (or salloc's shell) used to train alone without a word."""
+    from helpers import run_cli, usage_error
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    err = usage_error(capsys, run_cli, data_dir, tmp_path / "run", TINY)
+    assert "this Slurm job has SLURM_NTASKS=2 tasks, and this process is not one of them" in err, err
+
+
+def test_a_task_that_never_arrives_is_named():
+    """Rank 0 waits for the others at the rendezvous, a rank for rank 0: whoever is missing when the time-out
+    passes is named."""
+    port = free_port()
+    with pytest.raises(launch.LaunchError, match=r"rank\(s\) 1, 2 of 3 never reached rank 0 on port \d+"):
+        launch.rendezvous(launch.World(0, 3, 0, 3), b"id", ("here", "0"), {"MASTER_PORT": str(port)}, timeout=0.5)
+    with pytest.raises(launch.LaunchError, match=r"rank 1 of 2: rank 0 never answered at localhost:\d+ within 0.5 s"):
+        launch.rendezvous(launch.World(1, 2, 1, 2), None, None, srun_variables(1, 2, port), timeout=0.5)
+
+
+def srun(slurm, tmp_path, *command, gpus=None):
+    """``srun --kill-on-bad-exit`` of two tasks on the cluster: CompletedProcess."""
+    environment = {**slurm, "TMPDIR": str(tmp_path), "CUDA_EMU_SANITIZE": "off", "MASTER_PORT": str(free_port()),
+                   **({kernels.SIMULATED_GPUS: str(gpus)} if gpus else {})}
+    environment.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run(["srun", "--ntasks=2", "--kill-on-bad-exit=1", *map(str, command)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=environment)
+
+
+@pytest.mark.slurm
+def test_two_srun_tasks_on_two_gpus_equal_gpus_2_started_by_the_project(slurm, data_dir, tmp_path):
+    flags = ["--data-dir", data_dir, *TINY, "--gpus", "2", "--precision", "fp32"]
+    done = srun(slurm, tmp_path, sys.executable, "train_resnet.py", *flags, "--out", tmp_path / "srun", gpus=2)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "data parallel: 2 ranks" in done.stdout and done.stdout.count("test acc: ") == 1, done.stdout
+    environment = {**os.environ, kernels.SIMULATED_GPUS: "2", "TMPDIR": str(tmp_path), "CUDA_EMU_SANITIZE": "off"}
+    ours = subprocess.run([sys.executable, "train_resnet.py", *map(str, flags), "--out", tmp_path / "project"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment)
+    assert ours.returncode == 0, ours.stderr
+    a, b = (checkpoint.load(tmp_path / name)[0]["params"] for name in ("srun", "project"))
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slurm
+def test_a_task_that_dies_ends_the_job_naming_it_and_leaves_none_behind(slurm, data_dir, tmp_path):
+    marker = tmp_path / "dies"
+    script = (f'[ "$SLURM_PROCID" = 1 ] && exit 3; exec {sys.executable} train_resnet.py --data-dir {data_dir} '
+              f'{" ".join(TINY)} --gpus 2 --out {marker}')
+    done = srun(slurm, tmp_path, "bash", "-c", script, gpus=2)
+    assert done.returncode != 0 and "task 1: Exited with exit code 3" in done.stderr, done.stderr
+    left = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
+    assert not left.stdout.strip(), f"tasks left running: {left.stdout}"
+
+
+@pytest.mark.slurm
+def test_cpu_tasks_without_mpi_are_one_line(slurm, data_dir, tmp_path):
+    """srun -n 2 on the CPU: MPI sees each task alone, and the two would train two copies without a word."""
+    done = srun(slurm, tmp_path, sys.executable, "train_resnet.py", "--data-dir", data_dir, *TINY, "--out",
+                tmp_path / "run")
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert ("train_resnet.py: error: srun started 2 tasks, and MPI sees each of them alone: ranks on the CPU exchange "
+            "gradients over MPI (srun --mpi=pmix, or mpiexec inside the allocation), ranks on GPUs over NCCL (--gpus "
+            "G, one task per GPU)") in done.stderr, done.stderr
+    assert done.stderr.count("error: srun started") == 1 and not (tmp_path / "run" / "checkpoint.npz").exists()
