@@ -18,7 +18,7 @@ from parallel import launch
 from training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--width", "2", "--batch-size", "8", "--limit", "16", "--test-limit", "8", "--epochs", "1",
+TINY = ["--width", "2", "--batch-size", "8", "--limit", "8", "--test-limit", "4", "--epochs", "1",
         "--momentum", "0.9"]
 
 
