@@ -339,7 +339,7 @@ def test_resnet18_training_step_on_the_emulator_in_tf32():
 # ---- the instructions ----------------------------------------------------------------------
 
 @pytest.mark.nvrtc("conv_tc")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_90"])   # not sm_80 in CI: kernels.cuda.compiled_in_ci
 def test_every_tensor_core_kernel_runs_hmma(arch):
     reason = nvrtc.unavailable_reason()
     if reason:
