@@ -244,12 +244,7 @@ def from_slurm(gpus):
         raise launch.LaunchError(f"srun started {world.size} tasks, and MPI sees each of them alone: ranks on the "
                                  f"CPU exchange gradients over MPI (srun --mpi=pmix, or mpiexec inside the "
                                  f"allocation), ranks on GPUs over NCCL (--gpus G, one task per GPU)")
-    if world.local_size != gpus:
-        raise launch.LaunchError(f"--gpus {gpus} is the GPUs per node, but srun started {world.local_size} tasks "
-                                 f"on this node: start one task per GPU (srun --ntasks-per-node={gpus})")
-    cupy = cupy_module()
-    cupy.cuda.Device(local_gpu(world.local_rank, world.local_size)).use()
-    place = (socket.gethostname(), cupy.cuda.Device().pci_bus_id)
+    place = _use_the_gpu_of(world, gpus, "srun", f"srun --ntasks-per-node={gpus}")
     unique_id = launch.rendezvous(world, NCCLCommunicator.unique_id() if world.rank == 0 else None, place)
     return NCCLCommunicator(world.rank, world.size, unique_id, world.local_rank)
 
@@ -264,27 +259,24 @@ def for_training(gpus, comm=None):
     comm = from_environment() if comm is None else comm
     if world is None or world.size == 1 or not gpus:
         return comm
-    if world.local_size != gpus:
-        raise launch.LaunchError(f"--gpus {gpus} is the GPUs per node, but mpiexec started {world.local_size} "
-                                 f"ranks on this node: start one rank per GPU (e.g. mpiexec -N {gpus})")
-    cupy_module().cuda.Device(local_gpu(world.local_rank, world.local_size)).use()
-    _check_a_gpu_each(comm)
+    place = _use_the_gpu_of(world, gpus, "mpiexec", f"e.g. mpiexec -N {gpus}")
+    # on every rank, when two ranks hold the same GPU: NCCL refuses that with a bare "invalid usage"
+    shared = launch.one_gpu_each(comm.comm.allgather(place), "mpiexec -N <GPUs per node>")
+    if shared:
+        raise launch.LaunchError(shared)
     unique_id = comm.comm.bcast(NCCLCommunicator.unique_id() if world.rank == 0 else None, root=0)
     return NCCLCommunicator(world.rank, world.size, unique_id, world.local_rank)
 
 
-def _check_a_gpu_each(comm):
-    """LaunchError, on every rank of ``comm`` (MPI), when two ranks hold the same GPU (the same PCI
-    bus id on the same machine): NCCL refuses that with a bare "invalid usage"."""
-    gpu = (socket.gethostname(), cupy_module().cuda.Device().pci_bus_id)
-    first = {}
-    for rank, held in enumerate(comm.comm.allgather(gpu)):
-        if held in first:
-            raise launch.LaunchError(
-                f"ranks {first[held]} and {rank} both use the GPU at PCI bus {held[1]} of {held[0]}: NCCL needs a "
-                f"GPU of its own for each rank (mpiexec -N <GPUs per node>, each rank seeing all of the node's GPUs "
-                f"or, through CUDA_VISIBLE_DEVICES, only its own)")
-        first[held] = rank
+def _use_the_gpu_of(world, gpus, launcher, advice):
+    """Make this rank's GPU of the node current (kernels.local_gpu); its place, (host, PCI bus id).
+    LaunchError when ``launcher`` started other than ``gpus`` ranks on this node."""
+    if world.local_size != gpus:
+        raise launch.LaunchError(f"--gpus {gpus} is the GPUs per node, but {launcher} started {world.local_size} "
+                                 f"ranks on this node: start one rank per GPU ({advice})")
+    cupy = cupy_module()
+    cupy.cuda.Device(local_gpu(world.local_rank, world.local_size)).use()
+    return socket.gethostname(), cupy.cuda.Device().pci_bus_id
 
 
 def _mpi(world):

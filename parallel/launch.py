@@ -15,10 +15,12 @@ share, which only works before NumPy is first imported, so this module imports
 nothing heavy.
 """
 import collections
+import json
 import multiprocessing
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
@@ -113,8 +115,6 @@ def rendezvous(world, payload=None, place=None, environ=None, timeout=RENDEZVOUS
     its rank and ``place`` (where its GPU is: two ranks on one GPU are refused here, for all of them).
     LaunchError, naming the ranks, when some never arrive within ``timeout`` seconds, or rank 0 never
     answers."""
-    import json
-    import socket
     environ = os.environ if environ is None else environ
     port = int(environ.get("MASTER_PORT") or 20000 + (int(environ.get("SLURM_JOB_ID", 0)) * 7 +
                                                          int(environ.get("SLURM_STEP_ID", 0) or 0)) % 20000)
@@ -139,8 +139,6 @@ def rendezvous(world, payload=None, place=None, environ=None, timeout=RENDEZVOUS
 
 
 def _serve(world, payload, place, port, deadline):
-    import json
-    import socket
     places, peers = {0: place}, {}
     with socket.create_server(("", port), reuse_port=False) as server:
         try:
@@ -155,23 +153,34 @@ def _serve(world, payload, place, port, deadline):
                 peer.settimeout(10)
                 rank, places[rank] = json.loads(_receive(peer))
                 peers[rank] = peer
-            held = {}
-            for rank in sorted(places):
-                if places[rank] is not None and tuple(places[rank]) in held:
-                    other = held[tuple(places[rank])]
-                    message = (f"ranks {other} and {rank} both use the GPU at PCI bus {places[rank][1]} of "
-                               f"{places[rank][0]}: NCCL needs a GPU of its own for each rank (srun "
-                               f"--ntasks-per-node=G --gpus-per-node=G, each task seeing its own or all of them)")
-                    for peer in peers.values():
-                        _send(peer, b"error: " + message.encode())
-                    raise LaunchError(message)
-                held[tuple(places[rank] or (rank,))] = rank
+            shared = one_gpu_each([places[rank] for rank in range(world.size)],
+                                  "srun --ntasks-per-node=G --gpus-per-node=G")
+            if shared:
+                for peer in peers.values():
+                    _send(peer, b"error: " + shared.encode())
+                raise LaunchError(shared)
             for peer in peers.values():
                 _send(peer, payload)
         finally:
             for peer in peers.values():
                 peer.close()
     return payload
+
+
+def one_gpu_each(places, start):
+    """The first two ranks of ``places`` (each rank's (host, PCI bus id), or None) that hold one GPU, in
+    words, else None: NCCL needs a GPU of its own for each rank; ``start`` says how to start them."""
+    first = {}
+    for rank, place in enumerate(places):
+        if place is None:
+            continue
+        place = tuple(place)
+        if place in first:
+            return (f"ranks {first[place]} and {rank} both use the GPU at PCI bus {place[1]} of {place[0]}: NCCL "
+                    f"needs a GPU of its own for each rank ({start}, each rank seeing all of the node's GPUs or, "
+                    f"through CUDA_VISIBLE_DEVICES, only its own)")
+        first[place] = rank
+    return None
 
 
 def _send(peer, data):

@@ -239,9 +239,10 @@ def _main(argv):
     if not 0 < args.watchdog < math.inf:
         usage_error(parser, f"--watchdog must be a positive number of seconds, got {args.watchdog}")
     try:   # an environment that makes no sense, named before it is used
-        mpi, slurm = launch.mpi_world() is not None, (launch.slurm_world() or launch.World(0, 1, 0, 1)).size > 1
+        mpi, tasks = launch.mpi_world() is not None, launch.slurm_world()
     except launch.LaunchError as e:
         usage_error(parser, str(e))
+    slurm = tasks is not None and tasks.size > 1
     gpus = args.gpus
     if args.resume:
         output.put_back_before_resuming(args.resume)
@@ -281,7 +282,6 @@ def _main(argv):
     except (launch.LaunchError, kernels.DeviceError) as e:
         code, message = 2, f"{parser.prog}: error: {e}"
         if comm.world_size == 1:   # srun's tasks find it alike: rank 0 says it (usage_error)
-            output.discard_unused()
             usage_error(parser, str(e))
     except KeyboardInterrupt as e:
         kept = getattr(e, "kept", "it stopped before training: nothing was written")
