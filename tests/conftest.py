@@ -97,6 +97,15 @@ def order(request):
 SLURM_PROGRAMS = ("srun", "sinfo", "slurmctld", "slurmd", "munged", "munge")
 
 
+def _running(pid):
+    """Whether process ``pid`` exists and has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """The environment for ``srun`` on a one-node Slurm cluster: the one running here (sinfo answers), or
@@ -128,6 +137,7 @@ def slurm(tmp_path_factory):
         f"SlurmctldLogFile={folder}/slurmctld.log\nSlurmdLogFile={folder}/slurmd.log\n"
         f"ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
         f"SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\nMpiDefault=none\nReturnToService=2\n"
+        f"MessageTimeout=30\n"   # the default 10 s is short for two busy cores
         f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN\n"
         f"PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE\n")
     environment["SLURM_CONF"] = str(folder / "slurm.conf")
@@ -154,9 +164,20 @@ def slurm(tmp_path_factory):
         yield environment
     except (OSError, subprocess.SubprocessError) as e:
         pytest.skip(f"a one-node Slurm cluster could not be started here ({e}; logs in {folder})")
-    finally:
+    finally:   # stopped, and waited for: a daemon still shutting down would answer the next session's srun
+        pids = []
         for pid_file in reversed(started):
             try:
-                os.kill(int(pid_file.read_text()), 15)
+                pids.append(int(pid_file.read_text()))
+                os.kill(pids[-1], 15)
             except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 15
+        while pids and time.monotonic() < deadline:
+            pids = [pid for pid in pids if _running(pid)]
+            time.sleep(0.1)
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except OSError:
                 pass
