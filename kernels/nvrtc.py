@@ -48,14 +48,115 @@ def version():
 
 
 def unsupported_reason(arch):
-    """None when this NVRTC compiles for ``arch`` ("sm_70"), else why not (CUDA 13 dropped sm_70)."""
-    nvrtc = _nvrtc()
-    supported = nvrtc.getSupportedArchs()
-    if int(arch.partition("_")[2]) in supported:
+    """None when an NVRTC here compiles for ``arch`` ("sm_70"): CuPy's, or CUDA 12's beside it
+    (nvrtc_for); else why not."""
+    if nvrtc_for(arch) is not None:
         return None
-    major, minor = nvrtc.getVersion()
+    supported = _nvrtc().getSupportedArchs()
+    major, minor = version()
     return (f"NVRTC {major}.{minor} does not compile for {arch} (it compiles for sm_{min(supported)} to "
-            f"sm_{max(supported)}); CUDA 12's NVRTC does")
+            f"sm_{max(supported)}), and CUDA 12's NVRTC, which does, is not installed beside it "
+            f"(pip install nvidia-cuda-nvrtc-cu12)")
+
+
+def nvrtc_for(arch):
+    """The NVRTC that compiles for ``arch``: CuPy's (kernels.nvrtc's module of the functions), else CUDA 12's
+    library from the nvidia-cuda-nvrtc-cu12 wheel, loaded beside it (CUDA 13 dropped sm_70; CuPy binds one
+    NVRTC, the one of its own CUDA), else None."""
+    nvrtc = _nvrtc()
+    if int(arch.partition("_")[2]) in nvrtc.getSupportedArchs():
+        return nvrtc
+    other = cuda12()
+    return other if other is not None and int(arch.partition("_")[2]) in other.getSupportedArchs() else None
+
+
+_CUDA12 = []
+
+
+def cuda12():
+    """CUDA 12's NVRTC (Nvrtc12) from the nvidia-cuda-nvrtc-cu12 wheel, or None where it is not installed.
+    CuPy's is loaded first: CuPy takes whichever libnvrtc the process already holds (cuda.pathfinder), and
+    must not take this one."""
+    if not _CUDA12:
+        _nvrtc()
+        library = None
+        try:
+            import nvidia.cuda_nvrtc  # noqa: PLC0415  (the wheel's namespace package)
+            for root in map(Path, nvidia.cuda_nvrtc.__path__):
+                if (root / "lib" / "libnvrtc.so.12").exists():
+                    library = Nvrtc12(root / "lib" / "libnvrtc.so.12")
+                    break
+        except (ImportError, OSError):
+            pass
+        _CUDA12.append(library)
+    return _CUDA12[0]
+
+
+class Nvrtc12:
+    """CUDA 12's libnvrtc through ctypes, with the calls ``compile`` makes of ``cupy.cuda.nvrtc`` and their
+    results' types (PTX and CUBIN as bytes, the log and lowered names as str)."""
+
+    class NVRTCError(RuntimeError):
+        pass
+
+    def __init__(self, path):
+        import ctypes  # noqa: PLC0415
+        self._c, self._lib = ctypes, ctypes.CDLL(str(path))
+        self._lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def _call(self, name, *arguments):
+        status = getattr(self._lib, name)(*arguments)
+        if status:
+            raise self.NVRTCError(f"{self._lib.nvrtcGetErrorString(status).decode()} ({status})")
+
+    def getVersion(self):
+        major, minor = self._c.c_int(), self._c.c_int()
+        self._call("nvrtcVersion", self._c.byref(major), self._c.byref(minor))
+        return major.value, minor.value
+
+    def getSupportedArchs(self):
+        count = self._c.c_int()
+        self._call("nvrtcGetNumSupportedArchs", self._c.byref(count))
+        archs = (self._c.c_int * count.value)()
+        self._call("nvrtcGetSupportedArchs", archs)
+        return list(archs)
+
+    def createProgram(self, source, name, headers, include_names):
+        assert not headers and not include_names, "headers are pasted into the source (kernels.cuda.source)"
+        program = self._c.c_void_p()
+        self._call("nvrtcCreateProgram", self._c.byref(program), source.encode(), name.encode(), 0, None, None)
+        return program
+
+    def addNameExpression(self, program, expression):
+        self._call("nvrtcAddNameExpression", program, expression.encode())
+
+    def compileProgram(self, program, options):
+        flags = (self._c.c_char_p * len(options))(*(o.encode() for o in options))
+        self._call("nvrtcCompileProgram", program, len(options), flags)
+
+    def _bytes(self, what, program):
+        size = self._c.c_size_t()
+        self._call(f"nvrtcGet{what}Size", program, self._c.byref(size))
+        buffer = self._c.create_string_buffer(size.value)
+        self._call(f"nvrtcGet{what}", program, buffer)
+        return buffer.raw
+
+    def getPTX(self, program):
+        return self._bytes("PTX", program)
+
+    def getCUBIN(self, program):
+        return self._bytes("CUBIN", program)
+
+    def getProgramLog(self, program):
+        return self._bytes("ProgramLog", program).decode(errors="replace")
+
+    def getLoweredName(self, program, expression):
+        lowered = self._c.c_char_p()
+        self._call("nvrtcGetLoweredName", program, expression.encode(), self._c.byref(lowered))
+        return lowered.value.decode()
+
+    def destroyProgram(self, program):
+        self._call("nvrtcDestroyProgram", self._c.byref(program))
 
 
 @dataclass
@@ -85,33 +186,35 @@ class Compiled:
         return disassemble(self.cubin)
 
 
-def cupy_options(options=(), arch="sm_90"):
+def cupy_options(options=(), arch="sm_90", nvrtc_version=None):
     """The NVRTC options of CuPy 14.2 for ``cupy.RawModule(code=..., options=options)`` on ``arch``,
     in CuPy's order: core.pyx's assemble_cupy_compiler_options (the options, ``--std=c++17``
     unless one is given, CCCL's, CuPy's and CUDA's include folders), then compiler.py's
     ``-ftz=true`` (always: a later ``-ftz=false`` does not undo it), ``--device-debug
     --generate-line-info`` under CUPY_CUDA_COMPILE_WITH_DEBUG, the architecture,
-    ``--device-as-default-execution-space``, and ``--pch`` under CUPY_NVRTC_USE_PCH."""
+    ``--device-as-default-execution-space``, and ``--pch`` under CUPY_NVRTC_USE_PCH (for NVRTC 12.8 or
+    newer: ``nvrtc_version``, by default CuPy's)."""
     from cupy._core.core import assemble_cupy_compiler_options  # noqa: PLC0415
     from cupy.cuda import compiler  # noqa: PLC0415
     flags = (*assemble_cupy_compiler_options(tuple(options)), "-ftz=true")
     if compiler._get_bool_env_variable("CUPY_CUDA_COMPILE_WITH_DEBUG", False):
         flags += ("--device-debug", "--generate-line-info")
     flags += (f"-arch={arch}", "--device-as-default-execution-space")
-    if compiler._use_pch and version() >= (12, 8):
+    if compiler._use_pch and (nvrtc_version or version()) >= (12, 8):
         flags += ("--pch",)
     return flags
 
 
 def compile(source, arch="sm_90", options=(), name_expressions=(), filename="kernel.cu", verbose=False):
     """Compile ``source`` for ``arch`` ("sm_90" gives PTX and CUBIN, "compute_90" PTX only) as
-    CuPy compiles a RawModule: NVRTC gets ``cupy_options(options, arch)``.
+    CuPy compiles a RawModule: NVRTC gets ``cupy_options(options, arch)``. The NVRTC is CuPy's, or CUDA
+    12's where CuPy's does not compile for ``arch`` (nvrtc_for: sm_70 under CUDA 13).
 
     options: the RawModule's options (``-I``, ``-D``, ``--std=c++17``, ...). verbose: ask ptxas for
     its resource report (needs a real architecture). Raises NvrtcError with the log on failure.
     """
-    nvrtc = _nvrtc()
-    flags = list(cupy_options(options, arch))
+    nvrtc = nvrtc_for(arch.replace("compute_", "sm_")) or _nvrtc()   # CuPy's refuses what neither compiles
+    flags = list(cupy_options(options, arch, nvrtc.getVersion()))
     if verbose:
         flags += ["-Xptxas", "-v"]
     program = nvrtc.createProgram(source, filename, [], [])

@@ -179,21 +179,34 @@ def check(ours, inputs, op, backward=None, **kwargs):
 
 # ---- NVRTC -------------------------------------------------------------------------------
 
+DEPRECATED = "architectures prior to '<compute/sm>_75' are deprecated"
+# What CUDA 12's NVRTC (12.9), which compiles sm_70 here, spills (bytes, at most) where CUDA 13's spills
+# nothing: the 128 x 128 fp32 backward-weight needs more than the 128 registers ptxas gives it for two
+# blocks an SM (bench/RESULTS.md, "CUDA 12")
+CUDA12_SPILLS = {("conv", "sm_70"): {"conv2d_wgrad<Tile128, 1, 1>": 16}}
+
+
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("family, arch", [(family, arch) for arch in cuda.ARCHITECTURES
                                           for family in cuda.compiled_in_ci(arch)])
 def test_compiles_with_nvrtc(family, arch):
-    """The families for every GPU the project claims (README): the fp32 ones below sm_80 too (what CI
-    leaves out: cuda.LARGE_FAMILIES)."""
+    """The families for every GPU the project claims (README): the fp32 ones below sm_80 too, sm_70 with
+    CUDA 12's NVRTC (what CI leaves out: cuda.LARGE_FAMILIES)."""
     reason = nvrtc.unavailable_reason() or nvrtc.unsupported_reason(arch)
     if reason:
         pytest.skip(reason)
     from kernels.cuda.ptxas_report import compile_family
     compiled = compile_family(family, arch)
-    assert "warning" not in compiled.log.lower(), f"{family}.cu for {arch}:\n{compiled.log}"
+    warnings = [line for line in compiled.log.lower().splitlines() if "warning" in line and
+                DEPRECATED not in line]   # NVRTC 12's notice for every sm_70 program
+    assert not warnings, f"{family}.cu for {arch}:\n{compiled.log}"
     assert set(compiled.lowered_names) == set(cuda.launcher(family).KERNELS)
-    spilling = {name: r for name, r in compiled.resources().items() if r.spill_stores or r.spill_loads}
-    assert not spilling, f"{family}.cu for {arch} spills: {spilling}"
+    names = {mangled: expression for expression, mangled in compiled.lowered_names.items()}
+    spilling = {names[symbol]: max(r.spill_stores, r.spill_loads) for symbol, r in compiled.resources().items()
+                if r.spill_stores or r.spill_loads}
+    allowed = CUDA12_SPILLS.get((family, arch), {}) if nvrtc.nvrtc_for(arch) is nvrtc.cuda12() else {}
+    assert all(allowed.get(name, 0) >= spilled for name, spilled in spilling.items()), \
+        f"{family}.cu for {arch} spills (bytes): {spilling}"
 
 
 def test_the_device_backends_offer_the_whole_contract():

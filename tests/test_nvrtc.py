@@ -56,3 +56,50 @@ def test_kernels_compile_with_the_options_cupy_gives_nvrtc(tmp_path, monkeypatch
                                 name_expressions=launcher("elementwise").KERNELS)
     assert seen == [nvrtc.cupy_options(OPTIONS, "sm_90")]
     assert "-ftz=true" in seen[0]
+
+
+def cuda12_or_skip():
+    from kernels import nvrtc
+    reason = nvrtc.unavailable_reason()
+    if reason or nvrtc.cuda12() is None:
+        pytest.skip(reason or "CUDA 12's NVRTC is not installed (pip install nvidia-cuda-nvrtc-cu12)")
+    return nvrtc
+
+
+KERNEL = 'extern "C" __global__ void scale(float* x, float a) { x[threadIdx.x] *= a; }\n'
+
+
+def test_sm_70_compiles_with_cuda_12s_nvrtc_beside_cupys():
+    """CUDA 13 dropped sm_70: its programs go to CUDA 12's library, everything else stays with CuPy's."""
+    nvrtc = cuda12_or_skip()
+    assert nvrtc.nvrtc_for("sm_70") is nvrtc.cuda12() and nvrtc.cuda12().getVersion()[0] == 12
+    assert nvrtc.nvrtc_for("sm_90") is nvrtc._nvrtc() and nvrtc.version()[0] == 13
+    old = nvrtc.compile(KERNEL, arch="sm_70", verbose=True)
+    assert ".target sm_70" in old.ptx and old.cubin[:4] == b"\x7fELF" and old.resources()["scale"].registers > 0
+    new = nvrtc.compile(KERNEL, arch="sm_90")
+    assert ".target sm_90" in new.ptx and ".version 8." not in new.ptx   # CUDA 12.9's PTX is 8.8
+    assert nvrtc.compile("template <int N> __global__ void k(int* x) { x[0] = N; }", arch="sm_70",
+                         name_expressions=("k<3>",)).lowered_names == {"k<3>": "_Z1kILi3EEvPi"}
+    with pytest.raises(nvrtc.NvrtcError, match=r"(?s)failed to compile bad.cu for sm_70.*bad.cu\(1\).*undefined"):
+        nvrtc.compile("__global__ void f() { undefined_name = 1; }", arch="sm_70", filename="bad.cu")
+
+
+def test_loading_cuda_12s_nvrtc_first_leaves_cupy_on_its_own():
+    """CuPy binds whichever libnvrtc the process already holds (cuda.pathfinder): cuda12() loads CuPy's
+    first, so that CuPy, asked after it, still compiles with CUDA 13's."""
+    import subprocess
+    import sys
+    cuda12_or_skip()
+    done = subprocess.run([sys.executable, "-c", "from kernels import nvrtc; nvrtc.cuda12(); "
+                                                 "from cupy.cuda import nvrtc as c; print(c.getVersion()[0])"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "13", done.stderr
+
+
+def test_an_architecture_no_nvrtc_here_compiles_says_what_to_install(monkeypatch):
+    from kernels import nvrtc
+    if nvrtc.unavailable_reason():
+        pytest.skip(nvrtc.unavailable_reason())
+    monkeypatch.setattr(nvrtc, "cuda12", lambda: None)
+    assert nvrtc.unsupported_reason("sm_90") is None
+    assert "pip install nvidia-cuda-nvrtc-cu12" in nvrtc.unsupported_reason("sm_70")

@@ -38,7 +38,7 @@ def families_for(arch):
 # sm_89, whose code no kernel distinguishes from sm_75's and sm_90's (none asks __CUDA_ARCH__ but below 800),
 # the families that compile in seconds, not the three that take NVRTC half a minute each (four and a half
 # minutes of CI for the three architectures; the tensor-core wrappers' own test kernels, tests/test_tensor_core.py,
-# compile for sm_80); sm_70 where the NVRTC installed still targets it
+# compile for sm_80); sm_70 with CUDA 12's NVRTC (kernels.nvrtc.nvrtc_for), which the test extra installs
 LARGE_FAMILIES = ("conv", "conv_tc", "conv_bf16")
 
 
