@@ -64,6 +64,31 @@ def test_batch_norm_with_its_relu_join(shape, residual):
              backward=backward)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, "bfloat16"])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_the_gradient_through_a_relu_is_a_select(dtype, channels_last):
+    """Where y <= 0 the gradient is 0, whatever dy holds there (NaN and infinity too, as a GPU's select
+    gives), in dy's dtype and memory layout; where y > 0 it is dy, bit for bit."""
+    import ml_dtypes
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    g = rng()
+    layout = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)) if channels_last \
+        else np.ascontiguousarray
+    y = layout(g.standard_normal((3, 5, 4, 6)).astype(dtype))
+    y.reshape(-1)[0] = 0   # the border: y == 0 is not positive
+    dy = layout(g.standard_normal(y.shape).astype(dtype))
+    dy[(y <= 0) & (g.uniform(size=y.shape) < 0.3)] = np.nan
+    dy[(y <= 0) & (g.uniform(size=y.shape) < 0.3)] = -np.inf
+    x = layout(g.standard_normal(y.shape).astype(dtype))
+    gamma, beta = (g.standard_normal(5).astype(np.float32) for _ in range(2))
+    _, mean, invstd = K.batch_norm_forward(x.astype(np.float32), gamma, beta, EPS)
+    dx, _, _, passed = K.batch_norm_backward(dy, x, gamma, mean, invstd, y=y, shortcut=True)
+    assert passed.dtype == dy.dtype and passed.strides == dy.strides and np.isfinite(passed.astype(float)).all()
+    expected = np.where(y > 0, dy, 0).astype(dy.dtype)   # the reference select
+    np.testing.assert_array_equal(passed.astype(np.float64), expected.astype(np.float64))
+    assert np.isfinite(dx.astype(float)).all()
+
+
 def test_backwards_write_into_the_arrays_they_are_given():
     """out= (a parameter's gradient, say): written there and returned, the same values as without."""
     g = rng()
