@@ -2,7 +2,7 @@
 
 One training step is zero_grad, forward, softmax cross-entropy, backward and an SGD step
 (lr 0.05, momentum 0.9, weight decay 5e-4), float32, on random 1x28x28 images and labels,
-for the full-width model (nn.resnet18(), 11.2 M parameters). PyTorch, when it is installed,
+for the full-width model (nn.resnet18(), 11.2 M parameters; --width for another). PyTorch, when it is installed,
 trains d2l's ResNet-18 (the builder in tests/test_torch_parity.py) in the same run with the
 same batch sizes and thread count. Each step is timed with time.perf_counter after the
 warm-up steps; the table gives the median (the machine may be shared, and a median ignores
@@ -13,6 +13,7 @@ taken while it was above 0.1 is suspect, and the run says so.
     PYTHONPATH=. python -m bench.cpu_throughput                      # batch 32 and 128
     PYTHONPATH=. python -m bench.cpu_throughput --batch-sizes 32 --steps 20 --json out.json
     PYTHONPATH=. python -m bench.cpu_throughput --profile            # where our step's time goes
+    PYTHONPATH=. python -m bench.cpu_throughput --width 16 --batch-sizes 256   # where the passes weigh the most
 
 --profile times every kernel call of our step (kernels.cpu) and every helper function those
 kernels call, and reports milliseconds per step for each, the rest being Python and the tape.
@@ -42,6 +43,9 @@ def parse_args():
                         help="timed training steps per batch size and framework (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps before timing (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=64,
+                        help="channels of the first stage, for both models (default: %(default)s, ResNet-18's; "
+                             "at 16 the passes around the products weigh the most)")
     parser.add_argument("--threads", type=int, default=None,
                         help="threads for OpenBLAS (ours) and PyTorch (default: their own "
                              "defaults, one per core)")
@@ -51,8 +55,8 @@ def parse_args():
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if args.steps < 1 or args.warmup < 0 or min(args.batch_sizes) < 1:
-        parser.error("--steps and the batch sizes must be positive, --warmup non-negative")
+    if args.steps < 1 or args.warmup < 0 or min(args.batch_sizes) < 1 or args.width < 1:
+        parser.error("--steps, --width and the batch sizes must be positive, --warmup non-negative")
     return args
 
 
@@ -95,12 +99,12 @@ def measure(step, warmup, steps):
     return times, others
 
 
-def ours_step(batch_size):
+def ours_step(batch_size, width=64):
     """A training step of this project's ResNet-18 on fixed random data, as a closure."""
     import numpy as np
     import nn
     nn.manual_seed(0)
-    model = nn.resnet18()
+    model = nn.resnet18(width=width)
     opt = nn.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     g = np.random.default_rng(0)
     x = nn.Tensor(g.random((batch_size, 1, 28, 28), dtype=np.float32))
@@ -114,7 +118,7 @@ def ours_step(batch_size):
     return step
 
 
-def torch_step(batch_size):
+def torch_step(batch_size, width=64):
     """The same step in PyTorch, or None when it is not installed."""
     try:
         import torch
@@ -123,7 +127,7 @@ def torch_step(batch_size):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_torch_parity import torch_resnet18   # the one copy of d2l's model in the repo
     torch.manual_seed(0)
-    model = torch_resnet18(10, 1, 64)
+    model = torch_resnet18(10, 1, width)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     x = torch.rand(batch_size, 1, 28, 28)
     y = torch.randint(0, 10, (batch_size,))
@@ -190,14 +194,14 @@ class KernelProfiler:
         return timed
 
 
-def profile(batch_sizes, warmup, steps):
+def profile(batch_sizes, warmup, steps, width):
     profiler = KernelProfiler()
     profiler.install()
-    return [profile_one(b, warmup, steps, profiler) for b in batch_sizes]
+    return [profile_one(b, warmup, steps, profiler, width) for b in batch_sizes]
 
 
-def profile_one(batch_size, warmup, steps, profiler):
-    step = ours_step(batch_size)
+def profile_one(batch_size, warmup, steps, profiler, width):
+    step = ours_step(batch_size, width)
     for _ in range(warmup):
         step()
     profiler.clear()
@@ -237,6 +241,7 @@ def environment(threads):
         info["numpy_blas"] = f"{blas.get('name')} {blas.get('version')}"
     except Exception:   # show_config's dict form is NumPy >= 1.26; the BLAS name is a nicety
         info["numpy_blas"] = "unknown"
+    info["blas_kernels"] = blas_kernels()
     try:
         import torch
         if threads is not None:
@@ -245,6 +250,21 @@ def environment(threads):
     except ImportError:
         pass
     return info
+
+
+def blas_kernels():
+    """The kernels NumPy's BLAS picked for this CPU (OpenBLAS's core type, as threadpoolctl reads it; a
+    build with DYNAMIC_ARCH picks at run time, unless OPENBLAS_CORETYPE forces it), or why unknown."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (pip install threadpoolctl)"
+    found = [f"{i.get('internal_api')} {i.get('architecture')}" for i in threadpool_info()
+             if i.get("user_api") == "blas"]
+    if not found:
+        return "unknown"
+    forced = os.environ.get("OPENBLAS_CORETYPE")
+    return ", ".join(found) + (f" (forced by OPENBLAS_CORETYPE={forced})" if forced else "")
 
 
 def _proc_field(path, name):
@@ -260,24 +280,24 @@ def main():
     args = parse_args()
     set_threads(args.threads)
     env = environment(args.threads)
-    print(f"ResNet-18 (width 64) training step, float32, 1x28x28, median of {args.steps} steps "
+    print(f"ResNet-18 (width {args.width}) training step, float32, 1x28x28, median of {args.steps} steps "
           f"after {args.warmup} warm-up\n" + ", ".join(
-              f"{k} {env.get(k)}" for k in ("date", "cpu", "cpus", "memory", "python", "numpy",
-                                            "numpy_blas", "blas_threads", "torch", "torch_threads")))
+              f"{k} {env.get(k)}" for k in ("date", "cpu", "cpus", "memory", "python", "numpy", "numpy_blas",
+                                            "blas_kernels", "blas_threads", "torch", "torch_threads")))
     results = []
     for batch_size in args.batch_sizes:
         row = {"batch_size": batch_size,
-               "ours": summary(measure(ours_step(batch_size), args.warmup, args.steps), batch_size)}
-        step = None if args.no_torch else torch_step(batch_size)
+               "ours": summary(measure(ours_step(batch_size, args.width), args.warmup, args.steps), batch_size)}
+        step = None if args.no_torch else torch_step(batch_size, args.width)
         if step is not None:
             row["pytorch"] = summary(measure(step, args.warmup, args.steps), batch_size)
             row["ratio"] = row["ours"]["images_per_s"] / row["pytorch"]["images_per_s"]
         results.append(row)
         print_row(row, first=len(results) == 1)
-    result = {"environment": env, "command": " ".join(sys.argv), "steps": args.steps,
+    result = {"environment": env, "command": " ".join(sys.argv), "width": args.width, "steps": args.steps,
               "warmup": args.warmup, "results": results}
     if args.profile:
-        result["profile"] = profile(args.batch_sizes, min(args.warmup, 1), min(args.steps, 3))
+        result["profile"] = profile(args.batch_sizes, min(args.warmup, 1), min(args.steps, 3), args.width)
     if args.json:
         report.write_json(args.json, result)
 

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -88,6 +89,18 @@ def started_with(variable):
     return found
 
 
+def idle(environment, timeout=60):
+    """Waits until the cluster's node is idle: the job before may still be completing (its node
+    COMPLETING while slurmd ends its processes), and a job started meanwhile waits in the queue."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30,
+                               env=environment).stdout.strip()
+        if state == "idle" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
+
+
 def srun(slurm, tmp_path, *command, gpus=None, timeout=120):
     """``srun --kill-on-bad-exit`` of two tasks on the cluster: CompletedProcess. Each task records its exit
     status in ``tmp_path``. Should srun not return within ``timeout`` seconds, the test fails naming what
@@ -97,6 +110,7 @@ def srun(slurm, tmp_path, *command, gpus=None, timeout=120):
     environment = {**slurm, "TMPDIR": str(tmp_path), "CUDA_EMU_SANITIZE": "off", "MASTER_PORT": str(free_port()),
                    **({kernels.SIMULATED_GPUS: str(gpus)} if gpus else {})}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
+    idle(environment)
     recorded = ['bash', '-c', '"$@"; status=$?; echo $status > "$0/status.$SLURM_PROCID"; exit $status', tmp_path]
     arguments = ["srun", "--ntasks=2", "--kill-on-bad-exit=1", *map(str, recorded + list(command))]
     try:
@@ -112,7 +126,9 @@ def srun(slurm, tmp_path, *command, gpus=None, timeout=120):
     log = Path(slurm.get("SLURM_CONF", "/nonexistent")).with_name("slurmd.log")
     log = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:]) if log.exists() else ""
     said = f"srun's stderr:\n{err}\nthe end of slurmd's log:\n{log}"
-    if running.strip() or not all(status.exists() for status in statuses):
+    if not running and not any(status.exists() for status in statuses):
+        pytest.fail(f"srun did not return within {timeout} s, and none of its tasks ran\n{said}")
+    if running or not all(status.exists() for status in statuses):
         pytest.fail(f"srun did not return within {timeout} s; tasks still running:\n{running}\n{said}")
     warnings.warn(f"srun did not return within {timeout} s though both tasks had ended: Slurm lost the step's "
                   f"end; their exit statuses are used\n{said}")
@@ -161,8 +177,8 @@ def test_cpu_tasks_without_mpi_are_one_line(slurm, data_dir, tmp_path):
 def test_a_step_that_never_ends_fails_naming_what_still_runs_and_stops_it(slurm, tmp_path):
     """The srun helper's own time-out: a task that leaves a process holding srun's output keeps srun
     waiting; the test fails naming it, and nothing is left running."""
-    with pytest.raises(pytest.fail.Exception, match=r"(?s)did not return within 3 s; tasks still running:.*sleep 60"):
-        srun(slurm, tmp_path, "bash", "-c", "(sleep 60 &); exit 0", timeout=3)
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)did not return within 5 s; tasks still running:.*sleep 600"):
+        srun(slurm, tmp_path, "bash", "-c", "(sleep 600 &); exit 0", timeout=5)
     assert not started_with(f"TMPDIR={tmp_path}")
     done = srun(slurm, tmp_path, "bash", "-c", "exit $SLURM_PROCID", timeout=60)   # its twin returns
     assert done.returncode == 1 and "task 1: Exited with exit code 1" in done.stderr, done.stderr
@@ -177,6 +193,8 @@ def test_when_slurm_loses_the_end_of_a_step_whose_tasks_all_ended_their_statuses
                                 'echo lost >&2\nexec sleep 60\n')
     (bin_ / "srun").chmod(0o755)
     (bin_ / "scancel").symlink_to("/bin/true")
+    (bin_ / "sinfo").write_text("#!/bin/sh\necho idle\n")
+    (bin_ / "sinfo").chmod(0o755)
     slurm = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"}
     with pytest.warns(UserWarning, match="both tasks had ended: Slurm lost the step's end"):
         done = srun(slurm, tmp_path, "bash", "-c", "echo hi $SLURM_PROCID; exit $((2 * SLURM_PROCID))", timeout=3)

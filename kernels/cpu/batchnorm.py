@@ -42,20 +42,18 @@ def batch_statistics(x, eps, running, momentum):
 
 def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False, sums=None):
     # beta (a relu alone) lets a device backend recompute the mask from x; here reading y costs less
-    if y is not None:
-        dy = _where_positive(y, dy)
+    if shortcut and y is not None:   # the gradient through the relu is returned too: made whole, once
+        dy, y = _where_positive(y, dy), None
     if sums is None:
-        sums = masked_backward_sums(dy, None, x, mean, invstd, out=out)
-    dx = batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, x.size // x.shape[1])
+        sums = masked_backward_sums(dy, y, x, mean, invstd, out=out)
+    dx = _backward_dx(dy, y, x, gamma, mean, invstd, sums, x.size // x.shape[1])
     return (dx, *sums) + ((dy,) if shortcut else ())
 
 
 def masked_backward_sums(dy, y, x, mean, invstd, *, out=None):
     """(dgamma, dbeta) = batch_norm_backward_sums of dy where y > 0 (all of dy when y is None), written
     into out = (dgamma, dbeta) when given: the sums that conv2d_backward's norm asks for."""
-    if y is not None:
-        dy = _where_positive(y, dy)
-    sums = batch_norm_backward_sums(dy, x, mean, invstd)
+    sums = _backward_sums(dy, y, x, mean, invstd)
     dgamma, dbeta = (None, None) if out is None else out
     return written(dgamma, sums[0]), written(dbeta, sums[1])
 
@@ -81,38 +79,46 @@ def batch_norm_stats(sums, shift, count, eps):
 
 def batch_norm_apply(x, gamma, beta, mean, invstd, *, relu=False, residual=None):
     _check(x, gamma)
-    y = _affine(x, gamma, beta, mean, invstd)
-    if residual is not None:
-        y += residual
-    if relu or residual is not None:
-        np.maximum(y, 0, out=y)
-    return y
+    return _affine(x, gamma, beta, mean, invstd, residual=residual, relu=relu or residual is not None)
 
 
 def batch_norm_backward_sums(dy, x, mean, invstd):
+    return _backward_sums(dy, None, x, mean, invstd)
+
+
+def batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, count):
+    return _backward_dx(dy, None, x, gamma, mean, invstd, sums, count)
+
+
+def _backward_sums(dy, y, x, mean, invstd):
+    """batch_norm_backward_sums of dy where y > 0 (all of dy when y is None), the mask taken a block at a
+    time, in cache, rather than over the whole of dy first."""
     _check(x, mean)
-    x_nhwc, dy_nhwc = _nhwc(x), _nhwc(dy)
+    x_nhwc, dy_nhwc, y_nhwc = _nhwc(x), _nhwc(dy), None if y is None else _nhwc(y)
     blocks, scratch = _image_blocks(x_nhwc)
     sums = np.zeros((2, x.shape[1]), dy.dtype)
     for b in blocks:
-        sums[1] += channel_sum(_nchw(dy_nhwc[b]))
+        d = dy_nhwc[b] if y is None else _positive(y_nhwc[b], dy_nhwc[b])
+        sums[1] += channel_sum(_nchw(d))
         product = np.subtract(x_nhwc[b], mean, out=scratch[:b.stop - b.start])
-        product *= dy_nhwc[b]
+        product *= d
         sums[0] += channel_sum(_nchw(product))
     sums[0] *= invstd
     return sums
 
 
-def batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, count):
+def _backward_dx(dy, y, x, gamma, mean, invstd, sums, count):
+    """batch_norm_backward_dx of dy where y > 0 (all of dy when y is None), masked a block at a time."""
     _check(x, gamma)
-    x_nhwc, dy_nhwc = _nhwc(x), _nhwc(dy)
+    x_nhwc, dy_nhwc, y_nhwc = _nhwc(x), _nhwc(dy), None if y is None else _nhwc(y)
     blocks, scratch = _image_blocks(x_nhwc)
     scale, xhat_scale = gamma * invstd, invstd * sums[0] / count
     dx = np.empty(dy_nhwc.shape, dy.dtype)
     for b in blocks:
         xhat_term = np.subtract(x_nhwc[b], mean, out=scratch[:b.stop - b.start])
         xhat_term *= xhat_scale
-        block = np.subtract(dy_nhwc[b], sums[1] / count, out=dx[b])
+        d = dy_nhwc[b] if y is None else _positive(y_nhwc[b], dy_nhwc[b])
+        block = np.subtract(d, sums[1] / count, out=dx[b])
         block -= xhat_term
         block *= scale
     return _nchw(dx)
@@ -138,15 +144,20 @@ def batch_norm_inference_backward(dy, x, gamma, running_mean, running_var, eps):
     return dy * _channel(gamma * invstd), dgamma, channel_sum(dy)
 
 
-def _affine(x, gamma, beta, mean, invstd):
-    """gamma * (x - mean) * invstd + beta, folded into one scale and one shift."""
+def _affine(x, gamma, beta, mean, invstd, residual=None, relu=False):
+    """gamma * (x - mean) * invstd + beta, folded into one scale and one shift; then + residual, then
+    relu when asked: each block of images through all of it while it is in cache."""
     scale = gamma * invstd
     shift = beta - mean * scale
-    x_nhwc = _nhwc(x)
+    x_nhwc, r_nhwc = _nhwc(x), None if residual is None else _nhwc(residual)
     y = np.empty(x_nhwc.shape, x.dtype)
     for b in _image_blocks(x_nhwc)[0]:
-        np.multiply(x_nhwc[b], scale, out=y[b])
-        y[b] += shift
+        block = np.multiply(x_nhwc[b], scale, out=y[b])
+        block += shift
+        if r_nhwc is not None:
+            block += r_nhwc[b]
+        if relu:
+            np.maximum(block, 0, out=block)
     return _nchw(y)
 
 
@@ -155,9 +166,14 @@ def _where_positive(y, dy):
     through a relu. dy's bits ANDed with all ones or all zeros, in two passes: np.where, which branches on
     each element, took seven times as long on a random mask (and, not being a ufunc, writes C order, so
     that on the NCHW views of channels-last arrays it transposed them too)."""
-    bits = np.dtype(f"u{dy.dtype.itemsize}")
-    keep = np.negative(_nhwc(y) > 0, dtype=bits)   # 1 -> all ones
-    return _nchw(np.bitwise_and(_nhwc(dy).view(bits), keep, out=keep).view(dy.dtype))
+    return _nchw(_positive(_nhwc(y), _nhwc(dy)))
+
+
+def _positive(y_nhwc, dy_nhwc):
+    """_where_positive of NHWC arrays."""
+    bits = np.dtype(f"u{dy_nhwc.dtype.itemsize}")
+    keep = np.negative(y_nhwc > 0, dtype=bits)   # 1 -> all ones
+    return np.bitwise_and(dy_nhwc.view(bits), keep, out=keep).view(dy_nhwc.dtype)
 
 
 def _image_blocks(x_nhwc):
