@@ -490,3 +490,35 @@ def test_kernel_compiles_with_nvrtc(filename, arch):
     compiled = nvrtc.compile(source, arch, options, expressions, filename)
     assert compiled.ptx and compiled.cubin
     assert set(compiled.lowered_names) == set(expressions)
+
+
+def test_two_processes_that_need_one_new_module_compile_it_once(tmp_path):
+    """The two workers of --gpus 2 (or two test workers) on a machine whose cache is empty ask for the
+    same modules at the same moment: one compiles, the other waits and loads what it made."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import sys, time
+        from kernels.emu import build
+        compile_ = build._run_compiler
+        def logged(args, what):
+            if what.startswith("compiling"):
+                with open({str(tmp_path / "log")!r}, "a") as log:
+                    log.write(what + "\\n")
+                time.sleep(1)   # long enough for the other process to arrive meanwhile
+            return compile_(args, what)
+        build._run_compiler = logged
+        build.runtime_library()
+        print(build.build_module('__global__ void twice(float* x) {{ x[threadIdx.x] = 2; }}\\n')["library"])
+    """)
+    environment = {**__import__("os").environ, "CUDA_EMU_CACHE_DIR": str(tmp_path / "cache")}
+    first = subprocess.run([sys.executable, "-c", "from kernels.emu import build; build.runtime_library()"],
+                           env=environment, capture_output=True, text=True, timeout=300)   # the runtime, once
+    assert first.returncode == 0, first.stderr
+    runs = [subprocess.Popen([sys.executable, "-c", script], env=environment, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert all(run.returncode == 0 for run in runs), outputs
+    assert outputs[0][0] == outputs[1][0] and outputs[0][0].strip().endswith(".so"), outputs
+    assert (tmp_path / "log").read_text().count("compiling") == 1

@@ -136,6 +136,18 @@ def _write_atomically(path, data):
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _compiling(path):
+    """Held while this process compiles what ``path`` names (a lock file beside it): another process that
+    needs the same module at the same time (the two workers of --gpus 2, two test workers on a new
+    machine) waits for it and then finds it in the cache, instead of compiling it a second time. The
+    lock goes with the process, should it die."""
+    import fcntl  # noqa: PLC0415  (POSIX, as g++ and the emulator's fibers are)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _run_compiler(args, what):
     result = subprocess.run(args, capture_output=True, text=True)
     if result.returncode != 0:
@@ -150,14 +162,17 @@ def runtime_library():
     flags = CXX_FLAGS + _extra_flags()
     key = _digest(RUNTIME_SOURCE.read_bytes(), ABI_HEADER.read_bytes(), version, flags)
     path = cache_dir() / f"libcudaemu-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        # Modules find the runtime by this name among the libraries already loaded (native.py
-        # loads it first), so that every module of a process talks to the same scheduler.
-        _run_compiler([cxx, *flags, str(RUNTIME_SOURCE), "-o", str(tmp), f"-Wl,-soname,{path.name}",
-                       "-pthread", "-ldl"], "emulator runtime")
-        os.replace(tmp, path)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _compiling(path):
+        if not path.exists():   # unless another process made it while this one waited
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            # Modules find the runtime by this name among the libraries already loaded (native.py
+            # loads it first), so that every module of a process talks to the same scheduler.
+            _run_compiler([cxx, *flags, str(RUNTIME_SOURCE), "-o", str(tmp), f"-Wl,-soname,{path.name}",
+                           "-pthread", "-ldl"], "emulator runtime")
+            os.replace(tmp, path)
     return path
 
 
@@ -345,11 +360,26 @@ def build_module(code, options=(), name_expressions=()):
                   code, pre, name_expressions)
     folder = cache_dir() / key[:2]
     meta_path = folder / f"{key}.json"
+    cached = _cached(meta_path)
+    if cached:
+        return cached
+    folder.mkdir(parents=True, exist_ok=True)
+    with _compiling(meta_path):
+        return _cached(meta_path) or _build(code, key, folder, meta_path, cxx, pre, flags, runtime, sanitize,
+                                            name_expressions)
+
+
+def _cached(meta_path):
+    """The metadata of a module in the cache whose headers are unchanged, else None."""
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
         if _dependencies_unchanged(meta["dependencies"]) and Path(meta["library"]).exists():
             return meta
-    folder.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def _build(code, key, folder, meta_path, cxx, pre, flags, runtime, sanitize, name_expressions):
+    """build_module's compile of a module missing from the cache (under its lock)."""
     source = folder / f"{key}.cu"
     _write_atomically(source, code)
 
