@@ -10,7 +10,8 @@ that, as on a GPU, all of them alias the launch's dynamic shared memory.
 The runtime (runtime.cpp) is compiled once per machine and linked by every module. Both are
 cached by a hash of everything that goes into them: the emulator's own sources, the compiler's
 version, the flags, the source, the options and the name expressions. The headers a source
-includes are recorded with their contents' hashes and checked on every cache hit.
+includes are recorded with their contents' hashes and checked on every cache hit. A module missing
+from the cache is compiled by one process at a time (a lock file beside it): the others wait for it.
 
 Modules are compiled for the sanitizer (SANITIZE_FLAGS; see README.md) unless
 ``CUDA_EMU_SANITIZE=off`` (full, the default, or memcheck: see sanitize_level). Environment: ``CUDA_EMU_CACHE_DIR`` (default
