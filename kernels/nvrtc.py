@@ -11,6 +11,7 @@ directly, with the very options CuPy gives NVRTC for a ``cupy.RawModule`` (``cup
     result.ptx, result.cubin, result.log, result.lowered_names["axpy<float>"]
     result.resources()["_Z4axpyIfEvT_PKS0_PS0_i"].registers
 """
+import functools
 import os
 import re
 import shutil
@@ -70,26 +71,20 @@ def nvrtc_for(arch):
     return other if other is not None and int(arch.partition("_")[2]) in other.getSupportedArchs() else None
 
 
-_CUDA12 = []
-
-
+@functools.lru_cache(maxsize=None)
 def cuda12():
     """CUDA 12's NVRTC (Nvrtc12) from the nvidia-cuda-nvrtc-cu12 wheel, or None where it is not installed.
     CuPy's is loaded first: CuPy takes whichever libnvrtc the process already holds (cuda.pathfinder), and
     must not take this one."""
-    if not _CUDA12:
-        _nvrtc()
-        library = None
-        try:
-            import nvidia.cuda_nvrtc  # noqa: PLC0415  (the wheel's namespace package)
-            for root in map(Path, nvidia.cuda_nvrtc.__path__):
-                if (root / "lib" / "libnvrtc.so.12").exists():
-                    library = Nvrtc12(root / "lib" / "libnvrtc.so.12")
-                    break
-        except (ImportError, OSError):
-            pass
-        _CUDA12.append(library)
-    return _CUDA12[0]
+    _nvrtc()
+    try:
+        import nvidia.cuda_nvrtc  # noqa: PLC0415  (the wheel's namespace package)
+        for root in map(Path, nvidia.cuda_nvrtc.__path__):
+            if (root / "lib" / "libnvrtc.so.12").exists():
+                return Nvrtc12(root / "lib" / "libnvrtc.so.12")
+    except (ImportError, OSError):
+        pass
+    return None
 
 
 class Nvrtc12:
@@ -180,6 +175,12 @@ class Compiled:
     def resources(self):
         """{kernel's (mangled) name: Resources}, from a log compiled with verbose=True."""
         return parse_ptxas_log(self.log)
+
+    def named_resources(self):
+        """resources(), each kernel named by its name expression where it has one ("conv2d_wgrad<Tile128, 1,
+        1>"), else by its symbol (an extern "C" kernel's own name)."""
+        names = {mangled: expression for expression, mangled in self.lowered_names.items()}
+        return {names.get(symbol, symbol): r for symbol, r in self.resources().items()}
 
     def sass(self):
         """{kernel's (mangled) name: its SASS instructions}: the cubin disassembled by cuobjdump."""

@@ -152,13 +152,8 @@ def slurm(tmp_path_factory):
         for daemon in ("slurmctld", "slurmd"):
             subprocess.run([daemon], check=True, capture_output=True, timeout=60, env=environment)
             started.append(folder / f"{daemon}.pid")
-        for _ in range(300):
-            state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30,
-                                   env=environment).stdout.strip()
-            if state == "idle":
-                break
-            time.sleep(0.1)
-        else:
+        state = helpers.slurm_idle(environment, 30)
+        if state != "idle":
             pytest.skip(f"the one-node Slurm cluster started here did not come up (its node is {state!r}; logs in "
                         f"{folder})")
         yield environment

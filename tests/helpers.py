@@ -293,3 +293,18 @@ def batch_norm_joins(m, eps):
     def ours_backward(dy, x, gamma, beta, residual, y, mean, invstd):
         return m.batch_norm_backward(dy, x, gamma, mean, invstd, y=y, shortcut=residual is not None)
     return (reference, ours), (reference_backward, ours_backward)
+
+
+def slurm_idle(environment, timeout):
+    """The state of the one-node Slurm cluster's node (sinfo, under ``environment``) once it is idle, or as
+    it still is after ``timeout`` seconds: a cluster just started registers its node, and after a job the
+    node stays COMPLETING while slurmd ends its processes (a job started meanwhile waits in the queue)."""
+    import subprocess
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30,
+                               env=environment).stdout.strip()
+        if state == "idle" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)

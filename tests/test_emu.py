@@ -495,6 +495,7 @@ def test_kernel_compiles_with_nvrtc(filename, arch):
 def test_two_processes_that_need_one_new_module_compile_it_once(tmp_path):
     """The two workers of --gpus 2 (or two test workers) on a machine whose cache is empty ask for the
     same modules at the same moment: one compiles, the other waits and loads what it made."""
+    import os
     import subprocess
     import sys
     import textwrap
@@ -512,7 +513,7 @@ def test_two_processes_that_need_one_new_module_compile_it_once(tmp_path):
         build.runtime_library()
         print(build.build_module('__global__ void twice(float* x) {{ x[threadIdx.x] = 2; }}\\n')["library"])
     """)
-    environment = {**__import__("os").environ, "CUDA_EMU_CACHE_DIR": str(tmp_path / "cache")}
+    environment = {**os.environ, "CUDA_EMU_CACHE_DIR": str(tmp_path / "cache")}
     first = subprocess.run([sys.executable, "-c", "from kernels.emu import build; build.runtime_library()"],
                            env=environment, capture_output=True, text=True, timeout=300)   # the runtime, once
     assert first.returncode == 0, first.stderr

@@ -201,8 +201,7 @@ def test_compiles_with_nvrtc(family, arch):
                 DEPRECATED not in line]   # NVRTC 12's notice for every sm_70 program
     assert not warnings, f"{family}.cu for {arch}:\n{compiled.log}"
     assert set(compiled.lowered_names) == set(cuda.launcher(family).KERNELS)
-    names = {mangled: expression for expression, mangled in compiled.lowered_names.items()}
-    spilling = {names[symbol]: max(r.spill_stores, r.spill_loads) for symbol, r in compiled.resources().items()
+    spilling = {name: max(r.spill_stores, r.spill_loads) for name, r in compiled.named_resources().items()
                 if r.spill_stores or r.spill_loads}
     allowed = CUDA12_SPILLS.get((family, arch), {}) if nvrtc.nvrtc_for(arch) is nvrtc.cuda12() else {}
     assert all(allowed.get(name, 0) >= spilled for name, spilled in spilling.items()), \

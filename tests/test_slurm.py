@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 
 import kernels
-from helpers import write_fashion_mnist
+from helpers import slurm_idle, write_fashion_mnist
 from parallel import launch
 from training import checkpoint
 
@@ -89,18 +88,6 @@ def started_with(variable):
     return found
 
 
-def idle(environment, timeout=60):
-    """Waits until the cluster's node is idle: the job before may still be completing (its node
-    COMPLETING while slurmd ends its processes), and a job started meanwhile waits in the queue."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30,
-                               env=environment).stdout.strip()
-        if state == "idle" or time.monotonic() > deadline:
-            return state
-        time.sleep(0.2)
-
-
 def srun(slurm, tmp_path, *command, gpus=None, timeout=120):
     """``srun --kill-on-bad-exit`` of two tasks on the cluster: CompletedProcess. Each task records its exit
     status in ``tmp_path``. Should srun not return within ``timeout`` seconds, the test fails naming what
@@ -110,7 +97,7 @@ def srun(slurm, tmp_path, *command, gpus=None, timeout=120):
     environment = {**slurm, "TMPDIR": str(tmp_path), "CUDA_EMU_SANITIZE": "off", "MASTER_PORT": str(free_port()),
                    **({kernels.SIMULATED_GPUS: str(gpus)} if gpus else {})}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
-    idle(environment)
+    slurm_idle(environment, 60)   # the job before may still be completing
     recorded = ['bash', '-c', '"$@"; status=$?; echo $status > "$0/status.$SLURM_PROCID"; exit $status', tmp_path]
     arguments = ["srun", "--ntasks=2", "--kill-on-bad-exit=1", *map(str, recorded + list(command))]
     try:

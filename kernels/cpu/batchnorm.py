@@ -43,7 +43,7 @@ def batch_statistics(x, eps, running, momentum):
 def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False, sums=None):
     # beta (a relu alone) lets a device backend recompute the mask from x; here reading y costs less
     if shortcut and y is not None:   # the gradient through the relu is returned too: made whole, once
-        dy, y = _where_positive(y, dy), None
+        dy, y = _nchw(_positive(_nhwc(y), _nhwc(dy))), None
     if sums is None:
         sums = masked_backward_sums(dy, y, x, mean, invstd, out=out)
     dx = _backward_dx(dy, y, x, gamma, mean, invstd, sums, x.size // x.shape[1])
@@ -161,16 +161,11 @@ def _affine(x, gamma, beta, mean, invstd, residual=None, relu=False):
     return _nchw(y)
 
 
-def _where_positive(y, dy):
-    """dy where y > 0, else 0 (a NaN or infinity of dy too), in dy's dtype and memory layout: the gradient
-    through a relu. dy's bits ANDed with all ones or all zeros, in two passes: np.where, which branches on
-    each element, took seven times as long on a random mask (and, not being a ufunc, writes C order, so
-    that on the NCHW views of channels-last arrays it transposed them too)."""
-    return _nchw(_positive(_nhwc(y), _nhwc(dy)))
-
-
 def _positive(y_nhwc, dy_nhwc):
-    """_where_positive of NHWC arrays."""
+    """dy where y > 0, else 0 (a NaN or infinity of dy too), in dy's dtype and memory layout: the gradient
+    through a relu, of NHWC views. dy's bits ANDed with all ones or all zeros, in two passes: np.where,
+    which branches on each element, took seven times as long on a random mask (and, not being a ufunc,
+    writes C order, so that on the NCHW views of channels-last arrays it transposed them too)."""
     bits = np.dtype(f"u{dy_nhwc.dtype.itemsize}")
     keep = np.negative(y_nhwc > 0, dtype=bits)   # 1 -> all ones
     return np.bitwise_and(dy_nhwc.view(bits), keep, out=keep).view(dy_nhwc.dtype)

@@ -67,9 +67,8 @@ def report(families, archs):
     for arch in archs:
         for family in families:
             compiled = compile_family(family, arch)
-            names = {mangled: expression for expression, mangled in compiled.lowered_names.items()}
-            for symbol, resources in compiled.resources().items():
-                rows.append((arch, family, names.get(symbol, symbol), resources))
+            for kernel, resources in compiled.named_resources().items():
+                rows.append((arch, family, kernel, resources))
     return rows
 
 
