@@ -33,6 +33,7 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"random inputs: TEST_SEED={helpers.SESSION_SEED} (set it to draw them again)")
 
 
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """pytest-xdist's groups (the README's --dist loadgroup): the tests marked `nvrtc` on one worker (each
     process compiles a family for itself), and the tests of a module that share a fixture of the module's
