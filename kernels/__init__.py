@@ -200,12 +200,22 @@ def array_module_for(device):
 
 
 def _device_backend(name):
-    """The CUDA launchers bound to CuPy (``cuda``) or to NumPy and the emulator (``emu``)."""
-    key = (name, os.environ.get(SIMULATED_GPUS) if name == "cuda" else None)
+    """The CUDA launchers bound to CuPy (``cuda``) or to NumPy and the emulator (``emu``). Where the
+    emulator runs the kernels (``emu``, simulated GPUs), one for modules built with the sanitizer's
+    instrumentation and one for modules built without it (CUDA_EMU_SANITIZE=off, emu.sanitizer("off")):
+    a backend keeps the modules it compiled, and a module built without it runs unchecked, so that
+    otherwise the first user of a family in a process would decide for every later one."""
+    simulated = os.environ.get(SIMULATED_GPUS) if name == "cuda" else None
+    key = (name, simulated, _emu_sanitizing() if name == "emu" or simulated else None)
     if key not in _device_backends:
         from . import cuda
         _device_backends[key] = cuda.make_backend(name)
     return _device_backends[key]
+
+
+def _emu_sanitizing():
+    from .emu import build
+    return build.sanitizing()
 
 
 def backend_of(x):

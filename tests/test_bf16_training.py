@@ -231,11 +231,10 @@ def test_global_average_pooling_hands_back_the_activations_dtype(emulated):
 
 @pytest.fixture
 def one_gpu(monkeypatch, tmp_path):
-    """One simulated GPU in this process, current; the emulator's sanitizer at memcheck only (these tests
-    prove the trainer's plumbing; the kernels' own tests run them under every check), whose modules are
-    those of the other tests in this process: modules built without the sanitizer may not share a
-    process with those built with it."""
-    monkeypatch.setenv("CUDA_EMU_SANITIZE", "memcheck")
+    """One simulated GPU in this process, current; the emulator without its sanitizer (these tests prove
+    the trainer's plumbing; the kernels' own tests run them under every check, and the first below
+    runs the whole bf16 network under memcheck)."""
+    monkeypatch.setenv("CUDA_EMU_SANITIZE", "off")
     monkeypatch.setenv(kernels.SIMULATED_GPUS, "1")
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     gpus = kernels.cupy_module()
@@ -243,8 +242,9 @@ def one_gpu(monkeypatch, tmp_path):
     return gpus
 
 
-def test_bf16_training_lowers_the_loss(one_gpu, tmp_path):
+def test_bf16_training_lowers_the_loss(one_gpu, tmp_path, monkeypatch):
     """Steps on one batch: the loss falls, as mixed-precision training of a real network's would."""
+    monkeypatch.setenv("CUDA_EMU_SANITIZE", "memcheck")
     from training.step import train_step
     images, labels = (one_gpu.asarray(a) for a in batch(tmp_path, 4))
     nn.manual_seed(3)

@@ -236,6 +236,43 @@ def test_templated_kernel_through_name_expressions(dtype, block):
     validate(partial, block_sums(3 * x.astype(np.float64), block), name)
 
 
+SHARED_IN_A_TEMPLATE = """
+template <int N> __global__ void NAME(float* out) {
+    __shared__ float tile[N];
+    tile[threadIdx.x] = float(threadIdx.x) + 0.5f;
+    __syncthreads();
+    out[threadIdx.x] = tile[N - 1 - threadIdx.x];
+}
+"""
+
+
+@pytest.mark.parametrize("flags, planted", [("", False), ("-fgnu-unique", True)], ids=["as built", "gnu-unique"])
+def test_one_source_built_without_and_with_the_sanitizer_runs_both_ways_in_one_process(flags, planted,
+                                                                                       monkeypatch):
+    """A template kernel's __shared__ array is a thread_local static of an inline function, which g++ gives
+    STB_GNU_UNIQUE binding: one definition per process, even across libraries loaded RTLD_LOCAL. The
+    second build of a source (the other sanitizer level: a process whose tests ask for both) would then
+    use the first one's storage, outside its own block's shared memory. Modules are built with
+    -fno-gnu-unique; the planted twin puts the binding back (CUDA_EMU_CXXFLAGS comes after it)."""
+    monkeypatch.setenv("CUDA_EMU_CXXFLAGS", flags)
+    name = f"reversed_{'unique' if planted else 'local'}"
+    source = SHARED_IN_A_TEMPLATE.replace("NAME", name)
+    results = []
+    for level in ("off", "full"):
+        with emu.sanitizer(level):
+            reverse = emu.RawModule(code=source, name_expressions=[f"{name}<32>"]).get_function(f"{name}<32>")
+            out = np.full(32, np.nan, np.float32)
+            if planted and level == "full":
+                with pytest.raises(emu.KernelError, match="out-of-bounds global write"):
+                    reverse((1,), (32,), (out,))
+                return
+            reverse((1,), (32,), (out,))
+            results.append(out)
+    for out in results:
+        np.testing.assert_array_equal(out, np.arange(31, -1, -1, dtype=np.float32) + 0.5)
+    assert not planted
+
+
 def test_cuda_vocabulary():
     types = (np.int32, np.uint32, np.int64, np.uint64, np.uint16, np.float32, np.float64)
     counters = [np.zeros(1, t) for t in types]

@@ -111,6 +111,7 @@ def test_the_recorded_step_replayed_equals_eager_steps_bit_for_bit(split_reducti
 
 def test_a_capture_that_fails_warns_once_and_the_step_runs_eagerly(monkeypatch):
     warnings = []
+    monkeypatch.setenv("CUDA_EMU_SANITIZE", "off")   # the kernels of the test above, which checks them
     monkeypatch.setattr(graphs, "capture", lambda be, fn: (_ for _ in ()).throw(RuntimeError("no capture here")))
     with kernels.emulate():
         images, labels, batches = data(np)
@@ -136,8 +137,11 @@ def test_graph_needs_gpus():
 
 @pytest.fixture
 def simulated(monkeypatch, tmp_path):
-    """One simulated GPU in this process, current; the graphs it launches counted."""
+    """One simulated GPU in this process, current; the graphs it launches counted. The emulator without
+    its sanitizer (a third of the time): what these prove is the graph's plumbing, and the kernels ran
+    under it at these shapes in the recorded-step test above and in tests/test_simulated_gpus.py."""
     monkeypatch.setenv(kernels.SIMULATED_GPUS, "2")
+    monkeypatch.setenv("CUDA_EMU_SANITIZE", "off")
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     gpus = kernels.cupy_module()
     gpus.cuda.Device(0).use()

@@ -26,7 +26,7 @@ import kernels
 import kernels.cpu as K
 import reference as R
 from helpers import CONV_SHAPES, batch_norm_joins, batch_norm_over_replicas, check_op, reproduce_hint, rng, validate
-from kernels import cuda, nvrtc
+from kernels import cuda, emu, nvrtc
 from kernels.cuda import conv as cuda_conv
 from kernels.cuda import launch as cuda_launch
 
@@ -215,6 +215,24 @@ def test_the_device_backends_offer_the_whole_contract():
         assert hasattr(backend, name), f"the cuda/emu backend lacks {name}"
         assert inspect.signature(getattr(backend, name)) == inspect.signature(fn), name
     assert {op for family in cuda.FAMILIES for op in cuda.launcher(family).OPS} == set(contract)
+
+
+@pytest.mark.parametrize("where", ["emu", "simulated"])
+def test_modules_built_without_the_sanitizer_serve_no_launch_under_it(where, monkeypatch):
+    """A backend keeps the modules it compiled: the one that compiled a family without the sanitizer's
+    instrumentation (CUDA_EMU_SANITIZE=off) is not the one later launches under it get, whatever ran first."""
+    if where == "simulated":
+        monkeypatch.setenv(kernels.SIMULATED_GPUS, "1")
+    name = "cuda" if where == "simulated" else "emu"
+    with kernels.emulate():
+        monkeypatch.setenv("CUDA_EMU_SANITIZE", "off")
+        unchecked = kernels._device_backend(name).module("optim")   # an op looks its backend up, then compiles
+        monkeypatch.setenv("CUDA_EMU_SANITIZE", "memcheck")
+        checked = kernels._device_backend(name).module("optim")
+        with emu.sanitizer("off"):
+            assert kernels._device_backend(name).module("optim") is unchecked
+    native = [m._module._module if where == "simulated" else m._module for m in (checked, unchecked)]
+    assert native[0].sanitize and not native[1].sanitize
 
 
 # ---- convolution -------------------------------------------------------------------------

@@ -49,6 +49,10 @@ CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared",
              # Frame pointers: the runtime tells a call instance (of a barrier, of a warp-wide
              # instruction) by the chain of return addresses.
              "-fno-omit-frame-pointer",
+             # A template kernel's __shared__ array is a thread_local static of an inline function, which
+             # g++ otherwise binds STB_GNU_UNIQUE: one per process, across libraries loaded RTLD_LOCAL, so
+             # that a source built both with and without the sanitizer would share the first one's.
+             "-fno-gnu-unique",
              "-fmax-errors=10")
 # The sanitizer (runtime.cpp): ThreadSanitizer's instrumentation makes every load and store of a
 # kernel call __tsan_{read,write}N, which the runtime defines (TSan's own runtime is never linked:
