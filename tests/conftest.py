@@ -110,8 +110,9 @@ def _running(pid):
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """The environment for ``srun`` on a one-node Slurm cluster: the one running here (sinfo answers), or
-    one that this session starts (munged, slurmctld and slurmd, with a configuration of its own in a
-    temporary folder) and stops at its end. Skipped, saying why, where Slurm is not installed (Debian:
+    one that this session starts (munged, slurmctld and slurmd, with a configuration, a munge socket and
+    ports of its own, so that another session's cluster on the machine is not disturbed) and stops at
+    its end. Skipped, saying why, where Slurm is not installed (Debian:
     apt-get install slurmd slurmctld slurm-client munge) or cannot be started."""
     import shutil
     import socket
@@ -139,17 +140,19 @@ def slurm(tmp_path_factory):
         f"ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
         f"SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\nMpiDefault=none\nReturnToService=2\n"
         f"MessageTimeout=30\n"   # the default 10 s is short for two busy cores
+        # ports of its own, not 6817 and 6818: another session's cluster on this machine (or one
+        # installed as a service) would take its jobs, or refuse its daemons' start
+        f"SlurmctldPort={helpers.free_port()}\nSlurmdPort={helpers.free_port()}\n"
+        f"AuthInfo=socket={folder}/munge.socket\n"   # and a munged of its own, which it stops at its end
         f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN\n"
         f"PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE\n")
     environment["SLURM_CONF"] = str(folder / "slurm.conf")
     started = []
     try:
-        if subprocess.run(["munge", "-n"], capture_output=True, timeout=30).returncode != 0:
-            os.makedirs("/run/munge", exist_ok=True)
-            shutil.chown("/run/munge", "munge", "munge")
-            subprocess.run(["munged", "--force", f"--pid-file={folder}/munged.pid"], check=True, capture_output=True,
-                           timeout=30)
-            started.append(folder / "munged.pid")
+        subprocess.run(["munged", "--force", f"--socket={folder}/munge.socket", f"--pid-file={folder}/munged.pid",
+                        f"--log-file={folder}/munged.log", f"--seed-file={folder}/munged.seed"], check=True,
+                       capture_output=True, timeout=30)
+        started.append(folder / "munged.pid")
         for daemon in ("slurmctld", "slurmd"):
             subprocess.run([daemon], check=True, capture_output=True, timeout=60, env=environment)
             started.append(folder / f"{daemon}.pid")

@@ -295,6 +295,14 @@ def batch_norm_joins(m, eps):
     return (reference, ours), (reference_backward, ours_backward)
 
 
+def free_port():
+    """A TCP port that nothing here listens on (the kernel's choice of one)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def slurm_idle(environment, timeout):
     """The state of the one-node Slurm cluster's node (sinfo, under ``environment``) once it is idle, or as
     it still is after ``timeout`` seconds: a cluster just started registers its node, and after a job the

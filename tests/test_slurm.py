@@ -4,7 +4,6 @@ tried here without Slurm; the tests marked `slurm` run srun on a one-node cluste
 fixture), on simulated GPUs: the same result, bit for bit, as --gpus 2 started by the project; a task that
 dies ends the job, named, with no task left behind; CPU tasks without MPI are one line."""
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 import kernels
-from helpers import slurm_idle, write_fashion_mnist
+from helpers import free_port, slurm_idle, write_fashion_mnist
 from parallel import launch
 from training import checkpoint
 
@@ -26,12 +25,6 @@ TINY = ["--width", "2", "--batch-size", "8", "--limit", "8", "--test-limit", "4"
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     return write_fashion_mnist(tmp_path_factory.mktemp("fashion"), 16, 8)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def srun_variables(rank, tasks, port=None, **extra):
@@ -128,7 +121,7 @@ def test_the_slurm_tests_run_on_one_worker(request):
     """Under pytest-xdist's --dist loadgroup the tests marked slurm form one group (conftest), so that one
     worker starts the session's cluster: two would share slurmd's port, and one's jobs would run in the
     other's cluster. pytest 9.2 keeps node ids where pytest-xdist 3.8 renames them, and the groups were lost."""
-    if not request.config.getvalue("loadgroup"):
+    if not getattr(request.config.option, "loadgroup", False):   # set in pytest-xdist's workers alone
         pytest.skip("not a pytest-xdist worker under --dist loadgroup")
     assert request.node.nodeid.endswith("@slurm"), (
         f"pytest-xdist did not group this test (its id is {request.node.nodeid!r}, with pytest "
