@@ -205,17 +205,13 @@ def _device_backend(name):
     instrumentation and one for modules built without it (CUDA_EMU_SANITIZE=off, emu.sanitizer("off")):
     a backend keeps the modules it compiled, and a module built without it runs unchecked, so that
     otherwise the first user of a family in a process would decide for every later one."""
+    from .emu import build
     simulated = os.environ.get(SIMULATED_GPUS) if name == "cuda" else None
-    key = (name, simulated, _emu_sanitizing() if name == "emu" or simulated else None)
+    key = (name, simulated, build.sanitizing() if name == "emu" or simulated else None)
     if key not in _device_backends:
         from . import cuda
         _device_backends[key] = cuda.make_backend(name)
     return _device_backends[key]
-
-
-def _emu_sanitizing():
-    from .emu import build
-    return build.sanitizing()
 
 
 def backend_of(x):
