@@ -28,6 +28,38 @@ def _multiplied(weight, K):
     return flat.bfloat16_view(weight)
 
 
+class Normalized(Tensor):
+    """relu(batch norm(x)) of a training batch norm whose statistics a convolution computed (batch_norm's
+    `fold`), left to its reader: a convolution reads x and applies the norm as it loads it (conv2d's
+    normalize: on a device backend, TF32's GEMMs as each stage lands), so that the normalised activation
+    is never stored; any other reader of ``data`` gets it computed then (batch_norm_apply), once."""
+
+    def __init__(self, data):
+        self._array, self._compute = None, None
+        super().__init__(data)
+
+    @property
+    def data(self):
+        if self._compute is not None:
+            self._array, self._compute = self._compute(), None
+        return self._array
+
+    @data.setter
+    def data(self, value):
+        self._array = value
+
+    # the norm's output has its input's shape and dtype: asked without computing it
+    shape = property(lambda self: self._array.shape)
+    dtype = property(lambda self: self._array.dtype)
+    ndim = property(lambda self: self._array.ndim)
+    size = property(lambda self: self._array.size)
+
+    def pending(self):
+        """(x, (gamma, beta, mean, invstd)) while the output is not computed, for a reader that applies the
+        norm itself; None once it is."""
+        return None if self._compute is None else self.normalizes
+
+
 def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
     """PyTorch's F.conv2d. ``statistics``: a training batch norm's request (BatchNorm2d.statistics_request:
     its eps, running pair and momentum) for the statistics of the output, which the convolution computes
@@ -36,10 +68,16 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
     norm's output with its relu or residual join (x.norm, see batch_norm) and this convolution's backward
     is the last of x's readers' to run, it computes that norm's backward sums where x's final gradient is
     (conv2d_backward's norm, dx added there to the gradient the other readers gave) and hands them to
-    the norm's backward (so does adaptive_avg_pool2d)."""
-    K = backend_of(x.data)
+    the norm's backward (so does adaptive_avg_pool2d). When x is a Normalized not yet computed, the
+    convolution reads the norm's input and applies the norm (the backend's normalize), forward and
+    backward, where the backend's kernels do (conv2d_folds; else x computed, once)."""
+    pending = x.pending() if isinstance(x, Normalized) else None
+    K = backend_of(x._array if pending else x.data)
+    if pending and not K.conv2d_folds(pending[0].data, weight.data, stride, padding):
+        pending = None
+    source, normalize = (x.data, None) if pending is None else (pending[0].data, pending[1])
     w = _multiplied(weight, K)   # the bias is added in float32 under every precision
-    y = K.conv2d_forward(x.data, w, _data(bias), stride, padding, statistics=statistics)
+    y = K.conv2d_forward(source, w, _data(bias), stride, padding, statistics=statistics, normalize=normalize)
     y, stats = (y, None) if statistics is None else (y[0], y[1:])
 
     def backward(dy):
@@ -49,10 +87,11 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
         add_dx_to = x.grad if x._grad_owned else None
         norm = _norm_to_sum(x, adds=True)
         if norm is None:
-            return K.conv2d_backward(dy, x.data, w, stride, padding, need_dx=x.requires_grad,
-                                     out=_outputs(weight, bias), add_dx_to=add_dx_to)
+            return K.conv2d_backward(dy, source, w, stride, padding, need_dx=x.requires_grad,
+                                     out=_outputs(weight, bias), add_dx_to=add_dx_to, normalize=normalize)
         return _handing_sums(norm, lambda **sums: K.conv2d_backward(
-            dy, x.data, w, stride, padding, out=_outputs(weight, bias), add_dx_to=add_dx_to, **sums))
+            dy, source, w, stride, padding, out=_outputs(weight, bias), add_dx_to=add_dx_to, normalize=normalize,
+            **sums))
     out = Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
     out.statistics = stats
     return out
@@ -66,6 +105,9 @@ def _norm_to_sum(x, adds):
     norm = getattr(x, "norm", None)
     if norm is None or not x.requires_grad or x._readers_left != 1:
         return None
+    if isinstance(x, Normalized) and x.pending() is None:   # computed after all: its y as stored
+        arrays, *rest = norm
+        norm = ((x.data, *arrays[1:]), *rest)
     return norm if x.grad is None or (adds and x._grad_owned) else None
 
 
@@ -80,13 +122,17 @@ def _handing_sums(norm, backward):
 
 
 def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.1, eps=1e-5, group=None,
-               relu=False, residual=None):
+               relu=False, residual=None, fold=False):
     """PyTorch's F.batch_norm: in training, normalise with the batch statistics and
     move the running ones (plain arrays, updated in place) towards them; in eval,
     normalise with the running statistics. With a ``group`` of replicas (see
     synchronised_batch_norm), the training statistics are those of every replica's batch.
     ``relu`` gives relu(batch norm), ``residual`` (a tensor of x's shape) relu(batch norm +
-    residual): the joins of a residual block, fused into the normalisation in training."""
+    residual): the joins of a residual block, fused into the normalisation in training.
+    ``fold`` (the output's reader is a convolution): in training, with a relu alone and the statistics
+    from the convolution that made x, on a device backend under tf32, the output is a Normalized, which
+    that convolution applies as it loads x rather than read it stored, where its kernels do
+    (conv2d_folds)."""
     K = backend_of(x.data)
     if not training or group is not None:
         if not training:
@@ -99,7 +145,14 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.
     running = None if running_mean is None else (running_mean, running_var)
     r = _data(residual)
     stats = getattr(x, "statistics", None)   # computed by the convolution that made x, at this norm's request
-    if stats is not None:
+    alone = relu and residual is None   # a relu alone: its mask can be recomputed from x (see batch_norm_backward)
+    # only where a convolution may apply it (a device backend's TF32 GEMMs), so that elsewhere the norm's own
+    # op computes it, and a profile shows its cost in its row
+    folded = fold and alone and stats is not None and K.name != "cpu" and precision() == "tf32"
+    if folded:   # y left to the reader (Normalized)
+        mean, invstd = stats
+        y = None
+    elif stats is not None:
         mean, invstd = stats
         y = K.batch_norm_apply(x.data, weight.data, bias.data, mean, invstd, relu=relu, residual=r)
     else:
@@ -108,14 +161,19 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.
     masked = relu or residual is not None
     handed = {}   # the sums that the convolution whose backward is the output's last computes (see conv2d)
 
-    alone = relu and residual is None   # a relu alone: its mask can be recomputed from x (see batch_norm_backward)
-
     def backward(dy):
-        return K.batch_norm_backward(dy, x.data, weight.data, mean, invstd, y=y if masked else None,
+        # a Normalized's y where it was computed after all (a reader that does not fold)
+        stored = out.data if folded and out.pending() is None else y
+        return K.batch_norm_backward(dy, x.data, weight.data, mean, invstd, y=stored if masked else None,
                                      beta=bias.data if alone else None, out=_outputs(weight, bias),
                                      shortcut=residual is not None, sums=handed.pop("sums", None))
-    out = Tensor._make(y, (x, weight, bias) if residual is None else (x, weight, bias, residual), backward,
-                       fresh=True)
+    parents = (x, weight, bias) if residual is None else (x, weight, bias, residual)
+    if folded:
+        out = Normalized._make(x.data, parents, backward, fresh=True)
+        out.normalizes = (x, (weight.data, bias.data, mean, invstd))
+        out._compute = lambda: K.batch_norm_apply(x.data, weight.data, bias.data, mean, invstd, relu=True)
+    else:
+        out = Tensor._make(y, parents, backward, fresh=True)
     if masked:   # its output and what its sums need, for the convolution that reads it last (see conv2d)
         affine = (weight.data, bias.data) if alone else (None, None)
         out.norm = ((y, x.data, mean, invstd, *affine), weight, bias, handed)

@@ -479,14 +479,16 @@ class BatchNorm2d(Module):
         running = None if self.running_mean is None else (self.running_mean, self.running_var)
         return self.eps, running, self.momentum
 
-    def forward(self, x, relu=False, residual=None):
+    def forward(self, x, relu=False, residual=None, fold=False):
         """Batch norm of x; relu(it) with `relu`, relu(it + residual) with a `residual` (fused in
         training, see F.batch_norm). In training, x's statistics when the convolution that made it
-        computed them (statistics_request), else its own pass over x."""
+        computed them (statistics_request), else its own pass over x. `fold`: the output's reader is
+        a convolution, which may apply the norm as it loads x (F.batch_norm)."""
         if self.training:
             self.num_batches_tracked += 1
         return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                            self.training, self.momentum, self.eps, self.group, relu=relu, residual=residual)
+                            self.training, self.momentum, self.eps, self.group, relu=relu, residual=residual,
+                            fold=fold)
 
     def extra_repr(self):
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"

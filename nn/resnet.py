@@ -7,7 +7,8 @@ from .modules import AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Flatten, Linear, Mo
 class Residual(Module):
     """Two 3x3 convs with batch norm; a 1x1 projection ``conv3`` when the shape changes. The relu
     after bn1 and the join relu(bn2 + shortcut) are fused into the batch norms, and in training
-    each norm's statistics into the convolution before it."""
+    each norm's statistics into the convolution before it, and bn1 with its relu into conv2, which
+    applies them as it loads its input where it can (F.batch_norm's fold)."""
 
     def __init__(self, in_channels, channels, use_1x1conv=False, stride=1):
         super().__init__()
@@ -21,7 +22,7 @@ class Residual(Module):
         # each convolution computes the statistics of the batch norm after it, where its output is, and the
         # backward sums of the norm before it, where its dx is (F.conv2d: bn1's in conv2, and the previous
         # block's bn2's in whichever of conv1 and conv3 runs its backward last)
-        y = self.bn1(self.conv1(x, self.bn1.statistics_request()), relu=True)
+        y = self.bn1(self.conv1(x, self.bn1.statistics_request()), relu=True, fold=True)
         y = self.conv2(y, self.bn2.statistics_request())
         shortcut = self.conv3(x) if self.conv3 is not None else x
         return self.bn2(y, residual=shortcut)

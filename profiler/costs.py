@@ -114,30 +114,47 @@ def _conv_macs(x, w, stride, padding):
 
 # ---- convolution ---------------------------------------------------------------------------
 
-def conv2d_forward(x, w, b, stride, padding, statistics=None):
+def conv2d_forward(x, w, b, stride, padding, statistics=None, normalize=None):
     """With `statistics` (a batch norm's eps, running pair and momentum), also that norm's statistics of
     y, summed where y is (no pass reads y for them): the sums of each value (as batch_norm_sums), per
-    channel the statistics, mean and invstd written and the running pair moved."""
+    channel the statistics, mean and invstd written and the running pair moved. With `normalize`, the
+    batch norm before it and its relu applied to x as the GEMM loads it (_normalized)."""
     y = size(_conv_out(x, w, stride, padding))
     cost = Cost(2 * _conv_macs(x, w, stride, padding) + (y if b is not None else 0),
-                nbytes(x) + nbytes(w) + FLOAT * size(b) + item(x) * y)
+                nbytes(x) + nbytes(w) + FLOAT * size(b) + item(x) * y) + _normalized(normalize, x, w, stride, padding)
     if statistics is None:
         return cost
     o = w[0]
     return cost + Cost(BN_SUMS * y + BN_STATS * o, FLOAT * (2 * o + (4 * o if statistics[1] is not None else 0)))
 
 
-def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None, norm=None, norm_out=None):
+def conv2d_folds(x, w, stride, padding):
+    """A question the launchers answer: no kernel."""
+    return ZERO
+
+
+def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None, norm=None, norm_out=None,
+                    normalize=None):
     """Backward-data (unless need_dx is false) and backward-weight GEMMs and the bias gradient (a
     sum over dy); dx added to add_dx_to (read, and one add per element) when given; with `norm`, the
     batch norm's backward sums of dx where dx is: its y and x read (as batch_norm_backward_sums reads
-    them, less dx; x alone where the relu's mask is recomputed), the sums written."""
+    them, less dx; x alone where the relu's mask is recomputed), the sums written; with `normalize`,
+    as conv2d_forward's, in backward-weight."""
     passes = 2 if need_dx else 1
     added = size(add_dx_to) if need_dx else 0
     data = nbytes(w) + item(dy) * (size(x) + added) if need_dx else 0   # w read, dx written, add_dx_to read
     cost = Cost(2 * passes * _conv_macs(x, w, stride, padding) + size(dy) + added,
                 nbytes(dy) + nbytes(x) + FLOAT * (size(w) + w[0]) + data)   # dy and x read, dw and db written
+    cost += _normalized(normalize, x, w, stride, padding)
     return cost if norm is None else cost + _handed_sums(norm, x[1])
+
+
+def _normalized(normalize, x, w, stride, padding):
+    """A batch norm and its relu applied to x as a GEMM loads it (a `normalize` argument): per element of
+    im2col(x) loaded, a multiply-add and the relu (BN_APPLY); the norm's four vectors read."""
+    if normalize is None:
+        return ZERO
+    return Cost(BN_APPLY * _conv_macs(x, w, stride, padding) // w[0], FLOAT * 4 * x[1])
 
 
 def _handed_sums(norm, channels):
@@ -145,7 +162,7 @@ def _handed_sums(norm, channels):
     invstd, gamma, beta) argument): the norm's x read, and its y unless a relu alone's mask is recomputed
     from x (a multiply-add then, beside the comparison), the sums written."""
     y, x_norm, recomputed = norm[0], norm[1], norm[5] is not None
-    return Cost(BN_BACKWARD_SUMS * size(x_norm) + (2 if recomputed else 1) * size(y),
+    return Cost(BN_BACKWARD_SUMS * size(x_norm) + (2 if recomputed else 1) * size(x_norm),
                 (0 if recomputed else nbytes(y)) + nbytes(x_norm) + FLOAT * 4 * channels)
 
 

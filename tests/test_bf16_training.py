@@ -169,12 +169,13 @@ def recorded(monkeypatch):
     calls = []
 
     def record(backend):
-        def forward(x, w, b, stride, padding, statistics=None):   # a layer alone: no batch norm asks
-            assert statistics is None
+        def forward(x, w, b, stride, padding, statistics=None, normalize=None):   # a layer alone: no batch norm
+            assert statistics is None and normalize is None
             calls.append(("forward", w, b))
             return np.zeros((x.shape[0], w.shape[0]) + x.shape[2:], x.dtype)
 
-        def backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None):
+        def backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None, normalize=None):
+            assert normalize is None
             calls.append(("backward", w, None))
             return np.zeros_like(x), np.zeros(w.shape, np.float32), np.zeros(w.shape[0], np.float32)
         monkeypatch.setattr(backend, "conv2d_forward", forward)

@@ -350,8 +350,9 @@ def test_every_tensor_core_kernel_runs_hmma(arch):
     compiled = compile_family("conv_tc", arch)
     sass = compiled.sass()
     gemms = [name for name in conv_tc.KERNELS if name.startswith("conv_tc_")]
-    assert len(gemms) == 13   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
-    # backward-weight: 128 x 64's two and the square's
+    assert len(gemms) == 17   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
+    # backward-weight: 128 x 64's two and the square's; the forward and backward-weight that apply a batch norm
+    # to x as it lands, on the two large tiles
     for name in gemms:
         instructions = sass[compiled.lowered_names[name]]
         assert any(i.startswith("HMMA.1688.F32.TF32") for i in instructions), f"{name} for {arch}: no HMMA"
@@ -405,7 +406,10 @@ def test_the_launch_plan_of_resnet18_covers_every_product():
     from bench import tc_plan
     rows, resources, fp32 = tc_plan.rows(256, "sm_90", 132, "tf32")
     products = [layer for layer, _ in distinct(resnet18_layers(256)) if layer.op in ("conv2d", "linear")]
-    assert len(rows) == 3 * (len(products) - 2) == 3 * 10
+    # and a residual block's conv2 of each stage again, its forward and backward-weight applying bn1
+    assert len(rows) == 3 * (len(products) - 2 + 4) == 3 * 14
+    folded = [row for row in rows if row["layer"].endswith("(bn1 applied)")]
+    assert [row["kernel"].endswith(", true>") for row in folded] == [True, False, True] * 4, folded
     assert fp32 == ["conv 3x3/1 1->64 28->28", "linear 512->10"]
     assert all(1 <= row["resident"] <= 16 and row["blocks"] >= 1 for row in rows), rows
     assert all(resources[row["kernel"]].spill_stores == 0 for row in rows)

@@ -19,14 +19,21 @@ strides, like PyTorch's channels_last format), the layout its convolutions compu
 in, so that a network of them never transposes. Every kernel accepts any memory
 layout; np.ascontiguousarray gives C order where something needs it.
 
-conv2d_forward(x, w, b, stride, padding, *, statistics=None) -> y, or (y, mean, invstd)
+conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None) -> y, or (y, mean, invstd)
     x (N, C, H, W), w (O, C, KH, KW), b (O,) or None -> y (N, O, OH, OW),
     OH = (H + 2*ph - KH) // sh + 1. statistics = (eps, running, momentum): also the statistics
     of the training batch norm that follows, of y, as batch_norm_forward computes them (running:
     the pair moved in place, or None); a device backend's tensor-core forward sums them in its
-    epilogue, where y is, and batch_norm_apply then normalises.
+    epilogue, where y is, and batch_norm_apply then normalises. normalize = (gamma, beta, mean,
+    invstd): the convolution of relu(batch_norm_apply(x, gamma, beta, mean, invstd)), x a training
+    batch norm's input, so that its normalised output need not be stored (a device backend's TF32
+    GEMMs apply it as they load x; the others compute it first).
+conv2d_folds(x, w, stride, padding) -> bool
+    Whether conv2d_forward and conv2d_backward of x (a batch norm's input) by w apply a normalize as
+    they load x, rather than compute relu(bn(x)) first: a caller that would compute it once and keep
+    it (nn.functional.Normalized) does that where not. False on the CPU backend.
 conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
-                norm_out=None) -> (dx, dw, db), or (dx, dw, db, dgamma, dbeta)
+                norm_out=None, normalize=None) -> (dx, dw, db), or (dx, dw, db, dgamma, dbeta)
     db is dy summed over (N, OH, OW); callers without a bias ignore it. dx is None unless
     need_dx (the first layer's input needs none). out = (dw, db): arrays that the gradients
     are written into (a parameter's gradient, say; either may be None), returned. add_dx_to:
@@ -37,7 +44,9 @@ conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=
     y > 0, written into norm_out = (dgamma, dbeta) when given (a device backend's tensor-core
     backward-data computes them in its epilogue, where dx is), which batch_norm_backward then
     takes as `sums`. gamma and beta: the norm's, for a relu alone (None for a join), whose mask
-    y > 0 a device backend recomputes from x_norm (as the forward computed y) rather than read y.
+    y > 0 a device backend recomputes from x_norm (as the forward computed y) rather than read y;
+    y may then be None (not stored: the forward's normalize). normalize: as conv2d_forward's, x
+    the norm's input (the weight gradient reads relu(bn(x))).
 
 batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None)
     -> (y, mean, invstd)
@@ -49,8 +58,8 @@ batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, 
                     sums=None) -> (dx, dgamma, dbeta[, g])
     y: the output of a forward with relu or residual; the gradient then flows where y > 0
     (g = dy there, 0 elsewhere), and `shortcut` also returns g, the residual's gradient. beta
-    (with y, for a relu alone): the norm's, from which a device backend recomputes the mask
-    (gamma * xhat + beta > 0, as its batch_norm_apply computed y) rather than read y.
+    (for a relu alone, with y or without it: an output not stored): the norm's, from which the mask
+    is recomputed (gamma * xhat + beta > 0, as batch_norm_apply computed y) rather than read from y.
     out = (dgamma, dbeta): arrays the parameter gradients are written into, returned. sums:
     (dgamma, dbeta) computed already (conv2d_backward's norm), returned as they are.
 batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps) -> None
@@ -122,7 +131,7 @@ cast(a, dtype, out=None) -> y
     bfloat16: rounded to nearest even), into out when given (a's shape, dense, that dtype:
     a flat buffer's view at any offset, say), else a new array in a's memory layout.
 """
-from .conv import conv2d_forward, conv2d_backward
+from .conv import conv2d_forward, conv2d_backward, conv2d_folds
 from .batchnorm import (batch_norm_forward, batch_norm_backward, batch_norm_update_running,
                         batch_norm_inference, batch_norm_inference_backward, batch_norm_sums,
                         batch_norm_stats, batch_norm_apply, batch_norm_backward_sums,

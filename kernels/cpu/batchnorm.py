@@ -41,7 +41,10 @@ def batch_statistics(x, eps, running, momentum):
 
 
 def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False, sums=None):
-    # beta (a relu alone) lets a device backend recompute the mask from x; here reading y costs less
+    # beta (a relu alone) lets a device backend recompute the mask from x; here reading y costs less, and y
+    # is computed where it was not stored
+    if y is None and beta is not None:
+        y = batch_norm_apply(x, gamma, beta, mean, invstd, relu=True)
     if shortcut and y is not None:   # the gradient through the relu is returned too: made whole, once
         dy, y = _nchw(_positive(_nhwc(y), _nhwc(dy))), None
     if sums is None:

@@ -17,10 +17,12 @@ stage at batch 128) and live only inside a call, so they are built in reused wor
 import numpy as np
 
 from ._util import channel_sum, output_size, pair, padded, windows, workspace, written
-from .batchnorm import batch_statistics, masked_backward_sums
+from .batchnorm import batch_norm_apply, batch_statistics, masked_backward_sums
 
 
-def conv2d_forward(x, w, b, stride, padding, *, statistics=None):
+def conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None):
+    if normalize is not None:   # computed first: a device backend's loads apply it, the CPU has no loads to hide it in
+        x = batch_norm_apply(x, *normalize, relu=True)
     if statistics is not None:
         y = conv2d_forward(x, w, b, stride, padding)
         return (y, *batch_statistics(y, *statistics))
@@ -35,13 +37,22 @@ def conv2d_forward(x, w, b, stride, padding, *, statistics=None):
     return _nchw(y.reshape(n, oh, ow, -1))
 
 
+def conv2d_folds(x, w, stride, padding):
+    return False
+
+
 def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
-                    norm_out=None):
+                    norm_out=None, normalize=None):
+    if normalize is not None:
+        x = batch_norm_apply(x, *normalize, relu=True)
     if norm is not None:
         if not need_dx:
             raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
         dx, dw, db = conv2d_backward(dy, x, w, stride, padding, out=out, add_dx_to=add_dx_to)
-        return (dx, dw, db) + masked_backward_sums(dx, *norm[:4], out=norm_out)
+        y, x_norm, mean, invstd, gamma, beta = norm
+        if y is None:   # a relu alone's output not stored (a device backend's normalize): its mask from x_norm
+            y = batch_norm_apply(x_norm, gamma, beta, mean, invstd, relu=True)
+        return (dx, dw, db) + masked_backward_sums(dx, y, x_norm, mean, invstd, out=norm_out)
     stride, padding = pair(stride), pair(padding)
     n, oh, ow = _output_shape(x, w, stride, padding)
     if dy.shape != (n, w.shape[0], oh, ow):

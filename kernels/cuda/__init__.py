@@ -87,7 +87,7 @@ class Backend:
     def __init__(self, name, xp, raw_module):
         self.name, self.xp = name, xp
         self._raw_module = raw_module
-        self._modules, self._functions, self._counters = {}, {}, {}
+        self._modules, self._functions, self._counters, self._nan_chunks = {}, {}, {}, {}
         for family in FAMILIES:
             module = launcher(family)
             for op in module.OPS:
@@ -119,6 +119,16 @@ class Backend:
         if have is None or have.size < count:
             have = self._counters[device] = self.xp.zeros(max(count, COUNTERS), np.uint32)
         return have
+
+    def nan_chunk(self):
+        """16 bytes of float32 NaN on the current device, which the kernels that apply a batch norm and its relu
+        to an operand as it lands copy where the operand is zero (conv_tc.cu's TcFold): made on first use, one
+        per device, never written."""
+        device = self.xp.cuda.runtime.getDevice() if self.xp is not np else None
+        if device not in self._nan_chunks:
+            chunk = self._nan_chunks[device] = self.xp.empty(4, np.float32)
+            chunk.fill(np.nan)
+        return self._nan_chunks[device]
 
     def capture(self, fn):
         """(graph, fn()): fn's launches captured, not run; graph.launch() replays them (CUDA graphs on

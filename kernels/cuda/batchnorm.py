@@ -98,8 +98,10 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, beta=None, ou
     dy, y = like(be, op, x, dy, y)
     storage(op, x, dy, y)
     gamma, mean, invstd, beta = float32(be, op, gamma, mean, invstd, beta)
-    if beta is not None and (y is None or shortcut or beta.shape != gamma.shape):
-        raise ValueError(f"{op}: beta is given for a relu alone (y given, no shortcut), of gamma's shape")
+    if beta is not None and (shortcut or beta.shape != gamma.shape):
+        raise ValueError(f"{op}: beta is given for a relu alone (no shortcut), of gamma's shape")
+    if y is None and beta is not None and sums is None:   # the sums' pass reads the mask: y, not stored, made
+        y = apply(be, x, gamma, beta, mean, invstd, relu=True)
     _sizes(x, gamma, dy)
     if y is not None:
         _sizes(x, gamma, y)

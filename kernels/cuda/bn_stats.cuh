@@ -169,10 +169,13 @@ __device__ __forceinline__ void bn_tile_statistics(const BnStats& s, Moments m, 
 
 // A training batch norm's value of x before its relu: x * scale + shift, scale = gamma * invstd and shift =
 // beta - mean * scale, in two fmaf (nothing left for the compiler to contract), so that the relu's mask
-// recomputed from x in the backward is bit for bit the forward's (batchnorm.cu's bn_apply).
+// recomputed from x in the backward is bit for bit the forward's (batchnorm.cu's bn_apply), and so is the
+// normalisation a convolution applies as it loads its operand (conv_tc.cu's TcNormRows, TcNormColumns).
+__device__ __forceinline__ float bn_scale(float invstd, float gamma) { return gamma * invstd; }
+__device__ __forceinline__ float bn_shift(float mean, float scale, float beta) { return fmaf(-mean, scale, beta); }
 __device__ __forceinline__ float bn_affine(float x, float mean, float invstd, float gamma, float beta) {
-    const float scale = gamma * invstd;
-    return fmaf(x, scale, fmaf(-mean, scale, beta));
+    const float scale = bn_scale(invstd, gamma);
+    return fmaf(x, scale, bn_shift(mean, scale, beta));
 }
 
 // ---- the backward's sums where dy is produced ------------------------------------------------------

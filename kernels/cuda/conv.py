@@ -16,11 +16,11 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
-from .batchnorm import backward_sums, running_pair, sums_outputs
+from .batchnorm import apply, backward_sums, running_pair, sums_outputs
 from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
     storage_argument
 
-OPS = ("conv2d_forward", "conv2d_backward")
+OPS = ("conv2d_forward", "conv2d_backward", "conv2d_folds")
 
 # BM = BN of each tile of common.cuh; the kernel sizes with their own instantiation, (0, 0)
 # being the one that takes any size at run time. On bfloat16 storage (the stem of the bf16 precision,
@@ -52,10 +52,11 @@ def choose_tile(rows, columns, dtype):
         else "Tile64"
 
 
-def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None):
+def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None, normalize=None):
     """See kernels/cpu/conv.py. The statistics of a training batch norm that follows (statistics =
     (eps, running, momentum)) come from the forward kernel's epilogue (bn_stats.cuh), the tensor-core
-    GEMMs' (conv_tc.forward) and conv.cu's alike."""
+    GEMMs' (conv_tc.forward) and conv.cu's alike. A batch norm before (normalize) is applied as the
+    TF32 GEMM loads x where it can (conv_tc.folds), else by batch_norm_apply first."""
     op = "conv2d_forward"
     x, w = _operands(be, op, x, w)
     (b,) = float32(be, op, b)
@@ -64,9 +65,10 @@ def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None):
     if statistics is not None:
         eps, running, momentum = statistics
         statistics = conv_tc.Statistics(eps, running_pair(be, op, running, o), momentum)
+    x, fold = _normalized(be, op, x, normalize, "forward", geometry)
     kind = _tensor_cores(c, o)
     if kind:
-        out = conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry, statistics)
+        out = conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry, statistics, fold)
         y, stats = (out, ()) if statistics is None else (out[0], out[1:])
         y = y.transpose(0, 3, 1, 2)
     else:
@@ -79,15 +81,40 @@ def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None):
     return y if statistics is None else (y, *stats)
 
 
+def conv2d_folds(be, x, w, stride, padding):
+    """See kernels/cpu/conv.py: under tf32, x channels-last and the convolution one whose forward and
+    backward-weight have kernels that apply the norm (conv_tc.folds)."""
+    geometry = _geometry(x, w, stride, padding)
+    return _folds(x, "forward", geometry) and _folds(x, "wgrad", geometry)
+
+
+def _folds(x, gemm, geometry):
+    return kernels.precision() == "tf32" and _tensor_cores(geometry[1], geometry[4]) is conv_tc.TF32 and \
+        x.dtype == np.float32 and is_channels_last(x) and conv_tc.folds(gemm, geometry)
+
+
+def _normalized(be, op, x, normalize, gemm, geometry):
+    """(x, fold): where a batch norm (normalize = (gamma, beta, mean, invstd), see kernels/cpu/conv.py) comes
+    before the convolution, x and the norm for TF32's `gemm` to apply as it loads x (conv_tc.folds: x
+    channels-last), else relu(the norm of x) computed (batch_norm_apply) and no fold; x and None without one."""
+    if normalize is None:
+        return x, None
+    fold = float32(be, op, *normalize)
+    if _folds(x, gemm, geometry):
+        return x, fold
+    return apply(be, x, *fold, relu=True), None
+
+
 def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
-                    norm_out=None):
+                    norm_out=None, normalize=None):
     """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
     (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
     to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given.
     With `norm` = (y, x, mean, invstd, gamma, beta) (gamma and beta None but for a relu alone, whose mask
     the epilogue then recomputes from x), the batch norm's backward sums of dx (after the add, when
     add_dx_to is given) as well (into norm_out), from the tensor-core backward-data's epilogue
-    (channels-last y and x, dx added in place there), else from batchnorm.py's pass over dx."""
+    (channels-last y and x, dx added in place there), else from batchnorm.py's pass over dx. normalize: as
+    conv2d_forward's, for backward-weight (backward-data does not read x)."""
     if norm is not None and not need_dx:
         raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
     sums = None if norm is None else sums_outputs(be, "conv2d_backward", norm_out, x.shape[1])
@@ -96,6 +123,7 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if dy.shape != (n, o, oh, ow):
         raise ValueError(f"conv2d dy shape {dy.shape} does not match the forward output {(n, o, oh, ow)}")
+    x, fold = _normalized(be, "conv2d_backward", x, normalize, "wgrad", geometry)
     dw, db = gradient_outputs(be, "conv2d_backward", out, (w.shape, w.shape[:1]))
     dw = _empty(be, w.shape, is_channels_last(w), np.float32) if dw is None else dw
     db = be.xp.empty((o,), np.float32) if db is None else db
@@ -117,14 +145,18 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
                 dx = dx if into is None else add_dx_to
             else:   # an NCHW add_dx_to: added by a kernel of its own
                 dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry).transpose(0, 3, 1, 2))
-        grads = (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db))
+        grads = (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db, fold))
     else:
         dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry)) if need_dx else None
         grads = (dx, *_backward_weight(be, dy, x, geometry, dw, db))
     if norm is None:
         return grads
     if epilogue is None:
-        backward_sums(be, dx, *norm[:4], "conv2d_backward", into=sums)
+        y, x_norm, mean, invstd, gamma, beta = norm
+        if y is None:   # a relu alone's output, not stored (normalize): its mask made
+            y = apply(be, dense(be, "conv2d_backward", x_norm), *float32(be, "conv2d_backward", gamma, beta, mean, invstd),
+                      relu=True)
+        backward_sums(be, dx, y, x_norm, mean, invstd, "conv2d_backward", into=sums)
     return (*grads, *sums)
 
 
@@ -136,7 +168,7 @@ def _epilogue_norm(be, norm, dtype):
     if norm is None:
         return None
     y, x, mean, invstd, gamma, beta = norm
-    if any(a.dtype != dtype or not is_channels_last(a) for a in (y, x)):
+    if any(a is not None and (a.dtype != dtype or not is_channels_last(a)) for a in (y, x)):
         return None
     return (None if beta is not None else y.transpose(0, 2, 3, 1), x.transpose(0, 2, 3, 1),
             *float32(be, "conv2d_backward", mean, invstd, gamma, beta))

@@ -113,6 +113,103 @@ __device__ __forceinline__ void tc_round_stage(float* tile, OnChunk& on_chunk) {
     }
 }
 
+// What the main loop does to each landed stage of A before the warps read it (land), and where A's zero
+// chunks come from (PADDED: from pad, see tc_load_stage): TcRound rounds it to TF32 (tc_round_stage), the
+// zero chunks zero-filled.
+struct TcRound {
+    static constexpr bool PADDED = false;
+    static constexpr const float* pad = nullptr;
+    template <int W, bool K_MAJOR>
+    __device__ void land(float* tile) {
+        NoChunkWork none;
+        tc_round_stage<W, K_MAJOR>(tile, none);
+    }
+};
+
+// A training batch norm with its relu applied as its output is loaded (TcNormRows, TcNormColumns): the
+// convolution reads relu(bn(x)) from x, the norm's input, so that the normalised activation is never
+// stored. pad: 4 NaN (the zero chunks are copied from it: fmaxf(NaN, 0) is the padding's zero); the
+// norm's batch mean and invstd, gamma and beta.
+#define TC_FOLD_PARAMS                                                                                \
+    const float *__restrict__ fold_pad, const float *__restrict__ fold_mean,                           \
+        const float *__restrict__ fold_invstd, const float *__restrict__ fold_gamma, const float *__restrict__ fold_beta
+struct TcFold {
+    const float *pad, *mean, *invstd, *gamma, *beta;
+};
+#define TC_FOLD \
+    { fold_pad, fold_mean, fold_invstd, fold_gamma, fold_beta }
+
+// relu(v * scale + shift) of a chunk's 4 values (bn_stats.cuh's bn_affine, bit for bit batchnorm.cu's
+// bn_apply, but that fmaxf makes a NaN 0 where bn_apply keeps it), rounded to TF32 as tf32_round does:
+// after fmaxf a value is finite and not negative, or +infinity (0x7f801000 reads as infinity), so that the
+// rounding is its add alone.
+__device__ __forceinline__ float4 tc_norm_relu(float4 v, const float4& scale, const float4& shift) {
+    const auto one = [](float x, float s, float b) {
+        return __uint_as_float(__float_as_uint(fmaxf(fmaf(x, s, b), 0.0f)) + 0x1000u);
+    };
+    return {one(v.x, scale.x, shift.x), one(v.y, scale.y, shift.y), one(v.z, scale.z, shift.z),
+            one(v.w, scale.w, shift.w)};
+}
+
+// The forward's A (K_MAJOR, the 16 k of a stage 16 channels of one tap): a thread's chunks of a stage share
+// their 4 channels, ci.., whose scale and shift it computes as the stage lands.
+struct TcNormRows {
+    static constexpr bool PADDED = true;
+    TcFold fold;
+    int channels, ci;
+    const float* pad;
+    __device__ TcNormRows(const TcFold& f, int channels_, int k_begin)
+        : fold(f), channels(channels_), ci(k_begin % channels_ + int(threadIdx.x) % 4 * 4), pad(f.pad) {}
+    template <int W, bool K_MAJOR>
+    __device__ void land(float* tile) {
+        static_assert(K_MAJOR, "the forward's A runs along k");
+        const float4 m = *reinterpret_cast<const float4*>(fold.mean + ci);
+        const float4 s = *reinterpret_cast<const float4*>(fold.invstd + ci);
+        const float4 gm = *reinterpret_cast<const float4*>(fold.gamma + ci);
+        const float4 bt = *reinterpret_cast<const float4*>(fold.beta + ci);
+        const float4 scale{bn_scale(s.x, gm.x), bn_scale(s.y, gm.y), bn_scale(s.z, gm.z), bn_scale(s.w, gm.w)};
+        const float4 shift{bn_shift(m.x, scale.x, bt.x), bn_shift(m.y, scale.y, bt.y), bn_shift(m.z, scale.z, bt.z),
+                           bn_shift(m.w, scale.w, bt.w)};
+#pragma unroll
+        for (int c = 0; c < TcCopy<W, true>::CHUNKS; ++c) {
+            float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, true>::offset(c));
+            *chunk = tc_norm_relu(*chunk, scale, shift);
+        }
+        ci += TC_BK;   // the next stage's channels: of this tap, or the first of the next
+        if (ci >= channels) ci -= channels;
+    }
+};
+
+// Backward-weight's A (rows m = (tap, ci), fixed for the thread: 4 channels a chunk): the block's rows'
+// scale and shift, worked out once into `table` (2 x BM floats of shared memory; the constructor, which
+// every thread of the block must call, synchronises it), read as each stage lands.
+template <int BM>
+struct TcNormColumns {
+    static constexpr bool PADDED = true;
+    const float* table;
+    const float* pad;
+    __device__ TcNormColumns(float* table_, const TcFold& f, int channels, int m0) : table(table_), pad(f.pad) {
+        if (int(threadIdx.x) < BM) {
+            const int c = (m0 + int(threadIdx.x)) % channels;
+            const float scale = bn_scale(f.invstd[c], f.gamma[c]);
+            table_[threadIdx.x] = scale;
+            table_[BM + threadIdx.x] = bn_shift(f.mean[c], scale, f.beta[c]);
+        }
+        __syncthreads();
+    }
+    template <int W, bool K_MAJOR>
+    __device__ void land(float* tile) {
+        static_assert(!K_MAJOR && W == BM, "backward-weight's A runs along its rows");
+#pragma unroll
+        for (int c = 0; c < TcCopy<W, false>::CHUNKS; ++c) {
+            const int row = TcCopy<W, false>::row(c);
+            float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, false>::offset(c));
+            *chunk = tc_norm_relu(*chunk, *reinterpret_cast<const float4*>(table + row),
+                                  *reinterpret_cast<const float4*>(table + BM + row));
+        }
+    }
+};
+
 // The A fragment of mma tile (row0.., k..k+7) for this lane (tensor_core.cuh's layout); rows in
 // the permuted order when the stage is not K_MAJOR (see the header).
 template <int W, bool K_MAJOR>
@@ -158,10 +255,12 @@ __device__ __forceinline__ void tc_fragments_b(unsigned (&b)[2][2], const float*
 // give the places of the thread's chunks of the current stage (at(c, offset), see tc_load_stage)
 // and move to the next (next()). Every thread of the block must call it (it synchronises the block).
 // on_chunk_b.add(c, raw) sees the raw float32 values of each of this thread's B chunks (zero past the
-// matrix) once they have landed.
-template <class T, bool A_K_MAJOR, bool B_K_MAJOR, class IteratorA, class IteratorB, class OnChunk = NoChunkWork>
-__device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles,
-                                        float (&acc)[T::MI][T::NI][4], OnChunk&& on_chunk_b = OnChunk()) {
+// matrix) once they have landed; land_a makes each landed stage of A what the warps read (TcRound, or
+// with a batch norm applied: TcNormRows, TcNormColumns).
+template <class T, bool A_K_MAJOR, bool B_K_MAJOR, class IteratorA, class IteratorB, class OnChunk = NoChunkWork,
+          class LandA = TcRound>
+__device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, float (&acc)[T::MI][T::NI][4],
+                                        OnChunk&& on_chunk_b = OnChunk(), LandA land_a = LandA()) {
     using StageA = TcStage<T::BM, A_K_MAJOR>;
     using StageB = TcStage<T::BN, B_K_MAJOR>;
     __shared__ __align__(16) float As[T::STAGES][StageA::SIZE];
@@ -170,7 +269,7 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles,
     tc_clear<T>(acc);
     const auto load = [&](int tile, int stage) {
         if (tile < tiles) {
-            tc_load_stage<TcCopy<T::BM, A_K_MAJOR>>(As[stage], a);
+            tc_load_stage<TcCopy<T::BM, A_K_MAJOR>, LandA::PADDED>(As[stage], a, land_a.pad);
             tc_load_stage<TcCopy<T::BN, B_K_MAJOR>>(Bs[stage], b);
             a.next();
             b.next();
@@ -183,8 +282,7 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles,
         float* as = As[stage];
         float* bs = Bs[stage];
         cp_async_wait<T::STAGES - 2>();  // this thread's copies of `tile` have landed
-        NoChunkWork none;
-        tc_round_stage<T::BM, A_K_MAJOR>(as, none);
+        land_a.template land<T::BM, A_K_MAJOR>(as);
         tc_round_stage<T::BN, B_K_MAJOR>(bs, on_chunk_b);
         __syncthreads();                 // everyone's are rounded, and everyone is done with tile - 1
         load(tile + T::STAGES - 1, (stage + T::STAGES - 1) % T::STAGES);
@@ -216,18 +314,25 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles,
 // y (N*OH*OW x O, NHWC) = im2col(x) . w_krsc^T + bias (bias may be null): block (x, y, z) computes
 // output pixels [x * BM, ...) by channels [y * BN, ...) over k in [z * k_chunk, (z + 1) * k_chunk)
 // (split-K over the gridDim.z parts, in groups of `group`, see tc_finish); and, unless stats_partial is
-// null, the statistics of y's columns for the batch norm that follows (tc_batch_stats).
-template <class T, int ALIGN>
+// null, the statistics of y's columns for the batch norm that follows (tc_batch_stats). NORM: x is a
+// training batch norm's input, and the convolution's input relu(bn(x)), applied as each stage lands
+// (TcNormRows, the fold_ parameters; the plain kernels ignore them).
+template <class T, int ALIGN, bool NORM = false>
 __global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
 conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
                 float* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
-                BN_STATS_PARAMS) {
+                BN_STATS_PARAMS, TC_FOLD_PARAMS) {
+    static_assert(ALIGN == 16 || !NORM, "a norm applied as x lands takes the aligned copies");
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, depth = g.taps() * g.c, pixels = g.n * g.out_plane();
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, depth);
     const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;
     float acc[T::MI][T::NI][4];
-    if constexpr (ALIGN == 16)
+    if constexpr (NORM)
+        tc_gemm<T, true, true>(ImageRowsAligned<TcCopy<T::BM, true>>(g, x, m0, k_begin),
+                               MatrixRowsAligned<TcCopy<T::BN, true>>(w_krsc, g.o, depth, n0, k_begin), tiles, acc,
+                               NoChunkWork(), TcNormRows(TcFold TC_FOLD, g.c, k_begin));
+    else if constexpr (ALIGN == 16)
         tc_gemm<T, true, true>(ImageRowsAligned<TcCopy<T::BM, true>>(g, x, m0, k_begin),
                                MatrixRowsAligned<TcCopy<T::BN, true>>(w_krsc, g.o, depth, n0, k_begin), tiles, acc);
     else
@@ -322,14 +427,17 @@ struct BiasSums : BiasTotals<T> {
 // computes the columns m = (r, s, ci) [x * BM, ...) by output channels [y * BN, ...) over the pixels
 // [z * k_chunk, (z + 1) * k_chunk) (split-K in groups of `group`, see tc_finish). And, unless db
 // is null, the bias gradient (BiasSums). plane_..., width_...: the FastDivmod multipliers and
-// shifts of OH*OW and OW.
-template <class T, int ALIGN>
+// shifts of OH*OW and OW. NORM: x is a training batch norm's input, and the convolution's input
+// relu(bn(x)) (TcNormColumns), as conv_tc_forward's.
+template <class T, int ALIGN, bool NORM = false>
 __global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
 conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dw, int krsc,
               float* __restrict__ db, float* partial, float* db_partial, unsigned* counters, CONV_PARAMS,
               int k_chunk, int group, unsigned plane_multiplier, unsigned plane_shift, unsigned width_multiplier,
-              unsigned width_shift) {
+              unsigned width_shift, TC_FOLD_PARAMS) {
+    static_assert(ALIGN == 16 || !NORM, "a norm applied as x lands takes the aligned copies");
     __shared__ float warp_sums[4][T::BN];
+    __shared__ __align__(16) float norm_table[NORM ? 2 * T::BM : 1];
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, columns = g.taps() * g.c;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
@@ -337,12 +445,17 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* 
     using CopyB = TcCopy<T::BN, false>;
     BiasSums<T, CopyB> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
     float acc[T::MI][T::NI][4];
-    if constexpr (ALIGN == 16)
-        tc_gemm<T, false, false>(ImageColumnsAligned<TcCopy<T::BM, false>>(
-                                     g, x, FastDivmod{g.out_plane(), plane_multiplier, plane_shift},
-                                     FastDivmod{g.ow, width_multiplier, width_shift}, m0, k_begin, k_end),
-                                 PixelChannelsAligned<CopyB>(dy, g.o, n0, k_begin, k_end), tiles, acc, bias);
-    else
+    if constexpr (ALIGN == 16) {
+        const ImageColumnsAligned<TcCopy<T::BM, false>> a(g, x, FastDivmod{g.out_plane(), plane_multiplier, plane_shift},
+                                                          FastDivmod{g.ow, width_multiplier, width_shift}, m0,
+                                                          k_begin, k_end);
+        const PixelChannelsAligned<CopyB> b(dy, g.o, n0, k_begin, k_end);
+        if constexpr (NORM)
+            tc_gemm<T, false, false>(a, b, tiles, acc, bias,
+                                     TcNormColumns<T::BM>(norm_table, TcFold TC_FOLD, g.c, m0));
+        else
+            tc_gemm<T, false, false>(a, b, tiles, acc, bias);
+    } else
         tc_gemm<T, false, false>(Gathered<TcCopy<T::BM, false>, ImageColumns>{x, {g}, m0, k_begin, k_end},
                                  Gathered<CopyB, ChannelsOfPixels>{dy, {g.o}, n0, k_begin, k_end}, tiles, acc, bias);
     bias.reduce(warp_sums);

@@ -60,7 +60,11 @@ TF32 = Kind("conv_tc", (("Tc128x128", 128, 128, 16, False), ("Tc128x64", 128, 64
 BK, GEMMS = 16, TF32.gemms
 # Backward-weight runs a large tile at every size (choose_wgrad_tile): its grid is small and split-K
 # fills the GPU, and the small tile's loop issues more than 8 instructions per HMMA.
-KERNELS = TF32.kernels(("Tc128x128", "Tc128x64"))
+# The forward and backward-weight of a convolution whose input is a training batch norm's relu(bn(x)), read
+# from x with the norm applied as each stage lands (conv_tc.cu's NORM): the large tiles, aligned copies.
+FOLD_TILES = ("Tc128x128", "Tc128x64")
+KERNELS = TF32.kernels(("Tc128x128", "Tc128x64")) + tuple(
+    f"conv_tc_{gemm}<{tile}, {BK}, true>" for gemm in ("forward", "wgrad") for tile in FOLD_TILES)
 # Split-K: a grid of fewer blocks than SPLIT_TARGET splits its k into parts of at least
 # MIN_SPLIT_K (whole k steps) until it has that many blocks: one per SM of an H200 (132 SMs) for
 # the forward and backward-data, whose grids are large but at the last stages, so that no SM is
@@ -149,10 +153,23 @@ class Plan(typing.NamedTuple):
     family: str
 
 
+def folds(gemm, geometry):
+    """Whether TF32's `gemm` ("forward" or "wgrad") of this convolution can read its input as a batch
+    norm's relu(bn(x)) from x (FOLD_TILES, with the aligned copies)."""
+    return plan(gemm, geometry, TF32).kernel in {TF32.kernel(gemm, tile, BK) for tile in FOLD_TILES}
+
+
 @functools.lru_cache(maxsize=1024)
-def plan(gemm, geometry, kind=TF32):
+def plan(gemm, geometry, kind=TF32, fold=False):
     """The Plan of `gemm` ("forward", "dgrad" or "wgrad") for the geometry tuple of conv.py, on the
-    GEMMs of `kind` (TF32 or BF16)."""
+    GEMMs of `kind` (TF32 or BF16); `fold`: TF32's kernel that applies a batch norm to its input as it
+    loads it (where `folds`)."""
+    if fold:
+        if not folds(gemm, geometry):
+            raise ValueError(f"conv_tc {gemm}: no kernel of it applies a batch norm to its input, for "
+                             f"the convolution {geometry}")
+        p = plan(gemm, geometry, TF32)
+        return p._replace(kernel=p.kernel[:-1] + ", true>")
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if not supports(c, o, kind):
         raise ValueError(f"the {kind.family} convolutions need channel counts that are multiples of {kind.chunk}, "
@@ -243,18 +260,29 @@ class Statistics(typing.NamedTuple):
     momentum: float
 
 
-def forward(be, x, w_krsc, b, geometry, statistics=None):
+def forward(be, x, w_krsc, b, geometry, statistics=None, fold=None):
     """y (N, OH, OW, O) = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (may be None), y of x's dtype;
     with `statistics` (Statistics), (y, mean, invstd): y's batch statistics per channel, from the
-    kernel's epilogue."""
+    kernel's epilogue. With `fold` = (gamma, beta, mean, invstd) (float32 (C,), TF32 where `folds`), the
+    convolution of relu(the batch norm of x with them), applied as x is loaded."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    p = plan("forward", geometry, kind_of(x.dtype))
+    kind = kind_of(x.dtype)
+    p = plan("forward", geometry, kind, fold=fold is not None)
     x, w_krsc = aligned(x), aligned(w_krsc)
     y = be.xp.empty((n, oh, ow, o), x.dtype)
     # the statistics' counters follow the split's in the backend's set
     stats, mean, invstd = statistics_arguments(be, statistics, p.grid[0], p.grid[1], o, n * oh * ow, _counters(p))
-    _launch(be, p, (x, w_krsc, b), y, geometry, tail=stats)
+    _launch(be, p, (x, w_krsc, b), y, geometry, tail=stats + (fold_arguments(be, fold) if kind is TF32 else ()))
     return y if statistics is None else (y, mean, invstd)
+
+
+def fold_arguments(be, fold):
+    """conv_tc.cu's TC_FOLD_PARAMS of a batch norm's (gamma, beta, mean, invstd) (None: nulls): the NaN that
+    the padding is copied from and the four arrays, 16-byte aligned (each thread loads 4 channels at once)."""
+    if fold is None:
+        return (None,) * 5
+    gamma, beta, mean, invstd = (aligned(a) for a in fold)
+    return be.nan_chunk(), mean, invstd, gamma, beta
 
 
 def statistics_arguments(be, statistics, tiles, channel_tiles, channels, values, offset=0):
@@ -305,17 +333,19 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None):
     return dx
 
 
-def backward_weight(be, dy, x, geometry, dw, db):
+def backward_weight(be, dy, x, geometry, dw, db, fold=None):
     """dw (float32) from dy (N, OH, OW, O) and x (N, H, W, C), into `dw` (O, C, KH, KW): C-contiguous, or
     channels-last (O, KH, KW, C memory); and the bias gradient, dy summed per channel, into `db`
-    (O,) unless it is None; at any alignment (the kernel stores single floats)."""
-    p = plan("wgrad", geometry, kind_of(dy.dtype))
+    (O,) unless it is None; at any alignment (the kernel stores single floats). `fold`: x is a batch
+    norm's input, as forward's."""
+    kind = kind_of(dy.dtype)
+    p = plan("wgrad", geometry, kind, fold=fold is not None)
     dy, x = aligned(dy), aligned(x)
     o = geometry[4]
     partial = be.xp.empty((partial_slots(p), o), np.float32) if p.splits > 1 and db is not None else None
     oh, ow = geometry[11:]
     _launch(be, p, (dy, x), memory(dw), geometry, (int(is_channels_last(dw)), db), (partial,),
-            (*fast_divmod(oh * ow), *fast_divmod(ow)))
+            (*fast_divmod(oh * ow), *fast_divmod(ow), *(fold_arguments(be, fold) if kind is TF32 else ())))
     return dw, db
 
 

@@ -32,15 +32,19 @@ struct TcTile {
 // Copies this thread's chunks of one stage into `tile`: it.at(c, offset) says whether chunk c
 // holds data, at it.base + offset in global memory, or is zero (padding, past the matrix or the
 // part's k); a zero chunk copies nothing from it.base, a valid address that keeps the instruction
-// well formed.
-template <class Copy, class Iterator>
-__device__ __forceinline__ void tc_load_stage(typename Copy::Element* tile, const Iterator& it) {
+// well formed. PADDED: such a chunk is copied from `pad` instead (16 bytes: conv_tc.cu's NaN, which a
+// batch norm applied as the stage lands turns into the zero of the padding).
+template <class Copy, bool PADDED = false, class Iterator>
+__device__ __forceinline__ void tc_load_stage(typename Copy::Element* tile, const Iterator& it,
+                                              const typename Copy::Element* pad = nullptr) {
 #pragma unroll
     for (int c = 0; c < Copy::CHUNKS; ++c) {
         int offset = 0;
         const bool data = it.at(c, offset);
-        // an unsigned offset: a 64-bit address in one multiply-add, where a signed one is extended first
-        cp_async_cg(tile + Copy::offset(c), it.base + unsigned(data ? offset : 0), data ? 16 : 0);
+        if constexpr (PADDED)
+            cp_async_cg(tile + Copy::offset(c), data ? it.base + unsigned(offset) : pad, 16);
+        else   // an unsigned offset: a 64-bit address in one multiply-add, where a signed one is extended first
+            cp_async_cg(tile + Copy::offset(c), it.base + unsigned(data ? offset : 0), data ? 16 : 0);
     }
 }
 

@@ -1,0 +1,183 @@
+"""A batch norm and its relu applied as the convolution after it loads its input (conv2d_forward and
+conv2d_backward's normalize = (gamma, beta, mean, invstd)): TF32's forward and backward-weight read the
+norm's input x and make relu(bn(x)) of each stage as it lands (conv_tc.cu's TcNormRows, TcNormColumns),
+the padding copied from a NaN (conv_tc.fold_arguments) that the relu turns into zero; a residual block's
+bn1 is never stored (F.batch_norm's fold, nn.functional.Normalized).
+
+- On the CPU emulator under its sanitizer, in both thread orders: y, dw and db bit for bit those of the
+  same convolution of relu(bn(x)) computed first (batch_norm_apply: the same fmaf, the same rounding to
+  TF32), and within TF32's rounding of float64 of the CPU backend's; both tiles (128 x 64 and 128 x 128),
+  stride 1 and 2, split-K forced, padding on every side. Planted: the padding zero-filled rather than
+  copied from the NaN (relu(shift) where zeros belong) fails.
+- Where no kernel folds (a forward's 64-row tile, NCHW memory, channel counts not multiples of 16) the
+  launchers compute relu(bn(x)) first: the same results.
+- ResNet-18's training step on the emulator with the fold and without: the loss and every gradient bit
+  for bit, and the residual blocks' bn1 no longer launch bn_apply.
+"""
+import numpy as np
+import pytest
+
+import kernels
+from helpers import rng, validate
+from kernels.cuda import conv_tc
+from kernels.emu import thread_order
+
+# (N, C, H, W) of x, O, stride: 128 x 64 and 128 x 128 tiles at stride 1, a stride-2 64 -> 128 (its forward
+# on the square tile), a small image (padding a large share of the taps)
+SHAPES = [((1, 64, 12, 12), 64, 1), ((2, 128, 9, 9), 128, 1), ((2, 64, 9, 9), 128, 2), ((4, 32, 6, 6), 32, 1)]
+
+
+def channels_last(a):
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
+def draw(x_shape, o):
+    """x far from zero (its mean per channel shifted), weights, bias, and the norm's parameters: gamma of
+    both signs, so that relu(shift) is positive in some channels (where the padding's zero would not be)."""
+    g = rng()
+    n, c = x_shape[:2]
+    x = channels_last((g.standard_normal(x_shape) * 2 + g.standard_normal((1, c, 1, 1))).astype(np.float32))
+    w = channels_last((g.standard_normal((o, c, 3, 3)) / np.sqrt(9 * c)).astype(np.float32))
+    b = g.standard_normal(o).astype(np.float32)
+    gamma, beta, mean = g.standard_normal((3, c)).astype(np.float32)
+    invstd = g.uniform(0.3, 2.0, c).astype(np.float32)
+    return x, w, b, (gamma, beta, mean, invstd)
+
+
+def launched(monkeypatch):
+    names, launch = [], conv_tc.launch
+    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, grid, args, **k: names.append(kernel) or
+                        launch(be, family, kernel, grid, args, **k))
+    return names
+
+
+def gradient(x, w, stride):
+    """A random dy for the convolution (3x3, padding 1) of x by w."""
+    n, _, h, wd = x.shape
+    side = lambda size: (size - 1) // stride + 1   # noqa: E731
+    return channels_last(rng().standard_normal((n, w.shape[0], side(h), side(wd))).astype(np.float32))
+
+
+def both_ways(be, x, w, b, normalize, stride, dy):
+    """(forward, backward) of the convolution of relu(bn(x)): folded (normalize) and with y computed first."""
+    y = be.batch_norm_apply(x, *normalize, relu=True)
+    folded = be.conv2d_forward(x, w, b, stride, 1, normalize=normalize)
+    plain = be.conv2d_forward(y, w, b, stride, 1)
+    return ((folded, be.conv2d_backward(dy, x, w, stride, 1, normalize=normalize)),
+            (plain, be.conv2d_backward(dy, y, w, stride, 1)))
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("x_shape, o, stride", SHAPES)
+def test_a_batch_norm_applied_as_the_input_lands(monkeypatch, x_shape, o, stride, split):
+    if split:   # every forward split over k in parts of two stages (the fold's channel follows the part)
+        monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 10**9)
+        monkeypatch.setattr(conv_tc, "MIN_SPLIT_K", 32)
+    conv_tc.plan.cache_clear()
+    names = launched(monkeypatch)
+    x, w, b, normalize = draw(x_shape, o)
+    dy = gradient(x, w, stride)
+    try:
+        results = {}
+        for order in ("ascending", "descending"):
+            with kernels.use_precision("tf32"), thread_order(order):
+                results[order] = both_ways(kernels._device_backend("emu"), x, w, b, normalize, stride, dy)
+    finally:
+        conv_tc.plan.cache_clear()
+    (folded, grads), (plain, plain_grads) = results["ascending"]
+    assert any(name.startswith("conv_tc_forward") and name.endswith(", true>") for name in names) or \
+        x_shape[0] * (x_shape[2] // stride) ** 2 < 128, names   # 64-row tiles do not fold
+    assert any(name.startswith("conv_tc_wgrad") and name.endswith(", true>") for name in names), names
+    np.testing.assert_array_equal(folded, plain, err_msg="y folded against relu(bn(x)) stored")
+    for name, got, want in zip(("dx", "dw", "db"), grads, plain_grads):
+        np.testing.assert_array_equal(got, want, err_msg=f"{name} folded against relu(bn(x)) stored")
+    other = results["descending"]
+    np.testing.assert_array_equal(other[0][0], folded, err_msg="y in the other thread order")
+    np.testing.assert_array_equal(other[0][1][1], grads[1], err_msg="dw in the other thread order")
+    # and against float64 of the CPU backend's, which computes relu(bn(x)) in NumPy first
+    cpu = kernels.cpu
+    as64 = lambda a: a.astype(np.float64)   # noqa: E731
+    want = cpu.conv2d_forward(as64(x), as64(w), as64(b), stride, 1, normalize=tuple(map(as64, normalize)))
+    validate(folded, want, "y against float64", atol=0.0, rtol=4e-3)
+    want_dw = cpu.conv2d_backward(as64(dy), as64(x), as64(w), stride, 1, normalize=tuple(map(as64, normalize)))[1]
+    validate(grads[1], want_dw, "dw against float64", atol=0.0, rtol=4e-3)
+
+
+def test_the_padding_is_zero_not_the_norm_of_zero(monkeypatch):
+    """Planted: the padding zero-filled rather than copied from the NaN (fold_arguments' be.nan_chunk): the
+    folded forward then differs from relu(bn(x)) stored, at the border's outputs alone."""
+    x, w, b, normalize = draw((1, 64, 12, 12), 64)
+    normalize[1][:] = np.abs(normalize[1]) + 0.5   # beta > 0 where the mean term is small: relu(shift) > 0
+    with kernels.use_precision("tf32"), kernels.emu.sanitizer("off"):
+        be = kernels._device_backend("emu")
+        monkeypatch.setattr(type(be), "nan_chunk", lambda self: np.zeros(4, np.float32))
+        folded = be.conv2d_forward(x, w, b, 1, 1, normalize=normalize)
+        plain = be.conv2d_forward(be.batch_norm_apply(x, *normalize, relu=True), w, b, 1, 1)
+    differs = np.any(folded != plain, axis=(0, 1))
+    assert differs[0].all() and differs[-1].all() and differs[:, 0].all() and differs[:, -1].all()
+    assert not differs[1:-1, 1:-1].any()
+
+
+@pytest.mark.parametrize("case", ["64-row tile", "nchw", "8 channels", "gamma at an odd offset"])
+def test_where_no_kernel_folds_the_norm_is_computed_first(monkeypatch, case):
+    x_shape, o = {"64-row tile": ((1, 16, 6, 6), 16), "8 channels": ((2, 8, 9, 9), 8)}.get(case, ((1, 64, 12, 12), 64))
+    x, w, b, normalize = draw(x_shape, o)
+    if case == "nchw":
+        x = np.ascontiguousarray(x)
+    if case == "gamma at an odd offset":   # a flat buffer's parameters: copied aligned for the 16-byte loads
+        buffer = np.empty(x_shape[1] + 1, np.float32)
+        buffer[1:] = normalize[0]
+        normalize = (buffer[1:],) + normalize[1:]
+    names = launched(monkeypatch)
+    dy = gradient(x, w, 1)
+    with kernels.use_precision("tf32"), kernels.emu.sanitizer("off"):
+        (folded, grads), (plain, plain_grads) = both_ways(kernels._device_backend("emu"), x, w, b, normalize, 1, dy)
+    folds = lambda gemm: any(name.startswith(gemm) and name.endswith(", true>") for name in names)   # noqa: E731
+    # backward-weight's tile has 128 rows whatever the forward's
+    assert folds("conv_tc_forward") == (case == "gamma at an odd offset"), names
+    assert folds("conv_tc_wgrad") == (case in ("gamma at an odd offset", "64-row tile")), names
+    np.testing.assert_array_equal(folded, plain)
+    for got, want in zip(grads, plain_grads):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_resnet_step_with_the_fold_is_the_step_without(monkeypatch):
+    """ResNet-18 (width 16: every residual convolution's channels a multiple of 16) on the emulator under
+    tf32: one training step with bn1 folded into conv2 and one with it stored, from the same weights and
+    batch: the loss and every parameter's gradient bit for bit; the folded step launches bn_apply for the
+    stem's norm and the join norms alone."""
+    import nn
+    import nn.functional as F
+    from kernels.cuda import batchnorm
+    from kernels.cuda import launch as cuda_launch
+    names = []
+
+    def recording(be, family, kernel, grid, args, block=(cuda_launch.THREADS,)):
+        names.append(kernel)
+        return cuda_launch.launch(be, family, kernel, grid, args, block)
+    monkeypatch.setattr(batchnorm, "launch", recording)
+    g = rng()
+    x = g.random((2, 1, 16, 16)).astype(np.float32)
+    labels = np.array([3, 7], np.int32)
+    fold = F.batch_norm
+    results = []
+    for folding in (True, False):
+        if not folding:
+            monkeypatch.setattr(F, "batch_norm", lambda *a, fold=False, **k: fold_off(*a, **k))
+        fold_off = fold
+        nn.manual_seed(0)
+        model = nn.resnet18(width=16)
+        names.clear()
+        with kernels.use_precision("tf32"), kernels.emulate(), kernels.emu.sanitizer("off"):
+            loss = F.cross_entropy(model(nn.Tensor(x)), labels)
+            loss.backward()
+        results.append((loss.numpy().copy(), [p.grad.copy() for p in model.parameters()]))
+        applies = sum(name.startswith("bn_apply<1") for name in names)
+        # folded: the stem's norm, and the conv2 forwards of fewer than 128 rows (a 64-row tile: the last
+        # stages' at 4 x 4 and 2 x 2), whose norm is computed first
+        small = sum(2 * side * side < 128 for side in (16, 16, 8, 8, 4, 4, 2, 2))
+        assert applies == (1 + small if folding else 9), names
+    (loss, grads), (loss_plain, grads_plain) = results
+    np.testing.assert_array_equal(loss, loss_plain)
+    for i, (got, want) in enumerate(zip(grads, grads_plain)):
+        np.testing.assert_array_equal(got, want, err_msg=f"parameter {i}")
