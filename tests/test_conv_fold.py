@@ -22,9 +22,11 @@ from helpers import rng, validate
 from kernels.cuda import conv_tc
 from kernels.emu import thread_order
 
-# (N, C, H, W) of x, O, stride: 128 x 64 and 128 x 128 tiles at stride 1, a stride-2 64 -> 128 (its forward
-# on the square tile), a small image (padding a large share of the taps)
-SHAPES = [((1, 64, 12, 12), 64, 1), ((2, 128, 9, 9), 128, 1), ((2, 64, 9, 9), 128, 2), ((4, 32, 6, 6), 32, 1)]
+# (N, C, H, W) of x, O, stride, split-K forced: 128 x 64 and 128 x 128 tiles (80 columns: a partial tile of
+# them) at stride 1, with and without split-K (each part's channels start where its k does), a stride-2
+# 64 -> 128 (its forward on the square tile), a small image (padding a large share of the taps)
+SHAPES = [((1, 64, 12, 12), 64, 1, False), ((1, 64, 12, 12), 64, 1, True), ((2, 32, 9, 9), 80, 1, False),
+          ((2, 32, 9, 9), 80, 1, True), ((2, 64, 9, 9), 128, 2, False), ((4, 32, 6, 6), 32, 1, False)]
 
 
 def channels_last(a):
@@ -67,8 +69,7 @@ def both_ways(be, x, w, b, normalize, stride, dy):
             (plain, be.conv2d_backward(dy, y, w, stride, 1)))
 
 
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("x_shape, o, stride", SHAPES)
+@pytest.mark.parametrize("x_shape, o, stride, split", SHAPES)
 def test_a_batch_norm_applied_as_the_input_lands(monkeypatch, x_shape, o, stride, split):
     if split:   # every forward split over k in parts of two stages (the fold's channel follows the part)
         monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 10**9)
