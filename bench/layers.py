@@ -124,10 +124,11 @@ def _residual(layers, name, x, channels, stride):
     return y
 
 
-def distinct(layers):
-    """[(layer, count)]: the first layer of each distinct key and how many layers share it."""
-    counts = Counter(layer.key for layer in layers)
+def distinct(layers, key=lambda layer: layer.key):
+    """[(layer, count)]: the first layer of each distinct key (Layer.key, or `key(layer)`) and how many
+    layers share it."""
+    counts = Counter(key(layer) for layer in layers)
     first = {}
     for layer in layers:
-        first.setdefault(layer.key, layer)
-    return [(layer, counts[key]) for key, layer in first.items()]
+        first.setdefault(key(layer), layer)
+    return [(layer, counts[k]) for k, layer in first.items()]

@@ -25,7 +25,6 @@ import math
 import re
 import statistics
 import sys
-from collections import Counter
 
 from bench import layers
 from kernels.cuda import conv_tc
@@ -137,12 +136,8 @@ def rows(batch, arch, sms, precision):
     # a residual block's conv2 reads bn1's input and applies bn1 and its relu as it loads it, under TF32
     # (F.batch_norm's fold): its forward and backward-weight run the kernels that do (conv_tc.folds)
     folded = lambda layer: precision == "tf32" and layer.name.endswith(".conv2")   # noqa: E731
-    counts = Counter((layer.key, folded(layer)) for layer in layers.resnet18_layers(batch))
-    firsts = {}
-    for layer in layers.resnet18_layers(batch):
-        firsts.setdefault((layer.key, folded(layer)), layer)
-    for (_, fold), layer in firsts.items():
-        count = counts[layer.key, fold]
+    for layer, count in layers.distinct(layers.resnet18_layers(batch), key=lambda layer: (layer.key, folded(layer))):
+        fold = folded(layer)
         if layer.op not in ("conv2d", "linear"):
             continue
         if layer.op == "linear" or not conv_tc.supports(layer.x[1], layer.w[0], kind):
@@ -157,9 +152,9 @@ def rows(batch, arch, sms, precision):
             p = conv_tc.plan(gemm, geometry(layer), kind, fold=applies)
             resident, limit = blocks_per_sm(resources[p.kernel])
             blocks = math.prod(p.grid)
-            out.append({"layer": layer.label + (" (bn1 applied)" if fold else ""), "count": count, "gemm": gemm, "kernel": p.kernel, "grid": p.grid,
-                        "blocks": blocks, "resident": resident, "limit": limit, "splits": p.splits,
-                        "group": p.group, "waves": blocks / (resident * sms),
+            out.append({"layer": layer.label + (" (bn1 applied)" if fold else ""), "count": count, "gemm": gemm,
+                        "kernel": p.kernel, "grid": p.grid, "blocks": blocks, "resident": resident, "limit": limit,
+                        "splits": p.splits, "group": p.group, "waves": blocks / (resident * sms),
                         "flops_per_byte": flops_per_byte(kind, precision, p, *shapes[gemm], geometry(layer)),
                         "partial_bytes": 4 * conv_tc.partial_slots(p) * outputs[gemm]})
     return out, resources, fp32

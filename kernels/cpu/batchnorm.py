@@ -41,16 +41,20 @@ def batch_statistics(x, eps, running, momentum):
 
 
 def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False, sums=None):
-    # beta (a relu alone) lets a device backend recompute the mask from x; here reading y costs less, and y
-    # is computed where it was not stored
-    if y is None and beta is not None:
-        y = batch_norm_apply(x, gamma, beta, mean, invstd, relu=True)
+    # beta (a relu alone) lets a device backend recompute the mask from x; here reading y costs less
+    y = relu_output(y, x, gamma, beta, mean, invstd)
     if shortcut and y is not None:   # the gradient through the relu is returned too: made whole, once
         dy, y = _nchw(_positive(_nhwc(y), _nhwc(dy))), None
     if sums is None:
         sums = masked_backward_sums(dy, y, x, mean, invstd, out=out)
     dx = _backward_dx(dy, y, x, gamma, mean, invstd, sums, x.size // x.shape[1])
     return (dx, *sums) + ((dy,) if shortcut else ())
+
+
+def relu_output(y, x, gamma, beta, mean, invstd):
+    """y, the output of a batch norm of x with its relu; where it was not stored (None, with beta: a relu
+    alone that a device backend's reader applied as it loaded x), computed."""
+    return batch_norm_apply(x, gamma, beta, mean, invstd, relu=True) if y is None and beta is not None else y
 
 
 def masked_backward_sums(dy, y, x, mean, invstd, *, out=None):

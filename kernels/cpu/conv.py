@@ -17,7 +17,7 @@ stage at batch 128) and live only inside a call, so they are built in reused wor
 import numpy as np
 
 from ._util import channel_sum, output_size, pair, padded, windows, workspace, written
-from .batchnorm import batch_norm_apply, batch_statistics, masked_backward_sums
+from .batchnorm import batch_norm_apply, batch_statistics, masked_backward_sums, relu_output
 
 
 def conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None):
@@ -50,8 +50,7 @@ def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx
             raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
         dx, dw, db = conv2d_backward(dy, x, w, stride, padding, out=out, add_dx_to=add_dx_to)
         y, x_norm, mean, invstd, gamma, beta = norm
-        if y is None:   # a relu alone's output not stored (a device backend's normalize): its mask from x_norm
-            y = batch_norm_apply(x_norm, gamma, beta, mean, invstd, relu=True)
+        y = relu_output(y, x_norm, gamma, beta, mean, invstd)
         return (dx, dw, db) + masked_backward_sums(dx, y, x_norm, mean, invstd, out=norm_out)
     stride, padding = pair(stride), pair(padding)
     n, oh, ow = _output_shape(x, w, stride, padding)

@@ -100,8 +100,8 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, beta=None, ou
     gamma, mean, invstd, beta = float32(be, op, gamma, mean, invstd, beta)
     if beta is not None and (shortcut or beta.shape != gamma.shape):
         raise ValueError(f"{op}: beta is given for a relu alone (no shortcut), of gamma's shape")
-    if y is None and beta is not None and sums is None:   # the sums' pass reads the mask: y, not stored, made
-        y = apply(be, x, gamma, beta, mean, invstd, relu=True)
+    if sums is None:   # the sums' pass reads the mask
+        y = relu_output(be, y, x, gamma, beta, mean, invstd)
     _sizes(x, gamma, dy)
     if y is not None:
         _sizes(x, gamma, y)
@@ -117,6 +117,13 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, beta=None, ou
     dx = _dx(be, dy, None if beta is not None else y, x, gamma, beta, mean, invstd, dgamma, dbeta,
              x.size // x.shape[1], masked)
     return (dx, dgamma, dbeta) + ((masked,) if shortcut else ())
+
+
+def relu_output(be, y, x, gamma, beta, mean, invstd):
+    """y, the output of a batch norm of x with its relu; where it was not stored (None, with beta: a relu
+    alone that its reader applied as it loaded x, conv2d's normalize), made (apply) for a pass that reads
+    the mask."""
+    return apply(be, x, gamma, beta, mean, invstd, relu=True) if y is None and beta is not None else y
 
 
 def sums_outputs(be, op, out, c):

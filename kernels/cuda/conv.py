@@ -16,7 +16,7 @@ import kernels
 from kernels.cpu._util import output_size, pair
 
 from . import conv_tc
-from .batchnorm import apply, backward_sums, running_pair, sums_outputs
+from .batchnorm import apply, backward_sums, relu_output, running_pair, sums_outputs
 from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
     storage_argument
 
@@ -153,9 +153,8 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
         return grads
     if epilogue is None:
         y, x_norm, mean, invstd, gamma, beta = norm
-        if y is None:   # a relu alone's output, not stored (normalize): its mask made
-            y = apply(be, dense(be, "conv2d_backward", x_norm), *float32(be, "conv2d_backward", gamma, beta, mean, invstd),
-                      relu=True)
+        y = relu_output(be, y, dense(be, "conv2d_backward", x_norm),
+                        *float32(be, "conv2d_backward", gamma, beta, mean, invstd))
         backward_sums(be, dx, y, x_norm, mean, invstd, "conv2d_backward", into=sums)
     return (*grads, *sums)
 

@@ -155,18 +155,18 @@ __device__ __forceinline__ float4 tc_norm_relu(float4 v, const float4& scale, co
 // their 4 channels, ci.., whose scale and shift it computes as the stage lands.
 struct TcNormRows {
     static constexpr bool PADDED = true;
-    TcFold fold;
+    const float *pad, *mean, *invstd, *gamma, *beta;
     int channels, ci;
-    const float* pad;
     __device__ TcNormRows(const TcFold& f, int channels_, int k_begin)
-        : fold(f), channels(channels_), ci(k_begin % channels_ + int(threadIdx.x) % 4 * 4), pad(f.pad) {}
+        : pad(f.pad), mean(f.mean), invstd(f.invstd), gamma(f.gamma), beta(f.beta), channels(channels_),
+          ci(k_begin % channels_ + int(threadIdx.x) % 4 * 4) {}
     template <int W, bool K_MAJOR>
     __device__ void land(float* tile) {
         static_assert(K_MAJOR, "the forward's A runs along k");
-        const float4 m = *reinterpret_cast<const float4*>(fold.mean + ci);
-        const float4 s = *reinterpret_cast<const float4*>(fold.invstd + ci);
-        const float4 gm = *reinterpret_cast<const float4*>(fold.gamma + ci);
-        const float4 bt = *reinterpret_cast<const float4*>(fold.beta + ci);
+        const float4 m = *reinterpret_cast<const float4*>(mean + ci);
+        const float4 s = *reinterpret_cast<const float4*>(invstd + ci);
+        const float4 gm = *reinterpret_cast<const float4*>(gamma + ci);
+        const float4 bt = *reinterpret_cast<const float4*>(beta + ci);
         const float4 scale{bn_scale(s.x, gm.x), bn_scale(s.y, gm.y), bn_scale(s.z, gm.z), bn_scale(s.w, gm.w)};
         const float4 shift{bn_shift(m.x, scale.x, bt.x), bn_shift(m.y, scale.y, bt.y), bn_shift(m.z, scale.z, bt.z),
                            bn_shift(m.w, scale.w, bt.w)};
