@@ -73,6 +73,39 @@ def main_loops(instructions):
     return sorted(loop for count, loop in shortest.items() if count >= product)
 
 
+def window_loops(instructions):
+    """The instructions of the loops without HMMA inside a kernel's lean main loop (main_loops' first),
+    the innermost of them: a halo kernel's, which copy and land its window a row at a time (inside the
+    loops over a thread's columns, one at the widths the plan gives them), and which the main loop's count
+    holds once where they run once per row of the window."""
+    size, _ = main_loop(instructions)
+    if not size:
+        return 0
+    hmma = [bool(_HMMA.match(i)) for i in instructions]
+    spans = []
+    for end, instruction in enumerate(instructions):
+        branch = _BRANCH.search(instruction)
+        start = int(branch.group(1), 16) // 16 if branch else end + 1
+        if start <= end and any(hmma[start:end + 1]) and end - start + 1 == size:
+            outer = (start, end)
+        elif start <= end and not any(hmma[start:end + 1]):
+            spans.append((start, end))
+    inner = [(a, b) for a, b in spans if outer[0] < a and b < outer[1]]
+    innermost = [(a, b) for a, b in inner if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in inner)]
+    return sum(b - a + 1 for a, b in innermost)
+
+
+def window_rows(kernel, geometry):
+    """The mean rows of the windows a halo kernel's blocks (or backward-weight's stages) load for the
+    convolution (N, C, H, W, ...): the kernel's count, from the first pixel's padded row to the last's, and
+    one above and below."""
+    n, _, h, w = geometry[:4]
+    pixels = n * h * w
+    step = conv_tc.WGRAD_HALO_PIXELS if kernel == conv_tc.WGRAD_HALO_KERNEL else conv_tc.HALO_ROWS
+    padded = lambda m: m // (h * w) * (h + 2) + m % (h * w) // w   # noqa: E731
+    return statistics.mean(padded(min(m0 + step, pixels) - 1) - padded(m0) + 3 for m0 in range(0, pixels, step))
+
+
 def main_loop(instructions):
     """(instructions, HMMA) of a kernel's lean main loop: main_loops' first; (0, 0) without one."""
     loops_ = main_loops(instructions)
@@ -86,6 +119,13 @@ def loops(arch, family="conv_tc"):
     return {name: main_loops(sass[mangled]) for name, mangled in compiled.lowered_names.items()}
 
 
+def window_loop_sizes(arch, family):
+    """{name expression: window_loops} of a family's kernels for `arch`."""
+    compiled = compile_family(family, arch)
+    sass = compiled.sass()
+    return {name: window_loops(sass[mangled]) for name, mangled in compiled.lowered_names.items()}
+
+
 def geometry(layer):
     """conv.py's geometry tuple of a conv2d Layer."""
     n, c, h, w = layer.x
@@ -96,9 +136,9 @@ def geometry(layer):
 def flops_per_byte(kind, precision, p, rows, columns, geometry):
     """The FLOPs per L2 byte of a Plan's tile: 2 BM' BN' k over (BM' + BN') k element bytes, BM' and
     BN' the tile's rows and columns that the GEMM has (a tile wider than the GEMM loads and multiplies
-    those alone). A halo kernel's block loads, per 32 channels, its window once for the nine taps: the
-    image's pixels in it (padding is zero-filled, not read), averaged over the blocks, and each tap's
-    32 channels of B. The halo backward-weight's, per stage of its pixels, the window of their x (32
+    those alone). A halo kernel's block loads, per chunk of channels (32 bfloat16, 16 floats), its window
+    once for the nine taps: the image's pixels in it (padding is zero-filled, not read), averaged over the
+    blocks, and each tap's channels of B. The halo backward-weight's, per stage of its pixels, the window of their x (32
     channels) and their dy, for the nine taps of 32 channels by its columns."""
     if p.kernel == conv_tc.WGRAD_HALO_KERNEL:
         bn, step = min(64, columns), conv_tc.WGRAD_HALO_PIXELS
@@ -106,14 +146,14 @@ def flops_per_byte(kind, precision, p, rows, columns, geometry):
         pixels = n * h * w
         window = statistics.mean(_window_pixels(k0, min(k0 + step, pixels), h, w) for k0 in range(0, pixels, step))
         return 2 * step * 9 * 32 * bn / ((window * 32 + step * bn) * ELEMENT_BYTES[precision])
-    if "_halo<" in p.kernel:
+    if "_halo<" in p.kernel:   # per chunk of the window's channels (kind.halo_channels): they cancel
         bn = min(64, columns)
         n, _, h, w = geometry[:4]
         pixels = n * h * w
         window = statistics.mean(_window_pixels(m0, min(m0 + conv_tc.HALO_ROWS, pixels), h, w)
                                  for m0 in range(0, pixels, conv_tc.HALO_ROWS))
-        flops = 2 * min(conv_tc.HALO_ROWS, rows) * bn * 9 * 32
-        return flops / ((window + 9 * bn) * 32 * ELEMENT_BYTES[precision])
+        flops = 2 * min(conv_tc.HALO_ROWS, rows) * bn * 9 * kind.halo_channels
+        return flops / ((window + 9 * bn) * kind.halo_channels * ELEMENT_BYTES[precision])
     bm, bn, _ = kind.tile(p.kernel.partition("<")[2].partition(",")[0])
     bm, bn = min(bm, rows), min(bn, columns)
     return 2 * bm * bn / ((bm + bn) * ELEMENT_BYTES[precision])
@@ -153,7 +193,7 @@ def rows(batch, arch, sms, precision):
             resident, limit = blocks_per_sm(resources[p.kernel])
             blocks = math.prod(p.grid)
             out.append({"layer": layer.label + (" (bn1 applied)" if fold else ""), "count": count, "gemm": gemm,
-                        "kernel": p.kernel, "grid": p.grid, "blocks": blocks, "resident": resident, "limit": limit,
+                        "kernel": p.kernel, "geometry": geometry(layer), "grid": p.grid, "blocks": blocks, "resident": resident, "limit": limit,
                         "splits": p.splits, "group": p.group, "waves": blocks / (resident * sms),
                         "flops_per_byte": flops_per_byte(kind, precision, p, *shapes[gemm], geometry(layer)),
                         "partial_bytes": 4 * conv_tc.partial_slots(p) * outputs[gemm]})
@@ -168,19 +208,31 @@ def describe_loops(found, lean_hmma):
 
 
 def kernel_table(precision, arch, launched, resources):
+    """The kernels' table. A halo kernel's main loop runs its window's loops once per row of the window:
+    its instructions per HMMA are given as they run at the layer the plan launches it for (the window's
+    mean rows there; not launched: ResNet-18's first stage at the batch), the loop's count plus the window
+    loops' for each further row."""
     kind = KINDS[precision]
     found = loops(arch, kind.family)
+    window = window_loop_sizes(arch, kind.family)
     print(f"| kernel ({arch}) | registers | shared memory, bytes | blocks per SM (limit) | main loops: "
           f"instructions / HMMA | instructions per HMMA of the product | launched at batch "
           f"{args_batch} |")
     print("|---|---|---|---|---|---|---|---|")
     ratios = {}
+    first_stage = (args_batch, 64, 28, 28, 64, 3, 3, 1, 1, 1, 1, 28, 28)
     for kernel in (conv_tc.KERNELS if precision == "tf32" else conv_tc.BF16_KERNELS):
         r = resources[kernel]
         resident, limit = blocks_per_sm(r)
         lean = found[kernel][0][1]
-        sizes, per_hmma = describe_loops(found[kernel], lean)
-        ratios[kernel] = [size / lean for size, _ in found[kernel]]
+        loops_ = found[kernel]
+        if "_halo<" in kernel:
+            rows_ = window_rows(kernel, launched[kernel]["geometry"] if kernel in launched else first_stage)
+            loops_ = [(size + round((rows_ - 1) * window[kernel]), hmma) for size, hmma in loops_]
+        sizes, per_hmma = describe_loops(loops_, lean)
+        if "_halo<" in kernel:
+            sizes += f" (window loops of {window[kernel]} run for {rows_:.1f} rows)"
+        ratios[kernel] = [size / lean for size, _ in loops_]
         print(f"| `{kernel}` | {r.registers} | {r.shared_bytes} | {resident} ({limit}) | {sizes} | {per_hmma} | "
               f"{'yes' if kernel in launched else 'no'} |")
     step = [ratio for kernel in sorted(launched) for ratio in ratios[kernel]]

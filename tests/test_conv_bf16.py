@@ -241,7 +241,8 @@ def test_the_halo_window_the_plan_allows_holds_every_blocks(gemm, n, h, w, allow
     rows = max(padded(min(m0 + step, pixels) - 1) - padded(m0) + 3 for m0 in range(0, pixels, step))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(conv_tc, "BF16_SPLIT_TARGET", 1)
-        chosen = conv_tc.halo(geometry, "forward", 32) if gemm == "forward" else conv_tc.wgrad_halo(geometry)
+        chosen = conv_tc.halo(geometry, "forward", 32, conv_tc.BF16) if gemm == "forward" else \
+            conv_tc.wgrad_halo(geometry)
         assert chosen == allowed
     assert rows * (w + 2) <= slots or not allowed, (rows, w)
 

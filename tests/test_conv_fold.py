@@ -22,11 +22,25 @@ from helpers import rng, validate
 from kernels.cuda import conv_tc
 from kernels.emu import thread_order
 
-# (N, C, H, W) of x, O, stride, split-K forced: 128 x 64 and 128 x 128 tiles (80 columns: a partial tile of
-# them) at stride 1, with and without split-K (each part's channels start where its k does), a stride-2
-# 64 -> 128 (its forward on the square tile), a small image (padding a large share of the taps)
-SHAPES = [((1, 64, 12, 12), 64, 1, False), ((1, 64, 12, 12), 64, 1, True), ((2, 32, 9, 9), 80, 1, False),
-          ((2, 32, 9, 9), 80, 1, True), ((2, 64, 9, 9), 128, 2, False), ((4, 32, 6, 6), 32, 1, False)]
+# (N, C, H, W) of x, O, stride, what is forced (split-K, or the halo forward wherever it applies): 128 x 64 and
+# 128 x 128 tiles (80 columns: a partial tile of them) at stride 1, with and without split-K (each part's
+# channels start where its k does), a stride-2 64 -> 128 (its forward on the square tile), a small image
+# (padding a large share of the taps); the halo forward (its window across images in the last two, and
+# a partial tile of 48 columns)
+SHAPES = [((1, 64, 12, 12), 64, 1, None), ((1, 64, 12, 12), 64, 1, "split"), ((2, 32, 9, 9), 80, 1, None),
+          ((2, 32, 9, 9), 80, 1, "split"), ((2, 64, 9, 9), 128, 2, None), ((4, 32, 6, 6), 32, 1, None),
+          ((1, 64, 12, 12), 64, 1, "halo"), ((4, 32, 6, 6), 32, 1, "halo"), ((3, 16, 7, 5), 48, 1, "halo")]
+
+
+def force(monkeypatch, what):
+    """Every forward split over k in parts of two stages (the fold's channel follows the part), or the halo
+    forward wherever the convolution allows it (whatever the grid)."""
+    if what == "split":
+        monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 10**9)
+        monkeypatch.setattr(conv_tc, "MIN_SPLIT_K", 32)
+    elif what == "halo":
+        monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 1)
+    conv_tc.plan.cache_clear()
 
 
 def channels_last(a):
@@ -69,12 +83,9 @@ def both_ways(be, x, w, b, normalize, stride, dy):
             (plain, be.conv2d_backward(dy, y, w, stride, 1)))
 
 
-@pytest.mark.parametrize("x_shape, o, stride, split", SHAPES)
-def test_a_batch_norm_applied_as_the_input_lands(monkeypatch, x_shape, o, stride, split):
-    if split:   # every forward split over k in parts of two stages (the fold's channel follows the part)
-        monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 10**9)
-        monkeypatch.setattr(conv_tc, "MIN_SPLIT_K", 32)
-    conv_tc.plan.cache_clear()
+@pytest.mark.parametrize("x_shape, o, stride, forced", SHAPES)
+def test_a_batch_norm_applied_as_the_input_lands(monkeypatch, x_shape, o, stride, forced):
+    force(monkeypatch, forced)
     names = launched(monkeypatch)
     x, w, b, normalize = draw(x_shape, o)
     dy = gradient(x, w, stride)
@@ -87,7 +98,8 @@ def test_a_batch_norm_applied_as_the_input_lands(monkeypatch, x_shape, o, stride
         conv_tc.plan.cache_clear()
     (folded, grads), (plain, plain_grads) = results["ascending"]
     assert any(name.startswith("conv_tc_forward") and name.endswith(", true>") for name in names) or \
-        x_shape[0] * (x_shape[2] // stride) ** 2 < 128, names   # 64-row tiles do not fold
+        x_shape[0] * (x_shape[2] // stride) ** 2 < 128 and forced != "halo", names   # 64-row tiles do not fold
+    assert (f"conv_tc_forward_halo<{conv_tc.TF32.halo}, true>" in names) == (forced == "halo"), names
     assert any(name.startswith("conv_tc_wgrad") and name.endswith(", true>") for name in names), names
     np.testing.assert_array_equal(folded, plain, err_msg="y folded against relu(bn(x)) stored")
     for name, got, want in zip(("dx", "dw", "db"), grads, plain_grads):
@@ -104,9 +116,13 @@ def test_a_batch_norm_applied_as_the_input_lands(monkeypatch, x_shape, o, stride
     validate(grads[1], want_dw, "dw against float64", atol=0.0, rtol=4e-3)
 
 
-def test_the_padding_is_zero_not_the_norm_of_zero(monkeypatch):
+@pytest.mark.parametrize("forced", [None, "halo"])
+def test_the_padding_is_zero_not_the_norm_of_zero(monkeypatch, forced):
     """Planted: the padding zero-filled rather than copied from the NaN (fold_arguments' be.nan_chunk): the
-    folded forward then differs from relu(bn(x)) stored, at the border's outputs alone."""
+    folded forward (a 128 x 64 tile's, the halo's) then differs from relu(bn(x)) stored, at the border's
+    outputs alone."""
+    force(monkeypatch, forced)
+    names = launched(monkeypatch)
     x, w, b, normalize = draw((1, 64, 12, 12), 64)
     normalize[1][:] = np.abs(normalize[1]) + 0.5   # beta > 0 where the mean term is small: relu(shift) > 0
     with kernels.use_precision("tf32"), kernels.emu.sanitizer("off"):
@@ -114,6 +130,8 @@ def test_the_padding_is_zero_not_the_norm_of_zero(monkeypatch):
         monkeypatch.setattr(type(be), "nan_chunk", lambda self: np.zeros(4, np.float32))
         folded = be.conv2d_forward(x, w, b, 1, 1, normalize=normalize)
         plain = be.conv2d_forward(be.batch_norm_apply(x, *normalize, relu=True), w, b, 1, 1)
+    conv_tc.plan.cache_clear()
+    assert any(("_halo<" in name) == (forced == "halo") and name.endswith(", true>") for name in names), names
     differs = np.any(folded != plain, axis=(0, 1))
     assert differs[0].all() and differs[-1].all() and differs[:, 0].all() and differs[:, -1].all()
     assert not differs[1:-1, 1:-1].any()

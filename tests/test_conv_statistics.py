@@ -25,7 +25,7 @@ EPS, MOMENTUM = 1e-5, 0.1
 SHAPES = [
     ((2, 32, 9, 7), (64, 32, 3, 3), 1, 1),     # a partial last tile of rows
     ((2, 32, 6, 6), (160, 32, 3, 3), 1, 1),    # a partial tile of columns
-    ((3, 32, 28, 28), (32, 32, 3, 3), 1, 1),   # 2352 rows: 19 row tiles, merged in groups; bf16's halo forward
+    ((3, 32, 28, 28), (32, 32, 3, 3), 1, 1),   # 2352 rows: 19 row tiles, merged in groups; the halo forward
     ((1, 8, 5, 5), (200, 8, 3, 3), 2, 1),      # 9 rows; BF16's gathered copies
     ((2, 3, 6, 6), (8, 3, 3, 3), 1, 1),        # conv.cu's forward (3 channels: no tensor cores)
     ((2, 1, 28, 28), (72, 1, 3, 3), 1, 1),     # the stem's, at 72 channels: two tiles of them, 25 of pixels
@@ -44,7 +44,8 @@ def force(variant, monkeypatch):
         monkeypatch.setattr(conv_tc, "BF16_MIN_SPLIT_K", 64)
         monkeypatch.setattr(conv_tc, "HALO_SLOTS", 0)   # no halo forward: it does not split
     elif variant.startswith("halo"):
-        monkeypatch.setattr(conv_tc, "BF16_SPLIT_TARGET", 1)
+        for name in ("SPLIT_TARGET", "BF16_SPLIT_TARGET"):
+            monkeypatch.setattr(conv_tc, name, 1)
     names, launch = [], conv_tc.launch
     monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, grid, args, **k: names.append((kernel, grid)) or
                         launch(be, family, kernel, grid, args, **k))
@@ -71,8 +72,8 @@ def forward_with_statistics(order, x, w, b, running, stride, padding):
     return y, plain, mean, invstd, running
 
 
-@pytest.mark.parametrize("precision, variant", [("tf32", "plan"), ("tf32", "split"), ("bf16", "plan"),
-                                                ("bf16", "split"), ("bf16", "halo")])
+@pytest.mark.parametrize("precision, variant", [("tf32", "plan"), ("tf32", "split"), ("tf32", "halo"),
+                                                ("bf16", "plan"), ("bf16", "split"), ("bf16", "halo")])
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", SHAPES)
 def test_batch_statistics_from_the_forward(monkeypatch, precision, variant, x_shape, w_shape, stride, padding):
     launched = force(variant, monkeypatch)

@@ -171,6 +171,39 @@ def test_conv_at_the_shapes_of_resnet18(x_shape, w_shape, stride, padding):
     check_conv(kernels._device_backend("emu"), x_shape, w_shape, stride, padding)
 
 
+# 3x3, stride 1, padding 1, channels multiples of 16 where the window is read, 64 columns or fewer: the halo
+# kernels (forward and backward-data, whatever the grid: halo_everywhere), with blocks across image
+# boundaries (several images in the second), 4 and 6 chunks of channels (the last's backward-data has 96
+# columns: not the halo's), a partial tile of columns (40: its backward-data, O % 16, not the halo's either).
+HALO_SHAPES = [
+    ((2, 16, 9, 7), (16, 16, 3, 3)),
+    ((4, 16, 4, 4), (64, 16, 3, 3)),
+    ((1, 64, 28, 28), (64, 64, 3, 3)),
+    ((2, 96, 5, 6), (48, 96, 3, 3)),
+    ((2, 16, 7, 6), (40, 16, 3, 3)),
+]
+
+
+@pytest.fixture
+def halo_everywhere(monkeypatch):
+    """The halo kernels wherever the convolution allows them, whatever the grid; the kernels launched."""
+    monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 1)
+    conv_tc.plan.cache_clear()
+    names, launch = [], conv_tc.launch
+    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, *a, **k: names.append(kernel) or
+                        launch(be, family, kernel, *a, **k))
+    yield names
+    conv_tc.plan.cache_clear()
+
+
+@pytest.mark.parametrize("x_shape, w_shape", HALO_SHAPES)
+def test_3x3_convolutions_from_windows_of_the_image(emu, halo_everywhere, x_shape, w_shape):
+    check_conv(emu, x_shape, w_shape, 1, 1, channels_last=True)
+    assert f"conv_tc_forward_halo<{conv_tc.TF32.halo}>" in halo_everywhere
+    dgrad_halo = w_shape[0] % 16 == 0 and x_shape[1] <= 64   # dy's channels, and 64 columns (C) at most
+    assert (f"conv_tc_dgrad_halo<{conv_tc.TF32.halo}>" in halo_everywhere) == dgrad_halo, halo_everywhere
+
+
 def channels_last(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
 
@@ -219,8 +252,8 @@ def test_split_sums_do_not_depend_on_which_block_finishes_last(variant, x_shape,
 
 def test_small_grids_split_their_k_and_large_ones_do_not():
     """At batch 256: stage 4's 4096 output pixels give too few tiles for an H200 without split-K;
-    stage 1's 200,704 give plenty. Backward-weight splits at every layer, in two levels where the
-    parts are many."""
+    stage 1's 200,704 give plenty (its forward and backward-data from windows of the image). Backward-weight
+    splits at every layer, in two levels where the parts are many."""
     stage = {layer.label: (layer.x, layer.w, layer.stride, layer.padding)
              for layer, _ in distinct(resnet18_layers(256)) if layer.op == "conv2d"}
 
@@ -237,7 +270,8 @@ def test_small_grids_split_their_k_and_large_ones_do_not():
         assert p.chunk >= (conv_tc.WGRAD_MIN_SPLIT_K if gemm == "wgrad" else conv_tc.MIN_SPLIT_K)
     stage1 = plans("conv 3x3/1 64->64 28->28")
     assert stage1["forward"].splits == stage1["dgrad"].splits == 1
-    assert stage1["forward"].kernel == "conv_tc_forward<Tc128x64, 16>"
+    assert stage1["forward"].kernel == "conv_tc_forward_halo<TcHalo128x64>"
+    assert stage1["dgrad"].kernel == "conv_tc_dgrad_halo<TcHalo128x64>"
     wgrad = stage1["wgrad"]
     assert wgrad.kernel == "conv_tc_wgrad<Tc128x64, 16>" and wgrad.grid[2] == wgrad.splits > conv_tc.ONE_LEVEL_PARTS
     assert 1 < wgrad.group < wgrad.splits and wgrad.chunk * (wgrad.splits - 1) < 256 * 28 * 28 <= wgrad.chunk * \
@@ -350,9 +384,9 @@ def test_every_tensor_core_kernel_runs_hmma(arch):
     compiled = compile_family("conv_tc", arch)
     sass = compiled.sass()
     gemms = [name for name in conv_tc.KERNELS if name.startswith("conv_tc_")]
-    assert len(gemms) == 17   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
+    assert len(gemms) == 20   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
     # backward-weight: 128 x 64's two and the square's; the forward and backward-weight that apply a batch norm
-    # to x as it lands, on the two large tiles
+    # to x as it lands, on the two large tiles; the halo forward (with and without the norm) and backward-data
     for name in gemms:
         instructions = sass[compiled.lowered_names[name]]
         assert any(i.startswith("HMMA.1688.F32.TF32") for i in instructions), f"{name} for {arch}: no HMMA"

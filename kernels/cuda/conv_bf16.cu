@@ -220,74 +220,13 @@ __device__ __forceinline__ void bf_gemm(bf16* smem, IteratorA a, IteratorB b, in
 // other kernels' operands; at each new chunk the block waits for its window. Backward-data of such a
 // convolution is one too, of dy with the taps mirrored and the weights read along their input channels.
 
-constexpr int HALO_PITCH = 40, HALO_SLOTS = 320;   // a slot's elements; the window's slots (25.6 KB)
+constexpr int HALO_PITCH = HaloSlot<bf16>::PITCH;   // a slot's elements (tc_conv.cuh)
 struct Halo128x64 : BfTile<128, 64, 32, 3> {};
 
 template <class T>
 struct HaloShared {
     static constexpr int SIZE = HALO_SLOTS * HALO_PITCH + T::STAGES * T::BN * T::BK;
 };
-
-// The weights of the stage's tap and 32 channels (B): forward, w_krsc[n][tap][c0 + k] (K_MAJOR: a row n
-// runs along its input channels); backward-data, w_krsc[c0 + k][8 - tap][n] (the tap mirrored, a line k
-// along the input channels n). The tap advances with next(); after the ninth, the channels.
-template <class Copy, bool FORWARD>
-struct HaloWeights {
-    const bf16* base;
-    int first, tap, tap_step, chunk_step, row_step;
-    unsigned inside;   // bit c: chunk c's row (n) exists
-    __device__ HaloWeights(const bf16* w_krsc, const Geometry<0, 0>& g, int n0, int columns) : base(w_krsc), tap(0) {
-        const int per_co = 9 * g.c;   // between consecutive output channels
-        if constexpr (FORWARD) {      // offset o * 9C + tap * C + c
-            first = (n0 + Copy::row(0)) * per_co + Copy::k(0);
-            tap_step = g.c;
-            chunk_step = Copy::BK - 8 * g.c;
-            row_step = Copy::ROW_STEP * per_co;
-        } else {                      // offset co * 9C + (8 - tap) * C + ci
-            first = Copy::k(0) * per_co + 8 * g.c + n0 + Copy::row(0);
-            tap_step = -g.c;
-            chunk_step = Copy::BK * per_co + 8 * g.c;
-            row_step = Copy::ROW_STEP;
-        }
-        inside = 0;
-#pragma unroll
-        for (int c = 0; c < Copy::CHUNKS; ++c) inside |= unsigned(n0 + Copy::row(c) < columns) << c;
-    }
-    __device__ bool at(int c, int& offset) const {
-        offset = first + c * row_step;
-        return inside >> c & 1u;
-    }
-    __device__ void next() {
-        if (++tap == 9) {
-            tap = 0;
-            first += chunk_step;
-        } else {
-            first += tap_step;
-        }
-    }
-};
-
-// Copies the window of channels c0..c0 + 31 of `image` (N, H, W, channels) over `rows` padded rows
-// from the padded row pp (0..H + 1) of image img (see above) into `window`, rows x (W + 2) slots of
-// HALO_PITCH: thread t copies chunk t % 4 of the slots of column t / 4 (and 32 further) of every row,
-// zeros in the padding and past the last image. The caller commits the copies.
-__device__ __forceinline__ void halo_load_window(bf16* window, const bf16* __restrict__ image, const Geometry<0, 0>& g,
-                                                 int channels, int c0, int img, int pp, int rows) {
-    const int width = g.w + 2, part = int(threadIdx.x) % 4;
-    for (int j = 0; j < rows; ++j) {
-        const bool row_inside = img < g.n && pp >= 1 && pp <= g.h;
-#pragma unroll 1   // one column a thread at the widths that take the window (W + 2 <= 32), two past that
-        for (int col = int(threadIdx.x) / 4; col < width; col += TC_THREADS / 4) {
-            const bool data = row_inside && col >= 1 && col <= g.w;
-            const int offset = data ? ((img * g.h + pp - 1) * g.w + col - 1) * channels + c0 + 8 * part : 0;
-            cp_async_cg(window + (j * width + col) * HALO_PITCH + 8 * part, image + unsigned(offset), data ? 16 : 0);
-        }
-        if (++pp == g.h + 2) {
-            pp = 0;
-            ++img;
-        }
-    }
-}
 
 // acc += the 3x3 convolution (stride 1, padding 1) of `image` (N, H, W, channels; dy for backward-data)
 // for the block's 128 output pixels from m0, by the weights b gives (HaloWeights), as the header says.

@@ -96,6 +96,12 @@ struct TcCopy {
     __device__ static int offset(int c) { return TcStage<W, K_MAJOR>::offset(row(c), k(c)); }
 };
 
+// A chunk's 4 values rounded to TF32 (tensor_core.cuh's tf32_round).
+__device__ __forceinline__ float4 tc_round(float4 v) {
+    return {__uint_as_float(tf32_round(v.x)), __uint_as_float(tf32_round(v.y)), __uint_as_float(tf32_round(v.z)),
+            __uint_as_float(tf32_round(v.w))};
+}
+
 // Rounds this thread's chunks of a landed stage to TF32 in place; on_chunk.add(c, raw) sees each
 // chunk's values before.
 template <int W, bool K_MAJOR, class OnChunk>
@@ -103,13 +109,9 @@ __device__ __forceinline__ void tc_round_stage(float* tile, OnChunk& on_chunk) {
 #pragma unroll
     for (int c = 0; c < TcCopy<W, K_MAJOR>::CHUNKS; ++c) {
         float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, K_MAJOR>::offset(c));
-        float4 v = *chunk;
+        const float4 v = *chunk;
         on_chunk.add(c, Floats<4>{{v.x, v.y, v.z, v.w}});
-        v.x = __uint_as_float(tf32_round(v.x));
-        v.y = __uint_as_float(tf32_round(v.y));
-        v.z = __uint_as_float(tf32_round(v.z));
-        v.w = __uint_as_float(tf32_round(v.w));
-        *chunk = v;
+        *chunk = tc_round(v);
     }
 }
 
@@ -151,6 +153,18 @@ __device__ __forceinline__ float4 tc_norm_relu(float4 v, const float4& scale, co
             one(v.w, scale.w, shift.w)};
 }
 
+// The scale and shift of the 4 channels ci.. of a batch norm (bn_stats.cuh's bn_scale, bn_shift).
+__device__ __forceinline__ void tc_norm_coefficients(const float* mean, const float* invstd, const float* gamma,
+                                                     const float* beta, int ci, float4& scale, float4& shift) {
+    const float4 m = *reinterpret_cast<const float4*>(mean + ci);
+    const float4 s = *reinterpret_cast<const float4*>(invstd + ci);
+    const float4 gm = *reinterpret_cast<const float4*>(gamma + ci);
+    const float4 bt = *reinterpret_cast<const float4*>(beta + ci);
+    scale = {bn_scale(s.x, gm.x), bn_scale(s.y, gm.y), bn_scale(s.z, gm.z), bn_scale(s.w, gm.w)};
+    shift = {bn_shift(m.x, scale.x, bt.x), bn_shift(m.y, scale.y, bt.y), bn_shift(m.z, scale.z, bt.z),
+             bn_shift(m.w, scale.w, bt.w)};
+}
+
 // The forward's A (K_MAJOR, the 16 k of a stage 16 channels of one tap): a thread's chunks of a stage share
 // their 4 channels, ci.., whose scale and shift it computes as the stage lands.
 struct TcNormRows {
@@ -163,13 +177,8 @@ struct TcNormRows {
     template <int W, bool K_MAJOR>
     __device__ void land(float* tile) {
         static_assert(K_MAJOR, "the forward's A runs along k");
-        const float4 m = *reinterpret_cast<const float4*>(mean + ci);
-        const float4 s = *reinterpret_cast<const float4*>(invstd + ci);
-        const float4 gm = *reinterpret_cast<const float4*>(gamma + ci);
-        const float4 bt = *reinterpret_cast<const float4*>(beta + ci);
-        const float4 scale{bn_scale(s.x, gm.x), bn_scale(s.y, gm.y), bn_scale(s.z, gm.z), bn_scale(s.w, gm.w)};
-        const float4 shift{bn_shift(m.x, scale.x, bt.x), bn_shift(m.y, scale.y, bt.y), bn_shift(m.z, scale.z, bt.z),
-                           bn_shift(m.w, scale.w, bt.w)};
+        float4 scale, shift;
+        tc_norm_coefficients(mean, invstd, gamma, beta, ci, scale, shift);
 #pragma unroll
         for (int c = 0; c < TcCopy<W, true>::CHUNKS; ++c) {
             float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, true>::offset(c));
@@ -307,6 +316,123 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, flo
         for (int s = 0; s < T::STAGES; ++s)
             if (tile + s < tiles) step(tile + s, s);
     cp_async_wait<0>();  // the empty groups: nothing may be pending when the thread exits
+}
+
+// ---- 3x3 convolutions of stride 1 from one window of the image (the halo) ----------------------
+//
+// As conv_bf16.cu's halo kernels (tc_conv.cuh): a block of 128 output pixels by 64 columns loads, per 16
+// channels, the window of the (zero-padded) image that their taps reach, once, makes it what the warps read
+// once (rounded to TF32, HaloRound; or a batch norm's relu(bn(x)), HaloNorm), and takes each tap's A
+// fragments from it by ldmatrix, a lane's row its pixel's slot shifted by the tap; B, the tap's weights,
+// goes through a 3-stage ring as tc_gemm's, rounded as it lands. A window of 16 float channels is the
+// 80-byte slots of BF16's 32, 25.6 KB: with the ring, 41 KB of shared memory. With 64 columns a block
+// then reads about 47 FLOPs per L2 byte at 28 x 28 where the 128 x 64 tile reads 21.3 (bench/tc_plan.py),
+// and the window's rounding is shared by nine taps. Backward-data of such a convolution is one too, of dy
+// with the taps mirrored and the weights read along their input channels.
+struct TcHalo128x64 : TcConfig<128, 64, 3, 3> {};
+
+// What the halo forward makes of each landed chunk of its window: TF32 (HaloRound), or relu(bn(x)) of
+// it for the window's channels c0 + 4 (t % 4).. of thread t (HaloNorm: TcNormRows's, the padding copied
+// from pad).
+struct HaloRound {
+    static constexpr bool PADDED = false;
+    static constexpr const float* pad = nullptr;
+    __device__ void channels(int) {}
+    __device__ float4 chunk(float4 v) const { return tc_round(v); }
+};
+struct HaloNorm {
+    static constexpr bool PADDED = true;
+    const float *pad, *mean, *invstd, *gamma, *beta;
+    float4 scale, shift;
+    __device__ explicit HaloNorm(const TcFold& f)
+        : pad(f.pad), mean(f.mean), invstd(f.invstd), gamma(f.gamma), beta(f.beta) {}
+    __device__ void channels(int c0) {
+        tc_norm_coefficients(mean, invstd, gamma, beta, c0 + HaloSlot<float>::CHUNK * (int(threadIdx.x) % 4), scale,
+                             shift);
+    }
+    __device__ float4 chunk(float4 v) const { return tc_norm_relu(v, scale, shift); }
+};
+
+// acc += the 3x3 convolution (stride 1, padding 1) of `image` (N, H, W, channels; dy for backward-data)
+// for the block's 128 output pixels from m0, by the weights b gives (HaloWeights), as above; `land`
+// makes each window what the warps read. Every thread of the block must call it.
+template <class T, bool B_K_MAJOR, class IteratorB, class LandWindow>
+__device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, const Geometry<0, 0>& g, int channels,
+                                             int m0, IteratorB b, float (&acc)[T::MI][T::NI][4], LandWindow land) {
+    using Slot = HaloSlot<float>;
+    using StageB = TcStage<T::BN, B_K_MAJOR>;
+    constexpr int STAGES = T::STAGES;
+    static_assert(Slot::CHANNELS == TC_BK, "a window's channels are a stage's k");
+    static_assert(9 % STAGES == 0, "a chunk's taps fill the ring whole: each tap's slot is a constant");
+    __shared__ __align__(16) float window[HALO_SLOTS * Slot::PITCH];
+    __shared__ __align__(16) float Bs[STAGES][StageB::SIZE];
+    const int width = g.w + 2, plane = g.h * g.w, pixels = g.n * plane, lane = int(threadIdx.x) % 32;
+    const int warp = int(threadIdx.x) / 32, wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
+    // the padded row of an output pixel (its taps' row r = 0), and its slot in the window
+    const auto padded_row = [&](int m) {
+        const int img = m / plane, p = (m - img * plane) / g.w;
+        return img * (g.h + 2) + p;
+    };
+    const int first_row = padded_row(m0), rows = padded_row(min(m0 + T::BM, pixels) - 1) - first_row + 3;
+    const int first_img = m0 / plane, first_pp = first_row - first_img * (g.h + 2);
+    int slot[T::MI];   // this lane's rows of the A fragments (tc_fragment_a's): the slot of its pixel's tap (0, 0)
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i) {
+        const int m = m0 + wm + 16 * i + lane % 8 + 8 * (lane / 8 % 2);
+        slot[i] = m < pixels ? (padded_row(m) - first_row) * width + m % g.w : 0;   // past the end: any slot
+        slot[i] = slot[i] * Slot::PITCH + 4 * (lane / 16);   // the lane's k 0-3 or 4-7
+    }
+    tc_clear<T>(acc);
+    const int stages = channels / TC_BK * 9;
+    const auto load_b = [&](int stage, int ring) {
+        if (stage < stages) {
+            tc_load_stage<TcCopy<T::BN, B_K_MAJOR>>(Bs[ring], b);
+            b.next();
+        }
+        cp_async_commit();
+    };
+    // a k step: tap `tap` of the current chunk's window, B from ring slot `ring`, while B of the stage
+    // STAGES - 1 later goes into the slot of the one before
+    const auto step = [&](int stage, int tap, int ring) {
+        cp_async_wait<STAGES - 2>();   // this thread's copies of the stage's B have landed
+        NoChunkWork none;
+        tc_round_stage<T::BN, B_K_MAJOR>(Bs[ring], none);
+        __syncthreads();               // everyone's are rounded, and everyone is done with the stage before
+        load_b(stage + STAGES - 1, (ring + STAGES - 1) % STAGES);
+        const float* bs = Bs[ring];
+        const int shift = (tap / 3 * width + tap % 3) * Slot::PITCH;   // the tap's slots: rows below, columns right
+#pragma unroll
+        for (int k = 0; k < TC_BK; k += 8) {
+            unsigned fa[T::MI][4], fb[T::NI / 2][2][2];
+#pragma unroll
+            for (int i = 0; i < T::MI; ++i) ldmatrix_x4(fa[i], window + slot[i] + shift + k);
+#pragma unroll
+            for (int j = 0; j < T::NI / 2; ++j) tc_fragments_b<T::BN, B_K_MAJOR>(fb[j], bs, wn + 16 * j, k);
+#pragma unroll
+            for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+                for (int j = 0; j < T::NI; ++j) mma_tf32(acc[i][j], fa[i], fb[j / 2][j % 2], acc[i][j]);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) load_b(s, s);
+    // per chunk of channels: its window, once every warp is done with the last one, made what the warps
+    // read by the threads that copied it, then its nine taps (whose first barrier publishes it)
+    for (int stage = 0; stage < stages; stage += 9) {
+        const int c0 = stage / 9 * TC_BK;
+        __syncthreads();
+        halo_load_window<LandWindow::PADDED>(window, image, g, channels, c0, first_img, first_pp, rows, land.pad);
+        cp_async_commit();
+        cp_async_wait<0>();
+        land.channels(c0);
+        halo_window_chunks(image, g, channels, first_img, first_pp, rows, [&](int slot, const float*, bool) {
+            float4* chunk = reinterpret_cast<float4*>(window + slot);
+            *chunk = land.chunk(*chunk);
+        });
+#pragma unroll
+        for (int tap = 0; tap < 9; ++tap) step(stage + tap, tap, tap % STAGES);
+    }
+    cp_async_wait<0>();
 }
 
 // ---- the kernels ----------------------------------------------------------------------------
@@ -462,4 +588,49 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* 
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
     tc_finish<T, true>(WeightsOut{g, krsc}, dw, partial, g.o * columns, split, tile_counters(counters, 0, split),
                              m0, n0, nullptr, false, acc, bias);
+}
+
+// y (N*H*W x O, NHWC) = the 3x3 convolution, stride 1, padding 1, of x + bias, from windows of x
+// (tc_halo_gemm): block (x, y) computes output pixels [x * BM, ...) by channels [y * BN, ...), no split
+// of k (k_chunk, group and the partials unused: the launch's parameters are conv_tc_forward's), and the
+// batch norm's statistics and the norm applied to x (NORM) as that kernel.
+template <class T, bool NORM = false>
+__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
+conv_tc_forward_halo(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
+                     float* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
+                     BN_STATS_PARAMS, TC_FOLD_PARAMS) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.out_plane();
+    const HaloWeights<TcCopy<T::BN, true>, true> w(w_krsc, g, n0, g.o);
+    float acc[T::MI][T::NI][4];
+    if constexpr (NORM)
+        tc_halo_gemm<T, true>(x, g, g.c, m0, w, acc, HaloNorm(TcFold TC_FOLD));
+    else
+        tc_halo_gemm<T, true>(x, g, g.c, m0, w, acc, HaloRound());
+    tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, SplitK{1, 1, 0}, counters, m0, n0, bias,
+                        false, acc);
+    __shared__ float stats_smem[2 * 3 * T::BN];
+    if (stats_partial)
+        tc_batch_stats<T, false>(BnStats BN_STATS, RowsOut{pixels, g.o}, y, stats_smem, m0, n0, bias, true, acc);
+}
+
+// dx (N*H*W x C, NHWC) of the same convolution, from windows of dy and the weights mirrored, added to
+// what dx holds when `add` is set; and the batch norm's backward sums as conv_tc_dgrad. Registers for 2
+// blocks an SM: at the 170 a thread that 3 allow, ptxas spills 5 of them (the window's place) in the
+// main loop (its B, the weights read a word per lane, holds twice the forward's fragment registers).
+template <class T>
+__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS - 1)
+conv_tc_dgrad_halo(const float* __restrict__ dy, const float* __restrict__ w_krsc, float* __restrict__ dx, int add,
+                   float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group, BN_SUMS_PARAMS(float)) {
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.h * g.w;
+    float acc[T::MI][T::NI][4];
+    tc_halo_gemm<T, false>(dy, g, g.o, m0, HaloWeights<TcCopy<T::BN, false>, false>(w_krsc, g, n0, g.c), acc,
+                           HaloRound());
+    tc_finish<T, false>(RowsOut{pixels, g.c}, dx, partial, pixels * g.c, SplitK{1, 1, 0}, counters, m0, n0, nullptr,
+                        add, acc);
+    __shared__ float sums_smem[2 * TC_THREADS];
+    if (sums_partial)
+        tc_norm_sums<T>(BnSums<float> BN_SUMS, RowsOut{pixels, g.c}, g.c, dx, sums_smem, m0, n0, int(blockIdx.x),
+                        int(gridDim.x));
 }

@@ -31,10 +31,14 @@ class Kind(typing.NamedTuple):
     tile: every channel count a multiple of the tile's k and at most MAX_ALIGNED_TAPS filter taps (a
     stage's k in one tap, the copies' addresses worked out before the loop: ALIGN = the k), or, for
     the tiles that have it, a multiple of `chunk`, the elements of a 16-byte copy, which every channel
-    count must be (each copy's address from its (row, k): ALIGN = chunk)."""
+    count must be (each copy's address from its (row, k): ALIGN = chunk). `halo`: the tile of the kernels
+    of 3x3, stride-1 convolutions from windows of the image (see halo), whose windows hold `halo_channels`
+    channels."""
     family: str
     tiles: tuple   # (name, rows, columns, k of a stage, whether it has the gathered copies) of each
     chunk: int
+    halo: str
+    halo_channels: int
 
     def tile(self, name):
         """(rows, columns, k of a stage) of the tile `name`."""
@@ -56,15 +60,17 @@ class Kind(typing.NamedTuple):
 
 # TF32 (conv_tc.cu): a stage of 16 k.
 TF32 = Kind("conv_tc", (("Tc128x128", 128, 128, 16, False), ("Tc128x64", 128, 64, 16, True),
-                        ("Tc64x64", 64, 64, 16, True)), 4)
+                        ("Tc64x64", 64, 64, 16, True)), 4, "TcHalo128x64", 16)
 BK, GEMMS = 16, TF32.gemms
 # Backward-weight runs a large tile at every size (choose_wgrad_tile): its grid is small and split-K
 # fills the GPU, and the small tile's loop issues more than 8 instructions per HMMA.
 # The forward and backward-weight of a convolution whose input is a training batch norm's relu(bn(x)), read
-# from x with the norm applied as each stage lands (conv_tc.cu's NORM): the large tiles, aligned copies.
+# from x with the norm applied as each stage (or window) lands (conv_tc.cu's NORM): the large tiles, aligned
+# copies, and the halo forward.
 FOLD_TILES = ("Tc128x128", "Tc128x64")
 KERNELS = TF32.kernels(("Tc128x128", "Tc128x64")) + tuple(
-    f"conv_tc_{gemm}<{tile}, {BK}, true>" for gemm in ("forward", "wgrad") for tile in FOLD_TILES)
+    f"conv_tc_{gemm}<{tile}, {BK}, true>" for gemm in ("forward", "wgrad") for tile in FOLD_TILES) + tuple(
+    f"conv_tc_{gemm}_halo<{TF32.halo}>" for gemm in ("forward", "dgrad")) + (f"conv_tc_forward_halo<{TF32.halo}, true>",)
 # Split-K: a grid of fewer blocks than SPLIT_TARGET splits its k into parts of at least
 # MIN_SPLIT_K (whole k steps) until it has that many blocks: one per SM of an H200 (132 SMs) for
 # the forward and backward-data, whose grids are large but at the last stages, so that no SM is
@@ -83,18 +89,19 @@ WGRAD_SPLIT_TARGET, WGRAD_MIN_SPLIT_K = {"Tc128x64": 2 * 3 * 132, "Tc128x128": 2
 # fewer (ResNet-18's first stage), or other multiples of 8 (small widths), for every GEMM. 2 blocks
 # fit on an SM (registers). As TF32's, a forward or backward-data grid under BF16_SPLIT_TARGET blocks,
 # one an SM, splits its k; backward-weight's under BF16_WGRAD_SPLIT_TARGET, one wave on 132 SMs.
-BF16 = Kind("conv_bf16", (("Bf128x128", 128, 128, 32, False), ("Bf128x64", 128, 64, 64, True)), 8)
+BF16 = Kind("conv_bf16", (("Bf128x128", 128, 128, 32, False), ("Bf128x64", 128, 64, 64, True)), 8, "Halo128x64", 32)
 # The 3x3, stride-1 convolutions of 64 columns or fewer (ResNet-18's first stage) forward and
-# backward-data from windows of the image (conv_bf16.cu's halo kernels), where their window fits
-# HALO_SLOTS slots and the grid needs no split of k.
-HALO_TILE, HALO_ROWS, HALO_SLOTS, HALO_CHANNELS = "Halo128x64", 128, 320, 32
+# backward-data from windows of the image (conv_tc.cu's and conv_bf16.cu's halo kernels: a block of
+# HALO_ROWS output pixels by 64 columns), where their window fits HALO_SLOTS slots and the grid needs no
+# split of k; TF32's and BF16's alike.
+HALO_ROWS, HALO_SLOTS = 128, 320
 # Their backward-weight too, from windows of x (conv_bf16_wgrad_halo): a block's tile is the nine taps of
 # 32 input channels by 64 output channels, over stages of WGRAD_HALO_PIXELS pixels whose window fits
 # WGRAD_HALO_SLOTS slots; split-K to BF16_WGRAD_HALO_SPLIT_TARGET blocks (see plan).
 WGRAD_HALO_TILE, WGRAD_HALO_PIXELS, WGRAD_HALO_SLOTS = "Halo288x64", 48, 224
 WGRAD_HALO_KERNEL = f"conv_bf16_wgrad_halo<{WGRAD_HALO_TILE}>"
 BF16_KERNELS = BF16.kernels(("Bf128x128", "Bf128x64")) + tuple(
-    f"conv_bf16_{gemm}_halo<{HALO_TILE}>" for gemm in ("forward", "dgrad")) + (WGRAD_HALO_KERNEL,)
+    f"conv_bf16_{gemm}_halo<{BF16.halo}>" for gemm in ("forward", "dgrad")) + (WGRAD_HALO_KERNEL,)
 BF16_GEMMS = BF16.gemms
 BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K = 132, 512
 BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K = 2 * 132, 64
@@ -155,8 +162,9 @@ class Plan(typing.NamedTuple):
 
 def folds(gemm, geometry):
     """Whether TF32's `gemm` ("forward" or "wgrad") of this convolution can read its input as a batch
-    norm's relu(bn(x)) from x (FOLD_TILES, with the aligned copies)."""
-    return plan(gemm, geometry, TF32).kernel in {TF32.kernel(gemm, tile, BK) for tile in FOLD_TILES}
+    norm's relu(bn(x)) from x (FOLD_TILES, with the aligned copies, and the halo forward)."""
+    return plan(gemm, geometry, TF32).kernel in {TF32.kernel(gemm, tile, BK) for tile in FOLD_TILES} | {
+        f"conv_tc_forward_halo<{TF32.halo}>"}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -182,11 +190,11 @@ def plan(gemm, geometry, kind=TF32, fold=False):
         rows, columns, k, phases = n * cdiv(h, sh) * cdiv(wd, sw), c, cdiv(kh, sh) * cdiv(kw, sw) * o, sh * sw
     else:
         rows, columns, k, phases = kh * kw * c, o, n * oh * ow, 1
-    if bf16 and gemm != "wgrad" and halo(geometry, gemm, columns):
-        return Plan(f"conv_bf16_{gemm}_halo<{HALO_TILE}>", (cdiv(rows, HALO_ROWS), cdiv(columns, 64), 1), k, 1, 1,
+    if gemm != "wgrad" and halo(geometry, gemm, columns, kind):
+        return Plan(f"{kind.family}_{gemm}_halo<{kind.halo}>", (cdiv(rows, HALO_ROWS), cdiv(columns, 64), 1), k, 1, 1,
                     kind.family)
     if bf16 and gemm == "wgrad" and wgrad_halo(geometry):
-        grid = (c // HALO_CHANNELS, cdiv(o, 64))
+        grid = (c // BF16.halo_channels, cdiv(o, 64))
         parts, chunk = splits(k, grid[0] * grid[1], WGRAD_HALO_PIXELS, BF16_WGRAD_HALO_SPLIT_TARGET,
                               BF16_WGRAD_MIN_SPLIT_K)
         return Plan(WGRAD_HALO_KERNEL, grid + (parts,), chunk, parts, group_size(parts), kind.family)
@@ -204,33 +212,34 @@ def plan(gemm, geometry, kind=TF32, fold=False):
     return Plan(kind.kernel(gemm, tile, align), grid + (phases * parts,), chunk, parts, group_size(parts), kind.family)
 
 
-def halo(geometry, gemm, columns):
-    """Whether a BF16 GEMM ("forward" or "dgrad") runs conv_bf16.cu's halo kernel: a 3x3 convolution of
-    stride 1 and padding 1, 64 columns or fewer, channels multiples of 32 where its window is read (x's,
-    or dy's), the window of a block's 128 pixels within HALO_SLOTS slots (rows of W + 2: those the pixels
-    span, a row above and below, two of padding at each image boundary), and grid enough that the other
-    kernels would not split k."""
+def halo(geometry, gemm, columns, kind):
+    """Whether a GEMM ("forward" or "dgrad") of `kind` runs its halo kernel (conv_tc.cu's, conv_bf16.cu's):
+    a 3x3 convolution of stride 1 and padding 1, 64 columns or fewer, channels multiples of the window's
+    (kind.halo_channels) where its window is read (x's, or dy's), the window of a block's 128 pixels within
+    HALO_SLOTS slots (rows of W + 2: those the pixels span, a row above and below, two of padding at each
+    image boundary), and grid enough that the other kernels would not split k."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    if (kh, kw, sh, sw, ph, pw) != (3, 3, 1, 1, 1, 1) or columns > 64 or (c if gemm == "forward" else o) % HALO_CHANNELS:
+    if (kh, kw, sh, sw, ph, pw) != (3, 3, 1, 1, 1, 1) or columns > 64 or \
+            (c if gemm == "forward" else o) % kind.halo_channels:
         return False
     return window_rows(HALO_ROWS, h, wd) * (wd + 2) <= HALO_SLOTS and \
-        cdiv(n * h * wd, HALO_ROWS) * cdiv(columns, 64) >= BF16_SPLIT_TARGET
+        cdiv(n * h * wd, HALO_ROWS) * cdiv(columns, 64) >= (BF16_SPLIT_TARGET if kind is BF16 else SPLIT_TARGET)
 
 
 def wgrad_halo(geometry):
     """Whether a BF16 backward-weight runs conv_bf16_wgrad_halo: a 3x3 convolution of stride 1 and
     padding 1, 64 output channels or fewer (above 64 the 128 x 128 tile reads 64 FLOPs a byte already), input
-    channels a multiple of 32, and the window of a stage's WGRAD_HALO_PIXELS pixels within
+    channels a multiple of 32 (its windows'), and the window of a stage's WGRAD_HALO_PIXELS pixels within
     WGRAD_HALO_SLOTS slots."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    return (kh, kw, sh, sw, ph, pw) == (3, 3, 1, 1, 1, 1) and o <= 64 and c % HALO_CHANNELS == 0 and \
+    return (kh, kw, sh, sw, ph, pw) == (3, 3, 1, 1, 1, 1) and o <= 64 and c % BF16.halo_channels == 0 and \
         window_rows(WGRAD_HALO_PIXELS, h, wd) * (wd + 2) <= WGRAD_HALO_SLOTS
 
 
 def window_rows(pixels, h, wd):
     """The most padded rows (of W + 2 slots) of the window of `pixels` consecutive output pixels of a 3x3,
     stride-1 convolution of H x W images: those the pixels span, a row above and below, two of padding
-    at each image boundary they cross (conv_bf16.cu's halo_load_window)."""
+    at each image boundary they cross (tc_conv.cuh's halo_load_window)."""
     return (pixels - 1) // wd + 2 + 2 + 2 * ((pixels - 1) // (h * wd) + 1)
 
 

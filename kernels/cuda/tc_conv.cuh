@@ -689,3 +689,105 @@ struct PixelChannelsAligned {
         pixel += Copy::BK;
     }
 };
+
+// ---- 3x3 convolutions of stride 1 from one window of the image (the halo kernels) -----------------
+//
+// A 3x3, stride-1, padding-1 convolution's im2col holds each input pixel nine times, once per tap; the
+// halo kernels (conv_tc.cu's TF32, conv_bf16.cu's BF16) load a block's window of the (zero-padded) image
+// once per chunk of channels and take each tap's A fragments from it (conv_bf16.cu says how). A window is
+// rows of W + 2 slots, a slot one pixel's chunk of channels: 16 bytes a thread copies, four of them (32
+// bfloat16, 16 floats), and 16 bytes of padding, 80 bytes, so that 8 consecutive slots fall in distinct
+// banks for ldmatrix.
+template <class E>
+struct HaloSlot {
+    static constexpr int CHUNK = 16 / int(sizeof(E)), CHANNELS = 4 * CHUNK, PITCH = 80 / int(sizeof(E));
+};
+constexpr int HALO_SLOTS = 320;   // a forward's or backward-data's window: 25.6 KB
+
+// The weights of the stage's tap and channels (B; Copy::BK of them, a chunk of the window's): forward,
+// w_krsc[n][tap][c0 + k] (K_MAJOR: a row n runs along its input channels); backward-data,
+// w_krsc[c0 + k][8 - tap][n] (the tap mirrored, a line k along the input channels n). The tap advances
+// with next(); after the ninth, the channels.
+template <class Copy, bool FORWARD>
+struct HaloWeights {
+    const typename Copy::Element* base;
+    int first, tap, tap_step, chunk_step, row_step;
+    unsigned inside;   // bit c: chunk c's row (n) exists
+    __device__ HaloWeights(const typename Copy::Element* w_krsc, const Geometry<0, 0>& g, int n0, int columns)
+        : base(w_krsc), tap(0) {
+        const int per_co = 9 * g.c;   // between consecutive output channels
+        if constexpr (FORWARD) {      // offset o * 9C + tap * C + c
+            first = (n0 + Copy::row(0)) * per_co + Copy::k(0);
+            tap_step = g.c;
+            chunk_step = Copy::BK - 8 * g.c;
+            row_step = Copy::ROW_STEP * per_co;
+        } else {                      // offset co * 9C + (8 - tap) * C + ci
+            first = Copy::k(0) * per_co + 8 * g.c + n0 + Copy::row(0);
+            tap_step = -g.c;
+            chunk_step = Copy::BK * per_co + 8 * g.c;
+            row_step = Copy::ROW_STEP;
+        }
+        inside = 0;
+#pragma unroll
+        for (int c = 0; c < Copy::CHUNKS; ++c) inside |= unsigned(n0 + Copy::row(c) < columns) << c;
+    }
+    __device__ bool at(int c, int& offset) const {
+        offset = first + c * row_step;
+        return inside >> c & 1u;
+    }
+    __device__ void next() {
+        if (++tap == 9) {
+            tap = 0;
+            first += chunk_step;
+        } else {
+            first += tap_step;
+        }
+    }
+};
+
+// Calls chunk(slot, at, data) for each 16-byte chunk of a window of `rows` padded rows from the padded
+// row pp (0..H + 1) of image img that this thread copies: thread t chunk t % 4 of the slots of column t / 4
+// (and 32 further) of every row; `slot` its element offset in the window (HaloSlot<E>), `data` whether
+// it holds the image's pixel (not padding, nor past the last image), at `at` in `image` (N, H, W, channels,
+// from the window's first channel; any address where it does not). A column's rows in turn, the image, the
+// row and the address worked out as they advance.
+template <class E, class Chunk>
+__device__ __forceinline__ void halo_window_chunks(const E* image, const Geometry<0, 0>& g, int channels, int img,
+                                                   int pp, int rows, Chunk&& chunk) {
+    using Slot = HaloSlot<E>;
+    const int width = g.w + 2, part = int(threadIdx.x) % 4;
+#pragma unroll 1   // one column a thread at the widths that take the window (W + 2 <= 32), two past that
+    for (int col = int(threadIdx.x) / 4; col < width; col += TC_THREADS / 4) {
+        const bool column_inside = col >= 1 && col <= g.w;
+        int i = img, p = pp, slot = col * Slot::PITCH + Slot::CHUNK * part;
+        // the offset of the next row of pixels: the image's rows follow each other, across images too
+        unsigned at = ((img * g.h + min(max(pp - 1, 0), g.h)) * g.w + col - 1) * channels + Slot::CHUNK * part;
+#pragma unroll 1
+        for (int j = 0; j < rows; ++j) {
+            const bool data = unsigned(p - 1) < unsigned(g.h) && i < g.n;
+            chunk(slot, image + at, column_inside && data);
+            if (data) at += g.w * channels;
+            slot += width * Slot::PITCH;
+            if (++p == g.h + 2) {
+                p = 0;
+                ++i;
+            }
+        }
+    }
+}
+
+// Copies the window of channels c0..c0 + HaloSlot<E>::CHANNELS - 1 of `image` (N, H, W, channels) over
+// `rows` padded rows from the padded row pp of image img into `window` (halo_window_chunks): zeros in
+// the padding and past the last image, or, PADDED, `pad`'s 16 bytes (as tc_load_stage's). The caller
+// commits the copies.
+template <bool PADDED = false, class E>
+__device__ __forceinline__ void halo_load_window(E* window, const E* __restrict__ image, const Geometry<0, 0>& g,
+                                                 int channels, int c0, int img, int pp, int rows,
+                                                 const E* pad = nullptr) {
+    halo_window_chunks(image + c0, g, channels, img, pp, rows, [&](int slot, const E* at, bool data) {
+        if constexpr (PADDED)
+            cp_async_cg(window + slot, data ? at : pad, 16);
+        else
+            cp_async_cg(window + slot, data ? at : image, data ? 16 : 0);
+    });
+}
