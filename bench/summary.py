@@ -49,7 +49,7 @@ def outcome(t):
     """One line of what a tier found."""
     if "reason" in t:
         return t["reason"]
-    parts = []
+    parts = [f"compile: {command_state(t['compile'])}"] if "compile" in t else []
     for run in ("wrappers", "tensor_cores", "tensor_cores_bf16", "graph", "pytest"):
         if run in t:
             counts = t[run].get("tests")

@@ -1,7 +1,8 @@
 """The GPU check of this project in one command: within about 6 minutes on one H200, in tiers, each tier's
 results written to --out as soon as it ends, so that a run cut off early still leaves results.
 
-  a  first the tensor-core wrappers on the GPU against their emulation, fragment by fragment
+  a  first every kernel family compiled for the GPU at once (python -m kernels.cuda.compile_all), then
+     the tensor-core wrappers on the GPU against their emulation, fragment by fragment
      (pytest -m gpu tests/test_tensor_core.py: it proves the PTX strings mean what the emulator runs),
      then the tensor-core convolutions against float64 of their TF32-rounded inputs and beside
      cuDNN (tests/test_conv_tc.py), and the BF16 ones against float64 of their bfloat16 inputs and
@@ -172,7 +173,10 @@ def junit_counts(xml):
 
 
 def small_tests(run):
-    results = {"wrappers": pytest_gpu(run, "wrappers", "tests/test_tensor_core.py", limit=30),
+    # every kernel family compiled first, one process each, into CuPy's disk cache: the commands below load
+    # them, where each compiled its own in turn within its limit (conv_tc alone takes NVRTC a minute or more)
+    results = {"compile": run.command("compile", [PYTHON, "-m", "kernels.cuda.compile_all"], limit=150),
+               "wrappers": pytest_gpu(run, "wrappers", "tests/test_tensor_core.py", limit=30),
                "tensor_cores": pytest_gpu(run, "tensor_cores", "tests/test_conv_tc.py", limit=40),
                "tensor_cores_bf16": pytest_gpu(run, "tensor_cores_bf16", "tests/test_conv_bf16.py", limit=50),
                "graph": pytest_gpu(run, "graph", "tests/test_graph.py", limit=30),

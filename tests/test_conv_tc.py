@@ -412,6 +412,13 @@ def test_gpu_conv_against_the_tf32_references(gpu_backend, x_shape, w_shape, str
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("x_shape, w_shape", HALO_SHAPES)
+def test_gpu_halo_convolutions_against_the_tf32_references(gpu_backend, halo_everywhere, x_shape, w_shape):
+    check_conv(gpu_backend, x_shape, w_shape, 1, 1, channels_last=True)
+    assert f"conv_tc_forward_halo<{conv_tc.TF32.halo}>" in halo_everywhere
+
+
+@pytest.mark.gpu
 def test_gpu_conv_beside_cudnn_tf32(gpu_backend):
     """Our TF32 convolution and cuDNN's (PyTorch's default, allow_tf32) are both within TF32's
     error of float64, on a ResNet-18 stage-3 shape."""

@@ -5,6 +5,7 @@ f and g on simulated GPUs, through the same code as on the GPU."""
 import argparse
 import inspect
 import json
+import os
 import subprocess
 import sys
 import time
@@ -138,7 +139,7 @@ def test_the_summary_of_a_gpu_run():
     epoch = {"test_acc": 0.8812, "train_loss": 0.41, "seconds": 30.0, "images_per_sec": 2000.0}
     summary = {"environment": {"gpus": ["NVIDIA H200"], "driver": "580.1", "cupy": "14.0"}, "budget_s": 280,
                "seconds": 250, "out": "/results", "tiers": {
-                   "a": {"status": "passed", "seconds": 60,
+                   "a": {"status": "passed", "seconds": 60, "compile": {"rc": 0, "seconds": 70.0, "timed_out": False},
                          "pytest": {**command, "rc": 0, "tests": {**command["tests"], "passed": 90, "failed": 0}},
                          "memcheck": {"summary": "ERROR SUMMARY: 0 errors", "rc": 0},
                          "racecheck": {"rc": 0, "seconds": 60, "timed_out": True}},
@@ -147,12 +148,30 @@ def test_the_summary_of_a_gpu_run():
                    "e": {"status": "failed", "seconds": 90, "epoch": epoch, "epoch_bf16": None, "commands": []}}}
     text = "\n".join(summary_lines(summary))
     assert "NVIDIA H200 (driver 580.1)" in text
-    assert "pytest: 90 passed, 0 failed, 0 errors, 0 skipped; memcheck: ERROR SUMMARY: 0 errors; " \
-           "racecheck: killed after 60 s" in text
+    assert "compile: exit status 0; pytest: 90 passed, 0 failed, 0 errors, 0 skipped; memcheck: ERROR SUMMARY: " \
+           "0 errors; racecheck: killed after 60 s" in text
     assert "88 passed, 2 failed" in text and "pytest: exit status 1, see tier_b_pytest.log" in text
     assert "10 s of the 280 s budget left" in text
     assert "tf32 test acc 0.8812; no bf16 epoch finished" in text
     assert "one epoch in tf32, train_resnet.py: test acc 0.8812" in text and "one epoch in bf16" not in text
+
+
+def test_compile_all_compiles_the_families_it_is_given(monkeypatch):
+    """python -m kernels.cuda.compile_all, tier a's first command, on a simulated GPU: each family compiled in
+    a process of its own and named as it is done; a family that does not compile named, and the exit non-zero;
+    an unknown one refused."""
+    env = {**os.environ, kernels.SIMULATED_GPUS: "1", "CUDA_EMU_SANITIZE": "off", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "kernels.cuda.compile_all", "loss", "optim"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(line.split(":")[0] for line in done.stdout.splitlines()) == ["loss", "optim"], done.stdout
+    from kernels.cuda import compile_all
+    monkeypatch.setattr(compile_all.concurrent.futures, "ProcessPoolExecutor",
+                        compile_all.concurrent.futures.ThreadPoolExecutor)
+    monkeypatch.setattr(compile_all, "compile_family", lambda family: 1 / (family != "pool"))
+    assert compile_all.main(["pool", "loss"]) == 1
+    with pytest.raises(SystemExit):
+        compile_all.main(["nope"])
 
 
 def test_the_summary_puts_each_of_our_precisions_beside_pytorchs():

@@ -99,6 +99,10 @@ class RawModule:
         self.name_expressions = tuple(name_expressions or ())
         self._module = Module(build.build_module(code, self.options, self.name_expressions))
 
+    def compile(self, log_stream=None):
+        """cupy.RawModule's: compile now rather than at the first get_function. The emulator's modules
+        are compiled when made: nothing left to do."""
+
     def get_function(self, name):
         """The kernel named by a name expression given to the constructor, or by its symbol:
         the plain name of an extern "C" kernel (as CuPy looks kernels up)."""

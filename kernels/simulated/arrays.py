@@ -459,6 +459,9 @@ class RawModule:
                                      enable_cooperative_groups=enable_cooperative_groups,
                                      name_expressions=name_expressions, jitify=bool(jitify))
 
+    def compile(self, log_stream=None):
+        self._module.compile(log_stream)
+
     def get_function(self, name):
         return RawKernel(self._module.get_function(name))
 
