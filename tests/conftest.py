@@ -1,8 +1,8 @@
 """Puts the repository root on sys.path (for the project's packages under plain `pytest`), prints
 the session's random seed in the header and at the end (also under -q), adds the command that
 replays it to every failure's report, starts NVRTC on the families that the session's `nvrtc` tests read (on a
-thread, while the others run), and offers the `poisoned_empty` fixture, `order`, the emulator's thread orders,
-and `slurm`, a one-node Slurm cluster for the tests marked `slurm`."""
+thread, while the others run), and offers the `poisoned_empty` fixture, `halo_everywhere`, `order`, the
+emulator's thread orders, and `slurm`, a one-node Slurm cluster for the tests marked `slurm`."""
 import os
 import sys
 
@@ -86,6 +86,22 @@ def poisoned_empty(monkeypatch):
     empty, empty_like = np.empty, np.empty_like
     monkeypatch.setattr(np, "empty", lambda *a, **k: poison(empty(*a, **k)))
     monkeypatch.setattr(np, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+@pytest.fixture
+def halo_everywhere(monkeypatch):
+    """The tensor-core convolutions' halo kernels (TF32's and BF16's) wherever the convolution allows them,
+    whatever the grid (kernels/cuda/conv_tc.py's halo: the split targets at one block); the name expressions
+    of the kernels launched."""
+    from kernels.cuda import conv_tc
+    for target in ("SPLIT_TARGET", "BF16_SPLIT_TARGET"):
+        monkeypatch.setattr(conv_tc, target, 1)
+    conv_tc.plan.cache_clear()
+    names, launch = [], conv_tc.launch
+    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, *a, **k: names.append(kernel) or
+                        launch(be, family, kernel, *a, **k))
+    yield names
+    conv_tc.plan.cache_clear()
 
 
 @pytest.fixture(params=emu.ORDERS)

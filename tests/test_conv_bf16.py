@@ -187,19 +187,6 @@ HALO_SHAPES = [
 ]
 
 
-@pytest.fixture
-def halo_everywhere(monkeypatch):
-    """The halo kernels wherever the convolution allows them, whatever the grid; their launches."""
-    from kernels.cuda import launch as cuda_launch
-    monkeypatch.setattr(conv_tc, "BF16_SPLIT_TARGET", 1)
-    conv_tc.plan.cache_clear()
-    names, launch = [], cuda_launch.launch
-    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, *a, **k: names.append(kernel) or
-                        launch(be, family, kernel, *a, **k))
-    yield names
-    conv_tc.plan.cache_clear()
-
-
 @pytest.mark.parametrize("x_shape, w_shape", HALO_SHAPES)
 def test_3x3_convolutions_from_windows_of_the_image(emu, halo_everywhere, x_shape, w_shape):
     check_conv(emu, x_shape, w_shape, 1, 1)

@@ -184,18 +184,6 @@ HALO_SHAPES = [
 ]
 
 
-@pytest.fixture
-def halo_everywhere(monkeypatch):
-    """The halo kernels wherever the convolution allows them, whatever the grid; the kernels launched."""
-    monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 1)
-    conv_tc.plan.cache_clear()
-    names, launch = [], conv_tc.launch
-    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, *a, **k: names.append(kernel) or
-                        launch(be, family, kernel, *a, **k))
-    yield names
-    conv_tc.plan.cache_clear()
-
-
 @pytest.mark.parametrize("x_shape, w_shape", HALO_SHAPES)
 def test_3x3_convolutions_from_windows_of_the_image(emu, halo_everywhere, x_shape, w_shape):
     check_conv(emu, x_shape, w_shape, 1, 1, channels_last=True)

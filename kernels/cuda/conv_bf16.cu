@@ -239,22 +239,9 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
     constexpr int SIZE_B = CopyB::Stage::SIZE;
     bf16* const window = smem;
     bf16* const Bs = smem + HALO_SLOTS * HALO_PITCH;
-    const int width = g.w + 2, plane = g.h * g.w, pixels = g.n * plane, lane = int(threadIdx.x) % 32;
-    const int warp = int(threadIdx.x) / 32, wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
-    // the padded row L of an output pixel (its taps' row r = 0), and its slot in the window
-    const auto padded_row = [&](int m) {
-        const int img = m / plane, p = (m - img * plane) / g.w;
-        return img * (g.h + 2) + p;
-    };
-    const int first_row = padded_row(m0), rows = padded_row(min(m0 + T::BM, pixels) - 1) - first_row + 3;
-    const int first_img = m0 / plane, first_pp = first_row - first_img * (g.h + 2);
-    int slot[T::MI];   // this lane's rows of the A fragments: the slot of its pixel's tap (0, 0)
-#pragma unroll
-    for (int i = 0; i < T::MI; ++i) {
-        const int m = m0 + wm + 16 * i + lane % 8 + 8 * (lane / 8 % 2);
-        slot[i] = m < pixels ? (padded_row(m) - first_row) * width + m % g.w : 0;   // past the end: any slot
-        slot[i] = slot[i] * HALO_PITCH + 8 * (lane / 16);   // the lane's chunk of k 0-15
-    }
+    const int width = g.w + 2, warp = int(threadIdx.x) / 32;
+    const int wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
+    const HaloPlace<T, bf16> place(g, m0, wm);
     const BfFragments<T::BN, B_K_MAJOR, false, T::NI / 2, BK> fragments_b(wn);
     tc_clear<T>(acc);
     const int stages = channels / BK * 9;
@@ -275,7 +262,7 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
         const int shift = (tap / 3 * width + tap % 3) * HALO_PITCH;   // the tap's slots: rows below, columns right
         int row[T::MI];
 #pragma unroll
-        for (int i = 0; i < T::MI; ++i) row[i] = slot[i] + shift;
+        for (int i = 0; i < T::MI; ++i) row[i] = place.slot[i] + shift;
 #pragma unroll
         for (int half = 0; half < BK / 16; ++half) {
             unsigned fa[T::MI][4], fb[T::NI / 2][4];
@@ -292,7 +279,7 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
     // per chunk of channels: its window, once every warp is done with the last one, then its nine taps
     for (int stage = 0; stage < stages; stage += 9) {
         __syncthreads();
-        halo_load_window(window, image, g, channels, stage / 9 * BK, first_img, first_pp, rows);
+        halo_load_window(window, image, g, channels, stage / 9 * BK, place.img, place.pp, place.rows);
         cp_async_commit();
         cp_async_wait<0>();
 #pragma unroll

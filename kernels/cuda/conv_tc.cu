@@ -258,6 +258,20 @@ __device__ __forceinline__ void tc_fragments_b(unsigned (&b)[2][2], const float*
     }
 }
 
+// acc += the warp's A fragments fa (its mma tiles' rows, k..k+7) . B (k..k+7, its columns from wn) of the
+// landed stage bs.
+template <class T, bool B_K_MAJOR>
+__device__ __forceinline__ void tc_multiply(float (&acc)[T::MI][T::NI][4], const unsigned (&fa)[T::MI][4],
+                                            const float* bs, int wn, int k) {
+    unsigned fb[T::NI / 2][2][2];
+#pragma unroll
+    for (int j = 0; j < T::NI / 2; ++j) tc_fragments_b<T::BN, B_K_MAJOR>(fb[j], bs, wn + 16 * j, k);
+#pragma unroll
+    for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < T::NI; ++j) mma_tf32(acc[i][j], fa[i], fb[j / 2][j % 2], acc[i][j]);
+}
+
 // acc += A (m0.., k) . B (k, n0..) over `tiles` stages of k for this warp's part of the block's
 // tile: acc[i][j] is mma tile (i, j) of the warp, in the C layout of tensor_core.cuh (rows and
 // columns permuted where an operand is not K_MAJOR: tc_store knows how). The iterators a and b
@@ -297,15 +311,10 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, flo
         load(tile + T::STAGES - 1, (stage + T::STAGES - 1) % T::STAGES);
 #pragma unroll
         for (int k = 0; k < TC_BK; k += 8) {
-            unsigned fa[T::MI][4], fb[T::NI / 2][2][2];
+            unsigned fa[T::MI][4];
 #pragma unroll
             for (int i = 0; i < T::MI; ++i) tc_fragment_a<T::BM, A_K_MAJOR>(fa[i], as, wm + 16 * i, k);
-#pragma unroll
-            for (int j = 0; j < T::NI / 2; ++j) tc_fragments_b<T::BN, B_K_MAJOR>(fb[j], bs, wn + 16 * j, k);
-#pragma unroll
-            for (int i = 0; i < T::MI; ++i)
-#pragma unroll
-                for (int j = 0; j < T::NI; ++j) mma_tf32(acc[i][j], fa[i], fb[j / 2][j % 2], acc[i][j]);
+            tc_multiply<T, B_K_MAJOR>(acc, fa, bs, wn, k);
         }
     };
 #pragma unroll
@@ -366,22 +375,9 @@ __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, co
     static_assert(9 % STAGES == 0, "a chunk's taps fill the ring whole: each tap's slot is a constant");
     __shared__ __align__(16) float window[HALO_SLOTS * Slot::PITCH];
     __shared__ __align__(16) float Bs[STAGES][StageB::SIZE];
-    const int width = g.w + 2, plane = g.h * g.w, pixels = g.n * plane, lane = int(threadIdx.x) % 32;
-    const int warp = int(threadIdx.x) / 32, wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
-    // the padded row of an output pixel (its taps' row r = 0), and its slot in the window
-    const auto padded_row = [&](int m) {
-        const int img = m / plane, p = (m - img * plane) / g.w;
-        return img * (g.h + 2) + p;
-    };
-    const int first_row = padded_row(m0), rows = padded_row(min(m0 + T::BM, pixels) - 1) - first_row + 3;
-    const int first_img = m0 / plane, first_pp = first_row - first_img * (g.h + 2);
-    int slot[T::MI];   // this lane's rows of the A fragments (tc_fragment_a's): the slot of its pixel's tap (0, 0)
-#pragma unroll
-    for (int i = 0; i < T::MI; ++i) {
-        const int m = m0 + wm + 16 * i + lane % 8 + 8 * (lane / 8 % 2);
-        slot[i] = m < pixels ? (padded_row(m) - first_row) * width + m % g.w : 0;   // past the end: any slot
-        slot[i] = slot[i] * Slot::PITCH + 4 * (lane / 16);   // the lane's k 0-3 or 4-7
-    }
+    const int width = g.w + 2, warp = int(threadIdx.x) / 32;
+    const int wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
+    const HaloPlace<T, float> place(g, m0, wm);
     tc_clear<T>(acc);
     const int stages = channels / TC_BK * 9;
     const auto load_b = [&](int stage, int ring) {
@@ -403,15 +399,10 @@ __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, co
         const int shift = (tap / 3 * width + tap % 3) * Slot::PITCH;   // the tap's slots: rows below, columns right
 #pragma unroll
         for (int k = 0; k < TC_BK; k += 8) {
-            unsigned fa[T::MI][4], fb[T::NI / 2][2][2];
+            unsigned fa[T::MI][4];
 #pragma unroll
-            for (int i = 0; i < T::MI; ++i) ldmatrix_x4(fa[i], window + slot[i] + shift + k);
-#pragma unroll
-            for (int j = 0; j < T::NI / 2; ++j) tc_fragments_b<T::BN, B_K_MAJOR>(fb[j], bs, wn + 16 * j, k);
-#pragma unroll
-            for (int i = 0; i < T::MI; ++i)
-#pragma unroll
-                for (int j = 0; j < T::NI; ++j) mma_tf32(acc[i][j], fa[i], fb[j / 2][j % 2], acc[i][j]);
+            for (int i = 0; i < T::MI; ++i) ldmatrix_x4(fa[i], window + place.slot[i] + shift + k);
+            tc_multiply<T, B_K_MAJOR>(acc, fa, bs, wn, k);
         }
     };
 #pragma unroll
@@ -421,11 +412,12 @@ __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, co
     for (int stage = 0; stage < stages; stage += 9) {
         const int c0 = stage / 9 * TC_BK;
         __syncthreads();
-        halo_load_window<LandWindow::PADDED>(window, image, g, channels, c0, first_img, first_pp, rows, land.pad);
+        halo_load_window<LandWindow::PADDED>(window, image, g, channels, c0, place.img, place.pp, place.rows,
+                                             land.pad);
         cp_async_commit();
         cp_async_wait<0>();
         land.channels(c0);
-        halo_window_chunks(image, g, channels, first_img, first_pp, rows, [&](int slot, const float*, bool) {
+        halo_window_chunks(image, g, channels, place.img, place.pp, place.rows, [&](int slot, const float*, bool) {
             float4* chunk = reinterpret_cast<float4*>(window + slot);
             *chunk = land.chunk(*chunk);
         });

@@ -745,6 +745,34 @@ struct HaloWeights {
     }
 };
 
+// Where a halo block of T::BM output pixels from m0 (3x3, stride 1: H x W out as in) finds its window and
+// this lane its A fragments in it: the window's first padded row (pp of image img; padded row L = image
+// (H + 2) + row + 1) and its rows, those the pixels span and one above and below; and, for each mma tile i
+// of the warp's rows from wm, the element offset of the slot of this lane's pixel's tap (0, 0) (ldmatrix.x4's
+// rows: lane % 8 + 8 (lane / 8 % 2) of the tile, the second 16 bytes of k for lanes 16-31), which a tap
+// shifts by rows below and columns right.
+template <class T, class E>
+struct HaloPlace {
+    int img, pp, rows, slot[T::MI];
+    __device__ HaloPlace(const Geometry<0, 0>& g, int m0, int wm) {
+        const int width = g.w + 2, plane = g.h * g.w, pixels = g.n * plane, lane = int(threadIdx.x) % 32;
+        const auto padded_row = [&](int m) {   // of an output pixel: its taps' row r = 0
+            const int image = m / plane, p = (m - image * plane) / g.w;
+            return image * (g.h + 2) + p;
+        };
+        const int first_row = padded_row(m0);
+        rows = padded_row(min(m0 + T::BM, pixels) - 1) - first_row + 3;
+        img = m0 / plane;
+        pp = first_row - img * (g.h + 2);
+#pragma unroll
+        for (int i = 0; i < T::MI; ++i) {
+            const int m = m0 + wm + 16 * i + lane % 8 + 8 * (lane / 8 % 2);
+            const int at = m < pixels ? (padded_row(m) - first_row) * width + m % g.w : 0;   // past the end: any slot
+            slot[i] = at * HaloSlot<E>::PITCH + HaloSlot<E>::CHUNK * (lane / 16);
+        }
+    }
+};
+
 // Calls chunk(slot, at, data) for each 16-byte chunk of a window of `rows` padded rows from the padded
 // row pp (0..H + 1) of image img that this thread copies: thread t chunk t % 4 of the slots of column t / 4
 // (and 32 further) of every row; `slot` its element offset in the window (HaloSlot<E>), `data` whether
