@@ -333,11 +333,12 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, flo
 // channels, the window of the (zero-padded) image that their taps reach, once, makes it what the warps read
 // once (rounded to TF32, HaloRound; or a batch norm's relu(bn(x)), HaloNorm), and takes each tap's A
 // fragments from it by ldmatrix, a lane's row its pixel's slot shifted by the tap; B, the tap's weights,
-// goes through a 3-stage ring as tc_gemm's, rounded as it lands. A window of 16 float channels is the
-// 80-byte slots of BF16's 32, 25.6 KB: with the ring, 41 KB of shared memory. With 64 columns a block
-// then reads about 47 FLOPs per L2 byte at 28 x 28 where the 128 x 64 tile reads 21.3 (bench/tc_plan.py),
-// and the window's rounding is shared by nine taps. Backward-data of such a convolution is one too, of dy
-// with the taps mirrored and the weights read along their input channels.
+// goes through a 3-stage ring as tc_gemm's, rounded to TF32 once a launch before (halo_weights), not by
+// each block. A window of 16 float channels is the 80-byte slots of BF16's 32, 25.6 KB: with the ring,
+// 41 KB of shared memory. With 64 columns a block then reads about 47 FLOPs per L2 byte at 28 x 28 where
+// the 128 x 64 tile reads 21.3 (bench/tc_plan.py), and the window's rounding is shared by nine taps.
+// Backward-data of such a convolution is the forward convolution of dy by the weights mirrored and
+// transposed (halo_weights_mirrored), which this GEMM reads as the forward's.
 struct TcHalo128x64 : TcConfig<128, 64, 3, 3> {};
 
 // What the halo forward makes of each landed chunk of its window: TF32 (HaloRound), or relu(bn(x)) of
@@ -364,12 +365,13 @@ struct HaloNorm {
 
 // acc += the 3x3 convolution (stride 1, padding 1) of `image` (N, H, W, channels; dy for backward-data)
 // for the block's 128 output pixels from m0, by the weights b gives (HaloWeights), as above; `land`
-// makes each window what the warps read. Every thread of the block must call it.
-template <class T, bool B_K_MAJOR, class IteratorB, class LandWindow>
+// makes each window what the warps read; B comes rounded to TF32 (halo_weights). Every thread of the block
+// must call it.
+template <class T, class IteratorB, class LandWindow>
 __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, const Geometry<0, 0>& g, int channels,
                                              int m0, IteratorB b, float (&acc)[T::MI][T::NI][4], LandWindow land) {
     using Slot = HaloSlot<float>;
-    using StageB = TcStage<T::BN, B_K_MAJOR>;
+    using StageB = TcStage<T::BN, true>;
     constexpr int STAGES = T::STAGES;
     static_assert(Slot::CHANNELS == TC_BK, "a window's channels are a stage's k");
     static_assert(9 % STAGES == 0, "a chunk's taps fill the ring whole: each tap's slot is a constant");
@@ -382,7 +384,7 @@ __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, co
     const int stages = channels / TC_BK * 9;
     const auto load_b = [&](int stage, int ring) {
         if (stage < stages) {
-            tc_load_stage<TcCopy<T::BN, B_K_MAJOR>>(Bs[ring], b);
+            tc_load_stage<TcCopy<T::BN, true>>(Bs[ring], b);
             b.next();
         }
         cp_async_commit();
@@ -391,9 +393,7 @@ __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, co
     // STAGES - 1 later goes into the slot of the one before
     const auto step = [&](int stage, int tap, int ring) {
         cp_async_wait<STAGES - 2>();   // this thread's copies of the stage's B have landed
-        NoChunkWork none;
-        tc_round_stage<T::BN, B_K_MAJOR>(Bs[ring], none);
-        __syncthreads();               // everyone's are rounded, and everyone is done with the stage before
+        __syncthreads();               // everyone's have, and everyone is done with the stage before
         load_b(stage + STAGES - 1, (ring + STAGES - 1) % STAGES);
         const float* bs = Bs[ring];
         const int shift = (tap / 3 * width + tap % 3) * Slot::PITCH;   // the tap's slots: rows below, columns right
@@ -402,7 +402,7 @@ __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, co
             unsigned fa[T::MI][4];
 #pragma unroll
             for (int i = 0; i < T::MI; ++i) ldmatrix_x4(fa[i], window + place.slot[i] + shift + k);
-            tc_multiply<T, B_K_MAJOR>(acc, fa, bs, wn, k);
+            tc_multiply<T, true>(acc, fa, bs, wn, k);
         }
     };
 #pragma unroll
@@ -582,23 +582,49 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* 
                              m0, n0, nullptr, false, acc, bias);
 }
 
+// The weights of the halo kernels, rounded to TF32 once a launch (tf32_round's bits: what the mma reads)
+// rather than by each block that reads them: the forward's, w_rounded (O, 3, 3, C) = w_krsc's; backward-data's
+// (MIRRORED), w_rounded (C, 3, 3, O) [ci][tap][co] = w_krsc (O, 3, 3, C) [co][8 - tap][ci], the weights of
+// the forward convolution that backward-data of a 3x3, stride-1 one is, so that its kernel reads them as
+// the forward reads its own (along k, by ldmatrix). One thread an element: halo_weights, halo_weights_mirrored.
+template <bool MIRRORED>
+__device__ __forceinline__ void tc_halo_weights(const float* __restrict__ w_krsc, float* __restrict__ w_rounded, int o,
+                                                int c) {
+    const int i = blockIdx.x * 256 + int(threadIdx.x);   // the output element
+    if (i >= 9 * o * c) return;
+    int from = i;
+    if constexpr (MIRRORED) {   // i = (ci * 9 + tap) * O + co
+        const int co = i % o, tap = i / o % 9, ci = i / (9 * o);
+        from = (co * 9 + 8 - tap) * c + ci;
+    }
+    w_rounded[i] = __uint_as_float(tf32_round(w_krsc[from]));
+}
+extern "C" __global__ void __launch_bounds__(256)
+halo_weights(const float* __restrict__ w_krsc, float* __restrict__ w_rounded, int o, int c) {
+    tc_halo_weights<false>(w_krsc, w_rounded, o, c);
+}
+extern "C" __global__ void __launch_bounds__(256)
+halo_weights_mirrored(const float* __restrict__ w_krsc, float* __restrict__ w_rounded, int o, int c) {
+    tc_halo_weights<true>(w_krsc, w_rounded, o, c);
+}
+
 // y (N*H*W x O, NHWC) = the 3x3 convolution, stride 1, padding 1, of x + bias, from windows of x
-// (tc_halo_gemm): block (x, y) computes output pixels [x * BM, ...) by channels [y * BN, ...), no split
-// of k (k_chunk, group and the partials unused: the launch's parameters are conv_tc_forward's), and the
-// batch norm's statistics and the norm applied to x (NORM) as that kernel.
+// (tc_halo_gemm) by w_rounded (halo_weights): block (x, y) computes output pixels [x * BM, ...) by channels
+// [y * BN, ...), no split of k (k_chunk, group and the partials unused: the launch's parameters are
+// conv_tc_forward's), and the batch norm's statistics and the norm applied to x (NORM) as that kernel.
 template <class T, bool NORM = false>
 __global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
-conv_tc_forward_halo(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
+conv_tc_forward_halo(const float* __restrict__ x, const float* __restrict__ w_rounded, const float* __restrict__ bias,
                      float* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
                      BN_STATS_PARAMS, TC_FOLD_PARAMS) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.out_plane();
-    const HaloWeights<TcCopy<T::BN, true>, true> w(w_krsc, g, n0, g.o);
+    const HaloWeights<TcCopy<T::BN, true>, true> w(w_rounded, g, n0, g.o);
     float acc[T::MI][T::NI][4];
     if constexpr (NORM)
-        tc_halo_gemm<T, true>(x, g, g.c, m0, w, acc, HaloNorm(TcFold TC_FOLD));
+        tc_halo_gemm<T>(x, g, g.c, m0, w, acc, HaloNorm(TcFold TC_FOLD));
     else
-        tc_halo_gemm<T, true>(x, g, g.c, m0, w, acc, HaloRound());
+        tc_halo_gemm<T>(x, g, g.c, m0, w, acc, HaloRound());
     tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, SplitK{1, 1, 0}, counters, m0, n0, bias,
                         false, acc);
     __shared__ float stats_smem[2 * 3 * T::BN];
@@ -606,19 +632,20 @@ conv_tc_forward_halo(const float* __restrict__ x, const float* __restrict__ w_kr
         tc_batch_stats<T, false>(BnStats BN_STATS, RowsOut{pixels, g.o}, y, stats_smem, m0, n0, bias, true, acc);
 }
 
-// dx (N*H*W x C, NHWC) of the same convolution, from windows of dy and the weights mirrored, added to
-// what dx holds when `add` is set; and the batch norm's backward sums as conv_tc_dgrad. Registers for 2
-// blocks an SM: at the 170 a thread that 3 allow, ptxas spills 5 of them (the window's place) in the
-// main loop (its B, the weights read a word per lane, holds twice the forward's fragment registers).
+// dx (N*H*W x C, NHWC) of the same convolution, from windows of dy, by the forward halo kernel's GEMM with
+// the weights mirrored (halo_weights_mirrored), added to what dx holds when `add` is set; and the batch
+// norm's backward sums as conv_tc_dgrad.
 template <class T>
-__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS - 1)
-conv_tc_dgrad_halo(const float* __restrict__ dy, const float* __restrict__ w_krsc, float* __restrict__ dx, int add,
+__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
+conv_tc_dgrad_halo(const float* __restrict__ dy, const float* __restrict__ w_mirrored, float* __restrict__ dx, int add,
                    float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group, BN_SUMS_PARAMS(float)) {
     const Geometry<0, 0> g CONV_GEOMETRY;
+    Geometry<0, 0> mirrored = g;   // the forward convolution of dy: O channels in (the weights' k), C out
+    mirrored.c = g.o;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.h * g.w;
     float acc[T::MI][T::NI][4];
-    tc_halo_gemm<T, false>(dy, g, g.o, m0, HaloWeights<TcCopy<T::BN, false>, false>(w_krsc, g, n0, g.c), acc,
-                           HaloRound());
+    tc_halo_gemm<T>(dy, g, g.o, m0, HaloWeights<TcCopy<T::BN, true>, true>(w_mirrored, mirrored, n0, g.c),
+                                 acc, HaloRound());
     tc_finish<T, false>(RowsOut{pixels, g.c}, dx, partial, pixels * g.c, SplitK{1, 1, 0}, counters, m0, n0, nullptr,
                         add, acc);
     __shared__ float sums_smem[2 * TC_THREADS];

@@ -70,7 +70,8 @@ BK, GEMMS = 16, TF32.gemms
 FOLD_TILES = ("Tc128x128", "Tc128x64")
 KERNELS = TF32.kernels(("Tc128x128", "Tc128x64")) + tuple(
     f"conv_tc_{gemm}<{tile}, {BK}, true>" for gemm in ("forward", "wgrad") for tile in FOLD_TILES) + tuple(
-    f"conv_tc_{gemm}_halo<{TF32.halo}>" for gemm in ("forward", "dgrad")) + (f"conv_tc_forward_halo<{TF32.halo}, true>",)
+    f"conv_tc_{gemm}_halo<{TF32.halo}>" for gemm in ("forward", "dgrad")) + (
+    f"conv_tc_forward_halo<{TF32.halo}, true>",)
 # Split-K: a grid of fewer blocks than SPLIT_TARGET splits its k into parts of at least
 # MIN_SPLIT_K (whole k steps) until it has that many blocks: one per SM of an H200 (132 SMs) for
 # the forward and backward-data, whose grids are large but at the last stages, so that no SM is
@@ -278,6 +279,8 @@ def forward(be, x, w_krsc, b, geometry, statistics=None, fold=None):
     kind = kind_of(x.dtype)
     p = plan("forward", geometry, kind, fold=fold is not None)
     x, w_krsc = aligned(x), aligned(w_krsc)
+    if p.kernel.startswith(f"conv_tc_forward_halo<{TF32.halo}"):   # the halo kernels read them rounded
+        w_krsc = halo_weights(be, w_krsc, o, c, mirrored=False)
     y = be.xp.empty((n, oh, ow, o), x.dtype)
     # the statistics' counters follow the split's in the backend's set
     stats, mean, invstd = statistics_arguments(be, statistics, p.grid[0], p.grid[1], o, n * oh * ow, _counters(p))
@@ -332,6 +335,8 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None):
     n, c, h, wd = geometry[:4]
     p = plan("dgrad", geometry, kind_of(dy.dtype))
     dy, w_krsc = aligned(dy), aligned(w_krsc)
+    if p.kernel == f"conv_tc_dgrad_halo<{TF32.halo}>":
+        w_krsc = halo_weights(be, w_krsc, geometry[4], c, mirrored=True)
     dx = be.xp.empty((n, h, wd, c), dy.dtype) if into is None else into
     if norm is None:
         _launch(be, p, (dy, w_krsc), dx, geometry, (int(into is not None),), tail=NO_SUMS)
@@ -340,6 +345,16 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None):
     tail = (*norm, *tile_merge_arguments(be, p.grid[0] * phases, p.grid[1], c, _counters(p)), *sums)
     _launch(be, p, (dy, w_krsc), dx, geometry, (int(into is not None),), tail=tail)
     return dx
+
+
+def halo_weights(be, w_krsc, o, c, mirrored):
+    """The weights (O, 3, 3, C) of a 3x3 convolution rounded to TF32, as TF32's halo forward reads them; or
+    (`mirrored`) as its halo backward-data does, (C, 3, 3, O) [ci][tap][co] = w_krsc[co][8 - tap][ci]
+    (conv_tc.cu's halo_weights, halo_weights_mirrored)."""
+    out = be.xp.empty((c, 3, 3, o) if mirrored else (o, 3, 3, c), np.float32)
+    launch(be, "conv_tc", "halo_weights_mirrored" if mirrored else "halo_weights", (cdiv(out.size, 256),),
+           (w_krsc, out, o, c), block=(256,))
+    return out
 
 
 def backward_weight(be, dy, x, geometry, dw, db, fold=None):
