@@ -95,13 +95,13 @@ def window_loops(instructions):
     return sum(b - a + 1 for a, b in innermost)
 
 
-def window_rows(kernel, geometry):
-    """The mean rows of the windows a halo kernel's blocks (or backward-weight's stages) load for the
-    convolution (N, C, H, W, ...): the kernel's count, from the first pixel's padded row to the last's, and
-    one above and below."""
+def window_rows(geometry):
+    """The mean rows of the windows a halo forward's or backward-data's blocks load for the convolution
+    (N, C, H, W, ...): the kernel's count, from the first pixel's padded row to the last's, and one above
+    and below."""
     n, _, h, w = geometry[:4]
     pixels = n * h * w
-    step = conv_tc.WGRAD_HALO_PIXELS if kernel == conv_tc.WGRAD_HALO_KERNEL else conv_tc.HALO_ROWS
+    step = conv_tc.HALO_ROWS
     padded = lambda m: m // (h * w) * (h + 2) + m % (h * w) // w   # noqa: E731
     return statistics.mean(padded(min(m0 + step, pixels) - 1) - padded(m0) + 3 for m0 in range(0, pixels, step))
 
@@ -208,10 +208,12 @@ def describe_loops(found, lean_hmma):
 
 
 def kernel_table(precision, arch, launched, resources):
-    """The kernels' table. A halo kernel's main loop runs its window's loops once per row of the window:
-    its instructions per HMMA are given as they run at the layer the plan launches it for (the window's
-    mean rows there; not launched: ResNet-18's first stage at the batch), the loop's count plus the window
-    loops' for each further row."""
+    """The kernels' table. A halo forward's or backward-data's main loop (one chunk of channels) runs its
+    window's loops once per row of the window: its instructions per HMMA are given as they run at the layer
+    the plan launches it for (the window's mean rows there; not launched: ResNet-18's first stage at the
+    batch), the loop's count plus the window loops' for each further row. The halo backward-weight's loop
+    (one stage of pixels) holds its window's copy loop twice, one per slot of its ring, of which a stage
+    runs one: its count is the loop's, as the others'."""
     kind = KINDS[precision]
     found = loops(arch, kind.family)
     window = window_loop_sizes(arch, kind.family)
@@ -226,11 +228,12 @@ def kernel_table(precision, arch, launched, resources):
         resident, limit = blocks_per_sm(r)
         lean = found[kernel][0][1]
         loops_ = found[kernel]
-        if "_halo<" in kernel:
-            rows_ = window_rows(kernel, launched[kernel]["geometry"] if kernel in launched else first_stage)
+        windowed = "_halo<" in kernel and kernel != conv_tc.WGRAD_HALO_KERNEL
+        if windowed:
+            rows_ = window_rows(launched[kernel]["geometry"] if kernel in launched else first_stage)
             loops_ = [(size + round((rows_ - 1) * window[kernel]), hmma) for size, hmma in loops_]
         sizes, per_hmma = describe_loops(loops_, lean)
-        if "_halo<" in kernel:
+        if windowed:
             sizes += f" (window loops of {window[kernel]} run for {rows_:.1f} rows)"
         ratios[kernel] = [size / lean for size, _ in loops_]
         print(f"| `{kernel}` | {r.registers} | {r.shared_bytes} | {resident} ({limit}) | {sizes} | {per_hmma} | "

@@ -360,6 +360,24 @@ def test_resnet18_training_step_on_the_emulator_in_tf32():
 
 # ---- the instructions ----------------------------------------------------------------------
 
+def test_a_halo_kernels_window_loops_are_counted_apart():
+    """bench/tc_plan.py's SASS loops: the main loop (a backward branch to an HMMA before it), and inside it the
+    innermost loops without HMMA (a halo kernel's row of its window, run once per row): a loop around
+    them (a thread's columns) is not counted again, nor a loop outside the main loop."""
+    from bench import tc_plan
+    sass = ["MOV R1, R2", "LDS R3, [R4]", "BRA 0x10",                     # 0-2: a loop before the main loop
+            "HMMA.1688.F32.TF32 R8, R4, R6, R8",                           # 3: the main loop's first
+            "IADD3 R1, R1, 0x1, RZ",                                       # 4: a thread's columns
+            "LDGSTS.E.BYPASS.128 [R7], desc[UR8][R2.64], P0", "@!P0 BRA 0x50",   # 5-6: a row of the window
+            "ISETP.GE.AND P1, PT, R1, R9, PT", "@!P1 BRA 0x40",           # 7-8: the columns' loop
+            "LDS.128 R12, [R31]", "STS.128 [R31], R12", "@!P2 BRA 0x90",  # 9-11: a row landed
+            "@P3 HMMA.1688.F32.TF32 R8, R4, R6, R8", "BRA 0x30", "EXIT"]   # 12-13: the main loop's end
+    assert tc_plan.main_loop(sass) == (11, 2)
+    assert tc_plan.window_loops(sass) == 2 + 3
+    assert tc_plan.window_loops(["HMMA.1688.F32.TF32 R8, R4, R6, R8", "BRA 0x0"]) == 0
+    assert tc_plan.window_loops(["NOP"]) == 0
+
+
 @pytest.mark.nvrtc("conv_tc")
 @pytest.mark.parametrize("arch", ["sm_90"])   # not sm_80 in CI: kernels.cuda.compiled_in_ci
 def test_every_tensor_core_kernel_runs_hmma(arch):
