@@ -202,6 +202,42 @@ def test_resnet_step_with_the_fold_is_the_step_without(monkeypatch):
         np.testing.assert_array_equal(got, want, err_msg=f"parameter {i}")
 
 
+def test_resnet_step_on_the_halo_kernels(halo_everywhere):
+    """ResNet-18 (width 16, 16 x 16 images) on the emulator under tf32 with the halo kernels wherever they
+    apply (the first two stages' 3x3, stride-1 forwards, bn1 applied in conv2's, and backward-datas, their
+    weights rounded by halo_weights): the loss and every gradient bit for bit in both thread orders; and as
+    near the fp32 step's as the step on the other TF32 kernels (all the gradients together, in norm): the
+    norms of a batch of two, over 2 x 2 pixels at the last stage, magnify TF32's rounding to 12-16 % there,
+    and the halo's sums over k in another order move it by 2-4 % of that."""
+    import nn
+    import nn.functional as F
+    from kernels.emu import thread_order
+    g = rng()
+    x = g.random((2, 1, 16, 16)).astype(np.float32)
+    labels = np.array([3, 7], np.int32)
+
+    def step(order="ascending", precision="tf32"):
+        nn.manual_seed(0)
+        model = nn.resnet18(width=16)
+        with kernels.use_precision(precision), kernels.emulate(), kernels.emu.sanitizer("off"), thread_order(order):
+            loss = F.cross_entropy(model(nn.Tensor(x)), labels)
+            loss.backward()
+        return loss.numpy().copy(), [p.grad.copy() for p in model.parameters()]
+    (loss, grads), (other_loss, other_grads) = step("ascending"), step("descending")
+    for kernel in (f"conv_tc_forward_halo<{conv_tc.TF32.halo}, true>", f"conv_tc_forward_halo<{conv_tc.TF32.halo}>",
+                   f"conv_tc_dgrad_halo<{conv_tc.TF32.halo}>", "halo_weights", "halo_weights_mirrored"):
+        assert kernel in halo_everywhere, (kernel, sorted(set(halo_everywhere)))
+    np.testing.assert_array_equal(loss, other_loss)
+    for i, (got, want) in enumerate(zip(grads, other_grads)):
+        np.testing.assert_array_equal(got, want, err_msg=f"parameter {i} in the other order")
+    conv_tc.SPLIT_TARGET = 10**9   # the other kernels (the fixture restores it)
+    conv_tc.plan.cache_clear()
+    flat = lambda arrays: np.concatenate([a.ravel() for a in arrays]).astype(np.float64)   # noqa: E731
+    plain, fp32 = flat(step()[1]), flat(step(precision="fp32")[1])
+    off = lambda a: np.linalg.norm(a - fp32) / np.linalg.norm(fp32)   # noqa: E731
+    assert off(flat(grads)) <= 1.25 * off(plain), (off(flat(grads)), off(plain))
+
+
 def test_the_folded_step_as_a_graph_on_a_simulated_gpu_equals_eager(monkeypatch, tmp_path):
     """The training step (ResNet-18 at width 16 on 8 x 8 images) on a simulated GPU, eager and captured
     as a CUDA graph and replayed, from the same weights on the same batches: losses, weights, momentum
