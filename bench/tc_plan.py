@@ -50,18 +50,24 @@ _BRANCH = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+0x([0-9a-f]+)")
 _HMMA = re.compile(r"(@!?U?P\w+\s+)?HMMA\b")   # predicated or not
 
 
-def main_loops(instructions):
-    """[(instructions, HMMA)] of a kernel's main loops, from its SASS: the loops (a backward branch
-    and the instructions from its target to it; each SASS instruction is 16 bytes) holding at least
-    as many HMMA as the one with the fewest of those that hold the most of them: a loop that also
-    sums the bias holds more. Innermost first, shortest first; [] for a kernel without one."""
+def _loops(instructions):
+    """[(start, end, HMMA)] of the loops of a kernel's SASS: a backward branch and the instructions from its
+    target to it (each SASS instruction is 16 bytes), the HMMA among them."""
     hmma = [bool(_HMMA.match(i)) for i in instructions]
-    found = set()
+    found = []
     for end, instruction in enumerate(instructions):
         branch = _BRANCH.search(instruction)
         start = int(branch.group(1), 16) // 16 if branch else end + 1
-        if start <= end and any(hmma[start:end + 1]):
-            found.add((end - start + 1, sum(hmma[start:end + 1])))
+        if start <= end:
+            found.append((start, end, sum(hmma[start:end + 1])))
+    return found
+
+
+def main_loops(instructions):
+    """[(instructions, HMMA)] of a kernel's main loops, from its SASS (_loops): those holding at least
+    as many HMMA as the one with the fewest of those that hold the most of them: a loop that also
+    sums the bias holds more. Innermost first, shortest first; [] for a kernel without one."""
+    found = {(end - start + 1, count) for start, end, count in _loops(instructions) if count}
     if not found:
         return []
     # a loop around another (the ring's wrap) holds all of it: keep, for each HMMA count, the shortest
@@ -78,19 +84,12 @@ def window_loops(instructions):
     the innermost of them: a halo kernel's, which copy and land its window a row at a time (inside the
     loops over a thread's columns, one at the widths the plan gives them), and which the main loop's count
     holds once where they run once per row of the window."""
-    size, _ = main_loop(instructions)
+    size, hmma = main_loop(instructions)
     if not size:
         return 0
-    hmma = [bool(_HMMA.match(i)) for i in instructions]
-    spans = []
-    for end, instruction in enumerate(instructions):
-        branch = _BRANCH.search(instruction)
-        start = int(branch.group(1), 16) // 16 if branch else end + 1
-        if start <= end and any(hmma[start:end + 1]) and end - start + 1 == size:
-            outer = (start, end)
-        elif start <= end and not any(hmma[start:end + 1]):
-            spans.append((start, end))
-    inner = [(a, b) for a, b in spans if outer[0] < a and b < outer[1]]
+    found = _loops(instructions)
+    first, last = next((start, end) for start, end, count in found if (end - start + 1, count) == (size, hmma))
+    inner = [(a, b) for a, b, count in found if not count and first < a and b < last]
     innermost = [(a, b) for a, b in inner if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in inner)]
     return sum(b - a + 1 for a, b in innermost)
 
@@ -138,8 +137,8 @@ def flops_per_byte(kind, precision, p, rows, columns, geometry):
     BN' the tile's rows and columns that the GEMM has (a tile wider than the GEMM loads and multiplies
     those alone). A halo kernel's block loads, per chunk of channels (32 bfloat16, 16 floats), its window
     once for the nine taps: the image's pixels in it (padding is zero-filled, not read), averaged over the
-    blocks, and each tap's channels of B. The halo backward-weight's, per stage of its pixels, the window of their x (32
-    channels) and their dy, for the nine taps of 32 channels by its columns."""
+    blocks, and each tap's channels of B. The halo backward-weight's, per stage of its pixels, the window
+    of their x (32 channels) and their dy, for the nine taps of 32 channels by its columns."""
     if p.kernel == conv_tc.WGRAD_HALO_KERNEL:
         bn, step = min(64, columns), conv_tc.WGRAD_HALO_PIXELS
         n, _, h, w = geometry[:4]
@@ -193,8 +192,9 @@ def rows(batch, arch, sms, precision):
             resident, limit = blocks_per_sm(resources[p.kernel])
             blocks = math.prod(p.grid)
             out.append({"layer": layer.label + (" (bn1 applied)" if fold else ""), "count": count, "gemm": gemm,
-                        "kernel": p.kernel, "geometry": geometry(layer), "grid": p.grid, "blocks": blocks, "resident": resident, "limit": limit,
-                        "splits": p.splits, "group": p.group, "waves": blocks / (resident * sms),
+                        "kernel": p.kernel, "geometry": geometry(layer), "grid": p.grid, "blocks": blocks,
+                        "resident": resident, "limit": limit, "splits": p.splits, "group": p.group,
+                        "waves": blocks / (resident * sms),
                         "flops_per_byte": flops_per_byte(kind, precision, p, *shapes[gemm], geometry(layer)),
                         "partial_bytes": 4 * conv_tc.partial_slots(p) * outputs[gemm]})
     return out, resources, fp32

@@ -583,10 +583,11 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* 
 }
 
 // The weights of the halo kernels, rounded to TF32 once a launch (tf32_round's bits: what the mma reads)
-// rather than by each block that reads them: the forward's, w_rounded (O, 3, 3, C) = w_krsc's; backward-data's
-// (MIRRORED), w_rounded (C, 3, 3, O) [ci][tap][co] = w_krsc (O, 3, 3, C) [co][8 - tap][ci], the weights of
-// the forward convolution that backward-data of a 3x3, stride-1 one is, so that its kernel reads them as
-// the forward reads its own (along k, by ldmatrix). One thread an element: halo_weights, halo_weights_mirrored.
+// rather than by each block that reads them: the forward's, w_rounded (O, 3, 3, C) = w_krsc's;
+// backward-data's (MIRRORED), w_rounded (C, 3, 3, O) [ci][tap][co] = w_krsc (O, 3, 3, C) [co][8 - tap][ci],
+// the weights of the forward convolution that backward-data of a 3x3, stride-1 one is, so that its kernel
+// reads them as the forward reads its own (along k, by ldmatrix). One thread an element: halo_weights,
+// halo_weights_mirrored.
 template <bool MIRRORED>
 __device__ __forceinline__ void tc_halo_weights(const float* __restrict__ w_krsc, float* __restrict__ w_rounded, int o,
                                                 int c) {
@@ -644,8 +645,8 @@ conv_tc_dgrad_halo(const float* __restrict__ dy, const float* __restrict__ w_mir
     mirrored.c = g.o;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.h * g.w;
     float acc[T::MI][T::NI][4];
-    tc_halo_gemm<T>(dy, g, g.o, m0, HaloWeights<TcCopy<T::BN, true>, true>(w_mirrored, mirrored, n0, g.c),
-                                 acc, HaloRound());
+    tc_halo_gemm<T>(dy, g, g.o, m0, HaloWeights<TcCopy<T::BN, true>, true>(w_mirrored, mirrored, n0, g.c), acc,
+                    HaloRound());
     tc_finish<T, false>(RowsOut{pixels, g.c}, dx, partial, pixels * g.c, SplitK{1, 1, 0}, counters, m0, n0, nullptr,
                         add, acc);
     __shared__ float sums_smem[2 * TC_THREADS];
