@@ -24,6 +24,7 @@ import numpy as np
 
 import kernels
 from bench import layers, report, timing
+from nn.modules import FlatParameters
 from profiler import costs
 
 EPS, MOMENTUM = 1e-5, 0.1            # batch norm
@@ -253,10 +254,12 @@ def softmax_cross_entropy(b, layer):
 
 
 def sgd_update(b, layer):
-    """Under bf16 on the GPU the update also writes the bfloat16 copy of the weights, as the trainer's."""
+    """On the GPU under bf16 and tf32 the update also writes the weights' copy rounded to the precision
+    (bfloat16, TF32), as the trainer's (nn.modules.FlatParameters)."""
     param, grad = b.randn(layer.x), b.randn(layer.x)
     velocity = b.xp.zeros(layer.x, np.float32)
-    copy = b.xp.empty(layer.x, kernels.bfloat16) if b.stores_bfloat16() else None
+    dtype = FlatParameters.COPIES.get(kernels.precision()) if b.device == "cuda" else None
+    copy = None if dtype is None else b.xp.empty(layer.x, dtype)
 
     def peer(b):
         torch = b.torch

@@ -16,16 +16,16 @@ def _outputs(*params):
 
 
 def _multiplied(weight, K):
-    """The array a convolution on backend K multiplies for ``weight``: under the bf16 precision on a
-    device backend (cuda, emu), a flat buffer's parameter's view of the buffer's bfloat16 copy
-    (FlatParameters.bfloat16_view), which the BF16 tensor cores take as it is; else the float32
-    parameter itself (which a device backend's convolution rounds to bfloat16 under bf16, at each
-    call; the CPU backend computes in float32 whatever the precision). The gradient goes to the
+    """(array, w_tf32): what a convolution on backend K multiplies for ``weight``. On a device backend (cuda,
+    emu), under the bf16 or tf32 precision, a flat buffer's parameter's view of the buffer's copy rounded
+    as that precision's tensor cores take it (FlatParameters.multiplied_view: bfloat16, or TF32 values in
+    float32, w_tf32 true); else the float32 parameter itself (which a device backend's convolution rounds,
+    at each call; the CPU backend computes in float32 whatever the precision). The gradient goes to the
     float32 parameter either way."""
-    flat = getattr(weight, "_flat", None)
-    if precision() != "bf16" or K.name == "cpu" or flat is None:
-        return weight.data
-    return flat.bfloat16_view(weight)
+    flat, mode = getattr(weight, "_flat", None), precision()
+    if flat is None or mode not in flat.COPIES or K.name == "cpu":
+        return weight.data, False
+    return flat.multiplied_view(weight, mode), mode == "tf32"
 
 
 class Normalized(Tensor):
@@ -76,22 +76,24 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
     if pending and not K.conv2d_folds(pending[0].data, weight.data, stride, padding):
         pending = None
     source, normalize = (x.data, None) if pending is None else (pending[0].data, pending[1])
-    w = _multiplied(weight, K)   # the bias is added in float32 under every precision
-    y = K.conv2d_forward(source, w, _data(bias), stride, padding, statistics=statistics, normalize=normalize)
+    w, w_tf32 = _multiplied(weight, K)   # the bias is added in float32 under every precision
+    y = K.conv2d_forward(source, w, _data(bias), stride, padding, statistics=statistics, normalize=normalize,
+                         w_tf32=w_tf32)
     y, stats = (y, None) if statistics is None else (y[0], y[1:])
 
     def backward(dy):
         # x's gradient so far, when no one else holds it, takes dx in place (a residual block's input);
         # without a bias there are two parents, and the tape ignores the third gradient. The weight
-        # multiplied is the forward's: the optimizer writes the bfloat16 copy only after the backward
+        # multiplied is the forward's: the optimizer writes the rounded copy only after the backward
         add_dx_to = x.grad if x._grad_owned else None
         norm = _norm_to_sum(x, adds=True)
         if norm is None:
             return K.conv2d_backward(dy, source, w, stride, padding, need_dx=x.requires_grad,
-                                     out=_outputs(weight, bias), add_dx_to=add_dx_to, normalize=normalize)
+                                     out=_outputs(weight, bias), add_dx_to=add_dx_to, normalize=normalize,
+                                     w_tf32=w_tf32)
         return _handing_sums(norm, lambda **sums: K.conv2d_backward(
             dy, source, w, stride, padding, out=_outputs(weight, bias), add_dx_to=add_dx_to, normalize=normalize,
-            **sums))
+            w_tf32=w_tf32, **sums))
     out = Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
     out.statistics = stats
     return out

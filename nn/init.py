@@ -28,7 +28,7 @@ def set_rng_state(state):
 
 
 def _assign(param, values):
-    """param's data <- values (host), in place: a flat buffer's bfloat16 copy is stale after it."""
+    """param's data <- values (host), in place: a flat buffer's rounded copy is stale after it."""
     with param.writing():
         param.data[...] = get_array_module(param.data).asarray(values.astype(param.dtype))
 

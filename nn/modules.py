@@ -71,8 +71,8 @@ class Parameter(Tensor):
 
     def writing(self):
         """Around a write of this parameter's data by anything but the optimizer (a state dict loaded,
-        the layer re-initialised): its flat buffer's bfloat16 copy is stale from then on (see
-        FlatParameters.writing); nothing to do for a parameter outside a flat buffer."""
+        the layer re-initialised): its flat buffer's copy of the weights that the convolutions multiply is
+        stale from then on (see FlatParameters.writing); nothing to do for a parameter outside a flat buffer."""
         return self._flat.writing() if self._flat is not None else contextlib.nullcontext()
 
 
@@ -87,17 +87,19 @@ class FlatParameters:
     they copy no weight and write no gradient through a transposition. LAYOUT names this
     arrangement, which a checkpoint of the flat buffer records.
 
-    Under the bf16 precision the convolutions multiply bfloat16 weights, and the float32 ``data``
-    stays the master copy that the optimizer updates (PyTorch's autocast keeps float32 weights
-    too). ``bfloat16()`` is ``data`` rounded to bfloat16 (round to nearest even), at the same offsets,
-    kept here so that a step casts no weight: made on first request; kept current by the optimizer,
-    whose update writes each new value's rounding beside it in the same launch (``updating()``);
-    marked stale by every other write of ``data``, which goes through ``writing()`` (a checkpoint
-    restored, the parameters broadcast to the replicas, a state dict loaded, a layer
-    re-initialised); refreshed by one cast over the buffer when requested while stale. So whoever
-    reads it (``bfloat16()``, ``bfloat16_view()``, a CUDA graph after ``refresh_bfloat16()``) reads
-    what casting ``data`` now would give, and the copy holds no state of its own: a checkpoint, a
-    broadcast or an export deals in ``data`` alone."""
+    On a device backend the convolutions multiply the weights rounded: under the bf16 precision to
+    bfloat16 (round to nearest even), under tf32 to TF32 (round_tf32: to nearest, ties away, in
+    float32), and the float32 ``data`` stays the master copy that the optimizer updates (PyTorch's
+    autocast keeps float32 weights too). ``multiplied(precision)`` is ``data`` so rounded, at the same
+    offsets, kept here so that a step rounds no weight: made on first request; kept current by the
+    optimizer, whose update writes each new value's rounding beside it in the same launch
+    (``updating()``); marked stale by every other write of ``data``, which goes through ``writing()``
+    (a checkpoint restored, the parameters broadcast to the replicas, a state dict loaded, a layer
+    re-initialised); refreshed by one pass over the buffer (a cast, round_tf32) when requested while
+    stale. So whoever reads it (``multiplied()``, ``multiplied_view()``, a CUDA graph after
+    ``refresh_multiplied()``) reads what rounding ``data`` now would give, and the copy holds no state
+    of its own: a checkpoint, a broadcast or an export deals in ``data`` alone. One precision's copy
+    at a time: a request for the other's replaces it."""
     ALIGNMENT = 4
     LAYOUT = "aligned to 4 elements; 4-D parameters channels-last"
 
@@ -122,8 +124,8 @@ class FlatParameters:
             p.data = _viewed(self.data[lo:lo + p.size], p.shape)
             p.grad = _viewed(self._grad[lo:lo + p.size], p.shape)
             p._flat, p._stale = self, stale
-        self._bfloat16 = self._bfloat16_views = None   # made by the first bfloat16()
-        self._bfloat16_current = False
+        self._copy = self._copy_views = self._copy_precision = None   # made by the first multiplied()
+        self._copy_current = False
 
     @property
     def parameter_count(self):
@@ -155,48 +157,56 @@ class FlatParameters:
         for p in self.params:
             p.zero_grad()
 
-    # ---- the bfloat16 copy of data (see the class's docstring) -----------------------------------
+    # ---- the rounded copy of data that the convolutions multiply (see the class's docstring) ---------
 
-    def bfloat16(self):
-        """``data`` rounded to bfloat16, the same offsets: made on first request, refreshed (one cast)
-        when something other than the optimizer has written ``data`` since."""
-        if self._bfloat16 is None:
-            self._bfloat16 = get_array_module(self.data).empty(len(self), bfloat16)   # the cast writes it all
-            self._bfloat16_views = {id(p): _viewed(self._bfloat16[lo:lo + p.size], p.shape)
-                                    for p, lo in zip(self.params, self.offsets)}
-        self.refresh_bfloat16()
-        return self._bfloat16
+    COPIES = {"bf16": bfloat16, "tf32": np.float32}   # the copy's dtype under each precision that has one
 
-    def bfloat16_view(self, param):
-        """``param``'s view of bfloat16(), laid out as its view of ``data``: what a convolution multiplies
-        under the bf16 precision (nn.functional.conv2d)."""
-        self.bfloat16()
-        return self._bfloat16_views[id(param)]
+    def multiplied(self, precision):
+        """``data`` rounded as the `precision`'s convolutions multiply it ("bf16": to bfloat16; "tf32": to
+        TF32, float32 values), the same offsets: made on first request, refreshed (one pass) when something
+        other than the optimizer has written ``data`` since."""
+        if self._copy_precision != precision:
+            self._copy = get_array_module(self.data).empty(len(self), self.COPIES[precision])   # refreshed whole
+            self._copy_views = {id(p): _viewed(self._copy[lo:lo + p.size], p.shape)
+                                for p, lo in zip(self.params, self.offsets)}
+            self._copy_precision, self._copy_current = precision, False
+        self.refresh_multiplied()
+        return self._copy
 
-    def refresh_bfloat16(self):
-        """Bring the bfloat16 copy up to date if there is one and something other than the optimizer has
+    def multiplied_view(self, param, precision):
+        """``param``'s view of multiplied(precision), laid out as its view of ``data``: what a convolution
+        multiplies under that precision (nn.functional.conv2d)."""
+        self.multiplied(precision)
+        return self._copy_views[id(param)]
+
+    def refresh_multiplied(self):
+        """Bring the rounded copy up to date if there is one and something other than the optimizer has
         written ``data`` since: what a replayed CUDA graph needs first, whose kernels read the copy
         without asking for it (training/step.py)."""
-        if self._bfloat16 is not None and not self._bfloat16_current:
-            backend_of(self.data).cast(self.data, bfloat16, out=self._bfloat16)
-            self._bfloat16_current = True
+        if self._copy is not None and not self._copy_current:
+            backend = backend_of(self.data)
+            if self._copy_precision == "bf16":
+                backend.cast(self.data, bfloat16, out=self._copy)
+            else:
+                backend.round_tf32(self.data, out=self._copy)
+            self._copy_current = True
 
     @contextlib.contextmanager
     def writing(self):
         """``with flat.writing() as data:`` around every write of ``data`` (or of a parameter's view of
-        it: Parameter.writing) but the optimizer's: the bfloat16 copy is stale from the start, so that
+        it: Parameter.writing) but the optimizer's: the rounded copy is stale from the start, so that
         not even a write that fails midway leaves it current."""
-        self._bfloat16_current = False
+        self._copy_current = False
         yield self.data
 
     @contextlib.contextmanager
     def updating(self):
         """``with flat.updating() as copy:`` around the optimizer's update of ``data``, which writes the
-        new values' rounding into ``copy`` too (sgd_update's ``copy=``; None while no bfloat16 copy has
-        been asked for): current after the update, stale if it failed."""
-        self._bfloat16_current = False
-        yield self._bfloat16
-        self._bfloat16_current = self._bfloat16 is not None
+        new values' rounding into ``copy`` too (sgd_update's ``copy=``, whose dtype says which rounding;
+        None while no copy has been asked for): current after the update, stale if it failed."""
+        self._copy_current = False
+        yield self._copy
+        self._copy_current = self._copy is not None
 
     @staticmethod
     def existing(params):

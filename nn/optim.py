@@ -37,8 +37,9 @@ class SGD:
             self.lr = self._lr
 
     def step(self):
-        """One update of the float32 parameters, which also rounds them into the flat buffer's bfloat16
-        copy, when there is one, in the same launch (FlatParameters.updating)."""
+        """One update of the float32 parameters, which also rounds them into the flat buffer's copy of the
+        weights that the convolutions multiply, when there is one, in the same launch
+        (FlatParameters.updating)."""
         lr = self.lr if self._lr_memory is None else self._lr_memory
         with self.flat.updating() as copy:
             backend_of(self.flat.data).sgd_update(self.flat.data, self.flat.grad, self.velocity,

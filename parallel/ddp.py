@@ -107,8 +107,8 @@ class DataParallel:
 
     def broadcast_state(self, state=()):
         """Rank 0's parameters, floating buffers and ``state`` on every rank. Only the float32 parameters
-        travel: the flat buffer's bfloat16 copy (the bf16 precision's) is marked stale and remade from
-        them when next read."""
+        travel: the flat buffer's rounded copy of the weights (bf16's and tf32's) is marked stale and remade
+        from them when next read."""
         with self.flat.writing() as params:
             for array in [params, *self.buffers, *(s for s in state if s is not None)]:
                 self.comm.broadcast(array, root=0)

@@ -12,8 +12,8 @@ each input read once and each output written once: an activation, its gradient a
 products read at their own element's bytes (the Shape of an array says it: float32's 4, or 2 for
 the bf16 precision's bfloat16; a plain tuple counts 4), an output of an activation at its input's,
 statistics, batch-norm parameters and every parameter gradient at float32's 4, argmax (int64) at 8,
-images (uint8) at 1 and labels at 4 (int32, what the trainer passes), the bfloat16 copy of
-sgd_update and global_avg_pool_backward's dtype as they say: the least any implementation moves,
+images (uint8) at 1 and labels at 4 (int32, what the trainer passes), the copy of sgd_update
+(bfloat16 or TF32's float32) and global_avg_pool_backward's dtype as they say: the least any implementation moves,
 so bytes / time is a lower bound on the bandwidth it reached. The first activation, images_to_float's
 output, counts 4 bytes an element (its dtype is the precision's, which its arguments do not say).
 """
@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 FLOAT, INDEX, LABEL, PIXEL = 4, 8, 4, 1
-BFLOAT16 = 2   # the bf16 precision's copy of the weights (sgd_update's copy), one side of a cast
+BFLOAT16 = 2   # one side of a cast
 # FLOPs per element of the batch-norm passes: statistics (x and x*x into two sums) + normalise
 # (one multiply-add by the per-channel scale and shift); backward: x-hat (2), dy * x-hat and
 # the two sums (3), dx = k * (dy - mean dy - x-hat * mean(dy x-hat)) (4).
@@ -114,7 +114,7 @@ def _conv_macs(x, w, stride, padding):
 
 # ---- convolution ---------------------------------------------------------------------------
 
-def conv2d_forward(x, w, b, stride, padding, statistics=None, normalize=None):
+def conv2d_forward(x, w, b, stride, padding, statistics=None, normalize=None, w_tf32=False):
     """With `statistics` (a batch norm's eps, running pair and momentum), also that norm's statistics of
     y, summed where y is (no pass reads y for them): the sums of each value (as batch_norm_sums), per
     channel the statistics, mean and invstd written and the running pair moved. With `normalize`, the
@@ -134,7 +134,7 @@ def conv2d_folds(x, w, stride, padding):
 
 
 def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None, norm=None, norm_out=None,
-                    normalize=None):
+                    normalize=None, w_tf32=False):
     """Backward-data (unless need_dx is false) and backward-weight GEMMs and the bias gradient (a
     sum over dy); dx added to add_dx_to (read, and one add per element) when given; with `norm`, the
     batch norm's backward sums of dx where dx is: its y and x read (as batch_norm_backward_sums reads
@@ -263,6 +263,11 @@ def cast(a, dtype, out=None):
     return Cost(0, (FLOAT + BFLOAT16) * size(a))
 
 
+def round_tf32(a, out=None):
+    """float32 to TF32 in float32 (no arithmetic: a rounding): read and written."""
+    return Cost(0, 2 * FLOAT * size(a))
+
+
 def _itemsize(dtype):
     """Bytes per element of an output of `dtype` (None: float32, the contract's default)."""
     return FLOAT if dtype is None else np.dtype(dtype).itemsize
@@ -325,9 +330,9 @@ def count_correct(logits, labels):
 
 def sgd_update(param, grad, velocity, lr, momentum, weight_decay, copy=None):
     """param -= lr * (momentum * velocity + grad + weight_decay * param): a multiply-add for
-    each term that is present; velocity read and written only with momentum; the bfloat16 copy
+    each term that is present; velocity read and written only with momentum; the bfloat16 or TF32 copy
     written when given."""
     n = size(param)
     with_velocity = momentum != 0
     flops = 2 * n * (1 + (weight_decay != 0) + with_velocity)
-    return Cost(flops, FLOAT * n * (3 + 2 * with_velocity) + BFLOAT16 * size(copy))
+    return Cost(flops, FLOAT * n * (3 + 2 * with_velocity) + nbytes(copy))

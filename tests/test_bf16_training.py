@@ -61,7 +61,7 @@ def emulated(monkeypatch):
 
 
 def assert_current(flat):
-    np.testing.assert_array_equal(bits(flat.bfloat16()), rounded(flat.data))
+    np.testing.assert_array_equal(bits(flat.multiplied("bf16")), rounded(flat.data))
 
 
 # ---- the copy's life -----------------------------------------------------------------------------------
@@ -70,12 +70,12 @@ def test_the_copy_is_made_on_first_request_as_the_weights_rounded_with_the_same_
     model, opt = model_and_optimizer()
     flat = opt.flat
     assert emulated == [], "no copy before one is asked for"
-    copy = flat.bfloat16()
+    copy = flat.multiplied("bf16")
     assert copy.dtype == kernels.bfloat16 and copy.shape == flat.data.shape and len(emulated) == 1
     assert_current(flat)
-    assert flat.bfloat16() is copy and len(emulated) == 1, "asked again: no cast"
+    assert flat.multiplied("bf16") is copy and len(emulated) == 1, "asked again: no cast"
     conv = model.resnet_block2[0].conv1
-    view = flat.bfloat16_view(conv.weight)
+    view = flat.multiplied_view(conv.weight, "bf16")
     assert view.shape == conv.weight.shape and np.shares_memory(view, copy)
     assert view.strides == tuple(s // 2 for s in conv.weight.data.strides), "channels-last, as the weight"
     np.testing.assert_array_equal(bits(view), rounded(conv.weight.data))
@@ -84,7 +84,7 @@ def test_the_copy_is_made_on_first_request_as_the_weights_rounded_with_the_same_
 def test_the_optimizer_keeps_it_current_without_a_cast(emulated):
     model, opt = model_and_optimizer()
     flat = opt.flat
-    flat.bfloat16()
+    flat.multiplied("bf16")
     for _ in range(2):
         for p in model.parameters():
             p.grad[...] = rng().standard_normal(p.shape).astype(np.float32)
@@ -98,7 +98,7 @@ def test_the_optimizer_keeps_it_current_without_a_cast(emulated):
 def test_no_copy_is_made_or_cast_before_one_is_asked_for(emulated):
     model, opt = model_and_optimizer()
     opt.step()
-    opt.flat.refresh_bfloat16()   # what a replayed graph does first
+    opt.flat.refresh_multiplied()   # what a replayed graph does first
     assert emulated == []
 
 
@@ -139,8 +139,8 @@ def reinitialised(model, opt, other, tmp_path):
 def test_every_other_write_of_the_weights_leaves_it_stale_and_one_cast_refreshes_it(emulated, tmp_path, write):
     model, opt = model_and_optimizer()
     flat = opt.flat
-    flat.bfloat16()
-    stale = bits(flat.bfloat16()).copy()
+    flat.multiplied("bf16")
+    stale = bits(flat.multiplied("bf16")).copy()
     write(model, opt, model_and_optimizer(seed=1), tmp_path)
     assert not np.array_equal(rounded(flat.data), stale), "the write changed the weights"
     assert len(emulated) == 1, "marked stale, not refreshed yet"
@@ -151,7 +151,7 @@ def test_every_other_write_of_the_weights_leaves_it_stale_and_one_cast_refreshes
 def test_a_write_that_fails_midway_leaves_it_stale(emulated):
     model, opt = model_and_optimizer()
     flat = opt.flat
-    flat.bfloat16()
+    flat.multiplied("bf16")
     state = {k: v.copy() for k, v in model_and_optimizer(seed=1)[0].state_dict().items()}
     state["fc.1.bias"] = np.zeros(3, np.float32)   # the last key: every weight before it written
     with pytest.raises(ValueError, match="shape mismatch for fc.1.bias"):
@@ -169,14 +169,15 @@ def recorded(monkeypatch):
     calls = []
 
     def record(backend):
-        def forward(x, w, b, stride, padding, statistics=None, normalize=None):   # a layer alone: no batch norm
+        def forward(x, w, b, stride, padding, statistics=None, normalize=None, w_tf32=False):   # a layer alone
             assert statistics is None and normalize is None
-            calls.append(("forward", w, b))
+            calls.append(("forward", w, b, w_tf32))
             return np.zeros((x.shape[0], w.shape[0]) + x.shape[2:], x.dtype)
 
-        def backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None, normalize=None):
+        def backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None, normalize=None,
+                     w_tf32=False):
             assert normalize is None
-            calls.append(("backward", w, None))
+            calls.append(("backward", w, None, w_tf32))
             return np.zeros_like(x), np.zeros(w.shape, np.float32), np.zeros(w.shape[0], np.float32)
         monkeypatch.setattr(backend, "conv2d_forward", forward)
         monkeypatch.setattr(backend, "conv2d_backward", backward)
@@ -195,17 +196,19 @@ def test_the_convolutions_multiply_the_current_copy_and_the_float32_bias(emulate
     conv = model.resnet_block1[0].conv1
     x = rng().standard_normal((2, WIDTH, 4, 4)).astype(kernels.bfloat16)
     convolve(conv, x)
-    (_, w, b), (_, w_back, _) = calls
-    assert w is opt.flat.bfloat16_view(conv.weight) and w_back is w, "the forward's weight, backward too"
+    (_, w, b, tf32), (_, w_back, _, tf32_back) = calls
+    assert not tf32 and not tf32_back
+    assert w is opt.flat.multiplied_view(conv.weight, "bf16") and w_back is w, "the forward's weight, backward too"
     assert b is conv.bias.data and b.dtype == np.float32
     model.load_state_dict(model_and_optimizer(seed=1)[0].state_dict())
     convolve(conv, x)
     np.testing.assert_array_equal(bits(calls[-1][1]), rounded(conv.weight.data))
 
 
-@pytest.mark.parametrize("where", ["cpu backend", "emu, tf32", "emu, fp32", "emu, bf16, outside a flat buffer"])
+@pytest.mark.parametrize("where", ["cpu backend", "emu, fp32", "emu, bf16, outside a flat buffer",
+                                   "emu, tf32, outside a flat buffer"])
 def test_elsewhere_the_convolutions_multiply_the_float32_parameter(recorded, where):
-    """Under bf16 a device backend's convolution rounds a float32 weight itself, at each call."""
+    """Under bf16 and tf32 a device backend's convolution rounds a float32 weight itself, at each call."""
     calls, record = recorded
     nn.manual_seed(0)
     model = nn.resnet18(width=WIDTH)
@@ -217,6 +220,27 @@ def test_elsewhere_the_convolutions_multiply_the_float32_parameter(recorded, whe
         record(kernels.backend_of(conv.weight.data))
         convolve(conv, np.zeros((2, WIDTH, 4, 4), np.float32))
     assert calls[0][1] is conv.weight.data and calls[1][1] is conv.weight.data
+    assert not calls[0][3] and not calls[1][3], "w_tf32 for a weight not rounded"
+
+
+def test_under_tf32_the_convolutions_multiply_the_flat_buffers_tf32_copy(recorded):
+    """A device backend's convolutions read a flat buffer's weight from its TF32 copy (w_tf32), forward and
+    backward, which holds the weights rounded (round_tf32) and which the optimizer's update keeps current."""
+    calls, record = recorded
+    model, opt = model_and_optimizer()
+    with kernels.emulate(), kernels.use_precision("tf32"):
+        conv = model.resnet_block1[0].conv1
+        record(kernels.backend_of(conv.weight.data))
+        convolve(conv, np.ones((2, WIDTH, 4, 4), np.float32))
+        (_, w, _, tf32), (_, w_back, _, tf32_back) = calls
+        assert w is opt.flat.multiplied_view(conv.weight, "tf32") and w_back is w and tf32 and tf32_back
+        assert w.dtype == np.float32 and w.strides == conv.weight.data.strides
+        np.testing.assert_array_equal(opt.flat.multiplied("tf32"), kernels.cpu.round_tf32(opt.flat.data))
+        opt.flat.grad[...] = rng().standard_normal(len(opt.flat)).astype(np.float32)
+        opt.step()   # the update writes the copy: current with no refresh
+        assert opt.flat._copy_current
+        np.testing.assert_array_equal(opt.flat.multiplied("tf32"), kernels.cpu.round_tf32(opt.flat.data))
+        assert (opt.flat.multiplied("tf32").view(np.uint32) & 0x1FFF == 0).all()
 
 
 def test_global_average_pooling_hands_back_the_activations_dtype(emulated):

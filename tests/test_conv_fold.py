@@ -205,7 +205,7 @@ def test_resnet_step_with_the_fold_is_the_step_without(monkeypatch):
 def test_resnet_step_on_the_halo_kernels(halo_everywhere):
     """ResNet-18 (width 16, 16 x 16 images) on the emulator under tf32 with the halo kernels wherever they
     apply (the first two stages' 3x3, stride-1 forwards, bn1 applied in conv2's, and backward-datas, their
-    weights rounded by halo_weights): the loss and every gradient bit for bit in both thread orders; and as
+    weights rounded by round_tf32, no flat buffer here, and mirrored for backward-data): the loss and every gradient bit for bit in both thread orders; and as
     near the fp32 step's as the step on the other TF32 kernels (all the gradients together, in norm): the
     norms of a batch of two, over 2 x 2 pixels at the last stage, magnify TF32's rounding to 12-16 % there,
     and the halo's sums over k in another order move it by 2-4 % of that."""
@@ -225,7 +225,7 @@ def test_resnet_step_on_the_halo_kernels(halo_everywhere):
         return loss.numpy().copy(), [p.grad.copy() for p in model.parameters()]
     (loss, grads), (other_loss, other_grads) = step("ascending"), step("descending")
     for kernel in (f"conv_tc_forward_halo<{conv_tc.TF32.halo}, true>", f"conv_tc_forward_halo<{conv_tc.TF32.halo}>",
-                   f"conv_tc_dgrad_halo<{conv_tc.TF32.halo}>", "halo_weights", "halo_weights_mirrored"):
+                   f"conv_tc_dgrad_halo<{conv_tc.TF32.halo}>", "mirrored_weights"):
         assert kernel in halo_everywhere, (kernel, sorted(set(halo_everywhere)))
     np.testing.assert_array_equal(loss, other_loss)
     for i, (got, want) in enumerate(zip(grads, other_grads)):

@@ -309,6 +309,54 @@ def test_inputs_at_an_odd_offset_are_copied_for_the_16_byte_copies():
     validate(dx, R.conv2d_backward(y, x, w, 1, 0)[0], "dx", rtol=2e-3)
 
 
+def test_round_tf32_rounds_as_the_reference_does():
+    """round_tf32 (the flat buffer's TF32 copy, a weight outside one) on the emulator and on the CPU against
+    tf32_rounded above: to nearest, ties away, the low 13 bits zero; infinity and NaN as they are; into a view
+    at an odd offset, every element written, none past it."""
+    g = rng()
+    x = np.concatenate([g.standard_normal(300) * 10.0 ** g.integers(-30, 30, 300),
+                        [0.0, -0.0, np.inf, -np.inf, 3.4028235e38, 1.0 + 2.0**-11, -(1.0 + 2.0**-11),
+                         1.0 + 2.0**-11 - 2.0**-23, 1.0 + 3 * 2.0**-11]]).astype(np.float32)
+    for be in (kernels._device_backend("emu"), kernels.cpu):
+        buffer = np.full(x.size + 2, np.nan, np.float32)
+        be.round_tf32(x, out=buffer[1:-1])
+        with np.errstate(over="ignore"):   # the largest float rounds to infinity
+            want = tf32_rounded(x).astype(np.float32)
+        np.testing.assert_array_equal(buffer[1:-1], want, err_msg=str(be))
+        assert np.isnan(buffer[[0, -1]]).all(), "round_tf32 wrote outside its output"
+        assert (buffer[1:-1].view(np.uint32) & 0x1FFF == 0).all()
+        assert np.isnan(be.round_tf32(np.array([np.nan, -np.nan], np.float32))).all()
+    with pytest.raises(TypeError, match="round_tf32: rounds float32, not float64"):
+        kernels._device_backend("emu").round_tf32(x.astype(np.float64))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", [((2, 16, 9, 7), (32, 16, 3, 3), 2, 1),
+                                                               ((2, 8, 6, 5), (12, 8, 3, 3), 1, 1),
+                                                               ((2, 16, 6, 6), (16, 16, 3, 3), 1, 1)])
+def test_weights_that_hold_tf32_values_are_read_as_they_are(emu, halo_everywhere, monkeypatch, x_shape, w_shape,
+                                                            stride, padding):
+    """The TF32 GEMMs read the weights as they are, TF32 values (w_tf32: a flat buffer's TF32 copy), and a
+    weight that is not is rounded by a launch of round_tf32 first (the aligned copies, the gathered ones, the
+    halo kernels): the same bits either way. Planted: raw weights handed as TF32 values give other results
+    (the tensor cores read their top 19 bits), so that it is the launch, not the kernels, that rounds."""
+    rounds = []
+    real = conv_tc.round_tf32
+    monkeypatch.setattr(conv_tc, "round_tf32", lambda be, w: rounds.append(w.shape) or real(be, w))
+    x, w = draw(x_shape, w_shape)
+    rounded = kernels.cpu.round_tf32(w)
+    y = emu.conv2d_forward(x, w, None, stride, padding)
+    (dy,) = draw(y.shape)
+    dx = emu.conv2d_backward(dy, x, w, stride, padding)[0]
+    assert len(rounds) == 2, rounds
+    y_tf32 = emu.conv2d_forward(x, rounded, None, stride, padding, w_tf32=True)
+    dx_tf32 = emu.conv2d_backward(dy, x, rounded, stride, padding, w_tf32=True)[0]
+    assert len(rounds) == 2, "no launch rounds a weight that holds TF32 values"
+    np.testing.assert_array_equal(y_tf32, y)
+    np.testing.assert_array_equal(dx_tf32, dx)
+    assert not np.array_equal(emu.conv2d_forward(x, w, None, stride, padding, w_tf32=True), y)
+    assert not np.array_equal(emu.conv2d_backward(dy, x, w, stride, padding, w_tf32=True)[0], dx)
+
+
 def test_the_precision_is_a_setting_with_tf32_the_default():
     assert kernels.PRECISIONS == ("tf32", "bf16", "fp32")
     with kernels.use_precision("fp32"):

@@ -118,7 +118,7 @@ def restore(arrays, model, optimizer):
         raise CheckpointError(f"the checkpoint's flat parameter buffer is laid out as '{layout}', this version's as "
                               f"'{FlatParameters.LAYOUT}': it was written by an earlier version and cannot be resumed "
                               f"by this one")
-    with optimizer.flat.writing() as params:   # the bfloat16 copy of the weights is remade from these
+    with optimizer.flat.writing() as params:   # the rounded copy of the weights is remade from these
         _copy(params, arrays["params"], "flat parameter buffer")
     if optimizer.velocity is not None:
         if "velocity" not in arrays:

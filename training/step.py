@@ -28,10 +28,10 @@ class GraphedStep:
     static inputs in place: the batch's indices, and the learning rate, which the optimizer keeps
     in device memory (SGD.lr_on_device). The loss and the correct count that a replay writes are
     copied out before the next replay overwrites them, and the batch-norm step counters (host
-    numbers the forward increments) move once per replay. Under the bf16 precision the replayed
-    convolutions read the flat buffer's bfloat16 copy of the weights, which the replayed update keeps
-    current; should anything else have written the weights since, it is refreshed first, outside the
-    graph.
+    numbers the forward increments) move once per replay. The replayed convolutions read the flat
+    buffer's copy of the weights rounded to the precision (bfloat16, TF32), which the replayed update
+    keeps current; should anything else have written the weights since, it is refreshed first, outside
+    the graph.
 
     Whether a step replays is the same on every rank of ``ddp``, as NCCL requires of collectives
     in graphs: a global batch of another size (an epoch's last, shorter one) runs eagerly, even on
@@ -54,8 +54,8 @@ class GraphedStep:
         if not whole or self.eager_only or not self.warmed_up:
             self.warmed_up = self.warmed_up or whole
             return train_step(self.model, self.opt, self.ddp, self.images, self.labels, idx)
-        # the replayed convolutions read the bfloat16 copy without asking for it (nor is a cast captured)
-        self.opt.flat.refresh_bfloat16()
+        # the replayed convolutions read the rounded copy without asking for it (nor is its refresh captured)
+        self.opt.flat.refresh_multiplied()
         if self.graph is None and not self._capture(idx):
             return train_step(self.model, self.opt, self.ddp, self.images, self.labels, idx)
         self.idx[...] = idx

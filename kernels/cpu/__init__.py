@@ -19,7 +19,8 @@ strides, like PyTorch's channels_last format), the layout its convolutions compu
 in, so that a network of them never transposes. Every kernel accepts any memory
 layout; np.ascontiguousarray gives C order where something needs it.
 
-conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None) -> y, or (y, mean, invstd)
+conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None, w_tf32=False)
+        -> y, or (y, mean, invstd)
     x (N, C, H, W), w (O, C, KH, KW), b (O,) or None -> y (N, O, OH, OW),
     OH = (H + 2*ph - KH) // sh + 1. statistics = (eps, running, momentum): also the statistics
     of the training batch norm that follows, of y, as batch_norm_forward computes them (running:
@@ -27,13 +28,16 @@ conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None) -> 
     epilogue, where y is, and batch_norm_apply then normalises. normalize = (gamma, beta, mean,
     invstd): the convolution of relu(batch_norm_apply(x, gamma, beta, mean, invstd)), x a training
     batch norm's input, so that its normalised output need not be stored (a device backend's TF32
-    GEMMs apply it as they load x; the others compute it first).
+    GEMMs apply it as they load x; the others compute it first). w_tf32: w holds TF32 values already
+    (round_tf32's: a flat buffer's TF32 copy), which a device backend's TF32 GEMMs then read as they
+    are, where they read any other w rounded by a launch of round_tf32 first; the CPU backend, which
+    computes in float32, ignores it.
 conv2d_folds(x, w, stride, padding) -> bool
     Whether conv2d_forward and conv2d_backward of x (a batch norm's input) by w apply a normalize as
     they load x, rather than compute relu(bn(x)) first: a caller that would compute it once and keep
     it (nn.functional.Normalized) does that where not. False on the CPU backend.
 conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
-                norm_out=None, normalize=None) -> (dx, dw, db), or (dx, dw, db, dgamma, dbeta)
+                norm_out=None, normalize=None, w_tf32=False) -> (dx, dw, db), or (dx, dw, db, dgamma, dbeta)
     db is dy summed over (N, OH, OW); callers without a bias ignore it. dx is None unless
     need_dx (the first layer's input needs none). out = (dw, db): arrays that the gradients
     are written into (a parameter's gradient, say; either may be None), returned. add_dx_to:
@@ -46,7 +50,7 @@ conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=
     takes as `sums`. gamma and beta: the norm's, for a relu alone (None for a join), whose mask
     y > 0 a device backend recomputes from x_norm (as the forward computed y) rather than read y;
     y may then be None (not stored: the forward's normalize). normalize: as conv2d_forward's, x
-    the norm's input (the weight gradient reads relu(bn(x))).
+    the norm's input (the weight gradient reads relu(bn(x))). w_tf32: as conv2d_forward's.
 
 batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None)
     -> (y, mean, invstd)
@@ -116,8 +120,9 @@ sgd_update(param, grad, velocity, lr, momentum, weight_decay, copy=None) -> None
     1-element array of param's dtype read when the update runs (on a GPU, device memory that
     a CUDA graph's replay reads anew). copy: a bfloat16 array of param's shape and memory
     layout (C-contiguous), set to the updated param rounded to nearest even in the same pass
-    (the weights the bf16 precision's forward reads); param, grad and velocity are float32
-    and updated as without it.
+    (the weights the bf16 precision's forward reads), or a float32 one, set to it rounded to
+    TF32 (round_tf32: the weights the tf32 precision's tensor cores read); param, grad and
+    velocity are float32 and updated as without it.
 
 images_to_float(images, idx=None) -> x
     uint8 (N, H, W) -> float32 (N, 1, H, W) scaled to [0, 1]; with 1-D integer indices idx,
@@ -130,6 +135,10 @@ cast(a, dtype, out=None) -> y
     a (float32 or bfloat16; on the CPU backend float64 too) converted to dtype (float32 or
     bfloat16: rounded to nearest even), into out when given (a's shape, dense, that dtype:
     a flat buffer's view at any offset, say), else a new array in a's memory layout.
+round_tf32(a, out=None) -> y
+    float32 a rounded to TF32 as cvt.rna.tf32.f32 rounds (10 mantissa bits, to nearest, ties
+    away from zero), a float32 whose low 13 bits are zero; infinity and NaN as they are. Into
+    out when given (float32, a's shape), else a new array.
 """
 from .conv import conv2d_forward, conv2d_backward, conv2d_folds
 from .batchnorm import (batch_norm_forward, batch_norm_backward, batch_norm_update_running,
@@ -142,6 +151,6 @@ from .pool import (max_pool2d_forward, max_pool2d_backward, global_avg_pool_forw
 from .linear import linear_forward, linear_backward
 from .loss import softmax_cross_entropy_forward, softmax_cross_entropy_backward, count_correct
 from .optim import sgd_update
-from .convert import images_to_float, take, cast
+from .convert import images_to_float, take, cast, round_tf32
 
 name = "cpu"

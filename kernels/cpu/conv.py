@@ -20,7 +20,7 @@ from ._util import channel_sum, output_size, pair, padded, windows, workspace, w
 from .batchnorm import batch_norm_apply, batch_statistics, masked_backward_sums, relu_output
 
 
-def conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None):
+def conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None, w_tf32=False):
     if normalize is not None:   # computed first: a device backend's loads apply it, the CPU has no loads to hide it in
         x = batch_norm_apply(x, *normalize, relu=True)
     if statistics is not None:
@@ -42,7 +42,7 @@ def conv2d_folds(x, w, stride, padding):
 
 
 def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
-                    norm_out=None, normalize=None):
+                    norm_out=None, normalize=None, w_tf32=False):
     if normalize is not None:
         x = batch_norm_apply(x, *normalize, relu=True)
     if norm is not None:

@@ -1,6 +1,7 @@
 """uint8 images to float32 in [0, 1], with a channel axis: (N, H, W) -> (N, 1, H, W), those of a
 batch's indices; the gather of a batch's labels; and the conversion of an array to another float
-dtype (float32 to bfloat16 and back, for the bf16 precision's copies)."""
+dtype (float32 to bfloat16 and back, for the bf16 precision's copies), and float32 rounded to TF32 (the
+tf32 precision's copy of the weights)."""
 import numpy as np
 
 
@@ -34,4 +35,21 @@ def cast(a, dtype, out=None):
     if out.shape != a.shape or out.dtype != np.dtype(dtype):
         raise ValueError(f"cast: out is {out.dtype} {out.shape}, where {np.dtype(dtype)} {a.shape} is due")
     out[...] = a
+    return out
+
+
+def round_tf32(a, out=None):
+    """float32 `a` rounded to TF32 as cvt.rna.tf32.f32 rounds (10 mantissa bits, to nearest, ties away from
+    zero: half a TF32 unit added to the magnitude's bits, the low 13 cleared), infinity and NaN as they
+    are; into `out` when given."""
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        raise TypeError(f"round_tf32: rounds float32, not {a.dtype}")
+    bits = a.view(np.uint32)
+    rounded = np.where(np.isfinite(a), (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000), bits).view(np.float32)
+    if out is None:
+        return rounded.reshape(a.shape)
+    if out.shape != a.shape or out.dtype != np.float32:
+        raise ValueError(f"round_tf32: out is {out.dtype} {out.shape}, where float32 {a.shape} is due")
+    out[...] = rounded
     return out

@@ -1,11 +1,13 @@
 """SGD with momentum and weight decay, PyTorch's rule (dampening 0, no Nesterov).
 
-Updates the flat parameter and velocity buffers in place, and the bfloat16 copy of the parameters
-when one is given. The update is five elementwise
+Updates the flat parameter and velocity buffers in place, and the bfloat16 or TF32 copy of the
+parameters when one is given. The update is five elementwise
 passes; over the whole 45 MB buffers of ResNet-18 each pass would go to memory, so the
 buffers are updated in blocks small enough that the passes over a block stay in cache.
 """
 import numpy as np
+
+from .convert import round_tf32
 
 _BLOCK = 1 << 18   # elements: 1 MB blocks of param, grad, velocity and scratch stay in cache
 
@@ -43,5 +45,7 @@ def _sgd_block(param, grad, velocity, lr, momentum, weight_decay, scratch, copy)
         velocity += step
         step = velocity
     param -= np.multiply(step, lr, out=scratch)
-    if copy is not None:
+    if copy is not None and copy.dtype == np.float32:
+        round_tf32(param, out=copy)
+    elif copy is not None:
         copy[...] = param   # rounded to nearest even

@@ -52,11 +52,12 @@ def choose_tile(rows, columns, dtype):
         else "Tile64"
 
 
-def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None, normalize=None):
+def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None, normalize=None, w_tf32=False):
     """See kernels/cpu/conv.py. The statistics of a training batch norm that follows (statistics =
     (eps, running, momentum)) come from the forward kernel's epilogue (bn_stats.cuh), the tensor-core
     GEMMs' (conv_tc.forward) and conv.cu's alike. A batch norm before (normalize) is applied as the
-    TF32 GEMM loads x where it can (conv_tc.folds), else by batch_norm_apply first."""
+    TF32 GEMM loads x where it can (conv_tc.folds), else by batch_norm_apply first. w_tf32: w holds TF32
+    values, which the TF32 GEMMs read as they are (else they read it rounded: conv_tc.tf32_weights)."""
     op = "conv2d_forward"
     x, w = _operands(be, op, x, w)
     (b,) = float32(be, op, b)
@@ -68,7 +69,7 @@ def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None, normalize=N
     x, fold = _normalized(be, op, x, normalize, "forward", geometry)
     kind = _tensor_cores(c, o)
     if kind:
-        out = conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry, statistics, fold)
+        out = conv_tc.forward(be, nhwc(be, x), nhwc(be, w), b, geometry, statistics, fold, w_tf32)
         y, stats = (out, ()) if statistics is None else (out[0], out[1:])
         y = y.transpose(0, 3, 1, 2)
     else:
@@ -106,7 +107,7 @@ def _normalized(be, op, x, normalize, gemm, geometry):
 
 
 def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
-                    norm_out=None, normalize=None):
+                    norm_out=None, normalize=None, w_tf32=False):
     """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
     (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
     to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given.
@@ -114,7 +115,7 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     the epilogue then recomputes from x), the batch norm's backward sums of dx (after the add, when
     add_dx_to is given) as well (into norm_out), from the tensor-core backward-data's epilogue
     (channels-last y and x, dx added in place there), else from batchnorm.py's pass over dx. normalize: as
-    conv2d_forward's, for backward-weight (backward-data does not read x)."""
+    conv2d_forward's, for backward-weight (backward-data does not read x). w_tf32: as conv2d_forward's."""
     if norm is not None and not need_dx:
         raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
     sums = None if norm is None else sums_outputs(be, "conv2d_backward", norm_out, x.shape[1])
@@ -140,11 +141,12 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
             into = None if add_dx_to is None else add_dx_to.transpose(0, 2, 3, 1)   # its memory, if that is NHWC
             if into is None or into.flags.c_contiguous:
                 epilogue = _epilogue_norm(be, norm, dy.dtype)
-                dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into, norm=epilogue,
-                                           sums=sums).transpose(0, 3, 1, 2)
+                dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into, norm=epilogue, sums=sums,
+                                           w_tf32=w_tf32).transpose(0, 3, 1, 2)
                 dx = dx if into is None else add_dx_to
             else:   # an NCHW add_dx_to: added by a kernel of its own
-                dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry).transpose(0, 3, 1, 2))
+                dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry,
+                                                                 w_tf32=w_tf32).transpose(0, 3, 1, 2))
         grads = (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db, fold))
     else:
         dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry)) if need_dx else None

@@ -18,17 +18,18 @@
 // groups (tc_finish). Backward-data's grid.z also runs over the phases.
 //
 // The weights come as w_krsc (O, KH, KW, C), the memory of channels-last weights (a flat buffer's
-// parameters are; the launcher copies others): the forward reads them along k, backward-data along
-// its n (the input channels).
+// parameters are; the launcher copies others), holding TF32 values already (tf32.cuh's tf32_value: the
+// flat buffer's TF32 copy, which the optimizer writes with each update, or the launcher's round_tf32 of
+// another weight): the forward reads them along k, backward-data along its n (the input channels).
 //
 // A block of 4 warps (2 x 2) computes a BM x BN tile of the output, each warp (BM/2) x (BN/2) as
 // m16n8k8 mma.sync tiles (tensor_core.cuh). K advances BK = 16 at a time through a STAGES-deep
 // ring of shared-memory tiles filled by 16-byte cp.async copies: while stage s is multiplied, the
 // copies of the next STAGES - 1 stages are in flight; the loop is unrolled over the ring, so that
-// each stage's shared-memory addresses are constants. Each thread rounds the chunks it copied to
-// TF32 (tensor_core.cuh's tf32_round) once they land, before the barrier that hands the stage to
-// the warps, so that the product is that of the TF32-rounded inputs, summed in float32, and each
-// element is rounded once, not once per warp that reads it.
+// each stage's shared-memory addresses are constants. Each thread rounds the chunks it copied of an
+// activation or a gradient to TF32 (tf32.cuh's tf32_round) once they land, before the barrier that hands
+// the stage to the warps, so that the product is that of the TF32-rounded inputs, summed in float32, and
+// each element is rounded once, not once per warp that reads it; the weights land rounded.
 //
 // An operand whose global rows run along k (K_MAJOR: the forward's two and backward-data's dy)
 // sits in shared memory as [row][BK + 4] and is read by ldmatrix.x4 as 8x4 TF32 matrices without
@@ -277,11 +278,12 @@ __device__ __forceinline__ void tc_multiply(float (&acc)[T::MI][T::NI][4], const
 // columns permuted where an operand is not K_MAJOR: tc_store knows how). The iterators a and b
 // give the places of the thread's chunks of the current stage (at(c, offset), see tc_load_stage)
 // and move to the next (next()). Every thread of the block must call it (it synchronises the block).
-// on_chunk_b.add(c, raw) sees the raw float32 values of each of this thread's B chunks (zero past the
-// matrix) once they have landed; land_a makes each landed stage of A what the warps read (TcRound, or
-// with a batch norm applied: TcNormRows, TcNormColumns).
-template <class T, bool A_K_MAJOR, bool B_K_MAJOR, class IteratorA, class IteratorB, class OnChunk = NoChunkWork,
-          class LandA = TcRound>
+// B_ROUNDED: B holds TF32 values (the weights) and is read as it lands; else each landed stage of B is
+// rounded, and on_chunk_b.add(c, raw) sees the raw float32 values of each of this thread's B chunks (zero
+// past the matrix) first; land_a makes each landed stage of A what the warps read (TcRound, or with a batch
+// norm applied: TcNormRows, TcNormColumns).
+template <class T, bool A_K_MAJOR, bool B_K_MAJOR, bool B_ROUNDED, class IteratorA, class IteratorB,
+          class OnChunk = NoChunkWork, class LandA = TcRound>
 __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, float (&acc)[T::MI][T::NI][4],
                                         OnChunk&& on_chunk_b = OnChunk(), LandA land_a = LandA()) {
     using StageA = TcStage<T::BM, A_K_MAJOR>;
@@ -306,8 +308,8 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, flo
         float* bs = Bs[stage];
         cp_async_wait<T::STAGES - 2>();  // this thread's copies of `tile` have landed
         land_a.template land<T::BM, A_K_MAJOR>(as);
-        tc_round_stage<T::BN, B_K_MAJOR>(bs, on_chunk_b);
-        __syncthreads();                 // everyone's are rounded, and everyone is done with tile - 1
+        if constexpr (!B_ROUNDED) tc_round_stage<T::BN, B_K_MAJOR>(bs, on_chunk_b);
+        __syncthreads();                 // everyone's have landed, and everyone is done with tile - 1
         load(tile + T::STAGES - 1, (stage + T::STAGES - 1) % T::STAGES);
 #pragma unroll
         for (int k = 0; k < TC_BK; k += 8) {
@@ -333,12 +335,11 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, flo
 // channels, the window of the (zero-padded) image that their taps reach, once, makes it what the warps read
 // once (rounded to TF32, HaloRound; or a batch norm's relu(bn(x)), HaloNorm), and takes each tap's A
 // fragments from it by ldmatrix, a lane's row its pixel's slot shifted by the tap; B, the tap's weights,
-// goes through a 3-stage ring as tc_gemm's, rounded to TF32 once a launch before (halo_weights), not by
-// each block. A window of 16 float channels is the 80-byte slots of BF16's 32, 25.6 KB: with the ring,
+// goes through a 3-stage ring as tc_gemm's, holding TF32 values as every TF32 GEMM's weights do. A window of 16 float channels is the 80-byte slots of BF16's 32, 25.6 KB: with the ring,
 // 41 KB of shared memory. With 64 columns a block then reads about 47 FLOPs per L2 byte at 28 x 28 where
 // the 128 x 64 tile reads 21.3 (bench/tc_plan.py), and the window's rounding is shared by nine taps.
 // Backward-data of such a convolution is the forward convolution of dy by the weights mirrored and
-// transposed (halo_weights_mirrored), which this GEMM reads as the forward's.
+// transposed (mirrored_weights), which this GEMM reads as the forward's.
 struct TcHalo128x64 : TcConfig<128, 64, 3, 3> {};
 
 // What the halo forward makes of each landed chunk of its window: TF32 (HaloRound), or relu(bn(x)) of
@@ -365,7 +366,7 @@ struct HaloNorm {
 
 // acc += the 3x3 convolution (stride 1, padding 1) of `image` (N, H, W, channels; dy for backward-data)
 // for the block's 128 output pixels from m0, by the weights b gives (HaloWeights), as above; `land`
-// makes each window what the warps read; B comes rounded to TF32 (halo_weights). Every thread of the block
+// makes each window what the warps read; B comes rounded to TF32. Every thread of the block
 // must call it.
 template <class T, class IteratorB, class LandWindow>
 __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, const Geometry<0, 0>& g, int channels,
@@ -447,14 +448,14 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
     const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;
     float acc[T::MI][T::NI][4];
     if constexpr (NORM)
-        tc_gemm<T, true, true>(ImageRowsAligned<TcCopy<T::BM, true>>(g, x, m0, k_begin),
+        tc_gemm<T, true, true, true>(ImageRowsAligned<TcCopy<T::BM, true>>(g, x, m0, k_begin),
                                MatrixRowsAligned<TcCopy<T::BN, true>>(w_krsc, g.o, depth, n0, k_begin), tiles, acc,
                                NoChunkWork(), TcNormRows(TcFold TC_FOLD, g.c, k_begin));
     else if constexpr (ALIGN == 16)
-        tc_gemm<T, true, true>(ImageRowsAligned<TcCopy<T::BM, true>>(g, x, m0, k_begin),
+        tc_gemm<T, true, true, true>(ImageRowsAligned<TcCopy<T::BM, true>>(g, x, m0, k_begin),
                                MatrixRowsAligned<TcCopy<T::BN, true>>(w_krsc, g.o, depth, n0, k_begin), tiles, acc);
     else
-        tc_gemm<T, true, true>(Gathered<TcCopy<T::BM, true>, ImageRows>{x, {g}, m0, k_begin, k_end},
+        tc_gemm<T, true, true, true>(Gathered<TcCopy<T::BM, true>, ImageRows>{x, {g}, m0, k_begin, k_end},
                                Gathered<TcCopy<T::BN, true>, MatrixRows>{w_krsc, {g.o, depth}, n0, k_begin, k_end},
                                tiles, acc);
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
@@ -493,10 +494,10 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
     const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;
     float acc[T::MI][T::NI][4];
     if constexpr (ALIGN == 16)
-        tc_gemm<T, true, false>(GradientRowsAligned<TcCopy<T::BM, true>>(g, f, dy, m0, k_begin),
+        tc_gemm<T, true, false, true>(GradientRowsAligned<TcCopy<T::BM, true>>(g, f, dy, m0, k_begin),
                                 WeightRowsAligned<TcCopy<T::BN, false>>(g, f, w_krsc, n0, k_begin), tiles, acc);
     else
-        tc_gemm<T, true, false>(Gathered<TcCopy<T::BM, true>, GradientRows>{dy, {g, f}, m0, k_begin, k_end},
+        tc_gemm<T, true, false, true>(Gathered<TcCopy<T::BM, true>, GradientRows>{dy, {g, f}, m0, k_begin, k_end},
                                 Gathered<TcCopy<T::BN, false>, WeightRows>{w_krsc, {g, f}, n0, k_begin, k_end}, tiles,
                                 acc);
     const SplitK split{splits, group, part};
@@ -569,12 +570,12 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* 
                                                           k_begin, k_end);
         const PixelChannelsAligned<CopyB> b(dy, g.o, n0, k_begin, k_end);
         if constexpr (NORM)
-            tc_gemm<T, false, false>(a, b, tiles, acc, bias,
+            tc_gemm<T, false, false, false>(a, b, tiles, acc, bias,
                                      TcNormColumns<T::BM>(norm_table, TcFold TC_FOLD, g.c, m0));
         else
-            tc_gemm<T, false, false>(a, b, tiles, acc, bias);
+            tc_gemm<T, false, false, false>(a, b, tiles, acc, bias);
     } else
-        tc_gemm<T, false, false>(Gathered<TcCopy<T::BM, false>, ImageColumns>{x, {g}, m0, k_begin, k_end},
+        tc_gemm<T, false, false, false>(Gathered<TcCopy<T::BM, false>, ImageColumns>{x, {g}, m0, k_begin, k_end},
                                  Gathered<CopyB, ChannelsOfPixels>{dy, {g.o}, n0, k_begin, k_end}, tiles, acc, bias);
     bias.reduce(warp_sums);
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
@@ -582,45 +583,29 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* 
                              m0, n0, nullptr, false, acc, bias);
 }
 
-// The weights of the halo kernels, rounded to TF32 once a launch (tf32_round's bits: what the mma reads)
-// rather than by each block that reads them: the forward's, w_rounded (O, 3, 3, C) = w_krsc's;
-// backward-data's (MIRRORED), w_rounded (C, 3, 3, O) [ci][tap][co] = w_krsc (O, 3, 3, C) [co][8 - tap][ci],
-// the weights of the forward convolution that backward-data of a 3x3, stride-1 one is, so that its kernel
-// reads them as the forward reads its own (along k, by ldmatrix). One thread an element: halo_weights,
-// halo_weights_mirrored.
-template <bool MIRRORED>
-__device__ __forceinline__ void tc_halo_weights(const float* __restrict__ w_krsc, float* __restrict__ w_rounded, int o,
-                                                int c) {
-    const int i = blockIdx.x * 256 + int(threadIdx.x);   // the output element
+// The weights of backward-data's halo kernel, w_mirrored (C, 3, 3, O) [ci][tap][co] = w_krsc (O, 3, 3, C)
+// [co][8 - tap][ci]: the weights of the forward convolution that backward-data of a 3x3, stride-1 one is, so
+// that its kernel reads them as the forward reads its own (along k, by ldmatrix). One thread an element.
+extern "C" __global__ void __launch_bounds__(256)
+mirrored_weights(const float* __restrict__ w_krsc, float* __restrict__ w_mirrored, int o, int c) {
+    const int i = blockIdx.x * 256 + int(threadIdx.x);   // the output element, (ci * 9 + tap) * O + co
     if (i >= 9 * o * c) return;
-    int from = i;
-    if constexpr (MIRRORED) {   // i = (ci * 9 + tap) * O + co
-        const int co = i % o, tap = i / o % 9, ci = i / (9 * o);
-        from = (co * 9 + 8 - tap) * c + ci;
-    }
-    w_rounded[i] = __uint_as_float(tf32_round(w_krsc[from]));
-}
-extern "C" __global__ void __launch_bounds__(256)
-halo_weights(const float* __restrict__ w_krsc, float* __restrict__ w_rounded, int o, int c) {
-    tc_halo_weights<false>(w_krsc, w_rounded, o, c);
-}
-extern "C" __global__ void __launch_bounds__(256)
-halo_weights_mirrored(const float* __restrict__ w_krsc, float* __restrict__ w_rounded, int o, int c) {
-    tc_halo_weights<true>(w_krsc, w_rounded, o, c);
+    const int co = i % o, tap = i / o % 9, ci = i / (9 * o);
+    w_mirrored[i] = w_krsc[(co * 9 + 8 - tap) * c + ci];
 }
 
 // y (N*H*W x O, NHWC) = the 3x3 convolution, stride 1, padding 1, of x + bias, from windows of x
-// (tc_halo_gemm) by w_rounded (halo_weights): block (x, y) computes output pixels [x * BM, ...) by channels
+// (tc_halo_gemm) by w_krsc: block (x, y) computes output pixels [x * BM, ...) by channels
 // [y * BN, ...), no split of k (k_chunk, group and the partials unused: the launch's parameters are
 // conv_tc_forward's), and the batch norm's statistics and the norm applied to x (NORM) as that kernel.
 template <class T, bool NORM = false>
 __global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
-conv_tc_forward_halo(const float* __restrict__ x, const float* __restrict__ w_rounded, const float* __restrict__ bias,
+conv_tc_forward_halo(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
                      float* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
                      BN_STATS_PARAMS, TC_FOLD_PARAMS) {
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.out_plane();
-    const HaloWeights<TcCopy<T::BN, true>, true> w(w_rounded, g, n0, g.o);
+    const HaloWeights<TcCopy<T::BN, true>, true> w(w_krsc, g, n0, g.o);
     float acc[T::MI][T::NI][4];
     if constexpr (NORM)
         tc_halo_gemm<T>(x, g, g.c, m0, w, acc, HaloNorm(TcFold TC_FOLD));
@@ -634,7 +619,7 @@ conv_tc_forward_halo(const float* __restrict__ x, const float* __restrict__ w_ro
 }
 
 // dx (N*H*W x C, NHWC) of the same convolution, from windows of dy, by the forward halo kernel's GEMM with
-// the weights mirrored (halo_weights_mirrored), added to what dx holds when `add` is set; and the batch
+// the weights mirrored (mirrored_weights), added to what dx holds when `add` is set; and the batch
 // norm's backward sums as conv_tc_dgrad.
 template <class T>
 __global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)

@@ -18,6 +18,7 @@ import numpy as np
 
 from kernels import bfloat16
 
+from .elementwise import round_tf32
 from .launch import aligned, cdiv, is_channels_last, launch, memory
 
 OPS = ()  # the contract's ops are conv.py's, which calls these
@@ -270,17 +271,16 @@ class Statistics(typing.NamedTuple):
     momentum: float
 
 
-def forward(be, x, w_krsc, b, geometry, statistics=None, fold=None):
+def forward(be, x, w_krsc, b, geometry, statistics=None, fold=None, w_tf32=False):
     """y (N, OH, OW, O) = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (may be None), y of x's dtype;
     with `statistics` (Statistics), (y, mean, invstd): y's batch statistics per channel, from the
     kernel's epilogue. With `fold` = (gamma, beta, mean, invstd) (float32 (C,), TF32 where `folds`), the
-    convolution of relu(the batch norm of x with them), applied as x is loaded."""
+    convolution of relu(the batch norm of x with them), applied as x is loaded. w_tf32: float32 w_krsc
+    holds TF32 values already (see tf32_weights)."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     kind = kind_of(x.dtype)
     p = plan("forward", geometry, kind, fold=fold is not None)
-    x, w_krsc = aligned(x), aligned(w_krsc)
-    if p.kernel.startswith(f"conv_tc_forward_halo<{TF32.halo}"):   # the halo kernels read them rounded
-        w_krsc = halo_weights(be, w_krsc, o, c, mirrored=False)
+    x, w_krsc = aligned(x), aligned(tf32_weights(be, w_krsc, w_tf32))
     y = be.xp.empty((n, oh, ow, o), x.dtype)
     # the statistics' counters follow the split's in the backend's set
     stats, mean, invstd = statistics_arguments(be, statistics, p.grid[0], p.grid[1], o, n * oh * ow, _counters(p))
@@ -324,19 +324,19 @@ def tile_merge_arguments(be, tiles, channel_tiles, channels, offset):
             group)
 
 
-def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None):
+def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None, w_tf32=False):
     """dx (N, H, W, C), of dy's dtype, from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C); added to
     `into` (a C-contiguous (N, H, W, C) array of that dtype), in place, when given. With `norm` = (y, x,
     mean, invstd, gamma, beta), the batch norm (with its relu or residual join) whose output is this
     convolution's input (y and x C-contiguous (N, H, W, C) arrays of dx's dtype; y None and its relu's mask
     recomputed from x where gamma and beta are given), also that norm's backward sums of dx, into `sums` =
     (dgamma, dbeta), float32 (C,): sum(g * xhat) and sum(g), g = dx (after the add into `into`) where
-    y > 0, from the kernel's epilogue, over the tiles of every stride phase."""
+    y > 0, from the kernel's epilogue, over the tiles of every stride phase. w_tf32: as forward's."""
     n, c, h, wd = geometry[:4]
     p = plan("dgrad", geometry, kind_of(dy.dtype))
-    dy, w_krsc = aligned(dy), aligned(w_krsc)
+    dy, w_krsc = aligned(dy), aligned(tf32_weights(be, w_krsc, w_tf32))
     if p.kernel == f"conv_tc_dgrad_halo<{TF32.halo}>":
-        w_krsc = halo_weights(be, w_krsc, geometry[4], c, mirrored=True)
+        w_krsc = mirrored_weights(be, w_krsc, geometry[4], c)
     dx = be.xp.empty((n, h, wd, c), dy.dtype) if into is None else into
     if norm is None:
         _launch(be, p, (dy, w_krsc), dx, geometry, (int(into is not None),), tail=NO_SUMS)
@@ -347,13 +347,18 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None):
     return dx
 
 
-def halo_weights(be, w_krsc, o, c, mirrored):
-    """The weights (O, 3, 3, C) of a 3x3 convolution rounded to TF32, as TF32's halo forward reads them; or
-    (`mirrored`) as its halo backward-data does, (C, 3, 3, O) [ci][tap][co] = w_krsc[co][8 - tap][ci]
-    (conv_tc.cu's halo_weights, halo_weights_mirrored)."""
-    out = be.xp.empty((c, 3, 3, o) if mirrored else (o, 3, 3, c), np.float32)
-    launch(be, "conv_tc", "halo_weights_mirrored" if mirrored else "halo_weights", (cdiv(out.size, 256),),
-           (w_krsc, out, o, c), block=(256,))
+def tf32_weights(be, w_krsc, w_tf32):
+    """What TF32's GEMMs read for float32 weights: they read them as they are, TF32 values (tf32.cuh's
+    tf32_value), which a flat buffer's TF32 copy holds (nn.modules.FlatParameters, kept by the optimizer's
+    update: `w_tf32`); other weights are rounded by a launch of round_tf32 first. BF16's weights as they are."""
+    return w_krsc if w_tf32 or w_krsc.dtype != np.float32 else round_tf32(be, w_krsc)
+
+
+def mirrored_weights(be, w_krsc, o, c):
+    """The weights (O, 3, 3, C) of a 3x3 convolution as TF32's halo backward-data reads them, (C, 3, 3, O)
+    [ci][tap][co] = w_krsc[co][8 - tap][ci] (conv_tc.cu's mirrored_weights)."""
+    out = be.xp.empty((c, 3, 3, o), np.float32)
+    launch(be, "conv_tc", "mirrored_weights", (cdiv(out.size, 256),), (w_krsc, out, o, c), block=(256,))
     return out
 
 

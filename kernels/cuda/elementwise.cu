@@ -10,6 +10,7 @@
 // and round what they store once. relu keeps a NaN as NaN (as NumPy's maximum and PyTorch do), so
 // that a NaN upstream is not hidden.
 #include "common.cuh"
+#include "tf32.cuh"
 
 // The first element of this thread's VEC, and the stride of the grid, in elements.
 #define VEC_LOOP(i, total) \
@@ -75,6 +76,19 @@ template <int VEC, class TIn, class TOut>
 __global__ void __launch_bounds__(256)
 cast(const TIn* __restrict__ x, int total, TOut* __restrict__ y) {
     VEC_LOOP(i, total) store_floats<VEC>(y + i, load_floats<VEC>(x + i));
+}
+
+// y = x rounded to TF32 (tf32_value): the flat buffer's TF32 copy of the weights when something other than
+// the optimizer wrote them, and a weight that is not a flat buffer's, before the TF32 GEMMs read it.
+template <int VEC>
+__global__ void __launch_bounds__(256)
+round_tf32(const float* __restrict__ x, int total, float* __restrict__ y) {
+    VEC_LOOP(i, total) {
+        Floats<VEC> v = load_floats<VEC>(x + i);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) v.v[e] = tf32_value(v.v[e]);
+        store_floats<VEC>(y + i, v);
+    }
 }
 
 // x = images[idx] / 255 as float32, rounded once to the storage T, image n of x being image idx[n] of

@@ -1,5 +1,5 @@
 """Launchers of elementwise.cu: a + b, relu, relu's backward, relu(a + b) on float32 or bfloat16
-activations, the conversion between the two, uint8 images (of a batch's indices) to float, and the
+activations, the conversion between the two, float32 rounded to TF32, uint8 images (of a batch's indices) to float, and the
 gather of labels."""
 import numpy as np
 
@@ -8,12 +8,12 @@ import kernels
 from .launch import C_TYPES, STORAGE_TYPES, blocks, dense, in_place, integers, launch, like, storage, \
     storage_argument, typed, vector_width
 
-OPS = ("add", "relu_forward", "relu_backward", "add_relu_forward", "cast", "images_to_float", "take")
+OPS = ("add", "relu_forward", "relu_backward", "add_relu_forward", "cast", "round_tf32", "images_to_float", "take")
 KERNELS = tuple(f"{kernel}<{vec}{storage_argument(t)}>"
                 for kernel in ("add", "relu_forward", "relu_backward", "add_relu_forward")
                 for vec in (1, 4) for t in STORAGE_TYPES.values()) + \
     tuple(f"cast<{vec}, {source}, {target}>" for vec in (1, 4) for source in STORAGE_TYPES.values()
-          for target in STORAGE_TYPES.values()) + \
+          for target in STORAGE_TYPES.values()) + ("round_tf32<1>", "round_tf32<4>") + \
     tuple(f"images_to_float<{t}{storage_argument(storage)}>" for t in C_TYPES.values()
           for storage in STORAGE_TYPES.values()) + tuple(f"take<{t}>" for t in C_TYPES.values())
 
@@ -51,6 +51,14 @@ def cast(be, a, dtype, out=None):
     launch(be, "elementwise", f"cast<{vec}, {STORAGE_TYPES[a.dtype]}, {STORAGE_TYPES[dtype]}>",
            blocks(out.size // vec), (a, out.size, out))
     return out
+
+
+def round_tf32(be, a, out=None):
+    """`a` (float32) rounded to TF32 (tf32.cuh's tf32_value), into `out` when given (dense, float32), else into
+    a new array in a's layout."""
+    if getattr(a, "dtype", None) != np.float32:
+        raise TypeError(f"round_tf32: rounds float32, not {getattr(a, 'dtype', type(a).__name__)}")
+    return _elementwise(be, "round_tf32", a, out=out)
 
 
 def _elementwise(be, kernel, *operands, out=None):

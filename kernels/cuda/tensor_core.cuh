@@ -4,13 +4,7 @@
 // punishes (kernels/emu/README.md). tests/test_tensor_core.py holds each wrapper to a NumPy model
 // of its fragment layout on the emulator, and, marked gpu, the GPU to the emulator.
 //
-//   tf32_round(x)                 x rounded to TF32 (10 mantissa bits), to nearest, ties away from
-//                                 zero, as the mma reads it: the top 19 bits of the result are
-//                                 cvt.rna.tf32.f32's, the low 13 are x's plus 0x1000 (half a TF32
-//                                 unit added to the magnitude), not cleared, since the tensor core
-//                                 ignores them: two instructions (a test for infinity and NaN, which
-//                                 stay as they are, and an add), where cvt.rna and a use outside an
-//                                 mma take three
+//   tf32_round(x), tf32_value(x)  tf32.cuh's
 //   mma_tf32(d, a, b, c)          mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: d = a b + c for
 //                                 a warp's 16x8 A (row), 8x8 B (col), 16x8 C and D; with g = lane / 4,
 //                                 t = lane % 4, a lane holds A[g][t], A[g+8][t], A[g][t+4],
@@ -36,6 +30,7 @@
 // says which call a divergent lane reached instead. A cp.async destination reads as NaN there
 // until the wait that covers it, and its source must lie in one of the kernel's arguments.
 #pragma once
+#include "tf32.cuh"
 
 // A simulated GPU below sm_80 (kernels/simulated, KERNELS_SIMULATED_COMPUTE_CAPABILITY): what ptxas
 // refuses for such a target, mma.sync of TF32 and BF16 and cp.async, fails the module's compile, as the
@@ -52,11 +47,6 @@
 #else
 #define TC_CALL_SITE
 #endif
-
-__device__ __forceinline__ unsigned tf32_round(float x) {
-    const unsigned bits = __float_as_uint(x);
-    return fabsf(x) < __uint_as_float(0x7f800000u) ? bits + 0x1000u : bits;   // infinity and NaN stay
-}
 
 #ifdef __CUDA_EMU__
 // The emulation of mma.sync: its own arithmetic is not the kernel's memory traffic, so the sanitizer
