@@ -241,6 +241,11 @@ def test_under_tf32_the_convolutions_multiply_the_flat_buffers_tf32_copy(recorde
         assert opt.flat._copy_current
         np.testing.assert_array_equal(opt.flat.multiplied("tf32"), kernels.cpu.round_tf32(opt.flat.data))
         assert (opt.flat.multiplied("tf32").view(np.uint32) & 0x1FFF == 0).all()
+        with conv.weight.writing():   # a write other than the optimizer's: the copy is remade when next read
+            conv.weight.data[...] *= 3
+        np.testing.assert_array_equal(opt.flat.multiplied("tf32"), kernels.cpu.round_tf32(opt.flat.data))
+        conv.weight.data[...] *= 3   # planted: a write that bypasses writing() leaves the copy stale
+        assert not np.array_equal(opt.flat.multiplied("tf32"), kernels.cpu.round_tf32(opt.flat.data))
 
 
 def test_global_average_pooling_hands_back_the_activations_dtype(emulated):
