@@ -441,7 +441,7 @@ def test_global_avg_pool_backward_takes_the_activations_layout_and_the_dtype_ask
         be.global_avg_pool_backward(dy, (2, 5, 3, 3), dtype=np.float64)
 
 
-# ---- the optimiser's bfloat16 copy -------------------------------------------------------
+# ---- the optimiser's bfloat16 and TF32 copies ---------------------------------------------
 
 @pytest.mark.parametrize("backend", ["emu", "cpu"])
 @pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.9, 5e-4)])
@@ -461,6 +461,25 @@ def test_sgd_update_writes_the_bfloat16_copy_of_what_it_updates(be, order, backe
         same_bits(velocity, alone[1], "velocity with and without a copy")
         check_rounded(copy, param.astype(np.float64), 0.0, param, "the copy")
     assert np.isnan(buffer[[0, -1]].astype(np.float32)).all(), "sgd_update wrote outside the copy"
+
+
+@pytest.mark.parametrize("backend", ["emu", "cpu"])
+def test_sgd_update_writes_the_tf32_copy_of_what_it_updates(be, order, backend):
+    """A float32 copy is TF32's: two steps, param and velocity bit for bit those of the update without a copy,
+    the copy (a view into a flat buffer, one element in) round_tf32 of the updated param (the CPU's, checked
+    against an independent model in tests/test_conv_tc.py), nothing else of the buffer written."""
+    ops = be if backend == "emu" else K
+    size = 1037
+    param, grad, velocity = draw((3, size), dtype=F32)
+    alone = param.copy(), velocity.copy()
+    buffer = np.full(size + 2, np.nan, np.float32)
+    for lr in (0.1, 0.05):
+        assert ops.sgd_update(param, grad, velocity, lr, 0.9, 5e-4, copy=buffer[1:-1]) is None
+        ops.sgd_update(alone[0], grad, alone[1], lr, 0.9, 5e-4)
+        same_bits(param, alone[0], "param with and without a copy")
+        same_bits(velocity, alone[1], "velocity with and without a copy")
+        same_bits(buffer[1:-1], K.round_tf32(param), "the TF32 copy")
+    assert np.isnan(buffer[[0, -1]]).all(), "sgd_update wrote outside the copy"
 
 
 def test_sgd_update_refuses_a_copy_it_cannot_write(be):
