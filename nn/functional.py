@@ -17,15 +17,16 @@ def _outputs(*params):
 
 def _multiplied(weight, K):
     """(array, w_tf32): what a convolution on backend K multiplies for ``weight``. On a device backend (cuda,
-    emu), under the bf16 or tf32 precision, a flat buffer's parameter's view of the buffer's copy rounded
-    as that precision's tensor cores take it (FlatParameters.multiplied_view: bfloat16, or TF32 values in
+    emu), under the bf16 precision, or under tf32 where the convolution multiplies TF32 (K.conv2d_tf32: not
+    the stem's, which multiplies float32), a flat buffer's parameter's view of the buffer's copy rounded as
+    that precision's tensor cores take it (FlatParameters.multiplied_view: bfloat16, or TF32 values in
     float32, w_tf32 true); else the float32 parameter itself (which a device backend's convolution rounds,
-    at each call; the CPU backend computes in float32 whatever the precision). The gradient goes to the
-    float32 parameter either way."""
+    at each call, where it multiplies bf16 or TF32; the CPU backend computes in float32 whatever the
+    precision). The gradient goes to the float32 parameter either way."""
     flat, mode = getattr(weight, "_flat", None), precision()
-    if flat is None or mode not in flat.COPIES or K.name == "cpu":
-        return weight.data, False
-    return flat.multiplied_view(weight, mode), mode == "tf32"
+    rounded = flat is not None and mode in flat.COPIES and K.name != "cpu" and \
+        (mode == "bf16" or K.conv2d_tf32(weight.data))
+    return (flat.multiplied_view(weight, mode), mode == "tf32") if rounded else (weight.data, False)
 
 
 class Normalized(Tensor):

@@ -206,19 +206,20 @@ def test_the_convolutions_multiply_the_current_copy_and_the_float32_bias(emulate
 
 
 @pytest.mark.parametrize("where", ["cpu backend", "emu, fp32", "emu, bf16, outside a flat buffer",
-                                   "emu, tf32, outside a flat buffer"])
+                                   "emu, tf32, outside a flat buffer", "emu, tf32, the stem"])
 def test_elsewhere_the_convolutions_multiply_the_float32_parameter(recorded, where):
-    """Under bf16 and tf32 a device backend's convolution rounds a float32 weight itself, at each call."""
+    """Under bf16 and tf32 a device backend's convolution rounds a float32 weight itself, at each call; under
+    tf32 the stem (one input channel) multiplies in float32 on conv.cu's kernels, and gets the float32 weight."""
     calls, record = recorded
     nn.manual_seed(0)
     model = nn.resnet18(width=WIDTH)
     if not where.endswith("outside a flat buffer"):
         model.flat_parameters()
-    conv = model.resnet_block1[0].conv1
+    conv = model[0] if where.endswith("stem") else model.resnet_block1[0].conv1
     precision = "bf16" if where == "cpu backend" else where.split(", ")[1]
     with kernels.emulate() if where != "cpu backend" else contextlib.nullcontext(), kernels.use_precision(precision):
         record(kernels.backend_of(conv.weight.data))
-        convolve(conv, np.zeros((2, WIDTH, 4, 4), np.float32))
+        convolve(conv, np.zeros((2, conv.weight.shape[1], 4, 4), np.float32))
     assert calls[0][1] is conv.weight.data and calls[1][1] is conv.weight.data
     assert not calls[0][3] and not calls[1][3], "w_tf32 for a weight not rounded"
 
@@ -227,11 +228,13 @@ def test_under_tf32_the_convolutions_multiply_the_flat_buffers_tf32_copy(recorde
     """A device backend's convolutions read a flat buffer's weight from its TF32 copy (w_tf32), forward and
     backward, which holds the weights rounded (round_tf32) and which the optimizer's update keeps current."""
     calls, record = recorded
-    model, opt = model_and_optimizer()
+    nn.manual_seed(0)
+    model = nn.resnet18(width=4)   # channel counts that the TF32 tensor cores take: multiples of 4
+    opt = nn.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     with kernels.emulate(), kernels.use_precision("tf32"):
         conv = model.resnet_block1[0].conv1
         record(kernels.backend_of(conv.weight.data))
-        convolve(conv, np.ones((2, WIDTH, 4, 4), np.float32))
+        convolve(conv, np.ones((2, 4, 4, 4), np.float32))
         (_, w, _, tf32), (_, w_back, _, tf32_back) = calls
         assert w is opt.flat.multiplied_view(conv.weight, "tf32") and w_back is w and tf32 and tf32_back
         assert w.dtype == np.float32 and w.strides == conv.weight.data.strides

@@ -36,6 +36,11 @@ conv2d_folds(x, w, stride, padding) -> bool
     Whether conv2d_forward and conv2d_backward of x (a batch norm's input) by w apply a normalize as
     they load x, rather than compute relu(bn(x)) first: a caller that would compute it once and keep
     it (nn.functional.Normalized) does that where not. False on the CPU backend.
+conv2d_tf32(w) -> bool
+    Whether the convolutions by weights w (O, C, KH, KW) multiply TF32 on this backend under the
+    current precision (a device backend's under tf32, where the channel counts take its tensor
+    cores): those that read a weight rounded to TF32 (w_tf32) as it is; the others multiply the
+    float32 weight in float32, and get it. False on the CPU backend.
 conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
                 norm_out=None, normalize=None, w_tf32=False) -> (dx, dw, db), or (dx, dw, db, dgamma, dbeta)
     db is dy summed over (N, OH, OW); callers without a bias ignore it. dx is None unless
@@ -140,7 +145,7 @@ round_tf32(a, out=None) -> y
     away from zero), a float32 whose low 13 bits are zero; infinity and NaN as they are. Into
     out when given (float32, a's shape), else a new array.
 """
-from .conv import conv2d_forward, conv2d_backward, conv2d_folds
+from .conv import conv2d_forward, conv2d_backward, conv2d_folds, conv2d_tf32
 from .batchnorm import (batch_norm_forward, batch_norm_backward, batch_norm_update_running,
                         batch_norm_inference, batch_norm_inference_backward, batch_norm_sums,
                         batch_norm_stats, batch_norm_apply, batch_norm_backward_sums,

@@ -41,6 +41,10 @@ def conv2d_folds(x, w, stride, padding):
     return False
 
 
+def conv2d_tf32(w):
+    return False
+
+
 def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
                     norm_out=None, normalize=None, w_tf32=False):
     if normalize is not None:

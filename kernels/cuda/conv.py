@@ -20,7 +20,7 @@ from .batchnorm import apply, backward_sums, relu_output, running_pair, sums_out
 from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
     storage_argument
 
-OPS = ("conv2d_forward", "conv2d_backward", "conv2d_folds")
+OPS = ("conv2d_forward", "conv2d_backward", "conv2d_folds", "conv2d_tf32")
 
 # BM = BN of each tile of common.cuh; the kernel sizes with their own instantiation, (0, 0)
 # being the one that takes any size at run time. On bfloat16 storage (the stem of the bf16 precision,
@@ -87,6 +87,12 @@ def conv2d_folds(be, x, w, stride, padding):
     backward-weight have kernels that apply the norm (conv_tc.folds)."""
     geometry = _geometry(x, w, stride, padding)
     return _folds(x, "forward", geometry) and _folds(x, "wgrad", geometry)
+
+
+def conv2d_tf32(be, w):
+    """See kernels/cpu/conv.py: under tf32, channel counts that conv_tc's GEMMs take (multiples of 4); the
+    others (the stem's one input channel) run conv.cu's FP32 kernels."""
+    return _tensor_cores(w.shape[1], w.shape[0]) is conv_tc.TF32
 
 
 def _folds(x, gemm, geometry):
