@@ -15,17 +15,23 @@ def _outputs(*params):
     return outs if any(o is not None for o in outs) else None
 
 
-def _multiplied(weight, K):
+def _multiplies_tf32(weight, K):
+    """Whether a convolution by ``weight`` on backend K multiplies TF32: a device backend's under the tf32
+    precision where the channel counts take its tensor cores (K.conv2d_tf32: not the stem's, which
+    multiplies float32)."""
+    return K.name != "cpu" and precision() == "tf32" and K.conv2d_tf32(weight.data)
+
+
+def _multiplied(weight, K, tf32):
     """(array, w_tf32): what a convolution on backend K multiplies for ``weight``. On a device backend (cuda,
-    emu), under the bf16 precision, or under tf32 where the convolution multiplies TF32 (K.conv2d_tf32: not
-    the stem's, which multiplies float32), a flat buffer's parameter's view of the buffer's copy rounded as
-    that precision's tensor cores take it (FlatParameters.multiplied_view: bfloat16, or TF32 values in
-    float32, w_tf32 true); else the float32 parameter itself (which a device backend's convolution rounds,
-    at each call, where it multiplies bf16 or TF32; the CPU backend computes in float32 whatever the
-    precision). The gradient goes to the float32 parameter either way."""
+    emu), under the bf16 precision, or under tf32 where the convolution multiplies TF32 (`tf32`,
+    _multiplies_tf32), a flat buffer's parameter's view of the buffer's copy rounded as that precision's
+    tensor cores take it (FlatParameters.multiplied_view: bfloat16, or TF32 values in float32, w_tf32 true);
+    else the float32 parameter itself (which a device backend's convolution rounds, at each call, where it
+    multiplies bf16 or TF32; the CPU backend computes in float32 whatever the precision). The gradient goes
+    to the float32 parameter either way."""
     flat, mode = getattr(weight, "_flat", None), precision()
-    rounded = flat is not None and mode in flat.COPIES and K.name != "cpu" and \
-        (mode == "bf16" or K.conv2d_tf32(weight.data))
+    rounded = flat is not None and K.name != "cpu" and (mode == "bf16" or tf32)
     return (flat.multiplied_view(weight, mode), mode == "tf32") if rounded else (weight.data, False)
 
 
@@ -71,13 +77,17 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
     (conv2d_backward's norm, dx added there to the gradient the other readers gave) and hands them to
     the norm's backward (so does adaptive_avg_pool2d). When x is a Normalized not yet computed, the
     convolution reads the norm's input and applies the norm (the backend's normalize), forward and
-    backward, where the backend's kernels do (conv2d_folds; else x computed, once)."""
+    backward, where the backend's kernels do (conv2d_folds; else x computed, once). Where it multiplies
+    TF32, its output's ``tf32_gradient`` says so: the producer of that output's whole gradient may round it
+    to TF32 where it makes it (batch_norm's backward), and say so in ``gradient_tf32``, so that backward-data
+    reads it as it is (conv2d_backward's dy_tf32) rather than round it in a pass of its own."""
     pending = x.pending() if isinstance(x, Normalized) else None
     K = backend_of(x._array if pending else x.data)
     if pending and not K.conv2d_folds(pending[0].data, weight.data, stride, padding):
         pending = None
     source, normalize = (x.data, None) if pending is None else (pending[0].data, pending[1])
-    w, w_tf32 = _multiplied(weight, K)   # the bias is added in float32 under every precision
+    tf32 = _multiplies_tf32(weight, K)
+    w, w_tf32 = _multiplied(weight, K, tf32)   # the bias is added in float32 under every precision
     y = K.conv2d_forward(source, w, _data(bias), stride, padding, statistics=statistics, normalize=normalize,
                          w_tf32=w_tf32)
     y, stats = (y, None) if statistics is None else (y[0], y[1:])
@@ -91,12 +101,12 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, statistics=None):
         if norm is None:
             return K.conv2d_backward(dy, source, w, stride, padding, need_dx=x.requires_grad,
                                      out=_outputs(weight, bias), add_dx_to=add_dx_to, normalize=normalize,
-                                     w_tf32=w_tf32)
+                                     w_tf32=w_tf32, dy_tf32=out.gradient_tf32)
         return _handing_sums(norm, lambda **sums: K.conv2d_backward(
             dy, source, w, stride, padding, out=_outputs(weight, bias), add_dx_to=add_dx_to, normalize=normalize,
-            w_tf32=w_tf32, **sums))
+            w_tf32=w_tf32, dy_tf32=out.gradient_tf32, **sums))
     out = Tensor._make(y, (x, weight) if bias is None else (x, weight, bias), backward, fresh=True)
-    out.statistics = stats
+    out.statistics, out.tf32_gradient, out.gradient_tf32 = stats, tf32, False
     return out
 
 
@@ -167,9 +177,15 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum=0.
     def backward(dy):
         # a Normalized's y where it was computed after all (a reader that does not fold)
         stored = out.data if folded and out.pending() is None else y
+        # dx, and the residual's gradient, rounded to TF32 where they are their tensor's whole gradient and
+        # its maker multiplies TF32 (see conv2d)
+        for t in (x, residual):
+            if t is not None:
+                t.gradient_tf32 = getattr(t, "tf32_gradient", False) and t._readers_left == 1 and t.grad is None
         return K.batch_norm_backward(dy, x.data, weight.data, mean, invstd, y=stored if masked else None,
                                      beta=bias.data if alone else None, out=_outputs(weight, bias),
-                                     shortcut=residual is not None, sums=handed.pop("sums", None))
+                                     shortcut=residual is not None, sums=handed.pop("sums", None),
+                                     round_dx=x.gradient_tf32, round_g=residual is not None and residual.gradient_tf32)
     parents = (x, weight, bias) if residual is None else (x, weight, bias, residual)
     if folded:
         out = Normalized._make(x.data, parents, backward, fresh=True)

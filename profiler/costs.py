@@ -139,7 +139,7 @@ def conv2d_tf32(w):
 
 
 def conv2d_backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None, norm=None, norm_out=None,
-                    normalize=None, w_tf32=False):
+                    normalize=None, w_tf32=False, dy_tf32=False):
     """Backward-data (unless need_dx is false) and backward-weight GEMMs and the bias gradient (a
     sum over dy); dx added to add_dx_to (read, and one add per element) when given; with `norm`, the
     batch norm's backward sums of dx where dx is: its y and x read (as batch_norm_backward_sums reads
@@ -181,7 +181,8 @@ def batch_norm_forward(x, gamma, beta, eps, running=None, momentum=0.1, relu=Fal
     return Cost(BN_FORWARD * size(x) + join, 2 * nbytes(x) + nbytes(residual) + FLOAT * statistics)
 
 
-def batch_norm_backward(dy, x, gamma, mean, invstd, y=None, beta=None, out=None, shortcut=False, sums=None):
+def batch_norm_backward(dy, x, gamma, mean, invstd, y=None, beta=None, out=None, shortcut=False, sums=None,
+                        round_dx=False, round_g=False):
     """Masked by a fused relu's output y (read, one comparison), writing the masked dy for a shortcut;
     with its sums given (computed by the convolution after it), its dx pass alone, which with `beta`
     (a relu alone) recomputes the mask from x (a multiply-add and a comparison) instead of reading y."""

@@ -175,7 +175,7 @@ def recorded(monkeypatch):
             return np.zeros((x.shape[0], w.shape[0]) + x.shape[2:], x.dtype)
 
         def backward(dy, x, w, stride, padding, need_dx=True, out=None, add_dx_to=None, normalize=None,
-                     w_tf32=False):
+                     w_tf32=False, dy_tf32=False):
             assert normalize is None
             calls.append(("backward", w, None, w_tf32))
             return np.zeros_like(x), np.zeros(w.shape, np.float32), np.zeros(w.shape[0], np.float32)

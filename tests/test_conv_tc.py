@@ -333,28 +333,89 @@ def test_round_tf32_rounds_as_the_reference_does():
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", [((2, 16, 9, 7), (32, 16, 3, 3), 2, 1),
                                                                ((2, 8, 6, 5), (12, 8, 3, 3), 1, 1),
                                                                ((2, 16, 6, 6), (16, 16, 3, 3), 1, 1)])
-def test_weights_that_hold_tf32_values_are_read_as_they_are(emu, halo_everywhere, monkeypatch, x_shape, w_shape,
-                                                            stride, padding):
-    """The TF32 GEMMs read the weights as they are, TF32 values (w_tf32: a flat buffer's TF32 copy), and a
-    weight that is not is rounded by a launch of round_tf32 first (the aligned copies, the gathered ones, the
-    halo kernels): the same bits either way. Planted: raw weights handed as TF32 values give other results
-    (the tensor cores read their top 19 bits), so that it is the launch, not the kernels, that rounds."""
+def test_operands_that_hold_tf32_values_are_read_as_they_are(emu, halo_everywhere, monkeypatch, x_shape, w_shape,
+                                                             stride, padding):
+    """The TF32 GEMMs read the weights, and backward-data dy, as they are, TF32 values (w_tf32: a flat buffer's
+    TF32 copy; dy_tf32: batch norm's backward rounded it), and those that are not are rounded by a launch of
+    round_tf32 first (the aligned copies, the gathered ones, the halo kernels): the same bits either way
+    (backward-weight rounds dy itself). Planted: raw weights or a raw dy handed as TF32 values give other
+    results (the tensor cores read their top 19 bits), so that it is the launch, not the kernels, that rounds."""
     rounds = []
     real = conv_tc.round_tf32
-    monkeypatch.setattr(conv_tc, "round_tf32", lambda be, w: rounds.append(w.shape) or real(be, w))
+    monkeypatch.setattr(conv_tc, "round_tf32", lambda be, a: rounds.append(a.shape) or real(be, a))
     x, w = draw(x_shape, w_shape)
-    rounded = kernels.cpu.round_tf32(w)
     y = emu.conv2d_forward(x, w, None, stride, padding)
     (dy,) = draw(y.shape)
-    dx = emu.conv2d_backward(dy, x, w, stride, padding)[0]
-    assert len(rounds) == 2, rounds
-    y_tf32 = emu.conv2d_forward(x, rounded, None, stride, padding, w_tf32=True)
-    dx_tf32 = emu.conv2d_backward(dy, x, rounded, stride, padding, w_tf32=True)[0]
-    assert len(rounds) == 2, "no launch rounds a weight that holds TF32 values"
-    np.testing.assert_array_equal(y_tf32, y)
-    np.testing.assert_array_equal(dx_tf32, dx)
+    dx, dw, _ = emu.conv2d_backward(dy, x, w, stride, padding)
+    assert len(rounds) == 3, rounds   # w for the forward, w and dy for backward-data
+    w_tf32, dy_tf32 = kernels.cpu.round_tf32(w), kernels.cpu.round_tf32(dy)
+    y_tf32 = emu.conv2d_forward(x, w_tf32, None, stride, padding, w_tf32=True)
+    dx_tf32, dw_tf32, _ = emu.conv2d_backward(dy_tf32, x, w_tf32, stride, padding, w_tf32=True, dy_tf32=True)
+    assert len(rounds) == 3, "no launch rounds what holds TF32 values"
+    for ours, theirs in ((y_tf32, y), (dx_tf32, dx), (dw_tf32, dw)):
+        np.testing.assert_array_equal(ours, theirs)
     assert not np.array_equal(emu.conv2d_forward(x, w, None, stride, padding, w_tf32=True), y)
-    assert not np.array_equal(emu.conv2d_backward(dy, x, w, stride, padding, w_tf32=True)[0], dx)
+    assert not np.array_equal(emu.conv2d_backward(dy, x, w_tf32, stride, padding, w_tf32=True, dy_tf32=True)[0], dx)
+
+
+@pytest.mark.parametrize("backend", ["emu", "cpu"])
+def test_batch_norm_backward_rounds_dx_and_the_shortcuts_gradient_where_asked(backend):
+    """round_dx and round_g: dx and the shortcut's gradient g rounded to TF32 (round_tf32) where they are made,
+    bit for bit round_tf32 of what the same call makes without them, the caller's dy left as it was."""
+    be = kernels._device_backend("emu") if backend == "emu" else kernels.cpu
+    g = rng()
+    x, dy, y = (g.standard_normal((2, 8, 5, 3)).astype(np.float32) for _ in range(3))
+    gamma, beta = g.standard_normal((2, 8)).astype(np.float32)
+    mean, invstd = x.mean(axis=(0, 2, 3)), 1 / x.std(axis=(0, 2, 3))
+    given = dy.copy()
+    plain = be.batch_norm_backward(dy, x, gamma, mean, invstd, y=np.maximum(y, 0), shortcut=True)
+    rounded = be.batch_norm_backward(dy, x, gamma, mean, invstd, y=np.maximum(y, 0), shortcut=True, round_dx=True,
+                                     round_g=True)
+    for ours, theirs in zip(rounded, plain):
+        want = kernels.cpu.round_tf32(np.asarray(theirs)) if ours is rounded[0] or ours is rounded[3] else theirs
+        np.testing.assert_array_equal(ours, want)
+    assert not np.array_equal(rounded[0], plain[0]), "rounding changes dx"
+    np.testing.assert_array_equal(dy, given)
+    with pytest.raises(ValueError, match="round_g rounds the shortcut's gradient"):
+        be.batch_norm_backward(dy, x, gamma, mean, invstd, round_g=True)
+
+
+def test_a_batch_norm_hands_the_convolution_before_it_dy_in_tf32(monkeypatch):
+    """ResNet-18's step under tf32: the gradient of every TF32 convolution's output is made whole by a batch
+    norm's backward (its dx, or the residual join's shortcut gradient for the 1x1 projections), which rounds it
+    to TF32 there, so that backward-data reads it as it is (dy_tf32) and no launch rounds it; the stem's
+    (float32) is not rounded. Planted: a convolution whose output a second op reads too gets a gradient that is
+    a sum, not rounded, and its backward-data rounds it by a launch."""
+    import nn
+    import nn.functional as F
+    from kernels import emu
+    rounds = []
+    real = conv_tc.round_tf32
+    monkeypatch.setattr(conv_tc, "round_tf32", lambda be, a: rounds.append(a.shape) or real(be, a))
+    calls = []
+
+    def recorded(be):
+        backward = be.conv2d_backward
+        monkeypatch.setattr(be, "conv2d_backward", lambda dy, x, w, *a, **k: calls.append(
+            (w.shape, k.get("dy_tf32"))) or backward(dy, x, w, *a, **k))
+    nn.manual_seed(0)
+    model = nn.resnet18(width=8)
+    opt = nn.SGD(model.parameters(), lr=0.1)
+    x = rng().random((2, 1, 8, 8)).astype(np.float32)
+    with kernels.emulate(), emu.sanitizer("off"):
+        be = kernels.backend_of(opt.flat.data)
+        recorded(be)
+        F.cross_entropy(model(nn.Tensor(x)), np.array([1, 2], np.int32)).backward()
+        assert len(calls) == 20 and all(tf32 == (shape[1] > 1) for shape, tf32 in calls), calls
+        assert rounds == [], rounds
+        conv, norm = model[0], model[1]
+        inner = nn.Conv2d(8, 8, 3, padding=1)
+        calls.clear()
+        h = inner(conv(nn.Tensor(x)))
+        joined = norm(h) + h   # planted: h read twice, its gradient a sum
+        joined.backward(np.ones(joined.shape, np.float32))
+    # its weight, outside a flat buffer, rounded by a launch in the forward and in backward-data; and its dy
+    assert calls[0] == ((8, 8, 3, 3), False) and rounds == [(8, 3, 3, 8), (2, 8, 8, 8), (8, 3, 3, 8)], (calls, rounds)
 
 
 def test_the_precision_is_a_setting_with_tf32_the_default():

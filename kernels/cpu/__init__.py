@@ -42,7 +42,8 @@ conv2d_tf32(w) -> bool
     cores): those that read a weight rounded to TF32 (w_tf32) as it is; the others multiply the
     float32 weight in float32, and get it. False on the CPU backend.
 conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
-                norm_out=None, normalize=None, w_tf32=False) -> (dx, dw, db), or (dx, dw, db, dgamma, dbeta)
+                norm_out=None, normalize=None, w_tf32=False, dy_tf32=False)
+        -> (dx, dw, db), or (dx, dw, db, dgamma, dbeta)
     db is dy summed over (N, OH, OW); callers without a bias ignore it. dx is None unless
     need_dx (the first layer's input needs none). out = (dw, db): arrays that the gradients
     are written into (a parameter's gradient, say; either may be None), returned. add_dx_to:
@@ -55,7 +56,11 @@ conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=
     takes as `sums`. gamma and beta: the norm's, for a relu alone (None for a join), whose mask
     y > 0 a device backend recomputes from x_norm (as the forward computed y) rather than read y;
     y may then be None (not stored: the forward's normalize). normalize: as conv2d_forward's, x
-    the norm's input (the weight gradient reads relu(bn(x))). w_tf32: as conv2d_forward's.
+    the norm's input (the weight gradient reads relu(bn(x))). w_tf32: as conv2d_forward's. dy_tf32:
+    dy holds TF32 values already (its producer rounded it: batch_norm_backward's round_tf32), which a
+    device backend's TF32 backward-data then reads as it is, where it reads any other dy rounded by a
+    launch of round_tf32 first (backward-weight reads dy as given: the bias gradient sums its raw
+    values); ignored elsewhere.
 
 batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None)
     -> (y, mean, invstd)
@@ -64,13 +69,16 @@ batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=Fals
     y = relu(batch norm); residual (x's shape): y = relu(batch norm + residual), a residual
     block's join.
 batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False,
-                    sums=None) -> (dx, dgamma, dbeta[, g])
+                    sums=None, round_dx=False, round_g=False) -> (dx, dgamma, dbeta[, g])
     y: the output of a forward with relu or residual; the gradient then flows where y > 0
     (g = dy there, 0 elsewhere), and `shortcut` also returns g, the residual's gradient. beta
     (for a relu alone, with y or without it: an output not stored): the norm's, from which the mask
     is recomputed (gamma * xhat + beta > 0, as batch_norm_apply computed y) rather than read from y.
     out = (dgamma, dbeta): arrays the parameter gradients are written into, returned. sums:
-    (dgamma, dbeta) computed already (conv2d_backward's norm), returned as they are.
+    (dgamma, dbeta) computed already (conv2d_backward's norm), returned as they are. round_dx,
+    round_g (float32): dx, g rounded to TF32 (round_tf32) where they are made, for a reader that
+    multiplies them as TF32 and is their only one: the convolution that made x, or the residual
+    (conv2d_backward's dy_tf32).
 batch_norm_update_running(running_mean, running_var, mean, invstd, count, momentum, eps) -> None
     In place: running <- (1 - momentum) running + momentum batch, with the unbiased
     batch variance (1/invstd^2 - eps) * count / (count - 1), count = N*H*W.

@@ -17,6 +17,7 @@ kernels.cpu), whatever the layout of x.
 """
 import numpy as np
 
+from . import convert
 from ._util import channel_sum, written
 
 _BLOCK_BYTES = 1 << 20
@@ -40,7 +41,11 @@ def batch_statistics(x, eps, running, momentum):
     return mean, invstd
 
 
-def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False, sums=None):
+def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False, sums=None,
+                        round_dx=False, round_g=False):
+    if round_g and not shortcut:
+        raise ValueError("batch_norm_backward: round_g rounds the shortcut's gradient, which only `shortcut` returns")
+    given = dy
     # beta (a relu alone) lets a device backend recompute the mask from x; here reading y costs less
     y = relu_output(y, x, gamma, beta, mean, invstd)
     if shortcut and y is not None:   # the gradient through the relu is returned too: made whole, once
@@ -48,6 +53,10 @@ def batch_norm_backward(dy, x, gamma, mean, invstd, *, y=None, beta=None, out=No
     if sums is None:
         sums = masked_backward_sums(dy, y, x, mean, invstd, out=out)
     dx = _backward_dx(dy, y, x, gamma, mean, invstd, sums, x.size // x.shape[1])
+    if round_dx:
+        convert.round_tf32(dx, out=dx)
+    if round_g:   # the caller's dy itself is not written
+        dy = convert.round_tf32(dy, out=None if dy is given else dy)
     return (dx, *sums) + ((dy,) if shortcut else ())
 
 

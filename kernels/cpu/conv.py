@@ -46,7 +46,7 @@ def conv2d_tf32(w):
 
 
 def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
-                    norm_out=None, normalize=None, w_tf32=False):
+                    norm_out=None, normalize=None, w_tf32=False, dy_tf32=False):
     if normalize is not None:
         x = batch_norm_apply(x, *normalize, relu=True)
     if norm is not None:

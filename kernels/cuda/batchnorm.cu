@@ -35,6 +35,7 @@
 // bn_update_running: PyTorch's running-statistics update, in place (synchronised batch norm).
 // Every sum is added in an order fixed by the shapes alone: the same bits on every run.
 #include "bn_stats.cuh"
+#include "tf32.cuh"
 
 // mean and 1/sqrt(biased variance + eps) of channel c from its sums of x - shift and of its square
 // over `count` values.
@@ -313,14 +314,16 @@ bn_pooled_backward(const float* __restrict__ pooled, int plane, T* __restrict__ 
 
 // dx of training-mode batch norm, gamma * invstd * (g - dbeta / M - xhat * dgamma / M) with g the
 // masked dy (dy where y > 0; without y, where bn_affine(x) > 0 when beta is not null, a relu alone
-// whose mask is recomputed; else dy itself) and M = count, and g itself into masked when it is not
-// null: VEC elements per thread and step, grid-stride.
+// whose mask is recomputed; else dy itself) and M = count, and g itself into masked when it is not null;
+// dx rounded to TF32 where round_tf32 & 1, g where round_tf32 & 2 (float32 storage: for the TF32
+// backward-data that reads it, tf32.cuh's tf32_value): VEC elements per thread and step, grid-stride.
 template <int VEC, class T = float>
 __global__ void __launch_bounds__(256)
 bn_backward_dx(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
                const float* __restrict__ mean, const float* __restrict__ invstd, const float* __restrict__ gamma,
                const float* __restrict__ beta, const float* __restrict__ dgamma, const float* __restrict__ dbeta,
-               int count, int total, int channels, int plane, T* __restrict__ dx, T* __restrict__ masked) {
+               int count, int total, int channels, int plane, T* __restrict__ dx, T* __restrict__ masked,
+               int round_tf32) {
     for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * VEC; i < total; i += gridDim.x * blockDim.x * VEC) {
         Floats<VEC> g = load_floats<VEC>(dy + i);
         const Floats<VEC> xs = load_floats<VEC>(x + i);
@@ -337,7 +340,11 @@ bn_backward_dx(const T* __restrict__ dy, const T* __restrict__ y, const T* __res
                 g.v[e] = bn_affine(xs.v[e], m, inv, scale, beta[c]) > 0.0f ? g.v[e] : 0.0f;
             const float xhat = (xs.v[e] - m) * inv;
             const float centred = g.v[e] - dbeta[c] / float(count) - xhat * (dgamma[c] / float(count));
-            d.v[e] = centred * (scale * inv);
+            d.v[e] = round_tf32 & 1 ? tf32_value(centred * (scale * inv)) : centred * (scale * inv);
+        }
+        if (masked && round_tf32 & 2) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) g.v[e] = tf32_value(g.v[e]);
         }
         if (masked) store_floats<VEC>(masked + i, g);
         store_floats<VEC>(dx + i, d);

@@ -88,15 +88,20 @@ def apply(be, x, gamma, beta, mean, invstd, relu=False, residual=None):
     return y
 
 
-def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False, sums=None):
+def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, beta=None, out=None, shortcut=False, sums=None,
+                        round_dx=False, round_g=False):
     """See kernels/cpu/batchnorm.py: (dx, dgamma, dbeta), and the masked dy when `shortcut`; `sums`: the
     (dgamma, dbeta) that the convolution after the norm computed (conv2d_backward's norm_out), which
     then are the gradients returned. With `beta` (a relu alone), the dx pass recomputes the relu's mask
-    from x (bn_affine) and does not read y."""
+    from x (bn_affine) and does not read y; it rounds dx (round_dx) and g (round_g) to TF32 there."""
     op = "batch_norm_backward"
     x = dense(be, op, x)
     dy, y = like(be, op, x, dy, y)
     storage(op, x, dy, y)
+    if (round_dx or round_g) and x.dtype != np.float32:
+        raise TypeError(f"{op}: round_dx and round_g round float32 gradients, not {x.dtype}")
+    if round_g and not shortcut:
+        raise ValueError(f"{op}: round_g rounds the shortcut's gradient, which only `shortcut` returns")
     gamma, mean, invstd, beta = float32(be, op, gamma, mean, invstd, beta)
     if beta is not None and (shortcut or beta.shape != gamma.shape):
         raise ValueError(f"{op}: beta is given for a relu alone (no shortcut), of gamma's shape")
@@ -115,7 +120,7 @@ def batch_norm_backward(be, dy, x, gamma, mean, invstd, *, y=None, beta=None, ou
         _affine_grads(be, dy, y, x, mean, invstd, dgamma, dbeta)
     masked = be.xp.empty_like(x) if shortcut else None
     dx = _dx(be, dy, None if beta is not None else y, x, gamma, beta, mean, invstd, dgamma, dbeta,
-             x.size // x.shape[1], masked)
+             x.size // x.shape[1], masked, round_dx | round_g << 1)
     return (dx, dgamma, dbeta) + ((masked,) if shortcut else ())
 
 
@@ -256,14 +261,15 @@ def _partial(be, grid, c):
     return be.xp.empty((grid[1], 2, c), np.float32) if grid[1] > 1 else None
 
 
-def _dx(be, dy, y, x, gamma, beta, mean, invstd, dgamma, dbeta, count, masked):
+def _dx(be, dy, y, x, gamma, beta, mean, invstd, dgamma, dbeta, count, masked, rounded=0):
     """One launch of bn_backward_dx: dy masked by y where y is given, else by the relu's mask recomputed
-    from x where beta is, else not at all."""
+    from x where beta is, else not at all; dx rounded to TF32 where rounded & 1, masked where rounded & 2."""
     n, c, plane = _sizes(x, gamma, dy)
     dx = be.xp.empty_like(x)
     vec = vector_width(x.size, dy, y, x, dx, masked)
     launch(be, "batchnorm", f"bn_backward_dx<{vec}{storage_argument(STORAGE_TYPES[x.dtype])}>", blocks(x.size // vec),
-           (dy, y, x, mean, invstd, gamma, beta, dgamma, dbeta, count, x.size, c, plane, dx, masked))
+           (dy, y, x, mean, invstd, gamma, beta, dgamma, dbeta, count, x.size, c, plane, dx, masked,
+            int(rounded)))
     return dx
 
 

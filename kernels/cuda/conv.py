@@ -57,7 +57,7 @@ def conv2d_forward(be, x, w, b, stride, padding, *, statistics=None, normalize=N
     (eps, running, momentum)) come from the forward kernel's epilogue (bn_stats.cuh), the tensor-core
     GEMMs' (conv_tc.forward) and conv.cu's alike. A batch norm before (normalize) is applied as the
     TF32 GEMM loads x where it can (conv_tc.folds), else by batch_norm_apply first. w_tf32: w holds TF32
-    values, which the TF32 GEMMs read as they are (else they read it rounded: conv_tc.tf32_weights)."""
+    values, which the TF32 GEMMs read as they are (else they read it rounded: conv_tc.tf32_values)."""
     op = "conv2d_forward"
     x, w = _operands(be, op, x, w)
     (b,) = float32(be, op, b)
@@ -113,7 +113,7 @@ def _normalized(be, op, x, normalize, gemm, geometry):
 
 
 def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=None, norm=None,
-                    norm_out=None, normalize=None, w_tf32=False):
+                    norm_out=None, normalize=None, w_tf32=False, dy_tf32=False):
     """See kernels/cpu/conv.py: dx (None unless need_dx), dw and db, written into out = (dw, db)
     (float32, the parameters' gradients, say) when given; a new dw takes w's layout. dx is added
     to add_dx_to in place (in the tensor-core backward-data kernel's epilogue) when it is given.
@@ -121,7 +121,9 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     the epilogue then recomputes from x), the batch norm's backward sums of dx (after the add, when
     add_dx_to is given) as well (into norm_out), from the tensor-core backward-data's epilogue
     (channels-last y and x, dx added in place there), else from batchnorm.py's pass over dx. normalize: as
-    conv2d_forward's, for backward-weight (backward-data does not read x). w_tf32: as conv2d_forward's."""
+    conv2d_forward's, for backward-weight (backward-data does not read x). w_tf32: as conv2d_forward's;
+    dy_tf32: dy holds TF32 values, which the TF32 backward-data reads as they are (else it reads dy rounded:
+    conv_tc.tf32_values)."""
     if norm is not None and not need_dx:
         raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
     sums = None if norm is None else sums_outputs(be, "conv2d_backward", norm_out, x.shape[1])
@@ -148,11 +150,11 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
             if into is None or into.flags.c_contiguous:
                 epilogue = _epilogue_norm(be, norm, dy.dtype)
                 dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into, norm=epilogue, sums=sums,
-                                           w_tf32=w_tf32).transpose(0, 3, 1, 2)
+                                           w_tf32=w_tf32, dy_tf32=dy_tf32).transpose(0, 3, 1, 2)
                 dx = dx if into is None else add_dx_to
             else:   # an NCHW add_dx_to: added by a kernel of its own
-                dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry,
-                                                                 w_tf32=w_tf32).transpose(0, 3, 1, 2))
+                dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry, w_tf32=w_tf32,
+                                                                 dy_tf32=dy_tf32).transpose(0, 3, 1, 2))
         grads = (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db, fold))
     else:
         dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry)) if need_dx else None

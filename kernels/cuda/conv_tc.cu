@@ -17,7 +17,9 @@
 // consecutive parts to finish adds the group's parts, and the last group to finish adds the
 // groups (tc_finish). Backward-data's grid.z also runs over the phases.
 //
-// The weights come as w_krsc (O, KH, KW, C), the memory of channels-last weights (a flat buffer's
+// Backward-data's dy, too, comes holding TF32 values (rounded where it was made: batch norm's backward, or
+// the launcher's round_tf32); backward-weight's dy comes as it is, its raw values summed for the bias
+// gradient. The weights come as w_krsc (O, KH, KW, C), the memory of channels-last weights (a flat buffer's
 // parameters are; the launcher copies others), holding TF32 values already (tf32.cuh's tf32_value: the
 // flat buffer's TF32 copy, which the optimizer writes with each update, or the launcher's round_tf32 of
 // another weight): the forward reads them along k, backward-data along its n (the input channels).
@@ -29,7 +31,8 @@
 // each stage's shared-memory addresses are constants. Each thread rounds the chunks it copied of an
 // activation or a gradient to TF32 (tf32.cuh's tf32_round) once they land, before the barrier that hands
 // the stage to the warps, so that the product is that of the TF32-rounded inputs, summed in float32, and
-// each element is rounded once, not once per warp that reads it; the weights land rounded.
+// each element is rounded once, not once per warp that reads it; the weights, and backward-data's dy, land
+// rounded.
 //
 // An operand whose global rows run along k (K_MAJOR: the forward's two and backward-data's dy)
 // sits in shared memory as [row][BK + 4] and is read by ldmatrix.x4 as 8x4 TF32 matrices without
@@ -127,6 +130,15 @@ struct TcRound {
         NoChunkWork none;
         tc_round_stage<W, K_MAJOR>(tile, none);
     }
+};
+
+// A stage of A that holds TF32 values already (backward-data's dy, rounded by its producer: batch norm's
+// backward, or the launcher's round_tf32): read as it lands.
+struct TcAsIs {
+    static constexpr bool PADDED = false;
+    static constexpr const float* pad = nullptr;
+    template <int W, bool K_MAJOR>
+    __device__ void land(float*) {}
 };
 
 // A training batch norm with its relu applied as its output is loaded (TcNormRows, TcNormColumns): the
@@ -333,26 +345,33 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, flo
 //
 // As conv_bf16.cu's halo kernels (tc_conv.cuh): a block of 128 output pixels by 64 columns loads, per 16
 // channels, the window of the (zero-padded) image that their taps reach, once, makes it what the warps read
-// once (rounded to TF32, HaloRound; or a batch norm's relu(bn(x)), HaloNorm), and takes each tap's A
-// fragments from it by ldmatrix, a lane's row its pixel's slot shifted by the tap; B, the tap's weights,
-// goes through a 3-stage ring as tc_gemm's, holding TF32 values as every TF32 GEMM's weights do. A window of 16 float channels is the 80-byte slots of BF16's 32, 25.6 KB: with the ring,
-// 41 KB of shared memory. With 64 columns a block then reads about 47 FLOPs per L2 byte at 28 x 28 where
+// once (rounded to TF32, HaloRound; or a batch norm's relu(bn(x)), HaloNorm; backward-data's dy comes
+// rounded, HaloAsIs), and takes each tap's A fragments from it by ldmatrix, a lane's row its pixel's slot
+// shifted by the tap; B, the tap's weights, goes through a 3-stage ring as tc_gemm's, holding TF32 values as
+// every TF32 GEMM's weights do. A window of 16 float channels is the 80-byte slots of BF16's 32, 25.6 KB:
+// with the ring, 41 KB of shared memory. With 64 columns a block then reads about 47 FLOPs per L2 byte at 28 x 28 where
 // the 128 x 64 tile reads 21.3 (bench/tc_plan.py), and the window's rounding is shared by nine taps.
 // Backward-data of such a convolution is the forward convolution of dy by the weights mirrored and
 // transposed (mirrored_weights), which this GEMM reads as the forward's.
 struct TcHalo128x64 : TcConfig<128, 64, 3, 3> {};
 
-// What the halo forward makes of each landed chunk of its window: TF32 (HaloRound), or relu(bn(x)) of
-// it for the window's channels c0 + 4 (t % 4).. of thread t (HaloNorm: TcNormRows's, the padding copied
-// from pad).
+// What the halo kernels make of each landed chunk of their window (LAND): TF32 (HaloRound), or relu(bn(x))
+// of it for the window's channels c0 + 4 (t % 4).. of thread t (HaloNorm: TcNormRows's, the padding copied
+// from pad); nothing where it holds TF32 values already (HaloAsIs: backward-data's dy, as TcAsIs).
+struct HaloAsIs {
+    static constexpr bool PADDED = false, LAND = false;
+    static constexpr const float* pad = nullptr;
+    __device__ void channels(int) {}
+    __device__ float4 chunk(float4 v) const { return v; }
+};
 struct HaloRound {
-    static constexpr bool PADDED = false;
+    static constexpr bool PADDED = false, LAND = true;
     static constexpr const float* pad = nullptr;
     __device__ void channels(int) {}
     __device__ float4 chunk(float4 v) const { return tc_round(v); }
 };
 struct HaloNorm {
-    static constexpr bool PADDED = true;
+    static constexpr bool PADDED = true, LAND = true;
     const float *pad, *mean, *invstd, *gamma, *beta;
     float4 scale, shift;
     __device__ explicit HaloNorm(const TcFold& f)
@@ -417,11 +436,13 @@ __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, co
                                              land.pad);
         cp_async_commit();
         cp_async_wait<0>();
-        land.channels(c0);
-        halo_window_chunks(image, g, channels, place.img, place.pp, place.rows, [&](int slot, const float*, bool) {
-            float4* chunk = reinterpret_cast<float4*>(window + slot);
-            *chunk = land.chunk(*chunk);
-        });
+        if constexpr (LandWindow::LAND) {
+            land.channels(c0);
+            halo_window_chunks(image, g, channels, place.img, place.pp, place.rows, [&](int slot, const float*, bool) {
+                float4* chunk = reinterpret_cast<float4*>(window + slot);
+                *chunk = land.chunk(*chunk);
+            });
+        }
 #pragma unroll
         for (int tap = 0; tap < 9; ++tap) step(stage + tap, tap, tap % STAGES);
     }
@@ -470,7 +491,8 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
 // dx (N*H*W x C, NHWC): blockIdx.z = phase * splits + part, for the sh*sw stride phases and the
 // splits = gridDim.z / (sh*sw) parts of each phase's k; block (x, y, z) computes the phase's cells
 // [x * BM, ...) by input channels [y * BN, ...) over k in [part * k_chunk, ...) (split-K in groups
-// of `group`, see tc_finish), added to what dx holds when `add` is set. Blocks past the phase's
+// of `group`, see tc_finish), added to what dx holds when `add` is set; dy and w_krsc hold TF32 values (see
+// the header). Blocks past the phase's
 // cells (phases differ in size by a row or column) leave at once; a phase, or a part of one, that
 // no tap reaches gets zeros. Unless sums_partial is null, the backward sums of the batch norm whose
 // dy dx is (tc_norm_sums, over the tiles of every phase: a block past its phase's cells merges zeros).
@@ -495,11 +517,12 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
     float acc[T::MI][T::NI][4];
     if constexpr (ALIGN == 16)
         tc_gemm<T, true, false, true>(GradientRowsAligned<TcCopy<T::BM, true>>(g, f, dy, m0, k_begin),
-                                WeightRowsAligned<TcCopy<T::BN, false>>(g, f, w_krsc, n0, k_begin), tiles, acc);
+                                      WeightRowsAligned<TcCopy<T::BN, false>>(g, f, w_krsc, n0, k_begin), tiles, acc,
+                                      NoChunkWork(), TcAsIs());
     else
         tc_gemm<T, true, false, true>(Gathered<TcCopy<T::BM, true>, GradientRows>{dy, {g, f}, m0, k_begin, k_end},
-                                Gathered<TcCopy<T::BN, false>, WeightRows>{w_krsc, {g, f}, n0, k_begin, k_end}, tiles,
-                                acc);
+                                      Gathered<TcCopy<T::BN, false>, WeightRows>{w_krsc, {g, f}, n0, k_begin, k_end},
+                                      tiles, acc, NoChunkWork(), TcAsIs());
     const SplitK split{splits, group, part};
     const bool finished = tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
                                               tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
@@ -631,7 +654,7 @@ conv_tc_dgrad_halo(const float* __restrict__ dy, const float* __restrict__ w_mir
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, pixels = g.n * g.h * g.w;
     float acc[T::MI][T::NI][4];
     tc_halo_gemm<T>(dy, g, g.o, m0, HaloWeights<TcCopy<T::BN, true>, true>(w_mirrored, mirrored, n0, g.c), acc,
-                    HaloRound());
+                    HaloAsIs());
     tc_finish<T, false>(RowsOut{pixels, g.c}, dx, partial, pixels * g.c, SplitK{1, 1, 0}, counters, m0, n0, nullptr,
                         add, acc);
     __shared__ float sums_smem[2 * TC_THREADS];

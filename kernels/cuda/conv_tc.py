@@ -276,11 +276,11 @@ def forward(be, x, w_krsc, b, geometry, statistics=None, fold=None, w_tf32=False
     with `statistics` (Statistics), (y, mean, invstd): y's batch statistics per channel, from the
     kernel's epilogue. With `fold` = (gamma, beta, mean, invstd) (float32 (C,), TF32 where `folds`), the
     convolution of relu(the batch norm of x with them), applied as x is loaded. w_tf32: float32 w_krsc
-    holds TF32 values already (see tf32_weights)."""
+    holds TF32 values already (see tf32_values)."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     kind = kind_of(x.dtype)
     p = plan("forward", geometry, kind, fold=fold is not None)
-    x, w_krsc = aligned(x), aligned(tf32_weights(be, w_krsc, w_tf32))
+    x, w_krsc = aligned(x), aligned(tf32_values(be, w_krsc, w_tf32))
     y = be.xp.empty((n, oh, ow, o), x.dtype)
     # the statistics' counters follow the split's in the backend's set
     stats, mean, invstd = statistics_arguments(be, statistics, p.grid[0], p.grid[1], o, n * oh * ow, _counters(p))
@@ -324,17 +324,18 @@ def tile_merge_arguments(be, tiles, channel_tiles, channels, offset):
             group)
 
 
-def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None, w_tf32=False):
+def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None, w_tf32=False, dy_tf32=False):
     """dx (N, H, W, C), of dy's dtype, from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C); added to
     `into` (a C-contiguous (N, H, W, C) array of that dtype), in place, when given. With `norm` = (y, x,
     mean, invstd, gamma, beta), the batch norm (with its relu or residual join) whose output is this
     convolution's input (y and x C-contiguous (N, H, W, C) arrays of dx's dtype; y None and its relu's mask
     recomputed from x where gamma and beta are given), also that norm's backward sums of dx, into `sums` =
     (dgamma, dbeta), float32 (C,): sum(g * xhat) and sum(g), g = dx (after the add into `into`) where
-    y > 0, from the kernel's epilogue, over the tiles of every stride phase. w_tf32: as forward's."""
+    y > 0, from the kernel's epilogue, over the tiles of every stride phase. w_tf32: as forward's; dy_tf32:
+    float32 dy holds TF32 values already (see tf32_values)."""
     n, c, h, wd = geometry[:4]
     p = plan("dgrad", geometry, kind_of(dy.dtype))
-    dy, w_krsc = aligned(dy), aligned(tf32_weights(be, w_krsc, w_tf32))
+    dy, w_krsc = aligned(tf32_values(be, dy, dy_tf32)), aligned(tf32_values(be, w_krsc, w_tf32))
     if p.kernel == f"conv_tc_dgrad_halo<{TF32.halo}>":
         w_krsc = mirrored_weights(be, w_krsc, geometry[4], c)
     dx = be.xp.empty((n, h, wd, c), dy.dtype) if into is None else into
@@ -347,11 +348,12 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None, w_t
     return dx
 
 
-def tf32_weights(be, w_krsc, w_tf32):
-    """What TF32's GEMMs read for float32 weights: they read them as they are, TF32 values (tf32.cuh's
-    tf32_value), which a flat buffer's TF32 copy holds (nn.modules.FlatParameters, kept by the optimizer's
-    update: `w_tf32`); other weights are rounded by a launch of round_tf32 first. BF16's weights as they are."""
-    return w_krsc if w_tf32 or w_krsc.dtype != np.float32 else round_tf32(be, w_krsc)
+def tf32_values(be, a, rounded):
+    """What TF32's GEMMs read for the weights, and backward-data for dy: they read them as they are, TF32
+    values (tf32.cuh's tf32_value), as a flat buffer's TF32 copy of the weights holds them (nn.modules.
+    FlatParameters, kept by the optimizer's update) and a batch norm's backward makes dy (round_tf32):
+    `rounded`; others are rounded by a launch of round_tf32 first. BF16's operands as they are."""
+    return a if rounded or a.dtype != np.float32 else round_tf32(be, a)
 
 
 def mirrored_weights(be, w_krsc, o, c):
