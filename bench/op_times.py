@@ -153,7 +153,9 @@ def precision(torch, tf32):
 # Each returns ({'forward': [(op, args[, kwargs])], 'backward': [...]}, peer(bench) -> Peer).
 
 def conv2d(b, layer):
-    """Under bf16 ours multiplies bfloat16 weights, as the trainer's (FlatParameters.bfloat16)."""
+    """Ours multiplies the weights as the trainer's convolutions get them (FlatParameters.multiplied): under
+    bf16 bfloat16 ones; under tf32 on the GPU, where the convolution multiplies TF32, ones rounded to TF32
+    (w_tf32), and its dy rounded so too, as the batch norm's backward before it makes it (dy_tf32)."""
     x, w, bias, dy = b.randn(layer.x), b.randn(layer.w), b.randn(layer.w[:1]), b.randn(layer.y)
     s, p = layer.stride, layer.padding
 
@@ -162,8 +164,12 @@ def conv2d(b, layer):
         F = b.torch.nn.functional
         return Peer(b.torch, lambda: F.conv2d(tx, tw, tb, s, p), (tx, tw, tb), b.tensor(dy))
     ours_x, ours_w, ours_dy = b.stored(x), b.stored(w), b.stored(dy)
-    return {"forward": [("conv2d_forward", (ours_x, ours_w, bias, s, p))],
-            "backward": [("conv2d_backward", (ours_dy, ours_x, ours_w, s, p))]}, peer
+    forward, backward = {}, {}
+    if b.device == "cuda" and kernels.precision() == "tf32" and b.ops.conv2d_tf32(ours_w):
+        ours_w, ours_dy = b.ops.round_tf32(ours_w), b.ops.round_tf32(ours_dy)
+        forward, backward = {"w_tf32": True}, {"w_tf32": True, "dy_tf32": True}
+    return {"forward": [("conv2d_forward", (ours_x, ours_w, bias, s, p), forward)],
+            "backward": [("conv2d_backward", (ours_dy, ours_x, ours_w, s, p), backward)]}, peer
 
 
 def batch_norm(b, layer):
