@@ -124,7 +124,7 @@ class FlatParameters:
             p.data = _viewed(self.data[lo:lo + p.size], p.shape)
             p.grad = _viewed(self._grad[lo:lo + p.size], p.shape)
             p._flat, p._stale = self, stale
-        self._copy = self._copy_views = self._copy_precision = None   # made by the first multiplied()
+        self._copy = self._copy_views = None   # made by the first multiplied(); its dtype says which rounding
         self._copy_current = False
 
     @property
@@ -165,11 +165,11 @@ class FlatParameters:
         """``data`` rounded as the `precision`'s convolutions multiply it ("bf16": to bfloat16; "tf32": to
         TF32, float32 values), the same offsets: made on first request, refreshed (one pass) when something
         other than the optimizer has written ``data`` since."""
-        if self._copy_precision != precision:
+        if self._copy is None or self._copy.dtype != self.COPIES[precision]:
             self._copy = get_array_module(self.data).empty(len(self), self.COPIES[precision])   # refreshed whole
             self._copy_views = {id(p): _viewed(self._copy[lo:lo + p.size], p.shape)
                                 for p, lo in zip(self.params, self.offsets)}
-            self._copy_precision, self._copy_current = precision, False
+            self._copy_current = False
         self.refresh_multiplied()
         return self._copy
 
@@ -185,7 +185,7 @@ class FlatParameters:
         without asking for it (training/step.py)."""
         if self._copy is not None and not self._copy_current:
             backend = backend_of(self.data)
-            if self._copy_precision == "bf16":
+            if self._copy.dtype == bfloat16:
                 backend.cast(self.data, bfloat16, out=self._copy)
             else:
                 backend.round_tf32(self.data, out=self._copy)

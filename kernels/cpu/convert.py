@@ -48,7 +48,7 @@ def round_tf32(a, out=None):
     bits = a.view(np.uint32)
     rounded = np.where(np.isfinite(a), (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000), bits).view(np.float32)
     if out is None:
-        return rounded.reshape(a.shape)
+        return rounded
     if out.shape != a.shape or out.dtype != np.float32:
         raise ValueError(f"round_tf32: out is {out.dtype} {out.shape}, where float32 {a.shape} is due")
     out[...] = rounded

@@ -349,8 +349,9 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, flo
 // rounded, HaloAsIs), and takes each tap's A fragments from it by ldmatrix, a lane's row its pixel's slot
 // shifted by the tap; B, the tap's weights, goes through a 3-stage ring as tc_gemm's, holding TF32 values as
 // every TF32 GEMM's weights do. A window of 16 float channels is the 80-byte slots of BF16's 32, 25.6 KB:
-// with the ring, 41 KB of shared memory. With 64 columns a block then reads about 47 FLOPs per L2 byte at 28 x 28 where
-// the 128 x 64 tile reads 21.3 (bench/tc_plan.py), and the window's rounding is shared by nine taps.
+// with the ring, 41 KB of shared memory. With 64 columns a block then reads about 47 FLOPs per L2 byte at
+// 28 x 28 where the 128 x 64 tile reads 21.3 (bench/tc_plan.py), and the window's rounding is shared by nine
+// taps.
 // Backward-data of such a convolution is the forward convolution of dy by the weights mirrored and
 // transposed (mirrored_weights), which this GEMM reads as the forward's.
 struct TcHalo128x64 : TcConfig<128, 64, 3, 3> {};
@@ -361,8 +362,6 @@ struct TcHalo128x64 : TcConfig<128, 64, 3, 3> {};
 struct HaloAsIs {
     static constexpr bool PADDED = false, LAND = false;
     static constexpr const float* pad = nullptr;
-    __device__ void channels(int) {}
-    __device__ float4 chunk(float4 v) const { return v; }
 };
 struct HaloRound {
     static constexpr bool PADDED = false, LAND = true;
@@ -470,15 +469,16 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
     float acc[T::MI][T::NI][4];
     if constexpr (NORM)
         tc_gemm<T, true, true, true>(ImageRowsAligned<TcCopy<T::BM, true>>(g, x, m0, k_begin),
-                               MatrixRowsAligned<TcCopy<T::BN, true>>(w_krsc, g.o, depth, n0, k_begin), tiles, acc,
-                               NoChunkWork(), TcNormRows(TcFold TC_FOLD, g.c, k_begin));
+                                     MatrixRowsAligned<TcCopy<T::BN, true>>(w_krsc, g.o, depth, n0, k_begin), tiles,
+                                     acc, NoChunkWork(), TcNormRows(TcFold TC_FOLD, g.c, k_begin));
     else if constexpr (ALIGN == 16)
         tc_gemm<T, true, true, true>(ImageRowsAligned<TcCopy<T::BM, true>>(g, x, m0, k_begin),
-                               MatrixRowsAligned<TcCopy<T::BN, true>>(w_krsc, g.o, depth, n0, k_begin), tiles, acc);
+                                     MatrixRowsAligned<TcCopy<T::BN, true>>(w_krsc, g.o, depth, n0, k_begin), tiles,
+                                     acc);
     else
-        tc_gemm<T, true, true, true>(Gathered<TcCopy<T::BM, true>, ImageRows>{x, {g}, m0, k_begin, k_end},
-                               Gathered<TcCopy<T::BN, true>, MatrixRows>{w_krsc, {g.o, depth}, n0, k_begin, k_end},
-                               tiles, acc);
+        tc_gemm<T, true, true, true>(
+            Gathered<TcCopy<T::BM, true>, ImageRows>{x, {g}, m0, k_begin, k_end},
+            Gathered<TcCopy<T::BN, true>, MatrixRows>{w_krsc, {g.o, depth}, n0, k_begin, k_end}, tiles, acc);
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
     const bool finished = tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, split,
                                               tile_counters(counters, 0, split), m0, n0, bias, false, acc);
@@ -492,10 +492,10 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
 // splits = gridDim.z / (sh*sw) parts of each phase's k; block (x, y, z) computes the phase's cells
 // [x * BM, ...) by input channels [y * BN, ...) over k in [part * k_chunk, ...) (split-K in groups
 // of `group`, see tc_finish), added to what dx holds when `add` is set; dy and w_krsc hold TF32 values (see
-// the header). Blocks past the phase's
-// cells (phases differ in size by a row or column) leave at once; a phase, or a part of one, that
-// no tap reaches gets zeros. Unless sums_partial is null, the backward sums of the batch norm whose
-// dy dx is (tc_norm_sums, over the tiles of every phase: a block past its phase's cells merges zeros).
+// the header). Blocks past the phase's cells (phases differ in size by a row or column) leave at once; a
+// phase, or a part of one, that no tap reaches gets zeros. Unless sums_partial is null, the backward sums
+// of the batch norm whose dy dx is (tc_norm_sums, over the tiles of every phase: a block past its phase's
+// cells merges zeros).
 template <class T, int ALIGN>
 __global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
 conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, float* __restrict__ dx, int add,
@@ -594,12 +594,13 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* 
         const PixelChannelsAligned<CopyB> b(dy, g.o, n0, k_begin, k_end);
         if constexpr (NORM)
             tc_gemm<T, false, false, false>(a, b, tiles, acc, bias,
-                                     TcNormColumns<T::BM>(norm_table, TcFold TC_FOLD, g.c, m0));
+                                            TcNormColumns<T::BM>(norm_table, TcFold TC_FOLD, g.c, m0));
         else
             tc_gemm<T, false, false, false>(a, b, tiles, acc, bias);
     } else
         tc_gemm<T, false, false, false>(Gathered<TcCopy<T::BM, false>, ImageColumns>{x, {g}, m0, k_begin, k_end},
-                                 Gathered<CopyB, ChannelsOfPixels>{dy, {g.o}, n0, k_begin, k_end}, tiles, acc, bias);
+                                        Gathered<CopyB, ChannelsOfPixels>{dy, {g.o}, n0, k_begin, k_end}, tiles, acc,
+                                        bias);
     bias.reduce(warp_sums);
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
     tc_finish<T, true>(WeightsOut{g, krsc}, dw, partial, g.o * columns, split, tile_counters(counters, 0, split),

@@ -79,7 +79,8 @@ cast(const TIn* __restrict__ x, int total, TOut* __restrict__ y) {
 }
 
 // y = x rounded to TF32 (tf32_value): the flat buffer's TF32 copy of the weights when something other than
-// the optimizer wrote them, and a weight that is not a flat buffer's, before the TF32 GEMMs read it.
+// the optimizer wrote them, and a weight that is not a flat buffer's or a dy that no batch norm rounded,
+// before the TF32 GEMMs read it.
 template <int VEC>
 __global__ void __launch_bounds__(256)
 round_tf32(const float* __restrict__ x, int total, float* __restrict__ y) {

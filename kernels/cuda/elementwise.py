@@ -1,6 +1,6 @@
 """Launchers of elementwise.cu: a + b, relu, relu's backward, relu(a + b) on float32 or bfloat16
-activations, the conversion between the two, float32 rounded to TF32, uint8 images (of a batch's indices) to float, and the
-gather of labels."""
+activations, the conversion between the two, float32 rounded to TF32, uint8 images (of a batch's indices)
+to float, and the gather of labels."""
 import numpy as np
 
 import kernels
