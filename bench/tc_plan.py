@@ -7,9 +7,9 @@ tf32) and conv_bf16.cu's BF16 ones (bf16); no GPU needed.
 Each tensor-core kernel's registers, shared memory and resident blocks, and its main loops in the
 SASS NVRTC makes (the loops with the most HMMA of the GEMM): their instructions, their HMMA and the
 instructions per HMMA, the issue slots a loop spends for each tensor-core instruction of the
-product. A BF16 backward-weight has two: the first row of tiles also sums the bias gradient, on
-the tensor cores, in a loop of its own (the "bias loop"; its extra HMMA do not count as the
-product's). Then for each GEMM (forward, backward-data, backward-weight) of each distinct
+product. A backward-weight has two: the first row of tiles also sums the bias gradient in a loop
+of its own (the "bias loop", which the lean loop's count follows): BF16's on the tensor cores (its
+extra HMMA do not count as the product's), TF32's from dy as given, rounding it as it lands. Then for each GEMM (forward, backward-data, backward-weight) of each distinct
 convolution that the tensor cores take: the kernel the launchers choose (kernels/cuda/conv_tc.py's
 plan), its grid in blocks, its split-K parts (and their groups), the waves of blocks over the SMs at
 the occupancy that the kernel's registers and shared memory allow (from ptxas through NVRTC, as
@@ -64,19 +64,18 @@ def _loops(instructions):
 
 
 def main_loops(instructions):
-    """[(instructions, HMMA)] of a kernel's main loops, from its SASS (_loops): those holding at least
-    as many HMMA as the one with the fewest of those that hold the most of them: a loop that also
-    sums the bias holds more. Innermost first, shortest first; [] for a kernel without one."""
-    found = {(end - start + 1, count) for start, end, count in _loops(instructions) if count}
-    if not found:
+    """[(instructions, HMMA)] of a kernel's main loops, from its SASS (_loops): the innermost of the loops
+    with HMMA (a loop around another, the ring's wrap, holds all of it) that hold at least as many HMMA as
+    the one with the fewest of those that hold the most of them: a loop that also sums the bias holds as
+    many (TF32's) or more (BF16's). Shortest first; [] for a kernel without one."""
+    found = [(start, end, count) for start, end, count in _loops(instructions) if count]
+    inner = {(end - start + 1, count) for start, end, count in found
+             if not any(start <= a and b <= end and (a, b) != (start, end) for a, b, _ in found)}
+    if not inner:
         return []
-    # a loop around another (the ring's wrap) holds all of it: keep, for each HMMA count, the shortest
-    shortest = {}
-    for size, count in sorted(found):
-        shortest.setdefault(count, (size, count))
-    most = max(shortest)
-    product = min(count for count in shortest if count * 5 >= most * 4)   # the GEMM's own, without the bias
-    return sorted(loop for count, loop in shortest.items() if count >= product)
+    most = max(count for _, count in inner)
+    product = min(count for _, count in inner if count * 5 >= most * 4)   # the GEMM's own, without the bias
+    return sorted(loop for loop in inner if loop[1] >= product)
 
 
 def window_loops(instructions):

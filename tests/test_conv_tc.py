@@ -337,8 +337,8 @@ def test_operands_that_hold_tf32_values_are_read_as_they_are(emu, halo_everywher
                                                              stride, padding):
     """The TF32 GEMMs read the weights, and backward-data dy, as they are, TF32 values (w_tf32: a flat buffer's
     TF32 copy; dy_tf32: batch norm's backward rounded it), and those that are not are rounded by a launch of
-    round_tf32 first (the aligned copies, the gathered ones, the halo kernels): the same bits either way
-    (backward-weight rounds dy itself). Planted: raw weights or a raw dy handed as TF32 values give other
+    round_tf32 first (the aligned copies, the gathered ones, the halo kernels), dy once for both backward
+    GEMMs: the same bits either way. Planted: raw weights or a raw dy handed as TF32 values give other
     results (the tensor cores read their top 19 bits), so that it is the launch, not the kernels, that rounds."""
     rounds = []
     real = conv_tc.round_tf32
@@ -356,6 +356,30 @@ def test_operands_that_hold_tf32_values_are_read_as_they_are(emu, halo_everywher
         np.testing.assert_array_equal(ours, theirs)
     assert not np.array_equal(emu.conv2d_forward(x, w, None, stride, padding, w_tf32=True), y)
     assert not np.array_equal(emu.conv2d_backward(dy, x, w_tf32, stride, padding, w_tf32=True, dy_tf32=True)[0], dx)
+
+
+def test_backward_weight_reads_dy_in_tf32_and_sums_the_bias_of_dy_as_given(emu):
+    """Backward-weight's blocks of the first row of tiles (here the columns of the taps 0-7, 128 of 144) sum the
+    bias gradient in a main loop of their own, which reads dy as the caller gave it and rounds it as it lands;
+    the others (tap 8) read dy's TF32 values as they are. The bias gradient is the sum of dy as given, within
+    float32's rounding of the sum, where the sum of dy's TF32 values would not be; dw is the same bits whether
+    dy comes rounded or not. Planted: raw dy handed as TF32 values changes tap 8's columns alone."""
+    x_shape, w_shape = (2, 16, 9, 7), (32, 16, 3, 3)
+    x, w = draw(x_shape, w_shape)
+    (dy,) = draw((2, 32, 9, 7))
+    _, dw, db = emu.conv2d_backward(dy, x, w, 1, 1)
+    pixels = np.float64(dy).transpose(1, 0, 2, 3).reshape(32, -1)
+    bound = (pixels.shape[1] + 16) * UNIT32 * np.abs(pixels).sum(axis=1)
+    assert np.all(np.abs(db - pixels.sum(axis=1)) <= bound), np.abs(db - pixels.sum(axis=1)) / bound
+    assert np.any(np.abs(tf32_rounded(pixels).sum(axis=1) - pixels.sum(axis=1)) > bound), "the check can fail"
+    dy_tf32 = kernels.cpu.round_tf32(dy)
+    _, dw_rounded, _ = emu.conv2d_backward(dy_tf32, x, w, 1, 1, dy_tf32=True)
+    np.testing.assert_array_equal(dw_rounded, dw)
+    _, dw_raw, db_raw = emu.conv2d_backward(dy, x, w, 1, 1, dy_tf32=True)   # planted
+    np.testing.assert_array_equal(db_raw, db)
+    np.testing.assert_array_equal(dw_raw[:, :, :2], dw[:, :, :2])
+    np.testing.assert_array_equal(dw_raw[:, :, 2, :2], dw[:, :, 2, :2])
+    assert not np.array_equal(dw_raw[:, :, 2, 2], dw[:, :, 2, 2])
 
 
 @pytest.mark.parametrize("backend", ["emu", "cpu"])
@@ -486,6 +510,22 @@ def test_a_halo_kernels_window_loops_are_counted_apart():
     assert tc_plan.window_loops(["HMMA.1688.F32.TF32 R8, R4, R6, R8", "BRA 0x0"]) == 0
     assert tc_plan.window_loops(["NOP"]) == 0
 
+
+
+def test_a_kernels_main_loops_are_its_innermost_loops_with_the_most_hmma():
+    """bench/tc_plan.py's main loops: each loop with HMMA that holds no other (a backward-weight's lean loop and
+    its bias loop, with as many HMMA or a fifth more), shortest first; not a loop around one (the ring's wrap),
+    nor one with far fewer HMMA (a prologue's)."""
+    from bench import tc_plan
+    hmma = "HMMA.1688.F32.TF32 R8, R4, R6, R8"
+    sass = [hmma, "BRA 0x0",                                # 0-1: a prologue's loop, 1 HMMA
+            hmma, hmma, hmma, "FADD R1, R1, R2", "@P0 BRA 0x20",   # 2-6: the bias loop, 3 HMMA
+            hmma, hmma, hmma, "@P1 BRA 0x70",              # 7-10: the lean loop
+            "BRA 0x70",                                     # 11: around the lean loop
+            "EXIT"]
+    assert tc_plan.main_loops(sass) == [(4, 3), (5, 3)]
+    assert tc_plan.main_loop(sass) == (4, 3)
+    assert tc_plan.main_loops(["NOP", "BRA 0x0"]) == []
 
 @pytest.mark.nvrtc("conv_tc")
 @pytest.mark.parametrize("arch", ["sm_90"])   # not sm_80 in CI: kernels.cuda.compiled_in_ci

@@ -58,9 +58,8 @@ conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx_to=
     y may then be None (not stored: the forward's normalize). normalize: as conv2d_forward's, x
     the norm's input (the weight gradient reads relu(bn(x))). w_tf32: as conv2d_forward's. dy_tf32:
     dy holds TF32 values already (its producer rounded it: batch_norm_backward's round_tf32), which a
-    device backend's TF32 backward-data then reads as it is, where it reads any other dy rounded by a
-    launch of round_tf32 first (backward-weight reads dy as given: the bias gradient sums its raw
-    values); ignored elsewhere.
+    device backend's TF32 GEMMs then read as they are, where they read any other dy rounded by a launch
+    of round_tf32 first (one for both; the bias gradient sums dy as given); ignored elsewhere.
 
 batch_norm_forward(x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None)
     -> (y, mean, invstd)

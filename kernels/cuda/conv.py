@@ -122,8 +122,8 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     add_dx_to is given) as well (into norm_out), from the tensor-core backward-data's epilogue
     (channels-last y and x, dx added in place there), else from batchnorm.py's pass over dx. normalize: as
     conv2d_forward's, for backward-weight (backward-data does not read x). w_tf32: as conv2d_forward's;
-    dy_tf32: dy holds TF32 values, which the TF32 backward-data reads as they are (else it reads dy rounded:
-    conv_tc.tf32_values)."""
+    dy_tf32: dy holds TF32 values, which the TF32 GEMMs read as they are (else they read dy rounded by a launch
+    of its own, conv_tc.tf32_values, and the bias gradient sums dy as given)."""
     if norm is not None and not need_dx:
         raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
     sums = None if norm is None else sums_outputs(be, "conv2d_backward", norm_out, x.shape[1])
@@ -144,18 +144,19 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
     epilogue = None   # the norm whose sums the tensor-core backward-data's epilogue computes
     if _tensor_cores(c, o):
         dy, x = nhwc(be, dy), nhwc(be, x)
+        raw, dy = dy, conv_tc.tf32_values(be, dy, dy_tf32)   # TF32's GEMMs read it rounded: once for both
         dx = None
         if need_dx:
             into = None if add_dx_to is None else add_dx_to.transpose(0, 2, 3, 1)   # its memory, if that is NHWC
             if into is None or into.flags.c_contiguous:
                 epilogue = _epilogue_norm(be, norm, dy.dtype)
                 dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into, norm=epilogue, sums=sums,
-                                           w_tf32=w_tf32, dy_tf32=dy_tf32).transpose(0, 3, 1, 2)
+                                           w_tf32=w_tf32, dy_tf32=True).transpose(0, 3, 1, 2)
                 dx = dx if into is None else add_dx_to
             else:   # an NCHW add_dx_to: added by a kernel of its own
                 dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry, w_tf32=w_tf32,
-                                                                 dy_tf32=dy_tf32).transpose(0, 3, 1, 2))
-        grads = (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db, fold))
+                                                                 dy_tf32=True).transpose(0, 3, 1, 2))
+        grads = (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db, fold, dy_tf32=True, raw=raw))
     else:
         dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry)) if need_dx else None
         grads = (dx, *_backward_weight(be, dy, x, geometry, dw, db))

@@ -17,9 +17,9 @@
 // consecutive parts to finish adds the group's parts, and the last group to finish adds the
 // groups (tc_finish). Backward-data's grid.z also runs over the phases.
 //
-// Backward-data's dy, too, comes holding TF32 values (rounded where it was made: batch norm's backward, or
-// the launcher's round_tf32); backward-weight's dy comes as it is, its raw values summed for the bias
-// gradient. The weights come as w_krsc (O, KH, KW, C), the memory of channels-last weights (a flat buffer's
+// dy, too, comes holding TF32 values (rounded where it was made: batch norm's backward, or the launcher's
+// round_tf32), and backward-weight's bias gradient sums it as the caller gave it (its blocks that sum it
+// read that and round it themselves). The weights come as w_krsc (O, KH, KW, C), the memory of channels-last weights (a flat buffer's
 // parameters are; the launcher copies others), holding TF32 values already (tf32.cuh's tf32_value: the
 // flat buffer's TF32 copy, which the optimizer writes with each update, or the launcher's round_tf32 of
 // another weight): the forward reads them along k, backward-data along its n (the input channels).
@@ -29,10 +29,10 @@
 // ring of shared-memory tiles filled by 16-byte cp.async copies: while stage s is multiplied, the
 // copies of the next STAGES - 1 stages are in flight; the loop is unrolled over the ring, so that
 // each stage's shared-memory addresses are constants. Each thread rounds the chunks it copied of an
-// activation or a gradient to TF32 (tf32.cuh's tf32_round) once they land, before the barrier that hands
+// activation to TF32 (tf32.cuh's tf32_round) once they land, before the barrier that hands
 // the stage to the warps, so that the product is that of the TF32-rounded inputs, summed in float32, and
-// each element is rounded once, not once per warp that reads it; the weights, and backward-data's dy, land
-// rounded.
+// each element is rounded once, not once per warp that reads it; the weights and dy land rounded (but in the
+// blocks that sum the bias gradient, see conv_tc_wgrad).
 //
 // An operand whose global rows run along k (K_MAJOR: the forward's two and backward-data's dy)
 // sits in shared memory as [row][BK + 4] and is read by ldmatrix.x4 as 8x4 TF32 matrices without
@@ -285,6 +285,19 @@ __device__ __forceinline__ void tc_multiply(float (&acc)[T::MI][T::NI][4], const
         for (int j = 0; j < T::NI; ++j) mma_tf32(acc[i][j], fa[i], fb[j / 2][j % 2], acc[i][j]);
 }
 
+// The ring of stages of A and B in shared memory: one for each tile and layout, which the main loops of a
+// kernel share (backward-weight's two, conv_tc_wgrad).
+template <class T, bool A_K_MAJOR, bool B_K_MAJOR>
+struct TcStages {
+    float a[T::STAGES][TcStage<T::BM, A_K_MAJOR>::SIZE];
+    float b[T::STAGES][TcStage<T::BN, B_K_MAJOR>::SIZE];
+};
+template <class T, bool A_K_MAJOR, bool B_K_MAJOR>
+__device__ __forceinline__ TcStages<T, A_K_MAJOR, B_K_MAJOR>& tc_stages() {
+    __shared__ __align__(16) TcStages<T, A_K_MAJOR, B_K_MAJOR> stages;
+    return stages;
+}
+
 // acc += A (m0.., k) . B (k, n0..) over `tiles` stages of k for this warp's part of the block's
 // tile: acc[i][j] is mma tile (i, j) of the warp, in the C layout of tensor_core.cuh (rows and
 // columns permuted where an operand is not K_MAJOR: tc_store knows how). The iterators a and b
@@ -298,10 +311,8 @@ template <class T, bool A_K_MAJOR, bool B_K_MAJOR, bool B_ROUNDED, class Iterato
           class OnChunk = NoChunkWork, class LandA = TcRound>
 __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, float (&acc)[T::MI][T::NI][4],
                                         OnChunk&& on_chunk_b = OnChunk(), LandA land_a = LandA()) {
-    using StageA = TcStage<T::BM, A_K_MAJOR>;
-    using StageB = TcStage<T::BN, B_K_MAJOR>;
-    __shared__ __align__(16) float As[T::STAGES][StageA::SIZE];
-    __shared__ __align__(16) float Bs[T::STAGES][StageB::SIZE];
+    auto& As = tc_stages<T, A_K_MAJOR, B_K_MAJOR>().a;
+    auto& Bs = tc_stages<T, A_K_MAJOR, B_K_MAJOR>().b;
     const int warp = int(threadIdx.x) / 32, wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
     tc_clear<T>(acc);
     const auto load = [&](int tile, int stage) {
@@ -565,18 +576,26 @@ struct BiasSums : BiasTotals<T> {
     }
 };
 
+// A bool as a type, which a generic lambda's argument carries into its body as a constant.
+template <bool V>
+struct Flag {
+    static constexpr bool value = V;
+};
+
 // dw (see WeightsOut) = the sum over the pixels k of im2col(x)[k, m] dy[k, n]: block (x, y, z)
 // computes the columns m = (r, s, ci) [x * BM, ...) by output channels [y * BN, ...) over the pixels
 // [z * k_chunk, (z + 1) * k_chunk) (split-K in groups of `group`, see tc_finish). And, unless db
-// is null, the bias gradient (BiasSums). plane_..., width_...: the FastDivmod multipliers and
-// shifts of OH*OW and OW. NORM: x is a training batch norm's input, and the convolution's input
-// relu(bn(x)) (TcNormColumns), as conv_tc_forward's.
+// is null, the bias gradient (BiasSums) of dy_raw, dy as the caller gave it, which dy is rounded to TF32
+// (the same array where it holds TF32 values already): the blocks of the first row of tiles, which sum
+// it, read dy_raw and round each stage as it lands, in a main loop of their own; the others read dy as it
+// is. plane_..., width_...: the FastDivmod multipliers and shifts of OH*OW and OW. NORM: x is a training
+// batch norm's input, and the convolution's input relu(bn(x)) (TcNormColumns), as conv_tc_forward's.
 template <class T, int ALIGN, bool NORM = false>
 __global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
-conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dw, int krsc,
-              float* __restrict__ db, float* partial, float* db_partial, unsigned* counters, CONV_PARAMS,
-              int k_chunk, int group, unsigned plane_multiplier, unsigned plane_shift, unsigned width_multiplier,
-              unsigned width_shift, TC_FOLD_PARAMS) {
+conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, const float* __restrict__ x,
+              float* __restrict__ dw, int krsc, float* __restrict__ db, float* partial, float* db_partial,
+              unsigned* counters, CONV_PARAMS, int k_chunk, int group, unsigned plane_multiplier,
+              unsigned plane_shift, unsigned width_multiplier, unsigned width_shift, TC_FOLD_PARAMS) {
     static_assert(ALIGN == 16 || !NORM, "a norm applied as x lands takes the aligned copies");
     __shared__ float warp_sums[4][T::BN];
     __shared__ __align__(16) float norm_table[NORM ? 2 * T::BM : 1];
@@ -584,23 +603,33 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ x, float* 
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, columns = g.taps() * g.c;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
     const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;
+    using CopyA = TcCopy<T::BM, false>;
     using CopyB = TcCopy<T::BN, false>;
     BiasSums<T, CopyB> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
     float acc[T::MI][T::NI][4];
-    if constexpr (ALIGN == 16) {
-        const ImageColumnsAligned<TcCopy<T::BM, false>> a(g, x, FastDivmod{g.out_plane(), plane_multiplier, plane_shift},
-                                                          FastDivmod{g.ow, width_multiplier, width_shift}, m0,
-                                                          k_begin, k_end);
-        const PixelChannelsAligned<CopyB> b(dy, g.o, n0, k_begin, k_end);
-        if constexpr (NORM)
-            tc_gemm<T, false, false, false>(a, b, tiles, acc, bias,
-                                            TcNormColumns<T::BM>(norm_table, TcFold TC_FOLD, g.c, m0));
+    // the main loop on B from b_source, B_ROUNDED.value: read as it is, else rounded as it lands
+    const auto gemm = [&](auto b_rounded, const float* b_source, auto&& on_chunk_b, auto land_a) {
+        constexpr bool B_ROUNDED = decltype(b_rounded)::value;
+        if constexpr (ALIGN == 16)
+            tc_gemm<T, false, false, B_ROUNDED>(
+                ImageColumnsAligned<CopyA>(g, x, FastDivmod{g.out_plane(), plane_multiplier, plane_shift},
+                                           FastDivmod{g.ow, width_multiplier, width_shift}, m0, k_begin, k_end),
+                PixelChannelsAligned<CopyB>(b_source, g.o, n0, k_begin, k_end), tiles, acc, on_chunk_b, land_a);
         else
-            tc_gemm<T, false, false, false>(a, b, tiles, acc, bias);
-    } else
-        tc_gemm<T, false, false, false>(Gathered<TcCopy<T::BM, false>, ImageColumns>{x, {g}, m0, k_begin, k_end},
-                                        Gathered<CopyB, ChannelsOfPixels>{dy, {g.o}, n0, k_begin, k_end}, tiles, acc,
-                                        bias);
+            tc_gemm<T, false, false, B_ROUNDED>(Gathered<CopyA, ImageColumns>{x, {g}, m0, k_begin, k_end},
+                                                Gathered<CopyB, ChannelsOfPixels>{b_source, {g.o}, n0, k_begin, k_end},
+                                                tiles, acc, on_chunk_b, land_a);
+    };
+    const auto loops = [&](auto land_a) {
+        if (bias.active)
+            gemm(Flag<false>(), dy_raw, bias, land_a);
+        else
+            gemm(Flag<true>(), dy, NoChunkWork(), land_a);
+    };
+    if constexpr (NORM)
+        loops(TcNormColumns<T::BM>(norm_table, TcFold TC_FOLD, g.c, m0));
+    else
+        loops(TcRound());
     bias.reduce(warp_sums);
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
     tc_finish<T, true>(WeightsOut{g, krsc}, dw, partial, g.o * columns, split, tile_counters(counters, 0, split),

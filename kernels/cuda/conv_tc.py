@@ -364,18 +364,22 @@ def mirrored_weights(be, w_krsc, o, c):
     return out
 
 
-def backward_weight(be, dy, x, geometry, dw, db, fold=None):
+def backward_weight(be, dy, x, geometry, dw, db, fold=None, dy_tf32=False, raw=None):
     """dw (float32) from dy (N, OH, OW, O) and x (N, H, W, C), into `dw` (O, C, KH, KW): C-contiguous, or
     channels-last (O, KH, KW, C memory); and the bias gradient, dy summed per channel, into `db`
     (O,) unless it is None; at any alignment (the kernel stores single floats). `fold`: x is a batch
-    norm's input, as forward's."""
+    norm's input, as forward's. dy_tf32: as backward_data's; raw: the dy that dy's TF32 values were rounded
+    from (conv2d_backward's, rounded once for both GEMMs), whose sums the bias gradient is (default: dy)."""
     kind = kind_of(dy.dtype)
     p = plan("wgrad", geometry, kind, fold=fold is not None)
     dy, x = aligned(dy), aligned(x)
+    inputs = (dy, x)
+    if kind is TF32:   # the GEMM reads TF32 values; the blocks that sum the bias read raw (conv_tc_wgrad)
+        inputs = (tf32_values(be, dy, dy_tf32), dy if raw is None else aligned(raw), x)
     o = geometry[4]
     partial = be.xp.empty((partial_slots(p), o), np.float32) if p.splits > 1 and db is not None else None
     oh, ow = geometry[11:]
-    _launch(be, p, (dy, x), memory(dw), geometry, (int(is_channels_last(dw)), db), (partial,),
+    _launch(be, p, inputs, memory(dw), geometry, (int(is_channels_last(dw)), db), (partial,),
             (*fast_divmod(oh * ow), *fast_divmod(ow), *(fold_arguments(be, fold) if kind is TF32 else ())))
     return dw, db
 
