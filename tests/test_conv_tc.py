@@ -527,8 +527,9 @@ def test_a_kernels_main_loops_are_its_innermost_loops_with_the_most_hmma():
     assert tc_plan.main_loop(sass) == (4, 3)
     assert tc_plan.main_loops(["NOP", "BRA 0x0"]) == []
 
+
 @pytest.mark.nvrtc("conv_tc")
-@pytest.mark.parametrize("arch", ["sm_90"])   # not sm_80 in CI: kernels.cuda.compiled_in_ci
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_tensor_core_kernel_runs_hmma(arch):
     reason = nvrtc.unavailable_reason()
     if reason:

@@ -188,10 +188,10 @@ CUDA12_SPILLS = {("conv", "sm_70"): {"conv2d_wgrad<Tile128, 1, 1>": 16}}
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("family, arch", [(family, arch) for arch in cuda.ARCHITECTURES
-                                          for family in cuda.compiled_in_ci(arch)])
+                                          for family in cuda.families_for(arch)])
 def test_compiles_with_nvrtc(family, arch):
-    """The families for every GPU the project claims (README): the fp32 ones below sm_80 too, sm_70 with
-    CUDA 12's NVRTC (what CI leaves out: cuda.LARGE_FAMILIES)."""
+    """Every family for every GPU the project claims (README): the fp32 ones below sm_80 too, sm_70 with
+    CUDA 12's NVRTC."""
     reason = nvrtc.unavailable_reason() or nvrtc.unsupported_reason(arch)
     if reason:
         pytest.skip(reason)

@@ -33,19 +33,6 @@ def families_for(arch):
     """The families that compile, and run, on GPUs of ``arch`` ("sm_75")."""
     return FAMILIES if int(arch[3:]) >= 80 else tuple(f for f in FAMILIES if f not in TENSOR_CORE_FAMILIES)
 
-
-# what CI compiles for each architecture: every family for sm_75 (those of fp32) and sm_90; for sm_80, sm_86 and
-# sm_89, whose code no kernel distinguishes from sm_75's and sm_90's (none asks __CUDA_ARCH__ but below 800),
-# the families that compile in seconds, not the three that take NVRTC half a minute each (four and a half
-# minutes of CI for the three architectures; the tensor-core wrappers' own test kernels, tests/test_tensor_core.py,
-# compile for sm_80); sm_70 with CUDA 12's NVRTC (kernels.nvrtc.nvrtc_for), which the test extra installs
-LARGE_FAMILIES = ("conv", "conv_tc", "conv_bf16")
-
-
-def compiled_in_ci(arch):
-    """The families CI compiles for ``arch`` (see LARGE_FAMILIES)."""
-    skipped = LARGE_FAMILIES if arch in ("sm_80", "sm_86", "sm_89") else ()
-    return tuple(f for f in families_for(arch) if f not in skipped)
 OPTIONS = ("--std=c++17",)
 HERE = Path(__file__).resolve().parent
 COUNTERS = 4096   # the backend's counters per device, at least (Backend.counters)

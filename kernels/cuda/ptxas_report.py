@@ -12,7 +12,7 @@ import sys
 import threading
 
 from kernels import nvrtc
-from kernels.cuda import FAMILIES, OPTIONS, compiled_in_ci, launcher, source
+from kernels.cuda import FAMILIES, OPTIONS, families_for, launcher, source
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -25,11 +25,11 @@ def compile_family(family, arch):
     """kernels.nvrtc.Compiled for one family and architecture, with ptxas' report (verbose); raises
     NvrtcError. Once per process: a family takes NVRTC up to half a minute, and the tests and
     benchmarks that read its SASS and its resources share the result. The first request for a
-    family of ARCHS starts it for the other architectures of ARCHS that CI compiles it for
-    (kernels.cuda.compiled_in_ci) on a thread (NVRTC releases the GIL): callers that go through
+    family of ARCHS starts it for the other architectures of ARCHS that it compiles for
+    (kernels.cuda.families_for) on a thread (NVRTC releases the GIL): callers that go through
     ARCHS wait for one compile where they waited for two."""
     if arch in ARCHS:   # the other architectures of ARCHS that the tests compile the family for too
-        prefetch([family], [other for other in ARCHS if other != arch and family in compiled_in_ci(other)])
+        prefetch([family], [other for other in ARCHS if other != arch and family in families_for(other)])
     return _compile(family, arch).result()
 
 
