@@ -106,21 +106,21 @@ __device__ __forceinline__ float4 tc_round(float4 v) {
             __uint_as_float(tf32_round(v.w))};
 }
 
-// Rounds this thread's chunks of a landed stage to TF32 in place; on_chunk.add(c, raw) sees each
-// chunk's values before.
-template <int W, bool K_MAJOR, class OnChunk>
-__device__ __forceinline__ void tc_round_stage(float* tile, OnChunk& on_chunk) {
+// on_chunk.add(c, values) sees each of this thread's chunks of a landed stage; ROUND: then rounds them to
+// TF32 in place. (Neither: nothing, the loads unused.)
+template <int W, bool K_MAJOR, bool ROUND, class OnChunk>
+__device__ __forceinline__ void tc_land_stage(float* tile, OnChunk& on_chunk) {
 #pragma unroll
     for (int c = 0; c < TcCopy<W, K_MAJOR>::CHUNKS; ++c) {
         float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, K_MAJOR>::offset(c));
         const float4 v = *chunk;
         on_chunk.add(c, Floats<4>{{v.x, v.y, v.z, v.w}});
-        *chunk = tc_round(v);
+        if constexpr (ROUND) *chunk = tc_round(v);
     }
 }
 
 // What the main loop does to each landed stage of A before the warps read it (land), and where A's zero
-// chunks come from (PADDED: from pad, see tc_load_stage): TcRound rounds it to TF32 (tc_round_stage), the
+// chunks come from (PADDED: from pad, see tc_load_stage): TcRound rounds it to TF32 (tc_land_stage), the
 // zero chunks zero-filled.
 struct TcRound {
     static constexpr bool PADDED = false;
@@ -128,7 +128,7 @@ struct TcRound {
     template <int W, bool K_MAJOR>
     __device__ void land(float* tile) {
         NoChunkWork none;
-        tc_round_stage<W, K_MAJOR>(tile, none);
+        tc_land_stage<W, K_MAJOR, true>(tile, none);
     }
 };
 
@@ -303,9 +303,9 @@ __device__ __forceinline__ TcStages<T, A_K_MAJOR, B_K_MAJOR>& tc_stages() {
 // columns permuted where an operand is not K_MAJOR: tc_store knows how). The iterators a and b
 // give the places of the thread's chunks of the current stage (at(c, offset), see tc_load_stage)
 // and move to the next (next()). Every thread of the block must call it (it synchronises the block).
-// B_ROUNDED: B holds TF32 values (the weights) and is read as it lands; else each landed stage of B is
-// rounded, and on_chunk_b.add(c, raw) sees the raw float32 values of each of this thread's B chunks (zero
-// past the matrix) first; land_a makes each landed stage of A what the warps read (TcRound, or with a batch
+// B_ROUNDED: B holds TF32 values (the weights, dy) and is read as it lands; else each landed stage of B is
+// rounded. Either way on_chunk_b.add(c, values) sees the values of each of this thread's B chunks as they
+// landed (zero past the matrix); land_a makes each landed stage of A what the warps read (TcRound, or with a batch
 // norm applied: TcNormRows, TcNormColumns).
 template <class T, bool A_K_MAJOR, bool B_K_MAJOR, bool B_ROUNDED, class IteratorA, class IteratorB,
           class OnChunk = NoChunkWork, class LandA = TcRound>
@@ -331,7 +331,7 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, flo
         float* bs = Bs[stage];
         cp_async_wait<T::STAGES - 2>();  // this thread's copies of `tile` have landed
         land_a.template land<T::BM, A_K_MAJOR>(as);
-        if constexpr (!B_ROUNDED) tc_round_stage<T::BN, B_K_MAJOR>(bs, on_chunk_b);
+        tc_land_stage<T::BN, B_K_MAJOR, !B_ROUNDED>(bs, on_chunk_b);
         __syncthreads();                 // everyone's have landed, and everyone is done with tile - 1
         load(tile + T::STAGES - 1, (stage + T::STAGES - 1) % T::STAGES);
 #pragma unroll
@@ -621,10 +621,12 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, co
                                                 tiles, acc, on_chunk_b, land_a);
     };
     const auto loops = [&](auto land_a) {
-        if (bias.active)
-            gemm(Flag<false>(), dy_raw, bias, land_a);
-        else
+        if (!bias.active)
             gemm(Flag<true>(), dy, NoChunkWork(), land_a);
+        else if (dy_raw == dy)   // TF32 values as given: summed as they land, not rounded again
+            gemm(Flag<true>(), dy, bias, land_a);
+        else
+            gemm(Flag<false>(), dy_raw, bias, land_a);
     };
     if constexpr (NORM)
         loops(TcNormColumns<T::BM>(norm_table, TcFold TC_FOLD, g.c, m0));
