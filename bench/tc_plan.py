@@ -7,12 +7,14 @@ tf32) and conv_bf16.cu's BF16 ones (bf16); no GPU needed.
 Each tensor-core kernel's registers, shared memory and resident blocks, and its main loops in the
 SASS NVRTC makes (the loops with the most HMMA of the GEMM): their instructions, their HMMA and the
 instructions per HMMA, the issue slots a loop spends for each tensor-core instruction of the
-product. A backward-weight has two: the first row of tiles also sums the bias gradient in a loop
-of its own (the "bias loop", which the lean loop's count follows): BF16's on the tensor cores (its
-extra HMMA do not count as the product's), TF32's from dy as given, rounding it as it lands. Then for each GEMM (forward, backward-data, backward-weight) of each distinct
-convolution that the tensor cores take: the kernel the launchers choose (kernels/cuda/conv_tc.py's
-plan), its grid in blocks, its split-K parts (and their groups), the waves of blocks over the SMs at
-the occupancy that the kernel's registers and shared memory allow (from ptxas through NVRTC, as
+product. A backward-weight has more than one: the first row of tiles also sums the bias gradient,
+in a loop of its own (the "bias loop", listed after the lean loop): BF16's on the tensor cores (its
+extra HMMA do not count as the product's); TF32's from dy's TF32 values as they land, or, for a raw
+dy, from its values before it rounds them. Then for each GEMM (forward, backward-data,
+backward-weight) of each distinct convolution that the tensor cores take: the kernel the launchers
+choose (kernels/cuda/conv_tc.py's plan), its grid in blocks, its split-K parts (and their groups),
+the waves of blocks over the SMs at the occupancy that the kernel's registers and shared memory
+allow (from ptxas through NVRTC, as
 kernels.cuda.ptxas_report gives them), and the FLOPs per L2 byte of its tile: the FLOPs of a k step,
 2 BM BN k, over the operand bytes a block loads for it, (BM + BN) k times the element's bytes (a tile
 wider than the GEMM loads and multiplies its real rows and columns only). The occupancy rules are

@@ -18,8 +18,8 @@
 // groups (tc_finish). Backward-data's grid.z also runs over the phases.
 //
 // dy, too, comes holding TF32 values (rounded where it was made: batch norm's backward, or the launcher's
-// round_tf32), and backward-weight's bias gradient sums it as the caller gave it (its blocks that sum it
-// read that and round it themselves). The weights come as w_krsc (O, KH, KW, C), the memory of channels-last weights (a flat buffer's
+// round_tf32), and backward-weight's bias gradient sums it as the caller gave it (see conv_tc_wgrad). The
+// weights come as w_krsc (O, KH, KW, C), the memory of channels-last weights (a flat buffer's
 // parameters are; the launcher copies others), holding TF32 values already (tf32.cuh's tf32_value: the
 // flat buffer's TF32 copy, which the optimizer writes with each update, or the launcher's round_tf32 of
 // another weight): the forward reads them along k, backward-data along its n (the input channels).
@@ -586,10 +586,11 @@ struct Flag {
 // computes the columns m = (r, s, ci) [x * BM, ...) by output channels [y * BN, ...) over the pixels
 // [z * k_chunk, (z + 1) * k_chunk) (split-K in groups of `group`, see tc_finish). And, unless db
 // is null, the bias gradient (BiasSums) of dy_raw, dy as the caller gave it, which dy is rounded to TF32
-// (the same array where it holds TF32 values already): the blocks of the first row of tiles, which sum
-// it, read dy_raw and round each stage as it lands, in a main loop of their own; the others read dy as it
-// is. plane_..., width_...: the FastDivmod multipliers and shifts of OH*OW and OW. NORM: x is a training
-// batch norm's input, and the convolution's input relu(bn(x)) (TcNormColumns), as conv_tc_forward's.
+// (the same array where it holds TF32 values already). The blocks of the first row of tiles, which sum
+// it, run a main loop of their own: on dy_raw, rounding each stage as it lands, or, where dy_raw is dy,
+// on dy's values as they land; the others read dy as it is and sum nothing. plane_..., width_...: the
+// FastDivmod multipliers and shifts of OH*OW and OW. NORM: x is a training batch norm's input, and the
+// convolution's input relu(bn(x)) (TcNormColumns), as conv_tc_forward's.
 template <class T, int ALIGN, bool NORM = false>
 __global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
 conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, const float* __restrict__ x,
