@@ -34,15 +34,18 @@ from kernels.cuda.ptxas_report import compile_family, report
 
 REGISTERS, REGISTER_UNIT, SHARED, SHARED_RESERVED, MAX_BLOCKS, MAX_WARPS = 65536, 256, 233472, 1024, 32, 64
 KINDS = {"tf32": conv_tc.TF32, "bf16": conv_tc.BF16}
+WGRAD_HALO_KERNELS = {conv_tc.WGRAD_HALO_KERNEL, conv_tc.TF32_WGRAD_HALO_KERNEL,
+                      conv_tc.TF32_WGRAD_HALO_KERNEL[:-1] + ", true>"}
 ELEMENT_BYTES = {"tf32": 4, "bf16": 2}
 
 
-def blocks_per_sm(resources, threads=conv_tc.THREADS):
-    """Resident blocks per SM of a kernel of `threads` threads with ptxas' `resources`, and what limits them."""
+def blocks_per_sm(resources, threads=conv_tc.THREADS, dynamic=0):
+    """Resident blocks per SM of a kernel of `threads` threads with ptxas' `resources` and `dynamic` bytes of
+    dynamic shared memory a block, and what limits them."""
     warps = threads // 32
     per_warp = math.ceil(resources.registers * 32 / REGISTER_UNIT) * REGISTER_UNIT
     limits = {"registers": REGISTERS // (per_warp * warps), "shared memory": SHARED // (resources.shared_bytes +
-                                                                                       SHARED_RESERVED),
+                                                                                       dynamic + SHARED_RESERVED),
               "blocks": MAX_BLOCKS, "warps": MAX_WARPS // warps}
     limit = min(limits, key=limits.get)
     return limits[limit], limit
@@ -95,13 +98,12 @@ def window_loops(instructions):
     return sum(b - a + 1 for a, b in innermost)
 
 
-def window_rows(geometry):
-    """The mean rows of the windows a halo forward's or backward-data's blocks load for the convolution
-    (N, C, H, W, ...): the kernel's count, from the first pixel's padded row to the last's, and one above
-    and below."""
+def window_rows(geometry, step=conv_tc.HALO_ROWS):
+    """The mean rows of the windows a halo forward's or backward-data's blocks (`step` output pixels each), or a
+    halo backward-weight's stages (conv_tc.WGRAD_HALO_PIXELS), load for the convolution (N, C, H, W, ...): the
+    kernel's count, from the first pixel's padded row to the last's, and one above and below."""
     n, _, h, w = geometry[:4]
     pixels = n * h * w
-    step = conv_tc.HALO_ROWS
     padded = lambda m: m // (h * w) * (h + 2) + m % (h * w) // w   # noqa: E731
     return statistics.mean(padded(min(m0 + step, pixels) - 1) - padded(m0) + 3 for m0 in range(0, pixels, step))
 
@@ -140,12 +142,13 @@ def flops_per_byte(kind, precision, p, rows, columns, geometry):
     once for the nine taps: the image's pixels in it (padding is zero-filled, not read), averaged over the
     blocks, and each tap's channels of B. The halo backward-weight's, per stage of its pixels, the window
     of their x (32 channels) and their dy, for the nine taps of 32 channels by its columns."""
-    if p.kernel == conv_tc.WGRAD_HALO_KERNEL:
+    if p.kernel in WGRAD_HALO_KERNELS:
         bn, step = min(64, columns), conv_tc.WGRAD_HALO_PIXELS
         n, _, h, w = geometry[:4]
         pixels = n * h * w
         window = statistics.mean(_window_pixels(k0, min(k0 + step, pixels), h, w) for k0 in range(0, pixels, step))
-        return 2 * step * 9 * 32 * bn / ((window * 32 + step * bn) * ELEMENT_BYTES[precision])
+        channels = conv_tc.WGRAD_HALO_CHANNELS
+        return 2 * step * 9 * channels * bn / ((window * channels + step * bn) * ELEMENT_BYTES[precision])
     if "_halo<" in p.kernel:   # per chunk of the window's channels (kind.halo_channels): they cancel
         bn = min(64, columns)
         n, _, h, w = geometry[:4]
@@ -190,7 +193,7 @@ def rows(batch, arch, sms, precision):
         for gemm in ("forward", "dgrad", "wgrad"):
             applies = fold and gemm != "dgrad" and conv_tc.folds(gemm, geometry(layer))
             p = conv_tc.plan(gemm, geometry(layer), kind, fold=applies)
-            resident, limit = blocks_per_sm(resources[p.kernel])
+            resident, limit = blocks_per_sm(resources[p.kernel], dynamic=conv_tc.dynamic_shared(p.kernel))
             blocks = math.prod(p.grid)
             out.append({"layer": layer.label + (" (bn1 applied)" if fold else ""), "count": count, "gemm": gemm,
                         "kernel": p.kernel, "geometry": geometry(layer), "grid": p.grid, "blocks": blocks,
@@ -212,9 +215,9 @@ def kernel_table(precision, arch, launched, resources):
     """The kernels' table. A halo forward's or backward-data's main loop (one chunk of channels) runs its
     window's loops once per row of the window: its instructions per HMMA are given as they run at the layer
     the plan launches it for (the window's mean rows there; not launched: ResNet-18's first stage at the
-    batch), the loop's count plus the window loops' for each further row. The halo backward-weight's loop
-    (one stage of pixels) holds its window's copy loop twice, one per slot of its ring, of which a stage
-    runs one: its count is the loop's, as the others'."""
+    batch), the loop's count plus the window loops' for each further row; a halo backward-weight's loop
+    (unrolled over the two stages of its ring) likewise, with the mean rows of its stages' windows. Shared
+    memory: the static, and the dynamic a launch asks for."""
     kind = KINDS[precision]
     found = loops(arch, kind.family)
     window = window_loop_sizes(arch, kind.family)
@@ -226,18 +229,21 @@ def kernel_table(precision, arch, launched, resources):
     first_stage = (args_batch, 64, 28, 28, 64, 3, 3, 1, 1, 1, 1, 28, 28)
     for kernel in (conv_tc.KERNELS if precision == "tf32" else conv_tc.BF16_KERNELS):
         r = resources[kernel]
-        resident, limit = blocks_per_sm(r)
+        dynamic = conv_tc.dynamic_shared(kernel)
+        resident, limit = blocks_per_sm(r, dynamic=dynamic)
         lean = found[kernel][0][1]
         loops_ = found[kernel]
-        windowed = "_halo<" in kernel and kernel != conv_tc.WGRAD_HALO_KERNEL
+        windowed = "_halo<" in kernel
         if windowed:
-            rows_ = window_rows(launched[kernel]["geometry"] if kernel in launched else first_stage)
+            rows_ = window_rows(launched[kernel]["geometry"] if kernel in launched else first_stage,
+                                conv_tc.WGRAD_HALO_PIXELS if kernel in WGRAD_HALO_KERNELS else conv_tc.HALO_ROWS)
             loops_ = [(size + round((rows_ - 1) * window[kernel]), hmma) for size, hmma in loops_]
         sizes, per_hmma = describe_loops(loops_, lean)
         if windowed:
             sizes += f" (window loops of {window[kernel]} run for {rows_:.1f} rows)"
         ratios[kernel] = [size / lean for size, _ in loops_]
-        print(f"| `{kernel}` | {r.registers} | {r.shared_bytes} | {resident} ({limit}) | {sizes} | {per_hmma} | "
+        shared = f"{r.shared_bytes} + {dynamic}" if dynamic else f"{r.shared_bytes}"
+        print(f"| `{kernel}` | {r.registers} | {shared} | {resident} ({limit}) | {sizes} | {per_hmma} | "
               f"{'yes' if kernel in launched else 'no'} |")
     step = [ratio for kernel in sorted(launched) for ratio in ratios[kernel]]
     print(f"\n{precision}: instructions per HMMA of the product in the main loops of the kernels launched: median "

@@ -100,9 +100,10 @@ def force(variant, monkeypatch):
     elif variant == "split":   # every GEMM in parts of one k step, in two levels past ONE_LEVEL_PARTS
         monkeypatch.setattr(conv_tc, "BF16_SPLIT_TARGET", 10**9)
         monkeypatch.setattr(conv_tc, "BF16_WGRAD_SPLIT_TARGET", 10**9)
-        monkeypatch.setattr(conv_tc, "BF16_WGRAD_HALO_SPLIT_TARGET", 10**9)
+        monkeypatch.setattr(conv_tc, "WGRAD_HALO_SPLIT_TARGET", 10**9)
         monkeypatch.setattr(conv_tc, "BF16_MIN_SPLIT_K", 64)
         monkeypatch.setattr(conv_tc, "BF16_WGRAD_MIN_SPLIT_K", 64)
+        monkeypatch.setattr(conv_tc, "WGRAD_HALO_MIN_SPLIT_K", 64)
 
 
 @pytest.fixture(params=("default", "large tile", "split"))
@@ -200,8 +201,8 @@ def test_3x3_convolutions_from_windows_of_the_image(emu, halo_everywhere, x_shap
 def test_backward_weight_from_windows_split_over_the_pixels(emu, monkeypatch, halo_everywhere, x_shape, w_shape):
     """The halo backward-weight with its pixels split into parts of one stage (48 pixels): 2, 17 (added in
     two levels) and 5 parts, the bias gradient's too."""
-    monkeypatch.setattr(conv_tc, "BF16_WGRAD_HALO_SPLIT_TARGET", 10**9)
-    monkeypatch.setattr(conv_tc, "BF16_WGRAD_MIN_SPLIT_K", 1)
+    monkeypatch.setattr(conv_tc, "WGRAD_HALO_SPLIT_TARGET", 10**9)
+    monkeypatch.setattr(conv_tc, "WGRAD_HALO_MIN_SPLIT_K", 1)
     n, _, h, w = x_shape
     geometry = (n, x_shape[1], h, w, w_shape[0], 3, 3, 1, 1, 1, 1, h, w)
     assert conv_tc.plan("wgrad", geometry, conv_tc.BF16).splits == -(-n * h * w // conv_tc.WGRAD_HALO_PIXELS)

@@ -192,6 +192,22 @@ def test_3x3_convolutions_from_windows_of_the_image(emu, halo_everywhere, x_shap
     assert (f"conv_tc_dgrad_halo<{conv_tc.TF32.halo}>" in halo_everywhere) == dgrad_halo, halo_everywhere
 
 
+# Backward-weight from windows of x (conv_tc_wgrad_halo: 32 input channels a block, 64 output channels or
+# fewer): stages across image boundaries (several images in the second), two blocks of input channels, a
+# partial tile of columns, the last stage part of one (all but the second).
+WGRAD_HALO_SHAPES = [
+    ((2, 32, 9, 7), (32, 32, 3, 3)),
+    ((4, 64, 4, 4), (64, 64, 3, 3)),
+    ((2, 32, 7, 6), (40, 32, 3, 3)),
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape", WGRAD_HALO_SHAPES)
+def test_backward_weight_from_windows_of_x(emu, halo_everywhere, x_shape, w_shape):
+    check_conv(emu, x_shape, w_shape, 1, 1, channels_last=True)
+    assert conv_tc.TF32_WGRAD_HALO_KERNEL in halo_everywhere
+
+
 def channels_last(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
 
@@ -260,8 +276,10 @@ def test_small_grids_split_their_k_and_large_ones_do_not():
     assert stage1["forward"].splits == stage1["dgrad"].splits == 1
     assert stage1["forward"].kernel == "conv_tc_forward_halo<TcHalo128x64>"
     assert stage1["dgrad"].kernel == "conv_tc_dgrad_halo<TcHalo128x64>"
-    wgrad = stage1["wgrad"]
-    assert wgrad.kernel == "conv_tc_wgrad<Tc128x64, 16>" and wgrad.grid[2] == wgrad.splits > conv_tc.ONE_LEVEL_PARTS
+    wgrad = stage1["wgrad"]   # from windows of x: 2 blocks of 32 input channels, split to 264 blocks
+    assert wgrad.kernel == conv_tc.TF32_WGRAD_HALO_KERNEL and wgrad.grid[:2] == (2, 1)
+    assert wgrad.grid[2] == wgrad.splits > conv_tc.ONE_LEVEL_PARTS and 2 * wgrad.splits >= conv_tc.WGRAD_HALO_SPLIT_TARGET
+    assert wgrad.chunk % conv_tc.WGRAD_HALO_PIXELS == 0
     assert 1 < wgrad.group < wgrad.splits and wgrad.chunk * (wgrad.splits - 1) < 256 * 28 * 28 <= wgrad.chunk * \
         wgrad.splits
 
@@ -546,9 +564,10 @@ def test_every_tensor_core_kernel_runs_hmma(arch):
     compiled = compile_family("conv_tc", arch)
     sass = compiled.sass()
     gemms = [name for name in conv_tc.KERNELS if name.startswith("conv_tc_")]
-    assert len(gemms) == 20   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
+    assert len(gemms) == 22   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
     # backward-weight: 128 x 64's two and the square's; the forward and backward-weight that apply a batch norm
-    # to x as it lands, on the two large tiles; the halo forward (with and without the norm) and backward-data
+    # to x as it lands, on the two large tiles; the halo forward (with and without the norm), backward-data, and
+    # backward-weight (with and without the norm)
     for name in gemms:
         instructions = sass[compiled.lowered_names[name]]
         assert any(i.startswith("HMMA.1688.F32.TF32") for i in instructions), f"{name} for {arch}: no HMMA"

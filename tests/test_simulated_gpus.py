@@ -33,6 +33,7 @@ import nn
 import sim_targets
 from helpers import rng, write_fashion_mnist
 from kernels import emu
+from kernels.cuda import conv_tc
 from kernels.simulated import cuda as sim_cuda
 from kernels.simulated import nccl as sim_nccl
 from parallel import launch
@@ -249,6 +250,51 @@ def test_a_host_array_where_a_device_array_is_needed_is_refused(gpus):
         x[...] = h
     x[...] = gpus.asarray(h)
     np.testing.assert_array_equal(x.get(), h)
+
+
+# A kernel whose block fills `n` floats of dynamic shared memory and writes the last.
+DYNAMIC_SHARED_KERNEL = r"""
+extern __shared__ float big[];
+extern "C" __global__ void last_of(float* out, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) big[i] = float(i);
+    __syncthreads();
+    if (threadIdx.x == 0) out[0] = big[n - 1];
+}
+"""
+
+
+def test_dynamic_shared_memory_past_48_kb_is_allowed_on_each_device_apart(gpus):
+    """max_dynamic_shared_size_bytes is the function's attribute on each device, as in CUDA. Planted: set on
+    device 0 alone, a launch on device 1 that asks for 64 KB fails, naming it; Backend.function, given the
+    launch's dynamic shared memory, sets it on the device it runs on, and both devices run the kernel."""
+    size = 64 * 1024
+    module = gpus.RawModule(code=DYNAMIC_SHARED_KERNEL)
+    kernel = module.get_function("last_of")
+    kernel.max_dynamic_shared_size_bytes = size
+    out = gpus.zeros(1, np.float32)
+    kernel((1,), (128,), (out, size // 4), shared_mem=size)
+    assert out.get()[0] == size // 4 - 1
+    with gpus.cuda.Device(1):
+        out = gpus.zeros(1, np.float32)
+        with pytest.raises(gpus.cuda.runtime.CUDARuntimeError,
+                           match="cudaErrorInvalidValue: kernel 'last_of' launched with shared_mem=65536 bytes of "
+                                 "dynamic shared memory on device 1, where its max_dynamic_shared_size_bytes is 49152"):
+            module.get_function("last_of")((1,), (128,), (out, size // 4), shared_mem=size)
+    # the correct twin: TF32's halo backward-weight (96 KB of dynamic shared memory) on either device
+    x, w, dy = (rng().standard_normal(shape).astype(np.float32) for shape in ((2, 32, 5, 5), (32, 32, 3, 3),
+                                                                              (2, 32, 5, 5)))
+    names, launch = [], conv_tc.launch
+    grads = []
+    with kernels.use_precision("tf32"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(conv_tc, "launch", lambda be, family, kernel, *a, **k: names.append(kernel) or
+                   launch(be, family, kernel, *a, **k))
+        for device in (0, 1):
+            with gpus.cuda.Device(device):
+                args = [gpus.asarray(a) for a in (dy, x, w)]
+                grads.append([g.get() for g in kernels.backend_of(args[0]).conv2d_backward(*args, 1, 1)])
+    assert names.count(conv_tc.TF32_WGRAD_HALO_KERNEL) == 2, names
+    for got, want in zip(grads[1], grads[0]):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_new_device_memory_is_poisoned(gpus):

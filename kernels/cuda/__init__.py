@@ -75,6 +75,7 @@ class Backend:
         self.name, self.xp = name, xp
         self._raw_module = raw_module
         self._modules, self._functions, self._counters, self._nan_chunks = {}, {}, {}, {}
+        self._shared_allowed = {}   # (family, name), device: the dynamic shared memory a kernel is allowed there
         for family in FAMILIES:
             module = launcher(family)
             for op in module.OPS:
@@ -87,12 +88,21 @@ class Backend:
                                                      name_expressions=launcher(family).KERNELS)
         return self._modules[family]
 
-    def function(self, family, name):
-        """A kernel of the family by its name expression."""
+    def function(self, family, name, shared_mem=0):
+        """A kernel of the family by its name expression. shared_mem: the dynamic shared memory its launches
+        ask for, which it is then allowed on the current device (a CUDA function attribute, set for each
+        device apart: CuPy's RawKernel.max_dynamic_shared_size_bytes sets it on the current one), past the
+        48 KB a block has without asking."""
         key = (family, name)
         if key not in self._functions:
             self._functions[key] = self.module(family).get_function(name)
-        return self._functions[key]
+        kernel = self._functions[key]
+        if shared_mem:
+            allowed = (key, self.xp.cuda.runtime.getDevice() if self.xp is not np else None)
+            if self._shared_allowed.get(allowed, 0) < shared_mem:
+                kernel.max_dynamic_shared_size_bytes = shared_mem
+                self._shared_allowed[allowed] = shared_mem
+        return kernel
 
     def counters(self, count):
         """At least `count` zeroed unsigned counters on the current device, for the reductions that

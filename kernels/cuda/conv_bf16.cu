@@ -304,27 +304,10 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
 // + i are the channels c0 + 16 h + i of the tap (HaloWeightsOut), so that tc_conv.cuh's split-K end
 // takes it as it is.
 
-constexpr int WG_PIXELS = 48, WG_SLOTS = 224;   // a stage's pixels; its window's slots (17.5 KB)
-struct Halo288x64 : TcTile<288, 64> {
-    static constexpr int BK = WG_PIXELS, STAGES = 2;
-};
-
 template <class T>
 struct WgradHaloShared {
     static constexpr int WINDOW = WG_SLOTS * HALO_PITCH, STAGE = WINDOW + T::BK * T::BN;
     static constexpr int SIZE = T::STAGES * STAGE;
-};
-
-// dw's element of the tile's row m' (above) and output channel n: WeightsOut's.
-struct HaloWeightsOut {
-    static constexpr bool M_CONTIGUOUS = WeightsOut::M_CONTIGUOUS;
-    WeightsOut out;
-    int c0;
-    __device__ int row(int m) const {
-        const int h = m / 144, tap = (m - 144 * h) / 16, ci = c0 + 16 * h + m % 16;
-        return ci < out.g.c ? out.row(tap * out.g.c + ci) : -1;
-    }
-    __device__ int column(int n) const { return out.column(n); }
 };
 
 // acc += the block's tile over the pixels [k_begin, k_end) of x (N, H, W, C) and dy (N, H, W, O), as

@@ -69,10 +69,12 @@ BK, GEMMS = 16, TF32.gemms
 # from x with the norm applied as each stage (or window) lands (conv_tc.cu's NORM): the large tiles, aligned
 # copies, and the halo forward.
 FOLD_TILES = ("Tc128x128", "Tc128x64")
+# The halo backward-weight (see wgrad_halo), with and without the norm applied.
+TF32_WGRAD_HALO_KERNEL = "conv_tc_wgrad_halo<Halo288x64>"
 KERNELS = TF32.kernels(("Tc128x128", "Tc128x64")) + tuple(
     f"conv_tc_{gemm}<{tile}, {BK}, true>" for gemm in ("forward", "wgrad") for tile in FOLD_TILES) + tuple(
     f"conv_tc_{gemm}_halo<{TF32.halo}>" for gemm in ("forward", "dgrad")) + (
-    f"conv_tc_forward_halo<{TF32.halo}, true>",)
+    f"conv_tc_forward_halo<{TF32.halo}, true>",) + (TF32_WGRAD_HALO_KERNEL, f"{TF32_WGRAD_HALO_KERNEL[:-1]}, true>")
 # Split-K: a grid of fewer blocks than SPLIT_TARGET splits its k into parts of at least
 # MIN_SPLIT_K (whole k steps) until it has that many blocks: one per SM of an H200 (132 SMs) for
 # the forward and backward-data, whose grids are large but at the last stages, so that no SM is
@@ -97,19 +99,23 @@ BF16 = Kind("conv_bf16", (("Bf128x128", 128, 128, 32, False), ("Bf128x64", 128, 
 # HALO_ROWS output pixels by 64 columns), where their window fits HALO_SLOTS slots and the grid needs no
 # split of k; TF32's and BF16's alike.
 HALO_ROWS, HALO_SLOTS = 128, 320
-# Their backward-weight too, from windows of x (conv_bf16_wgrad_halo): a block's tile is the nine taps of
-# 32 input channels by 64 output channels, over stages of WGRAD_HALO_PIXELS pixels whose window fits
-# WGRAD_HALO_SLOTS slots; split-K to BF16_WGRAD_HALO_SPLIT_TARGET blocks (see plan).
-WGRAD_HALO_TILE, WGRAD_HALO_PIXELS, WGRAD_HALO_SLOTS = "Halo288x64", 48, 224
+# Their backward-weight too, from windows of x (conv_bf16_wgrad_halo, conv_tc_wgrad_halo): a block's tile is
+# the nine taps of WGRAD_HALO_CHANNELS input channels by 64 output channels, over stages of WGRAD_HALO_PIXELS
+# pixels whose window fits WGRAD_HALO_SLOTS slots; split-K to WGRAD_HALO_SPLIT_TARGET blocks, two waves of
+# the blocks' pairs an SM on 132 SMs, in parts of at least WGRAD_HALO_MIN_SPLIT_K pixels (see plan). Their float32
+# partials are twice the 128 x 64 tile's, whose blocks hold half the accumulators.
+WGRAD_HALO_TILE, WGRAD_HALO_CHANNELS, WGRAD_HALO_PIXELS, WGRAD_HALO_SLOTS = "Halo288x64", 32, 48, 224
+WGRAD_HALO_SPLIT_TARGET, WGRAD_HALO_MIN_SPLIT_K = 2 * 132, 64
 WGRAD_HALO_KERNEL = f"conv_bf16_wgrad_halo<{WGRAD_HALO_TILE}>"
+# TF32's takes TF32_WGRAD_HALO_SHARED bytes of dynamic shared memory for its ring of 2 stages
+# (conv_tc.cu's TcWgradHaloShared): two windows of 16 channels (slots of 20 floats), dy's pixels (rows of 68
+# floats) and their slots.
+TF32_WGRAD_HALO_SHARED = 2 * (2 * WGRAD_HALO_SLOTS * 20 + WGRAD_HALO_PIXELS * 68 + WGRAD_HALO_PIXELS) * 4
 BF16_KERNELS = BF16.kernels(("Bf128x128", "Bf128x64")) + tuple(
     f"conv_bf16_{gemm}_halo<{BF16.halo}>" for gemm in ("forward", "dgrad")) + (WGRAD_HALO_KERNEL,)
 BF16_GEMMS = BF16.gemms
 BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K = 132, 512
 BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K = 2 * 132, 64
-# The halo backward-weight's too (2 of its blocks fit on an SM); their float32 partials are twice the
-# 128 x 64 tile's, whose blocks hold half the accumulators.
-BF16_WGRAD_HALO_SPLIT_TARGET = BF16_WGRAD_SPLIT_TARGET
 # Parts beyond ONE_LEVEL_PARTS are added in two levels, groups of about sqrt(parts) (tc_finish).
 ONE_LEVEL_PARTS = 8
 
@@ -164,9 +170,9 @@ class Plan(typing.NamedTuple):
 
 def folds(gemm, geometry):
     """Whether TF32's `gemm` ("forward" or "wgrad") of this convolution can read its input as a batch
-    norm's relu(bn(x)) from x (FOLD_TILES, with the aligned copies, and the halo forward)."""
+    norm's relu(bn(x)) from x (FOLD_TILES, with the aligned copies, and the halo forward and backward-weight)."""
     return plan(gemm, geometry, TF32).kernel in {TF32.kernel(gemm, tile, BK) for tile in FOLD_TILES} | {
-        f"conv_tc_forward_halo<{TF32.halo}>"}
+        f"conv_tc_forward_halo<{TF32.halo}>", TF32_WGRAD_HALO_KERNEL}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -195,11 +201,11 @@ def plan(gemm, geometry, kind=TF32, fold=False):
     if gemm != "wgrad" and halo(geometry, gemm, columns, kind):
         return Plan(f"{kind.family}_{gemm}_halo<{kind.halo}>", (cdiv(rows, HALO_ROWS), cdiv(columns, 64), 1), k, 1, 1,
                     kind.family)
-    if bf16 and gemm == "wgrad" and wgrad_halo(geometry):
-        grid = (c // BF16.halo_channels, cdiv(o, 64))
-        parts, chunk = splits(k, grid[0] * grid[1], WGRAD_HALO_PIXELS, BF16_WGRAD_HALO_SPLIT_TARGET,
-                              BF16_WGRAD_MIN_SPLIT_K)
-        return Plan(WGRAD_HALO_KERNEL, grid + (parts,), chunk, parts, group_size(parts), kind.family)
+    if gemm == "wgrad" and wgrad_halo(geometry):
+        grid = (c // WGRAD_HALO_CHANNELS, cdiv(o, 64))
+        parts, chunk = splits(k, grid[0] * grid[1], WGRAD_HALO_PIXELS, WGRAD_HALO_SPLIT_TARGET, WGRAD_HALO_MIN_SPLIT_K)
+        return Plan(WGRAD_HALO_KERNEL if bf16 else TF32_WGRAD_HALO_KERNEL, grid + (parts,), chunk, parts,
+                    group_size(parts), kind.family)
     if gemm == "wgrad":
         tile = choose_bf16_tile(columns, aligned) if bf16 else choose_wgrad_tile(columns, tf32_aligned)
         target, min_split = (BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K) if bf16 else \
@@ -229,12 +235,12 @@ def halo(geometry, gemm, columns, kind):
 
 
 def wgrad_halo(geometry):
-    """Whether a BF16 backward-weight runs conv_bf16_wgrad_halo: a 3x3 convolution of stride 1 and
-    padding 1, 64 output channels or fewer (above 64 the 128 x 128 tile reads 64 FLOPs a byte already), input
-    channels a multiple of 32 (its windows'), and the window of a stage's WGRAD_HALO_PIXELS pixels within
-    WGRAD_HALO_SLOTS slots."""
+    """Whether a backward-weight runs its halo kernel (conv_bf16_wgrad_halo, conv_tc_wgrad_halo): a 3x3
+    convolution of stride 1 and padding 1, 64 output channels or fewer (above 64 the 128 x 128 tile reads 64
+    FLOPs a byte already in BF16, 32 in TF32), input channels a multiple of WGRAD_HALO_CHANNELS (a block's), and
+    the window of a stage's WGRAD_HALO_PIXELS pixels within WGRAD_HALO_SLOTS slots."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    return (kh, kw, sh, sw, ph, pw) == (3, 3, 1, 1, 1, 1) and o <= 64 and c % BF16.halo_channels == 0 and \
+    return (kh, kw, sh, sw, ph, pw) == (3, 3, 1, 1, 1, 1) and o <= 64 and c % WGRAD_HALO_CHANNELS == 0 and \
         window_rows(WGRAD_HALO_PIXELS, h, wd) * (wd + 2) <= WGRAD_HALO_SLOTS
 
 
@@ -425,4 +431,10 @@ def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=()):
     partial = be.xp.empty((partial_slots(p), out.size), np.float32) if p.splits > 1 else None
     launch(be, p.family, p.kernel, p.grid,
            (*inputs, out, *extra, partial, *partials, be.counters(_counters(p)), *geometry, p.chunk, p.group, *tail),
-           block=(THREADS,))
+           block=(THREADS,), shared_mem=dynamic_shared(p.kernel))
+
+
+def dynamic_shared(kernel):
+    """The bytes of dynamic shared memory a block of `kernel` (a name expression) asks for: the TF32 halo
+    backward-weight's ring, 0 for the others (static shared memory alone)."""
+    return TF32_WGRAD_HALO_SHARED if kernel.startswith(TF32_WGRAD_HALO_KERNEL[:-1]) else 0

@@ -43,8 +43,8 @@ def _intercepted(be, fn, launch):
     kwargs)`` instead of made."""
     function = be.function
 
-    def intercepting(family, name):
-        kernel = function(family, name)
+    def intercepting(family, name, shared_mem=0):
+        kernel = function(family, name, shared_mem)
         return lambda grid, block, args, **kwargs: launch(kernel, grid, block, args, kwargs)
     be.function = intercepting   # an instance attribute hides the method
     try:

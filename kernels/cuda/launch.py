@@ -206,13 +206,17 @@ def _describe(a):
     return f"{type(a).__module__}.{type(a).__name__}" + (f" of {dtype}" if dtype is not None else "")
 
 
-def launch(be, family, kernel, grid, args, block=(THREADS,)):
+def launch(be, family, kernel, grid, args, block=(THREADS,), shared_mem=0):
     """Launch `kernel` of `family` with Python ints passed as int32 and Python floats as
     float32, which is what every kernel of the project declares; CuPy and the emulator would
     otherwise pass them as 64-bit values. Every array, the outputs the launchers made included,
-    must have few enough elements for the kernels' int indices (_check_size)."""
+    must have few enough elements for the kernels' int indices (_check_size). shared_mem: the
+    bytes of dynamic shared memory a block gets (Backend.function allows the kernel as many)."""
     typed = tuple([_typed(a, kernel) for a in args])   # checked before the kernel is looked up (or compiled)
-    be.function(family, kernel)(grid, block, typed)
+    if shared_mem:
+        be.function(family, kernel, shared_mem)(grid, block, typed, shared_mem=shared_mem)
+    else:
+        be.function(family, kernel)(grid, block, typed)
 
 
 _INT32 = {}   # the ints kernels were given (sizes, geometry: a few hundred), as int32 scalars

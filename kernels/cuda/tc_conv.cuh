@@ -819,3 +819,25 @@ __device__ __forceinline__ void halo_load_window(E* window, const E* __restrict_
             cp_async_cg(window + slot, data ? at : image, data ? 16 : 0);
     });
 }
+
+// Backward-weight of such a convolution from windows of x (conv_bf16.cu's and conv_tc.cu's halo backward-weight):
+// a block's tile is the nine taps of 32 input channels c0.. by 64 output channels, 288 rows m' = 144 h + 16 tap + i
+// for the channel c0 + 16 h + i of the tap, which the 2 x 2 warps split as 16 channels (the warp's row, h) by 32
+// output channels, each warp all nine taps of them (9 x 4 mma tiles); its k is the pixel, WG_PIXELS of them a
+// stage, whose window of x (halo_load_window) fits WG_SLOTS slots (kernels/cuda/conv_tc.py's wgrad_halo).
+constexpr int WG_PIXELS = 48, WG_SLOTS = 224;
+struct Halo288x64 : TcTile<288, 64> {
+    static constexpr int BK = WG_PIXELS, STAGES = 2;
+};
+
+// dw's element of such a tile's row m' and output channel n: WeightsOut's.
+struct HaloWeightsOut {
+    static constexpr bool M_CONTIGUOUS = WeightsOut::M_CONTIGUOUS;
+    WeightsOut out;
+    int c0;
+    __device__ int row(int m) const {
+        const int h = m / 144, tap = (m - 144 * h) / 16, ci = c0 + 16 * h + m % 16;
+        return ci < out.g.c ? out.row(tap * out.g.c + ci) : -1;
+    }
+    __device__ int column(int n) const { return out.column(n); }
+};

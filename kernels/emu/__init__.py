@@ -12,7 +12,8 @@ or misaligned access, race, uninitialised read and divergent barrier where it ha
 """
 from .build import sanitizer
 from .errors import CompileError, EmuError, KernelError, LaunchError
-from .raw import ORDERS, RawKernel, RawModule, Traffic, aligned_empty, thread_order, traffic
+from .raw import (ORDERS, SHARED_BYTES_WITHOUT_OPT_IN, RawKernel, RawModule, Traffic, aligned_empty, thread_order,
+                  traffic)
 
 __all__ = ["RawModule", "RawKernel", "thread_order", "sanitizer", "traffic", "Traffic", "aligned_empty", "ORDERS",
-           "EmuError", "CompileError", "LaunchError", "KernelError"]
+           "SHARED_BYTES_WITHOUT_OPT_IN", "EmuError", "CompileError", "LaunchError", "KernelError"]

@@ -458,20 +458,34 @@ class RawModule:
                                      translate_cucomplex=translate_cucomplex,
                                      enable_cooperative_groups=enable_cooperative_groups,
                                      name_expressions=name_expressions, jitify=bool(jitify))
+        self._dynamic_shared = {}   # (kernel, device): the max_dynamic_shared_size_bytes set there
 
     def compile(self, log_stream=None):
         self._module.compile(log_stream)
 
     def get_function(self, name):
-        return RawKernel(self._module.get_function(name))
+        return RawKernel(self._module.get_function(name), self._dynamic_shared)
 
 
 class RawKernel:
     """A kernel of a RawModule: ``kernel(grid, block, args, shared_mem=0, stream=None)``. Its pointer
-    arguments are what it reads (those to const) and may write (the others)."""
+    arguments are what it reads (those to const) and may write (the others). max_dynamic_shared_size_bytes is,
+    as in CUDA, an attribute of the kernel on each device apart (the module's function there): a launch that
+    asks for more dynamic shared memory than the current device allows it fails, as cuLaunchKernel does."""
 
-    def __init__(self, kernel):
-        self._kernel = kernel
+    def __init__(self, kernel, dynamic_shared):
+        self._kernel, self._dynamic_shared = kernel, dynamic_shared
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self._dynamic_shared.get((self._kernel.name, cuda.getDevice()),
+                                        emu.SHARED_BYTES_WITHOUT_OPT_IN - self._kernel.shared_size_bytes)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        # the emulator's function, one for every device, checks the value and allows the most any device does
+        self._kernel.max_dynamic_shared_size_bytes = max(int(value), self._kernel.max_dynamic_shared_size_bytes)
+        self._dynamic_shared[(self._kernel.name, cuda.getDevice())] = int(value)
 
     def __call__(self, grid, block, args, **kwargs):
         stream = kwargs.pop("stream", None) or cuda.get_current_stream()
@@ -479,6 +493,12 @@ class RawKernel:
             raise cuda.CUDARuntimeError("cudaErrorInvalidResourceHandle",
                                         f"kernel '{self._kernel.name}' launched on stream {stream.ptr:#x} of device "
                                         f"{stream.device()} while device {cuda.getDevice()} is current")
+        if kwargs.get("shared_mem") and kwargs["shared_mem"] > self.max_dynamic_shared_size_bytes:
+            raise cuda.CUDARuntimeError("cudaErrorInvalidValue",
+                                        f"kernel '{self._kernel.name}' launched with shared_mem={kwargs['shared_mem']} "
+                                        f"bytes of dynamic shared memory on device {cuda.getDevice()}, where its "
+                                        f"max_dynamic_shared_size_bytes is {self.max_dynamic_shared_size_bytes} (an "
+                                        "attribute of the kernel on each device: set it on every device that runs it)")
         kernel, device, parameters = self._kernel, cuda.getDevice(), self._kernel.parameters
         template, operands = [], []
         for index, value in enumerate(args):
