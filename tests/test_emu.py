@@ -20,7 +20,8 @@ KERNELS = Path(__file__).parent / "emu_kernels"
 OPTIONS = {"elementwise.cu": (f"-I{KERNELS}", "-DSCALE=2.0f"),
            "tensor_core.cu": (f"-I{KERNELS.parents[1] / 'kernels' / 'cuda'}",),
            "sanitizer.cu": (f"-I{KERNELS.parents[1] / 'kernels' / 'cuda'}",)}
-NAME_EXPRESSIONS = {"templates.cu": ("scaled_block_sum<float, 128>", "scaled_block_sum<double, 256>")}
+NAME_EXPRESSIONS = {"templates.cu": ("scaled_block_sum<float, 128>", "scaled_block_sum<double, 256>",
+                                     "scaled_block_sum_dynamic<float, 128>")}
 
 
 @functools.cache
@@ -234,6 +235,16 @@ def test_templated_kernel_through_name_expressions(dtype, block):
     assert scaled.max_threads_per_block == 1024  # its __launch_bounds__ depends on a template argument
     scaled((blocks,), (block,), (dtype(3), x, partial, np.int32(x.size)))
     validate(partial, block_sums(3 * x.astype(np.float64), block), name)
+
+
+def test_dynamic_shared_memory_declared_in_a_templates_body():
+    """extern __shared__ at block scope in a template kernel (legal CUDA): the emulator's thread-local stand-in
+    for it takes no initialiser call (g++'s -fno-extern-tls-init), where it crashed at address 0."""
+    x = rng().standard_normal(1000).astype(np.float32)
+    partial = np.empty(8, np.float32)
+    kernel("templates.cu", "scaled_block_sum_dynamic<float, 128>")((8,), (128,), (np.float32(3), x, partial,
+                                                                                  np.int32(x.size)), shared_mem=512)
+    validate(partial, block_sums(3 * x.astype(np.float64), 128), "scaled_block_sum_dynamic")
 
 
 SHARED_IN_A_TEMPLATE = """

@@ -668,9 +668,6 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, co
 // copied it; dy holds TF32 values, and the blocks of the first 32 input channels sum the bias gradient
 // (BiasSums) from dy_raw, dy as the caller gave it, as it lands, rounding it where it is not dy. With the
 // 48 pixels' window and dy, a block reads about 62 FLOPs per L2 byte at 28 x 28 (bench/tc_plan.py).
-// The launch's dynamic shared memory (declared at file scope: the emulator's thread-local stand-in for it
-// needs no initialisation there, where g++ calls for one in a template's body).
-extern __shared__ __align__(16) float tc_dynamic_shared[];
 constexpr int TC_WGRAD_HALO_BLOCKS = 2;   // resident blocks an SM: registers, and the ring's 96 KB
 template <class T>
 struct TcWgradHaloShared {   // a stage of the ring, in floats: the two windows, dy, the pixels' slots
@@ -699,7 +696,7 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ dy_ra
     using Shared = TcWgradHaloShared<T>;
     using CopyB = TcWgradHaloDy<T>;   // dy's chunks of each 16 pixels of a stage
     constexpr int BK = T::BK, PITCH = HaloSlot<float>::PITCH, HALF = HaloSlot<float>::CHANNELS;
-    float* const smem = tc_dynamic_shared;
+    extern __shared__ __align__(16) float smem[];
     __shared__ float warp_sums[4][T::BN];
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int c0 = blockIdx.x * 2 * HALF, n0 = blockIdx.y * T::BN;

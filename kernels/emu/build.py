@@ -53,6 +53,10 @@ CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared",
              # g++ otherwise binds STB_GNU_UNIQUE: one per process, across libraries loaded RTLD_LOCAL, so
              # that a source built both with and without the sanitizer would share the first one's.
              "-fno-gnu-unique",
+             # The extern __shared__ arrays are thread_local names of the module's dynamic shared memory
+             # (_entries_source), which needs no initialiser: declared in a template's body, g++ would call
+             # one through a weak symbol no one defines.
+             "-fno-extern-tls-init",
              "-fmax-errors=10")
 # The sanitizer (runtime.cpp): ThreadSanitizer's instrumentation makes every load and store of a
 # kernel call __tsan_{read,write}N, which the runtime defines (TSan's own runtime is never linked:
