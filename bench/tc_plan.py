@@ -34,8 +34,9 @@ from kernels.cuda.ptxas_report import compile_family, report
 
 REGISTERS, REGISTER_UNIT, SHARED, SHARED_RESERVED, MAX_BLOCKS, MAX_WARPS = 65536, 256, 233472, 1024, 32, 64
 KINDS = {"tf32": conv_tc.TF32, "bf16": conv_tc.BF16}
-WGRAD_HALO_KERNELS = {conv_tc.WGRAD_HALO_KERNEL, conv_tc.TF32_WGRAD_HALO_KERNEL,
-                      conv_tc.TF32_WGRAD_HALO_KERNEL[:-1] + ", true>"}
+# the halo backward-weights (with the norm applied too): their family's conv_tc.WGRAD_HALO
+WGRAD_HALOS = {kernel: halo for halo in conv_tc.WGRAD_HALO.values() for kernel in (halo.kernel,
+                                                                                   halo.kernel[:-1] + ", true>")}
 ELEMENT_BYTES = {"tf32": 4, "bf16": 2}
 
 
@@ -100,7 +101,7 @@ def window_loops(instructions):
 
 def window_rows(geometry, step=conv_tc.HALO_ROWS):
     """The mean rows of the windows a halo forward's or backward-data's blocks (`step` output pixels each), or a
-    halo backward-weight's stages (conv_tc.WGRAD_HALO_PIXELS), load for the convolution (N, C, H, W, ...): the
+    halo backward-weight's stages (conv_tc.WGRAD_HALO's pixels), load for the convolution (N, C, H, W, ...): the
     kernel's count, from the first pixel's padded row to the last's, and one above and below."""
     n, _, h, w = geometry[:4]
     pixels = n * h * w
@@ -142,8 +143,8 @@ def flops_per_byte(kind, precision, p, rows, columns, geometry):
     once for the nine taps: the image's pixels in it (padding is zero-filled, not read), averaged over the
     blocks, and each tap's channels of B. The halo backward-weight's, per stage of its pixels, the window
     of their x (32 channels) and their dy, for the nine taps of 32 channels by its columns."""
-    if p.kernel in WGRAD_HALO_KERNELS:
-        bn, step = min(64, columns), conv_tc.WGRAD_HALO_PIXELS
+    if p.kernel in WGRAD_HALOS:
+        bn, step = min(64, columns), WGRAD_HALOS[p.kernel].pixels
         n, _, h, w = geometry[:4]
         pixels = n * h * w
         window = statistics.mean(_window_pixels(k0, min(k0 + step, pixels), h, w) for k0 in range(0, pixels, step))
@@ -236,7 +237,7 @@ def kernel_table(precision, arch, launched, resources):
         windowed = "_halo<" in kernel
         if windowed:
             rows_ = window_rows(launched[kernel]["geometry"] if kernel in launched else first_stage,
-                                conv_tc.WGRAD_HALO_PIXELS if kernel in WGRAD_HALO_KERNELS else conv_tc.HALO_ROWS)
+                                WGRAD_HALOS[kernel].pixels if kernel in WGRAD_HALOS else conv_tc.HALO_ROWS)
             loops_ = [(size + round((rows_ - 1) * window[kernel]), hmma) for size, hmma in loops_]
         sizes, per_hmma = describe_loops(loops_, lean)
         if windowed:

@@ -194,7 +194,7 @@ def test_3x3_convolutions_from_windows_of_the_image(emu, halo_everywhere, x_shap
     assert "conv_bf16_forward_halo<Halo128x64>" in halo_everywhere
     dgrad_halo = w_shape[0] % 32 == 0 and x_shape[1] <= 64   # dy's channels, and 64 columns (C) at most
     assert ("conv_bf16_dgrad_halo<Halo128x64>" in halo_everywhere) == dgrad_halo, halo_everywhere
-    assert conv_tc.WGRAD_HALO_KERNEL in halo_everywhere
+    assert conv_tc.WGRAD_HALO["conv_bf16"].kernel in halo_everywhere
 
 
 @pytest.mark.parametrize("x_shape, w_shape", [HALO_SHAPES[1], HALO_SHAPES[2], ((2, 32, 10, 10), (64, 32, 3, 3))])
@@ -205,9 +205,9 @@ def test_backward_weight_from_windows_split_over_the_pixels(emu, monkeypatch, ha
     monkeypatch.setattr(conv_tc, "WGRAD_HALO_MIN_SPLIT_K", 1)
     n, _, h, w = x_shape
     geometry = (n, x_shape[1], h, w, w_shape[0], 3, 3, 1, 1, 1, 1, h, w)
-    assert conv_tc.plan("wgrad", geometry, conv_tc.BF16).splits == -(-n * h * w // conv_tc.WGRAD_HALO_PIXELS)
+    assert conv_tc.plan("wgrad", geometry, conv_tc.BF16).splits == -(-n * h * w // conv_tc.WGRAD_HALO["conv_bf16"].pixels)
     check_conv(emu, x_shape, w_shape, 1, 1)
-    assert conv_tc.WGRAD_HALO_KERNEL in halo_everywhere
+    assert conv_tc.WGRAD_HALO["conv_bf16"].kernel in halo_everywhere
 
 
 @pytest.mark.parametrize("gemm, n, h, w, allowed", [
@@ -224,13 +224,13 @@ def test_the_halo_window_the_plan_allows_holds_every_blocks(gemm, n, h, w, allow
     geometry = (n, 32, h, w, 32, 3, 3, 1, 1, 1, 1, h, w)
     pixels = n * h * w
     step, slots = (conv_tc.HALO_ROWS, conv_tc.HALO_SLOTS) if gemm == "forward" else \
-        (conv_tc.WGRAD_HALO_PIXELS, conv_tc.WGRAD_HALO_SLOTS)
+        (conv_tc.WGRAD_HALO["conv_bf16"].pixels, conv_tc.WGRAD_HALO["conv_bf16"].slots)
     padded = lambda m: m // (h * w) * (h + 2) + m % (h * w) // w   # noqa: E731  (the kernel's padded row)
     rows = max(padded(min(m0 + step, pixels) - 1) - padded(m0) + 3 for m0 in range(0, pixels, step))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(conv_tc, "BF16_SPLIT_TARGET", 1)
         chosen = conv_tc.halo(geometry, "forward", 32, conv_tc.BF16) if gemm == "forward" else \
-            conv_tc.wgrad_halo(geometry)
+            conv_tc.wgrad_halo(geometry, conv_tc.BF16)
         assert chosen == allowed
     assert rows * (w + 2) <= slots or not allowed, (rows, w)
 

@@ -116,6 +116,32 @@ def test_a_batch_norm_applied_as_the_input_lands(monkeypatch, x_shape, o, stride
     validate(grads[1], want_dw, "dw against float64", atol=0.0, rtol=4e-3)
 
 
+@pytest.mark.parametrize("x_shape, o", [((1, 64, 12, 12), 64), ((4, 32, 6, 6), 32), ((2, 32, 7, 6), 40)])
+def test_the_halo_backward_weight_applies_the_norm_as_its_window_lands(monkeypatch, x_shape, o):
+    """conv_tc_wgrad_halo with bn1 applied (HaloNorm), dy of TF32 values as the step's: dw and db bit for bit those
+    of the halo kernel on relu(bn(x)) stored, in both thread orders, and dw within TF32's rounding of float64's
+    of the CPU backend's."""
+    names = launched(monkeypatch)
+    x, w, b, normalize = draw(x_shape, o)
+    dy = kernels.cpu.round_tf32(gradient(x, w, 1))
+    results = {}
+    for order in ("ascending", "descending"):
+        with kernels.use_precision("tf32"), thread_order(order):
+            be = kernels._device_backend("emu")
+            y = be.batch_norm_apply(x, *normalize, relu=True)
+            results[order] = (be.conv2d_backward(dy, x, w, 1, 1, normalize=normalize, dy_tf32=True)[1:],
+                              be.conv2d_backward(dy, y, w, 1, 1, dy_tf32=True)[1:])
+    halo = conv_tc.WGRAD_HALO["conv_tc"].kernel
+    assert halo in names and halo[:-1] + ", true>" in names, names
+    (folded, plain), other = results["ascending"], results["descending"][0]
+    for name, got, want, again in zip(("dw", "db"), folded, plain, other):
+        np.testing.assert_array_equal(got, want, err_msg=f"{name} folded against relu(bn(x)) stored")
+        np.testing.assert_array_equal(again, got, err_msg=f"{name} in the other thread order")
+    as64 = lambda a: a.astype(np.float64)   # noqa: E731
+    want_dw = kernels.cpu.conv2d_backward(as64(dy), as64(x), as64(w), 1, 1, normalize=tuple(map(as64, normalize)))[1]
+    validate(folded[0], want_dw, "dw against float64", atol=0.0, rtol=4e-3)
+
+
 @pytest.mark.parametrize("forced", [None, "halo"])
 def test_the_padding_is_zero_not_the_norm_of_zero(monkeypatch, forced):
     """Planted: the padding zero-filled rather than copied from the NaN (fold_arguments' be.nan_chunk): the

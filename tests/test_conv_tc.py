@@ -77,15 +77,18 @@ def draw(*shapes):
     return [g.standard_normal(s).astype(np.float32) for s in shapes]
 
 
-def check_conv(be, x_shape, w_shape, stride, padding, bias=True, channels_last=False):
-    """conv2d_forward and conv2d_backward of `be` under tf32 against the float64 references."""
+def check_conv(be, x_shape, w_shape, stride, padding, bias=True, channels_last=False, dy_tf32=False):
+    """conv2d_forward and conv2d_backward of `be` under tf32 against the float64 references; dy_tf32: dy holds
+    TF32 values, and conv2d_backward is told so (as the training step's batch norms hand it)."""
     x, w, b = draw(x_shape, w_shape, (w_shape[0],))
     b = b if bias else None
     if channels_last:
         x = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
     y = be.conv2d_forward(x, w, b, stride, padding)
     (dy,) = draw(y.shape)
-    dx, dw, db = be.conv2d_backward(dy, x, w, stride, padding)
+    if dy_tf32:
+        dy = kernels.cpu.round_tf32(dy)
+    dx, dw, db = be.conv2d_backward(dy, x, w, stride, padding, dy_tf32=dy_tf32)
     n, c, kh, kw, o = x_shape[0], x_shape[1], w_shape[2], w_shape[3], w_shape[0]
     pixels = n * y.shape[2] * y.shape[3]
     name = f"conv {x_shape} * {w_shape} stride {stride} padding {padding}"
@@ -193,19 +196,39 @@ def test_3x3_convolutions_from_windows_of_the_image(emu, halo_everywhere, x_shap
 
 
 # Backward-weight from windows of x (conv_tc_wgrad_halo: 32 input channels a block, 64 output channels or
-# fewer): stages across image boundaries (several images in the second), two blocks of input channels, a
-# partial tile of columns, the last stage part of one (all but the second).
+# fewer, 56 pixels a stage): stages across image boundaries (several images in the second), two blocks of input
+# channels, a partial tile of columns, the last stage part of one (all but the second).
 WGRAD_HALO_SHAPES = [
     ((2, 32, 9, 7), (32, 32, 3, 3)),
-    ((4, 64, 4, 4), (64, 64, 3, 3)),
+    ((7, 64, 4, 4), (64, 64, 3, 3)),
     ((2, 32, 7, 6), (40, 32, 3, 3)),
 ]
 
 
 @pytest.mark.parametrize("x_shape, w_shape", WGRAD_HALO_SHAPES)
 def test_backward_weight_from_windows_of_x(emu, halo_everywhere, x_shape, w_shape):
+    """With dy of TF32 values, as the step's: its bias gradient is their sum. A raw dy, whose bias gradient is
+    the sum of dy as given, not of what the GEMM reads, takes conv_tc_wgrad (test_conv_at_odd_shapes)."""
+    check_conv(emu, x_shape, w_shape, 1, 1, channels_last=True, dy_tf32=True)
+    assert conv_tc.WGRAD_HALO["conv_tc"].kernel in halo_everywhere
+    geometry = (x_shape[0], x_shape[1], *x_shape[2:], w_shape[0], 3, 3, 1, 1, 1, 1, *x_shape[2:])
+    assert conv_tc.plan("wgrad", geometry, windows=False).kernel.startswith("conv_tc_wgrad<")
+    del halo_everywhere[:]
     check_conv(emu, x_shape, w_shape, 1, 1, channels_last=True)
-    assert conv_tc.TF32_WGRAD_HALO_KERNEL in halo_everywhere
+    assert not any(name.startswith("conv_tc_wgrad_halo") for name in halo_everywhere), halo_everywhere
+
+
+@pytest.mark.parametrize("x_shape, w_shape", [((2, 32, 10, 10), (64, 32, 3, 3)), ((4, 32, 12, 12), (48, 32, 3, 3))])
+def test_backward_weight_from_windows_split_over_the_pixels(emu, monkeypatch, halo_everywhere, x_shape, w_shape):
+    """The halo backward-weight with its pixels split into parts of one stage (56 pixels): 4 parts, and 11 (added
+    in two levels), the bias gradient's too."""
+    monkeypatch.setattr(conv_tc, "WGRAD_HALO_SPLIT_TARGET", 10**9)
+    monkeypatch.setattr(conv_tc, "WGRAD_HALO_MIN_SPLIT_K", 1)
+    n, _, h, w = x_shape
+    geometry = (n, x_shape[1], h, w, w_shape[0], 3, 3, 1, 1, 1, 1, h, w)
+    assert conv_tc.plan("wgrad", geometry).splits == -(-n * h * w // conv_tc.WGRAD_HALO["conv_tc"].pixels)
+    check_conv(emu, x_shape, w_shape, 1, 1, channels_last=True, dy_tf32=True)
+    assert conv_tc.WGRAD_HALO["conv_tc"].kernel in halo_everywhere
 
 
 def channels_last(a):
@@ -277,9 +300,9 @@ def test_small_grids_split_their_k_and_large_ones_do_not():
     assert stage1["forward"].kernel == "conv_tc_forward_halo<TcHalo128x64>"
     assert stage1["dgrad"].kernel == "conv_tc_dgrad_halo<TcHalo128x64>"
     wgrad = stage1["wgrad"]   # from windows of x: 2 blocks of 32 input channels, split to 264 blocks
-    assert wgrad.kernel == conv_tc.TF32_WGRAD_HALO_KERNEL and wgrad.grid[:2] == (2, 1)
+    assert wgrad.kernel == conv_tc.WGRAD_HALO["conv_tc"].kernel and wgrad.grid[:2] == (2, 1)
     assert wgrad.grid[2] == wgrad.splits > conv_tc.ONE_LEVEL_PARTS and 2 * wgrad.splits >= conv_tc.WGRAD_HALO_SPLIT_TARGET
-    assert wgrad.chunk % conv_tc.WGRAD_HALO_PIXELS == 0
+    assert wgrad.chunk % conv_tc.WGRAD_HALO["conv_tc"].pixels == 0
     assert 1 < wgrad.group < wgrad.splits and wgrad.chunk * (wgrad.splits - 1) < 256 * 28 * 28 <= wgrad.chunk * \
         wgrad.splits
 

@@ -184,6 +184,10 @@ DEPRECATED = "architectures prior to '<compute/sm>_75' are deprecated"
 # nothing: the 128 x 128 fp32 backward-weight needs more than the 128 registers ptxas gives it for two
 # blocks an SM (bench/RESULTS.md, "CUDA 12")
 CUDA12_SPILLS = {("conv", "sm_70"): {"conv2d_wgrad<Tile128, 1, 1>": 16}}
+# The shared memory a block may have, static and dynamic together, on each architecture (the CUDA
+# programming guide's limits, with the opt-in that Backend.function makes for dynamic shared memory).
+SHARED_PER_BLOCK = {"sm_70": 96 * 1024, "sm_75": 64 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024,
+                    "sm_89": 99 * 1024, "sm_90": 227 * 1024}
 
 
 @pytest.mark.nvrtc
@@ -206,6 +210,10 @@ def test_compiles_with_nvrtc(family, arch):
     allowed = CUDA12_SPILLS.get((family, arch), {}) if nvrtc.nvrtc_for(arch) is nvrtc.cuda12() else {}
     assert all(allowed.get(name, 0) >= spilled for name, spilled in spilling.items()), \
         f"{family}.cu for {arch} spills (bytes): {spilling}"
+    # and every block's shared memory, with the dynamic its launches ask for (conv_tc's halo backward-weight), fits
+    from kernels.cuda import conv_tc
+    shared = {name: r.shared_bytes + conv_tc.dynamic_shared(name) for name, r in compiled.named_resources().items()}
+    assert max(shared.values()) <= SHARED_PER_BLOCK[arch], f"{family}.cu for {arch}: shared memory (bytes) {shared}"
 
 
 def test_the_device_backends_offer_the_whole_contract():

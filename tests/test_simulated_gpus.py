@@ -292,7 +292,7 @@ def test_dynamic_shared_memory_past_48_kb_is_allowed_on_each_device_apart(gpus):
             with gpus.cuda.Device(device):
                 args = [gpus.asarray(a) for a in (dy, x, w)]
                 grads.append([g.get() for g in kernels.backend_of(args[0]).conv2d_backward(*args, 1, 1)])
-    assert names.count(conv_tc.TF32_WGRAD_HALO_KERNEL) == 2, names
+    assert names.count(conv_tc.WGRAD_HALO["conv_tc"].kernel) == 2, names
     for got, want in zip(grads[1], grads[0]):
         np.testing.assert_array_equal(got, want)
 

@@ -654,24 +654,28 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, co
 // pixel of x once per tap, 21.3 FLOPs per L2 byte with 64 output channels (ResNet-18's first stage). As
 // conv_bf16.cu's halo backward-weight (tc_conv.cuh's Halo288x64: the nine taps of 32 input channels by 64
 // output channels, 2 x 2 warps of 9 x 4 mma tiles, a warp's row h the channels c0 + 16 h..), a stage of
-// WG_PIXELS pixels loads the window of x that their taps reach and their dy, each once, into a 2-stage ring:
-// two windows of 16 float channels (HaloSlot<float>), one per warp row, so that the ring (TcWgradHaloShared,
-// 96 KB) lives in dynamic shared memory, past the 48 KB of static shared memory a block may have (the
-// launcher opts in). A slot holds the channels (m) along a row of shared memory, the pixels (k) run across
-// slots: a lane's A fragment of a tap is two LDS.64 (tc_fragment_a's permuted rows: the mma's rows g and
-// g + 8 are the channels 2g and 2g + 1) at its pixels' slots shifted by the tap. The 8 pixels of a k8 step go
-// in the order 0, 2, 4, 6, 1, 3, 5, 7 (k t is the step's pixel 2t, k t + 4 its pixel 2t + 1), so that the
-// lanes of each half of the warp read slots two apart, 40 words, 8 banks, and dy's pitch of 68 words puts
-// its rows 2t at banks 8t: both without bank conflicts where a step's pixels share a row of the image. Each
-// pixel's slot is worked out once a stage, by one thread as it loads the stage, into a table beside it. The
-// window lands rounded to TF32 (HaloRound) or as relu(bn(x)) (HaloNorm, NORM), made so by the threads that
-// copied it; dy holds TF32 values, and the blocks of the first 32 input channels sum the bias gradient
-// (BiasSums) from dy_raw, dy as the caller gave it, as it lands, rounding it where it is not dy. With the
-// 48 pixels' window and dy, a block reads about 62 FLOPs per L2 byte at 28 x 28 (bench/tc_plan.py).
+// pixels (TcHalo288x64: 56, two rows of the first stage's 28 x 28 images) loads the window of x that their
+// taps reach and their dy, each once, into a 2-stage ring: two windows of 16 float channels (HaloSlot<float>),
+// one per warp row, so that the ring (TcWgradHaloShared, 96 KB) lives in dynamic shared memory, past the 48 KB
+// of static shared memory a block may have (the launcher asks for it). A slot holds the channels (m) along a
+// row of shared memory, the pixels (k) run across slots: a lane's A fragment of a tap is two LDS.64
+// (tc_fragment_a's permuted rows: the mma's rows g and g + 8 are the channels 2g and 2g + 1) at its pixels'
+// slots shifted by the tap. The 8 pixels of a k8 step go in the order 0, 2, 4, 6, 1, 3, 5, 7 (k t is the
+// step's pixel 2t, k t + 4 its pixel 2t + 1), so that the lanes of each half of the warp read slots two
+// apart, 40 words, 8 banks, and dy's pitch of 68 words puts its rows 2t at banks 8t: both without bank
+// conflicts where a step's pixels share a row of the image. Each pixel's slot is worked out once a stage, by
+// one thread as it loads the stage, into a table beside it. The window lands rounded to TF32 (HaloRound) or
+// as relu(bn(x)) (HaloNorm, NORM), made so by the threads that copied it; dy holds TF32 values (the launcher
+// takes conv_tc_wgrad for a bias gradient of another dy than the one the GEMM reads), and the blocks of the
+// first 32 input channels sum the bias gradient from it as it lands (BiasSums), in a main loop of their own.
+// At 28 x 28 a block reads 72 FLOPs per L2 byte (bench/tc_plan.py).
 constexpr int TC_WGRAD_HALO_BLOCKS = 2;   // resident blocks an SM: registers, and the ring's 96 KB
+struct TcHalo288x64 : TcTile<288, 64> {
+    static constexpr int BK = 56, STAGES = 2, SLOTS = 210;   // a stage's pixels; its windows' slots
+};
 template <class T>
 struct TcWgradHaloShared {   // a stage of the ring, in floats: the two windows, dy, the pixels' slots
-    static constexpr int WINDOW = WG_SLOTS * HaloSlot<float>::PITCH, DY_PITCH = T::BN + 4;
+    static constexpr int WINDOW = T::SLOTS * HaloSlot<float>::PITCH, DY_PITCH = T::BN + 4;
     static constexpr int DY = 2 * WINDOW, SLOTS = DY + T::BK * DY_PITCH, STAGE = SLOTS + T::BK;
     static constexpr int BYTES = T::STAGES * STAGE * int(sizeof(float));
 };
@@ -685,29 +689,33 @@ struct TcWgradHaloDy : TcCopy<T::BN, false> {
 
 // dw (see WeightsOut) of the 3x3, stride-1 convolution from windows of x, as above: block (x, y, z) computes the
 // nine taps of input channels [32 x, ...) by output channels [64 y, ...) over the pixels [z * k_chunk, ...)
-// (split-K in groups of `group`, see tc_finish); and, unless db is null, the bias gradient of dy_raw. The
-// parameters are conv_tc_wgrad's; the launch gives TcWgradHaloShared<T>::BYTES of dynamic shared memory.
+// (split-K in groups of `group`, see tc_finish); and, unless db is null, the bias gradient, dy's per-channel
+// sums. plane_..., width_...: as conv_tc_wgrad's; NORM: x is a training batch norm's input, and the
+// convolution's input relu(bn(x)) (HaloNorm). The launch gives TcWgradHaloShared<T>::BYTES of dynamic shared
+// memory.
 template <class T, bool NORM = false>
 __global__ void __launch_bounds__(TC_THREADS, TC_WGRAD_HALO_BLOCKS)
-conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ dy_raw, const float* __restrict__ x,
-                   float* __restrict__ dw, int krsc, float* __restrict__ db, float* partial, float* db_partial,
-                   unsigned* counters, CONV_PARAMS, int k_chunk, int group, unsigned plane_multiplier,
-                   unsigned plane_shift, unsigned width_multiplier, unsigned width_shift, TC_FOLD_PARAMS) {
+conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dw, int krsc,
+                   float* __restrict__ db, float* partial, float* db_partial, unsigned* counters, CONV_PARAMS,
+                   int k_chunk, int group, unsigned plane_multiplier, unsigned plane_shift, unsigned width_multiplier,
+                   unsigned width_shift, TC_FOLD_PARAMS) {
     using Shared = TcWgradHaloShared<T>;
     using CopyB = TcWgradHaloDy<T>;   // dy's chunks of each 16 pixels of a stage
     constexpr int BK = T::BK, PITCH = HaloSlot<float>::PITCH, HALF = HaloSlot<float>::CHANNELS;
+    constexpr int DY_PARTS = (BK + TC_BK - 1) / TC_BK;
+    static_assert(BK % 8 == 0 && BK <= TC_THREADS, "whole k8 steps; a thread for each pixel's slot");
     extern __shared__ __align__(16) float smem[];
-    __shared__ float warp_sums[4][T::BN];
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int c0 = blockIdx.x * 2 * HALF, n0 = blockIdx.y * T::BN;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
     const int stages = (max(k_end - k_begin, 0) + BK - 1) / BK;
     const FastDivmod plane{g.out_plane(), plane_multiplier, plane_shift}, width_div{g.ow, width_multiplier, width_shift};
     BiasSums<T, CopyB> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
-    const bool round_dy = bias.active && dy_raw != dy;
     const TcFold fold TC_FOLD;
     using Land = decltype(halo_land<NORM>(fold));
-    Land land[2] = {halo_land<NORM>(fold), halo_land<NORM>(fold)};   // of each window's channels
+    Land land[2] = {halo_land<NORM>(fold), halo_land<NORM>(fold)};   // of each window's channels, the block's
+#pragma unroll
+    for (int h = 0; h < 2; ++h) land[h].channels(c0 + HALF * h);
     const int width = g.w + 2, lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
     // the image, row and column of the pixel m, and the padded row of the row above it (halo_gemm's)
     struct Place {
@@ -728,8 +736,8 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ dy_ra
         const int first_row = padded_row(first);
         return Window{first.img, first.p, padded_row(place(min(p0 + BK, k_end) - 1)) - first_row + 3, first_row};
     };
-    PixelChannelsAligned<CopyB> b(bias.active ? dy_raw : dy, g.o, n0, k_begin, k_end);   // the same for the block
     Window windows[2];   // of the stage in each slot of the ring
+    const auto dy_line = [](int part) { return TC_BK * part + CopyB::k(0) < BK; };   // this thread's is the stage's
     const auto load = [&](int stage, int ring) {
         if (stage < stages) {
             float* const s = smem + ring * Shared::STAGE;
@@ -743,12 +751,13 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ dy_ra
                         cp_async_cg(s + h * Shared::WINDOW + slot, data ? at + HALF * h : x, data ? 16 : 0);
                 }
             });
+            const int p0 = k_begin + stage * BK;
+            PixelChannelsAligned<CopyB> b(dy, g.o, n0, p0, k_end);
 #pragma unroll
-            for (int part = 0; part < BK / TC_BK; ++part) {   // dy's 16 pixels at a time
-                tc_load_stage<CopyB>(s + Shared::DY + TC_BK * part * Shared::DY_PITCH, b);
+            for (int part = 0; part < DY_PARTS; ++part) {   // dy's 16 pixels at a time, the last part's first BK % 16
+                if (dy_line(part)) tc_load_stage<CopyB>(s + Shared::DY + TC_BK * part * Shared::DY_PITCH, b);
                 b.next();
             }
-            const int p0 = k_begin + stage * BK;
             if (int(threadIdx.x) < BK) {   // the pixel's slot (its tap (0, 0)); past the part's (dy zero): the first
                 const int m = p0 + int(threadIdx.x);
                 int slot = 0;
@@ -761,13 +770,11 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ dy_ra
         }
         cp_async_commit();
     };
-    // this thread's chunks of the landed stage made what the warps read (see the header)
-    // (SUMS: and the bias gradient's sums of dy; a main loop for the blocks that sum it, one for the others)
+    // this thread's chunks of the landed stage made what the warps read (see the header); SUMS: and its chunks of
+    // dy summed for the bias gradient
     const auto land_stage = [&](int ring, auto sums) {
         float* const s = smem + ring * Shared::STAGE;
         const Window w = windows[ring];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) land[h].channels(c0 + HALF * h);
         halo_window_chunks(x + c0, g, g.c, w.img, w.pp, w.rows, [&](int slot, const float*, bool) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -777,20 +784,20 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ dy_ra
         });
         if constexpr (decltype(sums)::value) {
 #pragma unroll
-            for (int part = 0; part < BK / TC_BK; ++part)
+            for (int part = 0; part < DY_PARTS; ++part)
 #pragma unroll
-                for (int c = 0; c < CopyB::CHUNKS; ++c) {
-                    float4* chunk = reinterpret_cast<float4*>(s + Shared::DY + TC_BK * part * Shared::DY_PITCH +
-                                                              CopyB::offset(c));
-                    const float4 v = *chunk;
-                    bias.add(c, Floats<4>{{v.x, v.y, v.z, v.w}});
-                    if (round_dy) *chunk = tc_round(v);
-                }
+                for (int c = 0; c < CopyB::CHUNKS; ++c)
+                    if (dy_line(part)) {
+                        const float4 v = *reinterpret_cast<const float4*>(s + Shared::DY + TC_BK * part * Shared::DY_PITCH +
+                                                                          CopyB::offset(c));
+                        bias.add(c, Floats<4>{{v.x, v.y, v.z, v.w}});
+                    }
         }
     };
     float acc[T::MI][T::NI][4];
     tc_clear<T>(acc);
     const int grp = lane / 4, t = lane % 4, h = warp / 2, wn = (warp % 2) * T::WARP_N, row_shift = width * PITCH;
+    // the stage in ring slot `ring`, while the next one loads; SUMS: the bias gradient's sums too
     const auto step = [&](int stage, int ring, auto sums) {
         cp_async_wait<0>();   // this thread's copies of the stage have landed
         land_stage(ring, sums);
@@ -828,12 +835,14 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ dy_ra
         }
     };
     load(0, 0);
-    if (bias.active)   // the same for the whole block
+    if (bias.active) {   // the same for the whole block
         loop(Flag<true>());
-    else
+        __syncthreads();   // every warp is done with the ring, where the warps' sums go (no static shared memory:
+    } else {               // the ring's addresses are then constants)
         loop(Flag<false>());
+    }
     cp_async_wait<0>();
-    bias.reduce(warp_sums);
+    bias.reduce(*reinterpret_cast<float(*)[4][T::BN]>(smem));
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
     tc_finish<T, true>(HaloWeightsOut{WeightsOut{g, krsc}, c0}, dw, partial, g.o * g.taps() * g.c, split,
                        tile_counters(counters, 0, split), 0, n0, nullptr, false, acc, bias);

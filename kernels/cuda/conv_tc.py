@@ -69,12 +69,11 @@ BK, GEMMS = 16, TF32.gemms
 # from x with the norm applied as each stage (or window) lands (conv_tc.cu's NORM): the large tiles, aligned
 # copies, and the halo forward.
 FOLD_TILES = ("Tc128x128", "Tc128x64")
-# The halo backward-weight (see wgrad_halo), with and without the norm applied.
-TF32_WGRAD_HALO_KERNEL = "conv_tc_wgrad_halo<Halo288x64>"
 KERNELS = TF32.kernels(("Tc128x128", "Tc128x64")) + tuple(
     f"conv_tc_{gemm}<{tile}, {BK}, true>" for gemm in ("forward", "wgrad") for tile in FOLD_TILES) + tuple(
     f"conv_tc_{gemm}_halo<{TF32.halo}>" for gemm in ("forward", "dgrad")) + (
-    f"conv_tc_forward_halo<{TF32.halo}, true>",) + (TF32_WGRAD_HALO_KERNEL, f"{TF32_WGRAD_HALO_KERNEL[:-1]}, true>")
+    f"conv_tc_forward_halo<{TF32.halo}, true>",) + ("conv_tc_wgrad_halo<TcHalo288x64>",
+                                                 "conv_tc_wgrad_halo<TcHalo288x64, true>")
 # Split-K: a grid of fewer blocks than SPLIT_TARGET splits its k into parts of at least
 # MIN_SPLIT_K (whole k steps) until it has that many blocks: one per SM of an H200 (132 SMs) for
 # the forward and backward-data, whose grids are large but at the last stages, so that no SM is
@@ -100,19 +99,31 @@ BF16 = Kind("conv_bf16", (("Bf128x128", 128, 128, 32, False), ("Bf128x64", 128, 
 # split of k; TF32's and BF16's alike.
 HALO_ROWS, HALO_SLOTS = 128, 320
 # Their backward-weight too, from windows of x (conv_bf16_wgrad_halo, conv_tc_wgrad_halo): a block's tile is
-# the nine taps of WGRAD_HALO_CHANNELS input channels by 64 output channels, over stages of WGRAD_HALO_PIXELS
-# pixels whose window fits WGRAD_HALO_SLOTS slots; split-K to WGRAD_HALO_SPLIT_TARGET blocks, two waves of
-# the blocks' pairs an SM on 132 SMs, in parts of at least WGRAD_HALO_MIN_SPLIT_K pixels (see plan). Their float32
-# partials are twice the 128 x 64 tile's, whose blocks hold half the accumulators.
-WGRAD_HALO_TILE, WGRAD_HALO_CHANNELS, WGRAD_HALO_PIXELS, WGRAD_HALO_SLOTS = "Halo288x64", 32, 48, 224
-WGRAD_HALO_SPLIT_TARGET, WGRAD_HALO_MIN_SPLIT_K = 2 * 132, 64
-WGRAD_HALO_KERNEL = f"conv_bf16_wgrad_halo<{WGRAD_HALO_TILE}>"
-# TF32's takes TF32_WGRAD_HALO_SHARED bytes of dynamic shared memory for its ring of 2 stages
-# (conv_tc.cu's TcWgradHaloShared): two windows of 16 channels (slots of 20 floats), dy's pixels (rows of 68
-# floats) and their slots.
-TF32_WGRAD_HALO_SHARED = 2 * (2 * WGRAD_HALO_SLOTS * 20 + WGRAD_HALO_PIXELS * 68 + WGRAD_HALO_PIXELS) * 4
+# the nine taps of WGRAD_HALO_CHANNELS input channels by 64 output channels, over stages of a number of pixels
+# whose window fits a number of slots (WGRAD_HALO, by family); split-K to WGRAD_HALO_SPLIT_TARGET blocks, two
+# waves of the blocks' pairs an SM on 132 SMs, in parts of at least WGRAD_HALO_MIN_SPLIT_K pixels (see plan).
+# Their float32 partials are twice the 128 x 64 tile's, whose blocks hold half the accumulators.
+WGRAD_HALO_CHANNELS, WGRAD_HALO_SPLIT_TARGET, WGRAD_HALO_MIN_SPLIT_K = 32, 2 * 132, 64
+
+
+class WgradHalo(typing.NamedTuple):
+    """A family's backward-weight from windows of x: its kernel (the one without a norm applied), the pixels of
+    a stage, the slots of the window of a stage that its shared memory holds, and the bytes of dynamic shared
+    memory a block asks for."""
+    kernel: str
+    pixels: int
+    slots: int
+    dynamic_shared: int
+
+
+# BF16's in 47 KB of static shared memory; TF32's ring of 2 stages in dynamic shared memory (conv_tc.cu's
+# TcWgradHaloShared: two windows of 16 channels, slots of 20 floats, dy's pixels, rows of 68 floats, and their
+# slots), 56 pixels a stage, two rows of ResNet-18's first stage: with its 210 slots, a block's shared memory
+# fits the 99 KB of an sm_86 or sm_89.
+WGRAD_HALO = {"conv_bf16": WgradHalo("conv_bf16_wgrad_halo<Halo288x64>", 48, 224, 0),
+              "conv_tc": WgradHalo("conv_tc_wgrad_halo<TcHalo288x64>", 56, 210, 2 * (2 * 210 * 20 + 56 * 68 + 56) * 4)}
 BF16_KERNELS = BF16.kernels(("Bf128x128", "Bf128x64")) + tuple(
-    f"conv_bf16_{gemm}_halo<{BF16.halo}>" for gemm in ("forward", "dgrad")) + (WGRAD_HALO_KERNEL,)
+    f"conv_bf16_{gemm}_halo<{BF16.halo}>" for gemm in ("forward", "dgrad")) + (WGRAD_HALO["conv_bf16"].kernel,)
 BF16_GEMMS = BF16.gemms
 BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K = 132, 512
 BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K = 2 * 132, 64
@@ -172,19 +183,20 @@ def folds(gemm, geometry):
     """Whether TF32's `gemm` ("forward" or "wgrad") of this convolution can read its input as a batch
     norm's relu(bn(x)) from x (FOLD_TILES, with the aligned copies, and the halo forward and backward-weight)."""
     return plan(gemm, geometry, TF32).kernel in {TF32.kernel(gemm, tile, BK) for tile in FOLD_TILES} | {
-        f"conv_tc_forward_halo<{TF32.halo}>", TF32_WGRAD_HALO_KERNEL}
+        f"conv_tc_forward_halo<{TF32.halo}>", WGRAD_HALO["conv_tc"].kernel}
 
 
 @functools.lru_cache(maxsize=1024)
-def plan(gemm, geometry, kind=TF32, fold=False):
+def plan(gemm, geometry, kind=TF32, fold=False, windows=True):
     """The Plan of `gemm` ("forward", "dgrad" or "wgrad") for the geometry tuple of conv.py, on the
     GEMMs of `kind` (TF32 or BF16); `fold`: TF32's kernel that applies a batch norm to its input as it
-    loads it (where `folds`)."""
+    loads it (where `folds`); `windows`: backward-weight may take its halo kernel (wgrad_halo), which sums the
+    bias gradient of the dy that its GEMM reads (TF32's: not of another dy rounded to it)."""
     if fold:
         if not folds(gemm, geometry):
             raise ValueError(f"conv_tc {gemm}: no kernel of it applies a batch norm to its input, for "
                              f"the convolution {geometry}")
-        p = plan(gemm, geometry, TF32)
+        p = plan(gemm, geometry, TF32, windows=windows)
         return p._replace(kernel=p.kernel[:-1] + ", true>")
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if not supports(c, o, kind):
@@ -201,11 +213,10 @@ def plan(gemm, geometry, kind=TF32, fold=False):
     if gemm != "wgrad" and halo(geometry, gemm, columns, kind):
         return Plan(f"{kind.family}_{gemm}_halo<{kind.halo}>", (cdiv(rows, HALO_ROWS), cdiv(columns, 64), 1), k, 1, 1,
                     kind.family)
-    if gemm == "wgrad" and wgrad_halo(geometry):
-        grid = (c // WGRAD_HALO_CHANNELS, cdiv(o, 64))
-        parts, chunk = splits(k, grid[0] * grid[1], WGRAD_HALO_PIXELS, WGRAD_HALO_SPLIT_TARGET, WGRAD_HALO_MIN_SPLIT_K)
-        return Plan(WGRAD_HALO_KERNEL if bf16 else TF32_WGRAD_HALO_KERNEL, grid + (parts,), chunk, parts,
-                    group_size(parts), kind.family)
+    if gemm == "wgrad" and windows and wgrad_halo(geometry, kind):
+        grid, halo_ = (c // WGRAD_HALO_CHANNELS, cdiv(o, 64)), WGRAD_HALO[kind.family]
+        parts, chunk = splits(k, grid[0] * grid[1], halo_.pixels, WGRAD_HALO_SPLIT_TARGET, WGRAD_HALO_MIN_SPLIT_K)
+        return Plan(halo_.kernel, grid + (parts,), chunk, parts, group_size(parts), kind.family)
     if gemm == "wgrad":
         tile = choose_bf16_tile(columns, aligned) if bf16 else choose_wgrad_tile(columns, tf32_aligned)
         target, min_split = (BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K) if bf16 else \
@@ -234,14 +245,15 @@ def halo(geometry, gemm, columns, kind):
         cdiv(n * h * wd, HALO_ROWS) * cdiv(columns, 64) >= (BF16_SPLIT_TARGET if kind is BF16 else SPLIT_TARGET)
 
 
-def wgrad_halo(geometry):
-    """Whether a backward-weight runs its halo kernel (conv_bf16_wgrad_halo, conv_tc_wgrad_halo): a 3x3
-    convolution of stride 1 and padding 1, 64 output channels or fewer (above 64 the 128 x 128 tile reads 64
-    FLOPs a byte already in BF16, 32 in TF32), input channels a multiple of WGRAD_HALO_CHANNELS (a block's), and
-    the window of a stage's WGRAD_HALO_PIXELS pixels within WGRAD_HALO_SLOTS slots."""
+def wgrad_halo(geometry, kind):
+    """Whether a backward-weight of `kind` runs its halo kernel (WGRAD_HALO): a 3x3 convolution of stride 1 and
+    padding 1, 64 output channels or fewer (above 64 the 128 x 128 tile reads 64 FLOPs a byte already in BF16,
+    32 in TF32), input channels a multiple of WGRAD_HALO_CHANNELS (a block's), and the window of a stage's pixels
+    within the kernel's slots."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    halo_ = WGRAD_HALO[kind.family]
     return (kh, kw, sh, sw, ph, pw) == (3, 3, 1, 1, 1, 1) and o <= 64 and c % WGRAD_HALO_CHANNELS == 0 and \
-        window_rows(WGRAD_HALO_PIXELS, h, wd) * (wd + 2) <= WGRAD_HALO_SLOTS
+        window_rows(halo_.pixels, h, wd) * (wd + 2) <= halo_.slots
 
 
 def window_rows(pixels, h, wd):
@@ -377,11 +389,16 @@ def backward_weight(be, dy, x, geometry, dw, db, fold=None, dy_tf32=False, raw=N
     norm's input, as forward's. dy_tf32: as backward_data's; raw: the dy that dy's TF32 values were rounded
     from (conv2d_backward's, rounded once for both GEMMs), whose sums the bias gradient is (default: dy)."""
     kind = kind_of(dy.dtype)
-    p = plan("wgrad", geometry, kind, fold=fold is not None)
+    # TF32's GEMM reads TF32 values; its bias gradient is the sum of dy as given (raw, or dy): the halo kernel sums
+    # what the GEMM reads, conv_tc_wgrad's blocks that sum it read the given dy, which they round as it lands
+    as_read = kind is BF16 or db is None or dy_tf32 and (raw is None or raw is dy)
     dy, x = aligned(dy), aligned(x)
+    p = plan("wgrad", geometry, kind, fold=fold is not None, windows=as_read)
     inputs = (dy, x)
-    if kind is TF32:   # the GEMM reads TF32 values; the blocks that sum the bias read raw (conv_tc_wgrad)
-        inputs = (tf32_values(be, dy, dy_tf32), dy if raw is None else aligned(raw), x)
+    if kind is TF32:
+        read = tf32_values(be, dy, dy_tf32)
+        halo_ = p.kernel.startswith(WGRAD_HALO["conv_tc"].kernel[:-1])
+        inputs = (read, x) if halo_ else (read, dy if raw is None else aligned(raw), x)
     o = geometry[4]
     partial = be.xp.empty((partial_slots(p), o), np.float32) if p.splits > 1 and db is not None else None
     oh, ow = geometry[11:]
@@ -435,6 +452,6 @@ def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=()):
 
 
 def dynamic_shared(kernel):
-    """The bytes of dynamic shared memory a block of `kernel` (a name expression) asks for: the TF32 halo
-    backward-weight's ring, 0 for the others (static shared memory alone)."""
-    return TF32_WGRAD_HALO_SHARED if kernel.startswith(TF32_WGRAD_HALO_KERNEL[:-1]) else 0
+    """The bytes of dynamic shared memory a block of `kernel` (a name expression) asks for: a halo
+    backward-weight's (WGRAD_HALO), with or without the norm applied; 0 for the others (static alone)."""
+    return next((halo_.dynamic_shared for halo_ in WGRAD_HALO.values() if kernel.startswith(halo_.kernel[:-1])), 0)
