@@ -321,15 +321,7 @@ __device__ __forceinline__ void halo_wgrad_gemm(bf16* smem, const bf16* __restri
     using Shared = WgradHaloShared<T>;
     constexpr int BK = T::BK;
     const int width = g.w + 2, lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-    // the image, row and column of the pixel m
-    struct Place {
-        int img, p, q;
-    };
-    const auto place = [&](int m) {
-        const int img = plane.div(m), pq = plane.mod(m, img), p = width_div.div(pq);
-        return Place{img, p, width_div.mod(pq, p)};
-    };
-    const auto padded_row = [&](const Place& at) { return at.img * (g.h + 2) + at.p; };   // halo_gemm's
+    const HaloPixels pixels{plane, width_div, g.h};
     const int stages = (max(k_end - k_begin, 0) + BK - 1) / BK;
     int first_row[2];   // the padded row of the first pixel of the stage in each slot of the ring
     // the window of the stage's pixels and their dy: 8 threads to a pixel's 64 output channels
@@ -337,9 +329,10 @@ __device__ __forceinline__ void halo_wgrad_gemm(bf16* smem, const bf16* __restri
         if (stage < stages) {
             bf16* const window = smem + ring * Shared::STAGE;
             const int p0 = k_begin + stage * BK, last = min(p0 + BK, k_end) - 1;
-            const Place first = place(p0);
-            first_row[ring] = padded_row(first);
-            halo_load_window(window, x, g, g.c, c0, first.img, first.p, padded_row(place(last)) - first_row[ring] + 3);
+            const HaloPixels::Place first = pixels.place(p0);
+            first_row[ring] = pixels.padded_row(first);
+            halo_load_window(window, x, g, g.c, c0, first.img, first.p,
+                             pixels.padded_row(pixels.place(last)) - first_row[ring] + 3);
 #pragma unroll
             for (int c = 0; c < BK * T::BN / 8 / TC_THREADS; ++c) {
                 const int q = int(threadIdx.x) + TC_THREADS * c, line = q / 8, chunk = q % 8;
@@ -366,8 +359,8 @@ __device__ __forceinline__ void halo_wgrad_gemm(bf16* smem, const bf16* __restri
             const int m = p0 + 16 * half + pixel;
             int row = 0;   // past the part's pixels (dy zero there): the first slot
             if (m < k_end) {
-                const Place at = place(m);
-                row = ((padded_row(at) - first_row[ring]) * width + at.q) * HALO_PITCH;
+                const HaloPixels::Place at = pixels.place(m);
+                row = ((pixels.padded_row(at) - first_row[ring]) * width + at.q) * HALO_PITCH;
             }
         row += channel;
             unsigned fb[T::NI / 2][4];

@@ -717,24 +717,17 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, fl
 #pragma unroll
     for (int h = 0; h < 2; ++h) land[h].channels(c0 + HALF * h);
     const int width = g.w + 2, lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-    // the image, row and column of the pixel m, and the padded row of the row above it (halo_gemm's)
-    struct Place {
-        int img, p, q;
-    };
-    const auto place = [&](int m) {
-        const int img = plane.div(m), pq = plane.mod(m, img), p = width_div.div(pq);
-        return Place{img, p, width_div.mod(pq, p)};
-    };
-    const auto padded_row = [&](const Place& at) { return at.img * (g.h + 2) + at.p; };
+    const HaloPixels pixels{plane, width_div, g.h};
     // the window of the stage's pixels: from the padded row pp of image img, `rows` of them, the first `first`
     struct Window {
         int img, pp, rows, first;
     };
     const auto window_of = [&](int stage) {
         const int p0 = k_begin + stage * BK;
-        const Place first = place(p0);
-        const int first_row = padded_row(first);
-        return Window{first.img, first.p, padded_row(place(min(p0 + BK, k_end) - 1)) - first_row + 3, first_row};
+        const HaloPixels::Place first = pixels.place(p0);
+        const int first_row = pixels.padded_row(first);
+        return Window{first.img, first.p, pixels.padded_row(pixels.place(min(p0 + BK, k_end) - 1)) - first_row + 3,
+                      first_row};
     };
     Window windows[2];   // of the stage in each slot of the ring
     const auto dy_line = [](int part) { return TC_BK * part + CopyB::k(0) < BK; };   // this thread's is the stage's
@@ -762,8 +755,8 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, fl
                 const int m = p0 + int(threadIdx.x);
                 int slot = 0;
                 if (m < k_end) {
-                    const Place at = place(m);
-                    slot = ((padded_row(at) - w.first) * width + at.q) * PITCH;
+                    const HaloPixels::Place at = pixels.place(m);
+                    slot = ((pixels.padded_row(at) - w.first) * width + at.q) * PITCH;
                 }
                 reinterpret_cast<int*>(s + Shared::SLOTS)[threadIdx.x] = slot;
             }

@@ -854,6 +854,21 @@ struct Halo288x64 : TcTile<288, 64> {
     static constexpr int BK = WG_PIXELS, STAGES = 2;
 };
 
+// Where such a kernel's pixel m (its k) lies: its image, row and column (FastDivmod by H*W and by W), and the
+// padded row of the row above it (halo_load_window's: image (H + 2) + row), where its window starts.
+struct HaloPixels {
+    struct Place {
+        int img, p, q;
+    };
+    FastDivmod plane, width;
+    int h;
+    __device__ Place place(int m) const {
+        const int img = plane.div(m), pq = plane.mod(m, img), p = width.div(pq);
+        return {img, p, width.mod(pq, p)};
+    }
+    __device__ int padded_row(const Place& at) const { return at.img * (h + 2) + at.p; }
+};
+
 // dw's element of such a tile's row m' and output channel n: WeightsOut's.
 struct HaloWeightsOut {
     static constexpr bool M_CONTIGUOUS = WeightsOut::M_CONTIGUOUS;
