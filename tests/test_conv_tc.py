@@ -231,6 +231,36 @@ def test_backward_weight_from_windows_split_over_the_pixels(emu, monkeypatch, ha
     assert conv_tc.WGRAD_HALO["conv_tc"].kernel in halo_everywhere
 
 
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "bn1 applied"])
+def test_the_halo_backward_weights_split_sums_do_not_depend_on_which_block_finishes_last(monkeypatch, normalize):
+    """dw and db bit for bit the same with the emulator's blocks in ascending and in descending order (another
+    part of each tile, and of each group, finishes last), its 11 parts added in two levels."""
+    from kernels.emu import thread_order
+    monkeypatch.setattr(conv_tc, "WGRAD_HALO_SPLIT_TARGET", 10**9)
+    monkeypatch.setattr(conv_tc, "WGRAD_HALO_MIN_SPLIT_K", 1)
+    conv_tc.plan.cache_clear()
+    be = kernels._device_backend("emu")
+    x, w, dy = draw((4, 32, 12, 12), (48, 32, 3, 3), (4, 48, 12, 12))
+    x, dy = (np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2) for a in (x, kernels.cpu.round_tf32(dy)))
+    gamma, beta, mean = rng().standard_normal((3, 32)).astype(np.float32)
+    norm = (gamma, beta, mean, (0.5 + rng().random(32)).astype(np.float32)) if normalize else None
+    names, launch = [], conv_tc.launch
+    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, *a, **k: names.append(kernel) or
+                        launch(be, family, kernel, *a, **k))
+    results = []
+    try:
+        for order in ("ascending", "descending"):
+            with thread_order(order):
+                results.append([np.array(a) for a in be.conv2d_backward(dy, x, w, 1, 1, dy_tf32=True, need_dx=False,
+                                                                        normalize=norm)[1:]])
+    finally:
+        conv_tc.plan.cache_clear()
+    halo = conv_tc.WGRAD_HALO["conv_tc"].kernel
+    assert names == [halo[:-1] + ", true>" if normalize else halo] * 2, names
+    for what, first, second in zip(("dw", "db"), *results):
+        assert np.array_equal(first, second), what
+
+
 def channels_last(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
 
@@ -620,6 +650,14 @@ def test_gpu_conv_against_the_tf32_references(gpu_backend, x_shape, w_shape, str
 def test_gpu_halo_convolutions_against_the_tf32_references(gpu_backend, halo_everywhere, x_shape, w_shape):
     check_conv(gpu_backend, x_shape, w_shape, 1, 1, channels_last=True)
     assert f"conv_tc_forward_halo<{conv_tc.TF32.halo}>" in halo_everywhere
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_shape, w_shape", WGRAD_HALO_SHAPES + [((8, 64, 28, 28), (64, 64, 3, 3))])
+def test_gpu_halo_backward_weight_against_the_tf32_references(gpu_backend, halo_everywhere, x_shape, w_shape):
+    """Its 96 KB of dynamic shared memory allowed on the device (Backend.function), and the first stage's shape."""
+    check_conv(gpu_backend, x_shape, w_shape, 1, 1, channels_last=True, dy_tf32=True)
+    assert conv_tc.WGRAD_HALO["conv_tc"].kernel in halo_everywhere
 
 
 @pytest.mark.gpu
