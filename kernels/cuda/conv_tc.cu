@@ -668,7 +668,10 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, co
 // as relu(bn(x)) (HaloNorm, NORM), made so by the threads that copied it; dy holds TF32 values (the launcher
 // takes conv_tc_wgrad for a bias gradient of another dy than the one the GEMM reads), and the blocks of the
 // first 32 input channels sum the bias gradient from it as it lands (BiasSums), in a main loop of their own.
-// At 28 x 28 a block reads 72 FLOPs per L2 byte (bench/tc_plan.py).
+// Nothing lies in static shared memory (the warps' bias sums go in the ring once the loop is done), so that
+// the ring's addresses are constants. At 28 x 28 a block reads 73 FLOPs per L2 byte (bench/tc_plan.py); the
+// launcher's WGRAD_HALO gives the ring's bytes (the emulator's sanitizer refuses an access past what a
+// launch asked for).
 constexpr int TC_WGRAD_HALO_BLOCKS = 2;   // resident blocks an SM: registers, and the ring's 96 KB
 struct TcHalo288x64 : TcTile<288, 64> {
     static constexpr int BK = 56, STAGES = 2, SLOTS = 210;   // a stage's pixels; its windows' slots
