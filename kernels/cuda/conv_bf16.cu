@@ -304,6 +304,11 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
 // + i are the channels c0 + 16 h + i of the tap (HaloWeightsOut), so that tc_conv.cuh's split-K end
 // takes it as it is.
 
+constexpr int WG_PIXELS = 48, WG_SLOTS = 224;   // a stage's pixels; its window's slots (17.5 KB)
+struct Halo288x64 : TcTile<288, 64> {
+    static constexpr int BK = WG_PIXELS, STAGES = 2;
+};
+
 template <class T>
 struct WgradHaloShared {
     static constexpr int WINDOW = WG_SLOTS * HALO_PITCH, STAGE = WINDOW + T::BK * T::BN;
@@ -464,19 +469,36 @@ conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf
                         sums_tiles);
 }
 
-// The bias gradient on the tensor cores (tc_conv.cuh's BiasMmaSums): each k16 step's B fragments, dy, by an
-// A of ones, NI more HMMA a k16 step for the warps of the first row, where summing the landed values one by
-// one took twice the issue slots of the GEMM's own HMMA.
+// The bias gradient (tc_conv.cuh's BiasTotals) on the tensor cores: the warps of the first row of the
+// block's 2 x 2 (their 64 x 64 tiles cover its BN columns) multiply each k16 step's B fragments, dy, by
+// an A of ones, exact products summed in float32 as the GEMM's are, into the column sums of their
+// n8 tiles (every row of such an mma tile holds them): NI more HMMA a k16 step for those warps, where
+// summing the landed values one by one took twice the issue slots of the GEMM's own HMMA.
 template <class T>
-struct BiasMma : BiasMmaSums<T> {
+struct BiasMma : BiasTotals<T> {
+    float sums[T::NI][4];
+
     __device__ void b_fragments(const unsigned (&fb)[T::NI / 2][4]) {
-        if (!this->summing()) return;
+        if (int(threadIdx.x) / 64 != 0) return;   // the warps of the first row (warp-uniform)
         const unsigned ones[4] = {0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u};
 #pragma unroll
         for (int j = 0; j < T::NI; ++j) {
             const unsigned b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
-            mma_bf16(this->sums[j], ones, b, this->sums[j]);
+            mma_bf16(sums[j], ones, b, sums[j]);
         }
+    }
+    // every thread of the block calls it; smem: the main loop's, which it is done with
+    __device__ void reduce(bf16* smem) {
+        if (!this->active) return;   // the same for the whole block
+        __syncthreads();
+        this->block_sums = reinterpret_cast<float*>(smem);
+        const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+        if (warp < 2 && lane < 4)   // row 0 of the tiles: columns 2t, 2t + 1 of each
+#pragma unroll
+            for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) this->block_sums[warp * T::WARP_N + 8 * j + 2 * lane + e] = sums[j][e];
+        __syncthreads();
     }
 };
 
@@ -498,7 +520,7 @@ conv_bf16_wgrad(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* 
     using CopyA = BfCopy<T::BM, false, T::BK>;
     using CopyB = BfCopy<T::BN, false, T::BK>;
     __shared__ __align__(128) bf16 smem[BfShared<T>::SIZE];
-    BiasMma<T> bias{{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}}};
+    BiasMma<T> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
     float acc[T::MI][T::NI][4];
     // one main loop for the blocks that also sum the bias (the first row of tiles), one for the others
     const auto gemm = [&](auto&& on_chunk_b) {
@@ -581,7 +603,7 @@ conv_bf16_wgrad_halo(const bf16* __restrict__ dy, const bf16* __restrict__ x, fl
     const int c0 = blockIdx.x * 32, n0 = blockIdx.y * T::BN;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
     __shared__ __align__(128) bf16 smem[WgradHaloShared<T>::SIZE];
-    BiasMma<T> bias{{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}}};
+    BiasMma<T> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
     float acc[T::MI][T::NI][4];
     const FastDivmod plane{g.out_plane(), plane_multiplier, plane_shift}, width{g.ow, width_multiplier, width_shift};
     if (bias.active)   // one main loop for the blocks that also sum the bias (the first channels), one for the others

@@ -652,8 +652,8 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, co
 //
 // dw[o][tap][ci] = the sum over the output pixels p of x[p + tap][ci] dy[p][o]: the tiles above load each
 // pixel of x once per tap, 21.3 FLOPs per L2 byte with 64 output channels (ResNet-18's first stage). As
-// conv_bf16.cu's halo backward-weight (tc_conv.cuh's Halo288x64: the nine taps of 32 input channels by 64
-// output channels, 2 x 2 warps of 9 x 4 mma tiles, a warp's row h the channels c0 + 16 h..), a stage of
+// conv_bf16.cu's halo backward-weight (tc_conv.cuh's HaloWeightsOut: the nine taps of 32 input channels by
+// 64 output channels, 2 x 2 warps of 9 x 4 mma tiles, a warp's row h the channels c0 + 16 h..), a stage of
 // pixels (TcHalo288x64: 56, two rows of the first stage's 28 x 28 images) loads the window of x that their
 // taps reach and their dy, each once, into a 2-stage ring: two windows of 16 float channels (HaloSlot<float>),
 // one per warp row, so that the ring (TcWgradHaloShared, 96 KB) lives in dynamic shared memory, past the 48 KB

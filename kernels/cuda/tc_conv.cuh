@@ -340,7 +340,7 @@ struct WeightsOut {
 
 // The bias gradient of backward-weight's blocks of the first row of tiles (x = 0): db[n] = the sum
 // of dy[k, n] over the pixels k, which each precision's main loop sums its own way (conv_tc.cu's
-// BiasSums, BiasMmaSums) into block_sums, [BN] in shared memory; then, as tc_finish's
+// BiasSums, conv_bf16.cu's BiasMma) into block_sums, [BN] in shared memory; then, as tc_finish's
 // steps call them, the block's sums go to db, or with several parts to the part's slot of
 // db_partial (slots of O), which are added in order like the tile's.
 template <class T>
@@ -364,30 +364,6 @@ struct BiasTotals {
     }
     __device__ void total(int first, int terms) const {
         if (mine()) db[channel()] = added_partials(db_partial + first * o + channel(), terms, o);
-    }
-};
-
-// The bias gradient on the tensor cores (conv_bf16.cu's BiasMma, conv_tc.cu's halo backward-weight): the
-// warps of the first row of the block's 2 x 2 (their tiles cover its BN columns) multiply their B fragments,
-// dy, by an A of ones, exact products summed in float32 as the GEMM's are, into the column sums of their n8
-// tiles (every row of such an mma tile holds them), `sums`; reduce hands them to block_sums.
-template <class T>
-struct BiasMmaSums : BiasTotals<T> {
-    float sums[T::NI][4];
-
-    __device__ bool summing() const { return int(threadIdx.x) / 64 == 0; }   // warp-uniform
-    // every thread of the block calls it; smem: the main loop's, which it is done with
-    __device__ void reduce(void* smem) {
-        if (!this->active) return;   // the same for the whole block
-        __syncthreads();
-        this->block_sums = reinterpret_cast<float*>(smem);
-        const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-        if (warp < 2 && lane < 4)   // row 0 of the tiles: columns 2t, 2t + 1 of each
-#pragma unroll
-            for (int j = 0; j < T::NI; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) this->block_sums[warp * T::WARP_N + 8 * j + 2 * lane + e] = this->sums[j][e];
-        __syncthreads();
     }
 };
 
@@ -847,12 +823,8 @@ __device__ __forceinline__ void halo_load_window(E* window, const E* __restrict_
 // Backward-weight of such a convolution from windows of x (conv_bf16.cu's and conv_tc.cu's halo backward-weight):
 // a block's tile is the nine taps of 32 input channels c0.. by 64 output channels, 288 rows m' = 144 h + 16 tap + i
 // for the channel c0 + 16 h + i of the tap, which the 2 x 2 warps split as 16 channels (the warp's row, h) by 32
-// output channels, each warp all nine taps of them (9 x 4 mma tiles); its k is the pixel, WG_PIXELS of them a
-// stage, whose window of x (halo_load_window) fits WG_SLOTS slots (kernels/cuda/conv_tc.py's wgrad_halo).
-constexpr int WG_PIXELS = 48, WG_SLOTS = 224;
-struct Halo288x64 : TcTile<288, 64> {
-    static constexpr int BK = WG_PIXELS, STAGES = 2;
-};
+// output channels, each warp all nine taps of them (9 x 4 mma tiles); its k is the pixel, a stage of them at a
+// time, whose window of x (halo_load_window) fits the kernel's slots (kernels/cuda/conv_tc.py's WGRAD_HALO).
 
 // Where such a kernel's pixel m (its k) lies: its image, row and column (FastDivmod by H*W and by W), and the
 // padded row of the row above it (halo_load_window's: image (H + 2) + row), where its window starts.
