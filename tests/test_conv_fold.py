@@ -24,12 +24,13 @@ from kernels.emu import thread_order
 
 # (N, C, H, W) of x, O, stride, what is forced (split-K, or the halo forward wherever it applies): 128 x 64 and
 # 128 x 128 tiles (80 columns: a partial tile of them) at stride 1, with and without split-K (each part's
-# channels start where its k does), a stride-2 64 -> 128 (its forward on the square tile), a small image
-# (padding a large share of the taps); the halo forward (its window across images in the last two, and
-# a partial tile of 48 columns)
+# channels start where its k does), a stride-2 64 -> 128 (its forward on the square tile, and its backward-weight,
+# runs of 2 chunks), a 128 -> 128 (the square backward-weight's runs of 4), a small image (padding a large share
+# of the taps); the halo forward (its window across images in the last two, and a partial tile of 48 columns)
 SHAPES = [((1, 64, 12, 12), 64, 1, None), ((1, 64, 12, 12), 64, 1, "split"), ((2, 32, 9, 9), 80, 1, None),
-          ((2, 32, 9, 9), 80, 1, "split"), ((2, 64, 9, 9), 128, 2, None), ((4, 32, 6, 6), 32, 1, None),
-          ((1, 64, 12, 12), 64, 1, "halo"), ((4, 32, 6, 6), 32, 1, "halo"), ((3, 16, 7, 5), 48, 1, "halo")]
+          ((2, 32, 9, 9), 80, 1, "split"), ((2, 64, 9, 9), 128, 2, None), ((1, 128, 5, 5), 128, 1, None),
+          ((4, 32, 6, 6), 32, 1, None), ((1, 64, 12, 12), 64, 1, "halo"), ((4, 32, 6, 6), 32, 1, "halo"),
+          ((3, 16, 7, 5), 48, 1, "halo")]
 
 
 def force(monkeypatch, what):
@@ -153,7 +154,7 @@ def test_the_padding_is_zero_not_the_norm_of_zero(monkeypatch, forced):
     normalize[1][:] = np.abs(normalize[1]) + 0.5   # beta > 0 where the mean term is small: relu(shift) > 0
     with kernels.use_precision("tf32"), kernels.emu.sanitizer("off"):
         be = kernels._device_backend("emu")
-        monkeypatch.setattr(type(be), "nan_chunk", lambda self: np.zeros(4, np.float32))
+        monkeypatch.setattr(type(be), "nan_chunk", lambda self: np.zeros(kernels.cuda.NAN_FLOATS, np.float32))
         folded = be.conv2d_forward(x, w, b, 1, 1, normalize=normalize)
         plain = be.conv2d_forward(be.batch_norm_apply(x, *normalize, relu=True), w, b, 1, 1)
     conv_tc.plan.cache_clear()
@@ -161,6 +162,24 @@ def test_the_padding_is_zero_not_the_norm_of_zero(monkeypatch, forced):
     differs = np.any(folded != plain, axis=(0, 1))
     assert differs[0].all() and differs[-1].all() and differs[:, 0].all() and differs[:, -1].all()
     assert not differs[1:-1, 1:-1].any()
+
+
+def test_the_padding_runs_need_the_whole_nan_chunk(monkeypatch):
+    """Planted: the NaN the padding is copied from cut to one chunk (4 floats, before the square backward-weight
+    copied runs of 4 chunks from one address): the runs read past it, and the emulator's sanitizer refuses the
+    launch by name. (The whole chunk, the twin, runs clean in test_a_batch_norm_applied_as_the_input_lands.)"""
+    names = launched(monkeypatch)
+    x, w, b, normalize = draw((1, 128, 5, 5), 128)
+    dy = gradient(x, w, 1)
+    be = kernels._device_backend("emu")
+    with kernels.use_precision("tf32"):
+        chunk = be.nan_chunk()[:4]
+        monkeypatch.setattr(type(be), "nan_chunk", lambda self: np.ascontiguousarray(chunk))
+        with pytest.raises(kernels.emu.KernelError, match=r"conv_tc_wgrad<Tc128x128, 128, true>.*outside the "
+                                                          r"kernel's argument buffers"):
+            be.conv2d_backward(dy, x, w, 1, 1, normalize=normalize)
+    conv_tc.plan.cache_clear()
+    assert "conv_tc_wgrad<Tc128x128, 128, true>" in names, names
 
 
 @pytest.mark.parametrize("case", ["64-row tile", "nchw", "8 channels", "gamma at an odd offset"])

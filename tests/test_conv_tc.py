@@ -120,7 +120,7 @@ def variant(request, monkeypatch):
     if "tile" in request.param:   # the square tile has the aligned copies alone
         tile = "Tc128x64" if request.param == "large tile" else "Tc128x128"
         monkeypatch.setattr(conv_tc, "choose_tile", lambda rows, columns, aligned: tile if aligned else "Tc128x64")
-        monkeypatch.setattr(conv_tc, "choose_wgrad_tile", lambda columns, aligned: tile if aligned else "Tc128x64")
+        monkeypatch.setattr(conv_tc, "choose_wgrad_tile", lambda columns, align: tile if align else "Tc128x64")
     if request.param.endswith("split"):   # every GEMM in parts of one k step, in two levels past ONE_LEVEL_PARTS
         monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 10**9)
         monkeypatch.setattr(conv_tc, "WGRAD_SPLIT_TARGET", collections.defaultdict(lambda: 10**9))
@@ -157,9 +157,45 @@ ALIGNED_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("x_shape, w_shape, stride, padding, bias", VECTOR_SHAPES + ALIGNED_SHAPES)
+# Channel counts that are multiples of 64 and of 128: backward-weight's square tile copies runs of 2 and 4 chunks
+# from one address (conv_tc.WGRAD_SQUARE_ALIGNS), its rows across two taps (C = 64), a partial tile of columns
+# (O = 192: the second tile's last run of dy past O), the padding, and the 1x1/2 projection.
+SQUARE_WGRAD_SHAPES = [
+    ((2, 64, 5, 5), (128, 64, 3, 3), 2, 1, True),
+    ((1, 128, 4, 4), (128, 128, 3, 3), 1, 1, False),
+    ((2, 64, 3, 4), (192, 64, 1, 1), 2, 0, True),
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, bias", VECTOR_SHAPES + ALIGNED_SHAPES + SQUARE_WGRAD_SHAPES)
 def test_conv_at_odd_shapes(emu, variant, x_shape, w_shape, stride, padding, bias):
     check_conv(emu, x_shape, w_shape, stride, padding, bias)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_square_backward_weight_copies_runs_of_chunks(monkeypatch, planted):
+    """The square tile's backward-weight at the ALIGN its channel counts allow (runs of 2 chunks at C = 64, 4
+    at 128: SQUARE_WGRAD_SHAPES check their results) and, planted, at 128 for C = 64: a run then crosses into
+    the next tap's channels (or past x), which the references (or the emulator's sanitizer) refuse."""
+    launched, launch = [], conv_tc.launch
+    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, grid, args, **k: launched.append(kernel) or
+                        launch(be, family, kernel, grid, args, **k))
+    if planted:
+        monkeypatch.setattr(conv_tc, "square_wgrad_align", lambda c, o, taps: 128)
+    conv_tc.plan.cache_clear()
+    emu = kernels._device_backend("emu")
+    try:
+        for x_shape, w_shape in (((2, 64, 5, 5), (128, 64, 3, 3)), ((1, 128, 4, 4), (128, 128, 3, 3))):
+            if planted and x_shape[1] == 64:
+                with pytest.raises((AssertionError, kernels.emu.KernelError)):
+                    check_conv(emu, x_shape, w_shape, 2, 1)
+            else:
+                check_conv(emu, x_shape, w_shape, 2, 1)
+    finally:
+        conv_tc.plan.cache_clear()
+    want = ["conv_tc_wgrad<Tc128x128, 128>"] * 2 if planted else ["conv_tc_wgrad<Tc128x128, 64>",
+                                                                  "conv_tc_wgrad<Tc128x128, 128>"]
+    assert [name for name in launched if name.startswith("conv_tc_wgrad")] == want, launched
 
 
 def resnet18_convolutions(batch, width):
@@ -617,10 +653,10 @@ def test_every_tensor_core_kernel_runs_hmma(arch):
     compiled = compile_family("conv_tc", arch)
     sass = compiled.sass()
     gemms = [name for name in conv_tc.KERNELS if name.startswith("conv_tc_")]
-    assert len(gemms) == 22   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
-    # backward-weight: 128 x 64's two and the square's; the forward and backward-weight that apply a batch norm
-    # to x as it lands, on the two large tiles; the halo forward (with and without the norm), backward-data, and
-    # backward-weight (with and without the norm)
+    assert len(gemms) == 24   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
+    # backward-weight: 128 x 64's two and the square's at its two ALIGNs; the forward and backward-weight that
+    # apply a batch norm to x as it lands, on the two large tiles (the square backward-weight at both ALIGNs); the
+    # halo forward (with and without the norm), backward-data, and backward-weight (with and without the norm)
     for name in gemms:
         instructions = sass[compiled.lowered_names[name]]
         assert any(i.startswith("HMMA.1688.F32.TF32") for i in instructions), f"{name} for {arch}: no HMMA"

@@ -36,6 +36,7 @@ def families_for(arch):
 OPTIONS = ("--std=c++17",)
 HERE = Path(__file__).resolve().parent
 COUNTERS = 4096   # the backend's counters per device, at least (Backend.counters)
+NAN_FLOATS = 128   # Backend.nan_chunk's: a run of 4 chunks 32 floats apart reads 100 (conv_tc.cu's run_of)
 _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"[ \t]*$', re.MULTILINE)
 
 
@@ -118,12 +119,12 @@ class Backend:
         return have
 
     def nan_chunk(self):
-        """16 bytes of float32 NaN on the current device, which the kernels that apply a batch norm and its relu
-        to an operand as it lands copy where the operand is zero (conv_tc.cu's TcFold): made on first use, one
-        per device, never written."""
+        """NAN_FLOATS float32 NaN on the current device, which the kernels that apply a batch norm and its relu
+        to an operand as it lands copy where the operand is zero (conv_tc.cu's TcFold), a run of chunks at a
+        time (tc_conv.cuh's tc_load_stage): made on first use, one per device, never written."""
         device = self.xp.cuda.runtime.getDevice() if self.xp is not np else None
         if device not in self._nan_chunks:
-            chunk = self._nan_chunks[device] = self.xp.empty(4, np.float32)
+            chunk = self._nan_chunks[device] = self.xp.empty(NAN_FLOATS, np.float32)
             chunk.fill(np.nan)
         return self._nan_chunks[device]
 

@@ -49,7 +49,9 @@
 // their rows once, before the loop; a stage then adds a constant to an offset and tests a
 // precomputed bit of the tap's padding mask (CUTLASS's "optimized" convolution iterators work the
 // same way). Backward-weight's k is the pixel: a thread's chunks of im2col share one pixel, split
-// into image, row and column by FastDivmod once per stage. ALIGN = 4 (channel counts multiples of
+// into image, row and column by FastDivmod once per stage; on the square tile, ALIGN = 64 or 128 (both
+// channel counts multiples of it) puts 2 or 4 of a thread's chunks in one tap, copied from one address
+// (run_of). ALIGN = 4 (channel counts multiples of
 // 4) computes every chunk's address from its (row, k) with divisions (Gathered). Results are
 // deterministic: every output element is one thread's sum in a fixed order, and split-K partials
 // are added in a fixed order; so is the bias gradient (BiasSums).
@@ -585,6 +587,16 @@ struct BiasSums : BiasTotals<T> {
     }
 };
 
+// The runs of a thread's chunks of backward-weight's operands (tc_load_stage) where both channel counts are
+// multiples of ALIGN: chunk c lies ROW_STEP c rows (channels) past the thread's first, and a block's rows start
+// at a multiple of its tile's, so that ALIGN / ROW_STEP consecutive chunks (all, at most) share x's tap, and dy's
+// existence.
+template <class Copy, int ALIGN>
+constexpr int run_of() {
+    constexpr int run = ALIGN / Copy::ROW_STEP;
+    return run < 1 ? 1 : run < Copy::CHUNKS ? run : Copy::CHUNKS;
+}
+
 // A bool as a type, which a generic lambda's argument carries into its body as a constant.
 template <bool V>
 struct Flag {
@@ -599,14 +611,16 @@ struct Flag {
 // it, run a main loop of their own: on dy_raw, rounding each stage as it lands, or, where dy_raw is dy,
 // on dy's values as they land; the others read dy as it is and sum nothing. plane_..., width_...: the
 // FastDivmod multipliers and shifts of OH*OW and OW. NORM: x is a training batch norm's input, and the
-// convolution's input relu(bn(x)) (TcNormColumns), as conv_tc_forward's.
+// convolution's input relu(bn(x)) (TcNormColumns), as conv_tc_forward's. ALIGN: 4 (the gathered copies), 16
+// (the aligned ones), or 64 or 128 (the square tile's, conv_tc.py's WGRAD_SQUARE_ALIGNS: C and O multiples of it,
+// so that a thread's chunks of x and of dy go in runs of 2 or 4, run_of, each one address and one test).
 template <class T, int ALIGN, bool NORM = false>
 __global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
 conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, const float* __restrict__ x,
               float* __restrict__ dw, int krsc, float* __restrict__ db, float* partial, float* db_partial,
               unsigned* counters, CONV_PARAMS, int k_chunk, int group, unsigned plane_multiplier,
               unsigned plane_shift, unsigned width_multiplier, unsigned width_shift, TC_FOLD_PARAMS) {
-    static_assert(ALIGN == 16 || !NORM, "a norm applied as x lands takes the aligned copies");
+    static_assert(ALIGN % 16 == 0 || !NORM, "a norm applied as x lands takes the aligned copies");
     __shared__ float warp_sums[4][T::BN];
     __shared__ __align__(16) float norm_table[NORM ? 2 * T::BM : 1];
     const Geometry<0, 0> g CONV_GEOMETRY;
@@ -615,16 +629,17 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, co
     const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;
     using CopyA = TcCopy<T::BM, false>;
     using CopyB = TcCopy<T::BN, false>;
+    constexpr int RUN_A = run_of<CopyA, ALIGN>(), RUN_B = run_of<CopyB, ALIGN>();
     BiasSums<T, CopyB> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
     float acc[T::MI][T::NI][4];
     // the main loop on B from b_source, B_ROUNDED.value: read as it is, else rounded as it lands
     const auto gemm = [&](auto b_rounded, const float* b_source, auto&& on_chunk_b, auto land_a) {
         constexpr bool B_ROUNDED = decltype(b_rounded)::value;
-        if constexpr (ALIGN == 16)
+        if constexpr (ALIGN % 16 == 0)
             tc_gemm<T, false, false, B_ROUNDED>(
-                ImageColumnsAligned<CopyA>(g, x, FastDivmod{g.out_plane(), plane_multiplier, plane_shift},
-                                           FastDivmod{g.ow, width_multiplier, width_shift}, m0, k_begin, k_end),
-                PixelChannelsAligned<CopyB>(b_source, g.o, n0, k_begin, k_end), tiles, acc, on_chunk_b, land_a);
+                ImageColumnsAligned<CopyA, RUN_A>(g, x, FastDivmod{g.out_plane(), plane_multiplier, plane_shift},
+                                                  FastDivmod{g.ow, width_multiplier, width_shift}, m0, k_begin, k_end),
+                PixelChannelsAligned<CopyB, RUN_B>(b_source, g.o, n0, k_begin, k_end), tiles, acc, on_chunk_b, land_a);
         else
             tc_gemm<T, false, false, B_ROUNDED>(Gathered<CopyA, ImageColumns>{x, {g}, m0, k_begin, k_end},
                                                 Gathered<CopyB, ChannelsOfPixels>{b_source, {g.o}, n0, k_begin, k_end},

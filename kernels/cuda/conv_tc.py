@@ -64,16 +64,22 @@ TF32 = Kind("conv_tc", (("Tc128x128", 128, 128, 16, False), ("Tc128x64", 128, 64
                         ("Tc64x64", 64, 64, 16, True)), 4, "TcHalo128x64", 16)
 BK, GEMMS = 16, TF32.gemms
 # Backward-weight runs a large tile at every size (choose_wgrad_tile): its grid is small and split-K
-# fills the GPU, and the small tile's loop issues more than 8 instructions per HMMA.
+# fills the GPU, and the small tile's loop issues more than 8 instructions per HMMA. The square tile copies
+# a run of chunks at a time (conv_tc.cu's run_of: one address and one test for 2 chunks of x and of dy where
+# both channel counts are multiples of 64, for 4 where of 128), at the largest of WGRAD_SQUARE_ALIGNS that
+# both channel counts are multiples of (square_wgrad_align), and at no other.
+WGRAD_SQUARE_ALIGNS = (128, 64)
+SQUARE_WGRADS = tuple(f"conv_tc_wgrad<Tc128x128, {align}>" for align in WGRAD_SQUARE_ALIGNS)
 # The forward and backward-weight of a convolution whose input is a training batch norm's relu(bn(x)), read
 # from x with the norm applied as each stage (or window) lands (conv_tc.cu's NORM): the large tiles, aligned
-# copies, and the halo forward.
+# copies, and the halo forward and backward-weight.
 FOLD_TILES = ("Tc128x128", "Tc128x64")
-KERNELS = TF32.kernels(("Tc128x128", "Tc128x64")) + tuple(
-    f"conv_tc_{gemm}<{tile}, {BK}, true>" for gemm in ("forward", "wgrad") for tile in FOLD_TILES) + tuple(
+FOLD_KERNELS = tuple(f"conv_tc_forward<{tile}, {BK}, true>" for tile in FOLD_TILES) + tuple(
+    name[:-1] + ", true>" for name in SQUARE_WGRADS + (f"conv_tc_wgrad<Tc128x64, {BK}>",)) + (
+    f"conv_tc_forward_halo<{TF32.halo}, true>", "conv_tc_wgrad_halo<TcHalo288x64, true>")
+KERNELS = TF32.kernels(("Tc128x64",)) + SQUARE_WGRADS + tuple(
     f"conv_tc_{gemm}_halo<{TF32.halo}>" for gemm in ("forward", "dgrad")) + (
-    f"conv_tc_forward_halo<{TF32.halo}, true>",) + ("conv_tc_wgrad_halo<TcHalo288x64>",
-                                                 "conv_tc_wgrad_halo<TcHalo288x64, true>")
+    "conv_tc_wgrad_halo<TcHalo288x64>",) + FOLD_KERNELS
 # Split-K: a grid of fewer blocks than SPLIT_TARGET splits its k into parts of at least
 # MIN_SPLIT_K (whole k steps) until it has that many blocks: one per SM of an H200 (132 SMs) for
 # the forward and backward-data, whose grids are large but at the last stages, so that no SM is
@@ -154,10 +160,18 @@ def choose_tile(rows, columns, aligned):
     return "Tc64x64" if rows < 128 else "Tc128x128" if columns > 64 and aligned else "Tc128x64"
 
 
-def choose_wgrad_tile(columns, aligned):
-    """TF32's backward-weight tile for `columns` output channels: Tc128x128 above 64 when `aligned` (see
-    choose_tile), else Tc128x64."""
-    return "Tc128x128" if columns > 64 and aligned else "Tc128x64"
+def square_wgrad_align(c, o, taps):
+    """The ALIGN of TF32's square backward-weight tile for C input and O output channels and `taps` filter taps:
+    the largest of WGRAD_SQUARE_ALIGNS that C and O are multiples of, None where none is (or past
+    MAX_ALIGNED_TAPS taps)."""
+    return next((align for align in WGRAD_SQUARE_ALIGNS if c % align == 0 and o % align == 0),
+                None) if taps <= MAX_ALIGNED_TAPS else None
+
+
+def choose_wgrad_tile(columns, square_align):
+    """TF32's backward-weight tile for `columns` output channels: Tc128x128 above 64 where it has a
+    `square_align` (square_wgrad_align), else Tc128x64."""
+    return "Tc128x128" if columns > 64 and square_align else "Tc128x64"
 
 
 def choose_bf16_tile(columns, aligned):
@@ -181,9 +195,8 @@ class Plan(typing.NamedTuple):
 
 def folds(gemm, geometry):
     """Whether TF32's `gemm` ("forward" or "wgrad") of this convolution can read its input as a batch
-    norm's relu(bn(x)) from x (FOLD_TILES, with the aligned copies, and the halo forward and backward-weight)."""
-    return plan(gemm, geometry, TF32).kernel in {TF32.kernel(gemm, tile, BK) for tile in FOLD_TILES} | {
-        f"conv_tc_forward_halo<{TF32.halo}>", WGRAD_HALO["conv_tc"].kernel}
+    norm's relu(bn(x)) from x: its kernel has a twin in FOLD_KERNELS."""
+    return plan(gemm, geometry, TF32).kernel[:-1] + ", true>" in FOLD_KERNELS
 
 
 @functools.lru_cache(maxsize=1024)
@@ -218,7 +231,8 @@ def plan(gemm, geometry, kind=TF32, fold=False, windows=True):
         parts, chunk = splits(k, grid[0] * grid[1], halo_.pixels, WGRAD_HALO_SPLIT_TARGET, WGRAD_HALO_MIN_SPLIT_K)
         return Plan(halo_.kernel, grid + (parts,), chunk, parts, group_size(parts), kind.family)
     if gemm == "wgrad":
-        tile = choose_bf16_tile(columns, aligned) if bf16 else choose_wgrad_tile(columns, tf32_aligned)
+        square_align = square_wgrad_align(c, o, kh * kw)
+        tile = choose_bf16_tile(columns, aligned) if bf16 else choose_wgrad_tile(columns, square_align)
         target, min_split = (BF16_WGRAD_SPLIT_TARGET, BF16_WGRAD_MIN_SPLIT_K) if bf16 else \
             (WGRAD_SPLIT_TARGET[tile], WGRAD_MIN_SPLIT_K)
     else:
@@ -226,6 +240,8 @@ def plan(gemm, geometry, kind=TF32, fold=False, windows=True):
         target, min_split = (BF16_SPLIT_TARGET, BF16_MIN_SPLIT_K) if bf16 else (SPLIT_TARGET, MIN_SPLIT_K)
     bm, bn, bk = kind.tile(tile)
     align = bk if c % bk == 0 and o % bk == 0 and kh * kw <= MAX_ALIGNED_TAPS else kind.chunk
+    if gemm == "wgrad" and tile == "Tc128x128":
+        align = square_align
     grid = (cdiv(rows, bm), cdiv(columns, bn))
     parts, chunk = splits(k, grid[0] * grid[1] * phases, bk, target, min_split)
     return Plan(kind.kernel(gemm, tile, align), grid + (phases * parts,), chunk, parts, group_size(parts), kind.family)

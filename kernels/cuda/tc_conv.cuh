@@ -29,22 +29,41 @@ struct TcTile {
     static_assert(WARP_M % 16 == 0 && NI % 2 == 0, "warp tiles of whole m16 x n16 pieces");
 };
 
-// Copies this thread's chunks of one stage into `tile`: it.at(c, offset) says whether chunk c
-// holds data, at it.base + offset in global memory, or is zero (padding, past the matrix or the
-// part's k); a zero chunk copies nothing from it.base, a valid address that keeps the instruction
-// well formed. PADDED: such a chunk is copied from `pad` instead (16 bytes: conv_tc.cu's NaN, which a
-// batch norm applied as the stage lands turns into the zero of the padding).
+// The chunks of an iterator's runs (Iterator::RUN; 1 where it has none): RUN consecutive chunks of a
+// thread that hold data, or not, together, ROW_STEP elements apart in global memory.
+template <class Iterator, class = void>
+struct ChunkRun {
+    static constexpr int value = 1;
+};
+template <class Iterator>
+struct ChunkRun<Iterator, decltype(void(Iterator::RUN))> {
+    static constexpr int value = Iterator::RUN;
+};
+
+// Copies this thread's chunks of one stage into `tile`, a run of them (ChunkRun) at a time:
+// it.at(c, offset) says whether the run of chunk c holds data, at it.base + offset in global memory for
+// c and ROW_STEP elements further for each next chunk of the run, or is zero (padding, past the matrix or
+// the part's k); a zero chunk copies nothing from it.base and the run's ROW_STEP steps from it (valid
+// addresses, within the operand's first RUN x ROW_STEP elements, that keep the instruction well formed).
+// PADDED: such a run is copied from `pad` instead (conv_tc.cu's NaN, enough of it for a run: a batch
+// norm applied as the stage lands turns it into the zero of the padding). One address a run: the
+// chunks after its first take it with a constant added, in the copy instruction.
 template <class Copy, bool PADDED = false, class Iterator>
 __device__ __forceinline__ void tc_load_stage(typename Copy::Element* tile, const Iterator& it,
                                               const typename Copy::Element* pad = nullptr) {
+    constexpr int RUN = ChunkRun<Iterator>::value;
+    static_assert(Copy::CHUNKS % RUN == 0, "whole runs of chunks");
+    bool data = false;
+    const typename Copy::Element* from = nullptr;
 #pragma unroll
     for (int c = 0; c < Copy::CHUNKS; ++c) {
-        int offset = 0;
-        const bool data = it.at(c, offset);
-        if constexpr (PADDED)
-            cp_async_cg(tile + Copy::offset(c), data ? it.base + unsigned(offset) : pad, 16);
-        else   // an unsigned offset: a 64-bit address in one multiply-add, where a signed one is extended first
-            cp_async_cg(tile + Copy::offset(c), it.base + unsigned(data ? offset : 0), data ? 16 : 0);
+        if (c % RUN == 0) {   // a run's first chunk
+            int offset = 0;
+            data = it.at(c, offset);
+            // an unsigned offset: a 64-bit address in one multiply-add, where a signed one is extended first
+            from = PADDED ? (data ? it.base + unsigned(offset) : pad) : it.base + unsigned(data ? offset : 0);
+        }
+        cp_async_cg(tile + Copy::offset(c), from + c % RUN * Copy::ROW_STEP, PADDED || data ? 16 : 0);
     }
 }
 
@@ -624,9 +643,10 @@ struct WeightRowsAligned {
 // start; per stage, the pixel's image, row and column by FastDivmod (by OH*OW and by OW) and its
 // window's offset. RUN: the thread's consecutive chunks, RUN at a time, share their tap and whether
 // they exist (C a multiple of RUN * ROW_STEP, the thread's rows aligned to it), so that a run tests
-// whether its tap lies in the image once.
-template <class Copy, int RUN = 1>
+// whether its tap lies in the image once, and takes one address (tc_load_stage).
+template <class Copy, int RUN_ = 1>
 struct ImageColumnsAligned {
+    static constexpr int RUN = RUN_;
     static_assert(Copy::CHUNKS % RUN == 0, "whole runs of chunks");
     Geometry<0, 0> g;
     const typename Copy::Element* base;   // x
@@ -654,11 +674,10 @@ struct ImageColumnsAligned {
         w0 = q * g.sw - g.pw;
         window = ((img * g.h + h0) * g.w + w0) * g.c;
     }
-    __device__ bool at(int c, int& offset) const {
-        const int first = c / RUN * RUN;   // the run's first chunk: the same test for the whole run
+    __device__ bool at(int c, int& offset) const {   // c: a run's first chunk
         offset = window + column[c];
-        return pixel < k_end && (inside >> first & 1u) && unsigned(h0 + r[first]) < unsigned(g.h) &&
-               unsigned(w0 + s[first]) < unsigned(g.w);
+        return pixel < k_end && (inside >> c & 1u) && unsigned(h0 + r[c]) < unsigned(g.h) &&
+               unsigned(w0 + s[c]) < unsigned(g.w);
     }
     __device__ void next() {
         pixel += Copy::BK;
@@ -667,9 +686,11 @@ struct ImageColumnsAligned {
 };
 
 // Backward-weight's B: dy[k, n] for the pixel k of the stage's line (the thread's one) and the
-// output channels n (its chunks).
-template <class Copy>
+// output channels n (its chunks). RUN: the thread's consecutive chunks, RUN at a time, exist together (O a
+// multiple of RUN * ROW_STEP, the block's columns aligned to it).
+template <class Copy, int RUN_ = 1>
 struct PixelChannelsAligned {
+    static constexpr int RUN = RUN_;
     const typename Copy::Element* base;   // dy
     int first;           // the offset of chunk 0 of the current stage; chunk c is ROW_STEP c channels further
     int pixel, k_end, step;
