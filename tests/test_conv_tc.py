@@ -326,7 +326,8 @@ def test_channels_last_inputs_give_the_same_results(variant, x_shape, w_shape, s
 
 
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", [((2, 16, 10, 10), (16, 16, 3, 3), 1, 1),
-                                                               ((2, 12, 9, 7), (20, 12, 3, 3), 2, 1)])
+                                                               ((2, 12, 9, 7), (20, 12, 3, 3), 2, 1),
+                                                               ((2, 128, 6, 6), (128, 128, 3, 3), 1, 1)])
 def test_split_sums_do_not_depend_on_which_block_finishes_last(variant, x_shape, w_shape, stride, padding):
     """y, dx, dw and db bit for bit the same whichever part of a tile finishes last (the emulator's
     blocks in ascending and in descending order): the parts, and the groups of the two-level sums,
