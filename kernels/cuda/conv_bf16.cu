@@ -299,10 +299,11 @@ __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ i
 // 32 channels a slot) and dy's 48 x 64, the two in a 2-stage ring. Each k16 step loads a warp's B
 // fragments (dy) once for the nine taps and each tap's A fragments from the window, transposed (a
 // slot holds the channels, m, along a row of shared memory): a lane's row is its pixel's slot shifted by
-// the tap. The window of 48 pixels and a block's 288 x 64 outputs read per k, with the window's other
-// rows, about 121 FLOPs per L2 byte at 28 x 28 (bench/tc_plan.py). The tile's rows m' = 144 h + 16 tap
-// + i are the channels c0 + 16 h + i of the tap (HaloWeightsOut), so that tc_conv.cuh's split-K end
-// takes it as it is.
+// the tap, each pixel's slot worked out once a stage, by one thread as it loads the stage, into a table
+// beside it (as TF32's halo backward-weight). The window of 48 pixels and a block's 288 x 64 outputs read
+// per k, with the window's other rows, about 121 FLOPs per L2 byte at 28 x 28 (bench/tc_plan.py). The
+// tile's rows m' = 144 h + 16 tap + i are the channels c0 + 16 h + i of the tap (HaloWeightsOut), so that
+// tc_conv.cuh's split-K end takes it as it is.
 
 constexpr int WG_PIXELS = 48, WG_SLOTS = 224;   // a stage's pixels; its window's slots (17.5 KB)
 struct Halo288x64 : TcTile<288, 64> {
@@ -310,8 +311,8 @@ struct Halo288x64 : TcTile<288, 64> {
 };
 
 template <class T>
-struct WgradHaloShared {
-    static constexpr int WINDOW = WG_SLOTS * HALO_PITCH, STAGE = WINDOW + T::BK * T::BN;
+struct WgradHaloShared {   // a stage of the ring, in bf16: the window, dy, the pixels' slots (an int each)
+    static constexpr int WINDOW = WG_SLOTS * HALO_PITCH, SLOTS = WINDOW + T::BK * T::BN, STAGE = SLOTS + 2 * T::BK;
     static constexpr int SIZE = T::STAGES * STAGE;
 };
 
@@ -328,22 +329,30 @@ __device__ __forceinline__ void halo_wgrad_gemm(bf16* smem, const bf16* __restri
     const int width = g.w + 2, lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
     const HaloPixels pixels{plane, width_div, g.h};
     const int stages = (max(k_end - k_begin, 0) + BK - 1) / BK;
-    int first_row[2];   // the padded row of the first pixel of the stage in each slot of the ring
     // the window of the stage's pixels and their dy: 8 threads to a pixel's 64 output channels
     const auto load = [&](int stage, int ring) {
         if (stage < stages) {
             bf16* const window = smem + ring * Shared::STAGE;
             const int p0 = k_begin + stage * BK, last = min(p0 + BK, k_end) - 1;
             const HaloPixels::Place first = pixels.place(p0);
-            first_row[ring] = pixels.padded_row(first);
+            const int first_row = pixels.padded_row(first);   // the window's first row
             halo_load_window(window, x, g, g.c, c0, first.img, first.p,
-                             pixels.padded_row(pixels.place(last)) - first_row[ring] + 3);
+                             pixels.padded_row(pixels.place(last)) - first_row + 3);
 #pragma unroll
             for (int c = 0; c < BK * T::BN / 8 / TC_THREADS; ++c) {
                 const int q = int(threadIdx.x) + TC_THREADS * c, line = q / 8, chunk = q % 8;
                 const bool data = p0 + line < k_end && n0 + 8 * chunk < g.o;
                 cp_async_cg(window + Shared::WINDOW + BfStage<T::BN, false, BK>::offset(line, chunk),
                             dy + unsigned(data ? (p0 + line) * g.o + n0 + 8 * chunk : 0), data ? 16 : 0);
+            }
+            if (int(threadIdx.x) < BK) {   // the pixel's slot (its tap (0, 0)); past the part's (dy zero): the first
+                const int m = p0 + int(threadIdx.x);
+                int slot = 0;
+                if (m < k_end) {
+                    const HaloPixels::Place at = pixels.place(m);
+                    slot = ((pixels.padded_row(at) - first_row) * width + at.q) * HALO_PITCH;
+                }
+                reinterpret_cast<int*>(window + Shared::SLOTS)[threadIdx.x] = slot;
             }
         }
         cp_async_commit();
@@ -358,16 +367,9 @@ __device__ __forceinline__ void halo_wgrad_gemm(bf16* smem, const bf16* __restri
         __syncthreads();      // everyone's have, and everyone is done with the stage before
         load(stage + 1, ring ^ 1);
         const bf16* const window = smem + ring * Shared::STAGE;
-        const int p0 = k_begin + stage * BK;
 #pragma unroll
         for (int half = 0; half < BK / 16; ++half) {
-            const int m = p0 + 16 * half + pixel;
-            int row = 0;   // past the part's pixels (dy zero there): the first slot
-            if (m < k_end) {
-                const HaloPixels::Place at = pixels.place(m);
-                row = ((pixels.padded_row(at) - first_row[ring]) * width + at.q) * HALO_PITCH;
-            }
-        row += channel;
+            const int row = reinterpret_cast<const int*>(window + Shared::SLOTS)[16 * half + pixel] + channel;
             unsigned fb[T::NI / 2][4];
 #pragma unroll
             for (int j = 0; j < T::NI / 2; ++j) fragments_b.load(fb[j], window + Shared::WINDOW, j, half);
