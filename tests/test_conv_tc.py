@@ -13,7 +13,8 @@ FP32 kernels under tf32 too).
   fails; the emulator runs its threads in ascending and in descending order, with the large
   tile and with split-K forced on small shapes too (its sums in two levels where the parts are
   many); channel counts that are multiples of 16 take the aligned iterators, other multiples of 4
-  the gathered copies.
+  the gathered copies, multiples of 64 and 128 backward-weight's square tile, which copies runs of
+  2 and 4 chunks from one address (planted: a run across two taps is refused).
 - The launch plan: split-K, backward-weight in two waves of an H200, FastDivmod's arithmetic.
 - The layouts: NCHW and channels-last inputs give the same results; outputs and dx are
   channels-last.
