@@ -40,7 +40,7 @@ WGRAD_HALOS = {kernel: halo for halo in conv_tc.WGRAD_HALO.values() for kernel i
 ELEMENT_BYTES = {"tf32": 4, "bf16": 2}
 # the FLOPs per L2 byte a GEMM should read (issue 28's 32 for TF32; the 128 x 128 tile's 64 for BF16)
 FLOPS_PER_BYTE_GOAL = {"tf32": 32, "bf16": 64}
-RAW_DY_LOOP = re.compile(r"conv_tc_wgrad<")   # TF32's backward-weights with a raw dy's bias loop, their third
+RAW_DY_LOOP = "conv_tc_wgrad<"   # the TF32 backward-weights with a raw dy's bias loop, their third (a name's start)
 
 
 def blocks_per_sm(resources, threads=conv_tc.THREADS, dynamic=0):
@@ -251,7 +251,7 @@ def kernel_table(precision, arch, launched, resources):
               f"{'yes' if kernel in launched else 'no'} |")
     step = [ratio for kernel in sorted(launched) for ratio in ratios[kernel]]
     # TF32's backward-weight's third loop sums a raw dy, which the step never hands it (its batch norms round dy)
-    runs = [ratio for kernel in sorted(launched) for ratio in ratios[kernel][:2 if RAW_DY_LOOP.match(kernel) else None]]
+    runs = [ratio for kernel in sorted(launched) for ratio in ratios[kernel][:2 if kernel.startswith(RAW_DY_LOOP) else None]]
     print(f"\n{precision}: instructions per HMMA of the product in the main loops of the kernels launched: median "
           f"{statistics.median(step):.2f}, most {max(step):.2f}; of the loops the step runs (not TF32 "
           f"backward-weight's raw-dy bias loop): median {statistics.median(runs):.2f}, most {max(runs):.2f}")

@@ -36,7 +36,7 @@ def families_for(arch):
 OPTIONS = ("--std=c++17",)
 HERE = Path(__file__).resolve().parent
 COUNTERS = 4096   # the backend's counters per device, at least (Backend.counters)
-NAN_FLOATS = 128   # Backend.nan_chunk's: a run of 4 chunks 32 floats apart reads 100 (conv_tc.cu's run_of)
+NAN_FLOATS = 128   # Backend.nan_chunk's: a run of 4 chunks 32 floats apart reads 100 (tc_conv.cuh's run_of)
 _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"[ \t]*$', re.MULTILINE)
 
 

@@ -345,15 +345,9 @@ __device__ __forceinline__ void halo_wgrad_gemm(bf16* smem, const bf16* __restri
                 cp_async_cg(window + Shared::WINDOW + BfStage<T::BN, false, BK>::offset(line, chunk),
                             dy + unsigned(data ? (p0 + line) * g.o + n0 + 8 * chunk : 0), data ? 16 : 0);
             }
-            if (int(threadIdx.x) < BK) {   // the pixel's slot (its tap (0, 0)); past the part's (dy zero): the first
-                const int m = p0 + int(threadIdx.x);
-                int slot = 0;
-                if (m < k_end) {
-                    const HaloPixels::Place at = pixels.place(m);
-                    slot = ((pixels.padded_row(at) - first_row) * width + at.q) * HALO_PITCH;
-                }
-                reinterpret_cast<int*>(window + Shared::SLOTS)[threadIdx.x] = slot;
-            }
+            if (int(threadIdx.x) < BK)   // the pixel's slot
+                reinterpret_cast<int*>(window + Shared::SLOTS)[threadIdx.x] =
+                    pixels.slot(p0 + int(threadIdx.x), k_end, first_row, width, HALO_PITCH);
         }
         cp_async_commit();
     };
@@ -527,7 +521,7 @@ conv_bf16_wgrad(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* 
     // one main loop for the blocks that also sum the bias (the first row of tiles), one for the others
     const auto gemm = [&](auto&& on_chunk_b) {
         if constexpr (ALIGN == T::BK) {
-            constexpr int RUN = ALIGN / CopyA::ROW_STEP > 1 ? ALIGN / CopyA::ROW_STEP : 1;
+            constexpr int RUN = run_of<CopyA, ALIGN>();
             bf_gemm<T, false, false>(
                 smem, ImageColumnsAligned<CopyA, RUN>(g, x, FastDivmod{g.out_plane(), plane_multiplier, plane_shift},
                                                       FastDivmod{g.ow, width_multiplier, width_shift}, m0, k_begin,

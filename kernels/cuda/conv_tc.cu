@@ -587,16 +587,6 @@ struct BiasSums : BiasTotals<T> {
     }
 };
 
-// The runs of a thread's chunks of backward-weight's operands (tc_load_stage) where both channel counts are
-// multiples of ALIGN: chunk c lies ROW_STEP c rows (channels) past the thread's first, and a block's rows start
-// at a multiple of its tile's, so that ALIGN / ROW_STEP consecutive chunks (all, at most) share x's tap, and dy's
-// existence.
-template <class Copy, int ALIGN>
-constexpr int run_of() {
-    constexpr int run = ALIGN / Copy::ROW_STEP;
-    return run < 1 ? 1 : run < Copy::CHUNKS ? run : Copy::CHUNKS;
-}
-
 // A bool as a type, which a generic lambda's argument carries into its body as a constant.
 template <bool V>
 struct Flag {
@@ -769,15 +759,9 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, fl
                 if (dy_line(part)) tc_load_stage<CopyB>(s + Shared::DY + TC_BK * part * Shared::DY_PITCH, b);
                 b.next();
             }
-            if (int(threadIdx.x) < BK) {   // the pixel's slot (its tap (0, 0)); past the part's (dy zero): the first
-                const int m = p0 + int(threadIdx.x);
-                int slot = 0;
-                if (m < k_end) {
-                    const HaloPixels::Place at = pixels.place(m);
-                    slot = ((pixels.padded_row(at) - w.first) * width + at.q) * PITCH;
-                }
-                reinterpret_cast<int*>(s + Shared::SLOTS)[threadIdx.x] = slot;
-            }
+            if (int(threadIdx.x) < BK)   // the pixel's slot
+                reinterpret_cast<int*>(s + Shared::SLOTS)[threadIdx.x] =
+                    pixels.slot(p0 + int(threadIdx.x), k_end, w.first, width, PITCH);
         }
         cp_async_commit();
     };

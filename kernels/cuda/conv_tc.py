@@ -65,7 +65,7 @@ TF32 = Kind("conv_tc", (("Tc128x128", 128, 128, 16, False), ("Tc128x64", 128, 64
 BK, GEMMS = 16, TF32.gemms
 # Backward-weight runs a large tile at every size (choose_wgrad_tile): its grid is small and split-K
 # fills the GPU, and the small tile's loop issues more than 8 instructions per HMMA. The square tile copies
-# a run of chunks at a time (conv_tc.cu's run_of: one address and one test for 2 chunks of x and of dy where
+# a run of chunks at a time (tc_conv.cuh's run_of: one address and one test for 2 chunks of x and of dy where
 # both channel counts are multiples of 64, for 4 where of 128), at the largest of WGRAD_SQUARE_ALIGNS that
 # both channel counts are multiples of (square_wgrad_align), and at no other.
 WGRAD_SQUARE_ALIGNS = (128, 64)

@@ -40,6 +40,16 @@ struct ChunkRun<Iterator, decltype(void(Iterator::RUN))> {
     static constexpr int value = Iterator::RUN;
 };
 
+// The runs of a thread's chunks of backward-weight's operands (x's im2col, dy) where the channel counts are
+// multiples of ALIGN: chunk c lies ROW_STEP c rows (channels) past the thread's first, and a block's rows start
+// at a multiple of its tile's, so that ALIGN / ROW_STEP consecutive chunks (all, at most) share x's tap, and dy's
+// existence.
+template <class Copy, int ALIGN>
+constexpr int run_of() {
+    constexpr int run = ALIGN / Copy::ROW_STEP;
+    return run < 1 ? 1 : run < Copy::CHUNKS ? run : Copy::CHUNKS;
+}
+
 // Copies this thread's chunks of one stage into `tile`, a run of them (ChunkRun) at a time:
 // it.at(c, offset) says whether the run of chunk c holds data, at it.base + offset in global memory for
 // c and ROW_STEP elements further for each next chunk of the run, or is zero (padding, past the matrix or
@@ -860,6 +870,13 @@ struct HaloPixels {
         return {img, p, width.mod(pq, p)};
     }
     __device__ int padded_row(const Place& at) const { return at.img * (h + 2) + at.p; }
+    // The slot of pixel m (its tap (0, 0)) in a window from the padded row first_row, of rows of `width` slots of
+    // `pitch` elements; past k_end (dy zero there): the first.
+    __device__ int slot(int m, int k_end, int first_row, int width, int pitch) const {
+        if (m >= k_end) return 0;
+        const Place at = place(m);
+        return ((padded_row(at) - first_row) * width + at.q) * pitch;
+    }
 };
 
 // dw's element of such a tile's row m' and output channel n: WeightsOut's.
