@@ -12,7 +12,8 @@ in a loop of its own (the "bias loop", listed after the lean loop): BF16's on th
 extra HMMA do not count as the product's); TF32's from dy's TF32 values as they land, or, for a raw
 dy, from its values before it rounds them. Then for each GEMM (forward, backward-data,
 backward-weight) of each distinct convolution that the tensor cores take: the kernel the launchers
-choose (kernels/cuda/conv_tc.py's plan), its grid in blocks, its split-K parts (and their groups),
+choose (kernels/cuda/conv_tc.py's plan; TF32's projection backward, one launch for backward-data and
+backward-weight, on both rows), its grid in blocks, its split-K parts (and their groups),
 the waves of blocks over the SMs at the occupancy that the kernel's registers and shared memory
 allow (from ptxas through NVRTC, as
 kernels.cuda.ptxas_report gives them), and the FLOPs per L2 byte of its tile: the FLOPs of a k step,
@@ -145,7 +146,12 @@ def flops_per_byte(kind, precision, p, rows, columns, geometry):
     those alone). A halo kernel's block loads, per chunk of channels (32 bfloat16, 16 floats), its window
     once for the nine taps: the image's pixels in it (padding is zero-filled, not read), averaged over the
     blocks, and each tap's channels of B. The halo backward-weight's, per stage of its pixels, the window
-    of their x (32 channels) and their dy, for the nine taps of 32 channels by its columns."""
+    of their x (32 channels) and their dy, for the nine taps of 32 channels by its columns. The projection
+    backward's, both GEMMs' FLOPs of a block's cells over their dy and x and the weights."""
+    if p.kernel in conv_tc.PROJECTION_KERNELS:   # both GEMMs of a block's cells: dy, x and w read once
+        n, c, o, oh, ow = geometry[0], geometry[1], geometry[4], geometry[11], geometry[12]
+        cells = min(conv_tc.PROJECTION_CELLS, n * oh * ow)
+        return 4 * cells * c * o / ((cells * o + cells * c + o * c) * ELEMENT_BYTES[precision])
     if p.kernel in WGRAD_HALOS:
         bn, step = min(64, columns), WGRAD_HALOS[p.kernel].pixels
         n, _, h, w = geometry[:4]
@@ -194,9 +200,13 @@ def rows(batch, arch, sms, precision):
         o, _, kh, kw = layer.w
         outputs = {"forward": math.prod(layer.y), "dgrad": n * c * h * w, "wgrad": o * c * kh * kw}
         shapes = {"forward": (math.prod(layer.y) // o, o), "dgrad": (n * h * w, c), "wgrad": (c * kh * kw, o)}
+        # a projection's backward-data and backward-weight are one launch (conv_tc.projection_backward: the step's
+        # projections read no norm's sums, and their dy holds TF32 values), listed on both rows
+        projection = precision == "tf32" and conv_tc.projection(geometry(layer))
         for gemm in ("forward", "dgrad", "wgrad"):
             applies = fold and gemm != "dgrad" and conv_tc.folds(gemm, geometry(layer))
-            p = conv_tc.plan(gemm, geometry(layer), kind, fold=applies)
+            p = conv_tc.projection_plan(geometry(layer)) if projection and gemm != "forward" else \
+                conv_tc.plan(gemm, geometry(layer), kind, fold=applies)
             resident, limit = blocks_per_sm(resources[p.kernel], dynamic=conv_tc.dynamic_shared(p.kernel))
             blocks = math.prod(p.grid)
             out.append({"layer": layer.label + (" (bn1 applied)" if fold else ""), "count": count, "gemm": gemm,
@@ -204,7 +214,8 @@ def rows(batch, arch, sms, precision):
                         "resident": resident, "limit": limit, "splits": p.splits, "group": p.group,
                         "waves": blocks / (resident * sms),
                         "flops_per_byte": flops_per_byte(kind, precision, p, *shapes[gemm], geometry(layer)),
-                        "partial_bytes": 4 * conv_tc.partial_slots(p) * outputs[gemm]})
+                        "partial_bytes": 4 * conv_tc.partial_slots(p) * (0 if p.kernel in conv_tc.PROJECTION_KERNELS
+                                                                         and gemm == "dgrad" else outputs[gemm])})
     return out, resources, fp32
 
 

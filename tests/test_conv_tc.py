@@ -15,6 +15,9 @@ FP32 kernels under tf32 too).
   many); channel counts that are multiples of 16 take the aligned iterators, other multiples of 4
   the gathered copies, multiples of 64 and 128 backward-weight's square tile, which copies runs of
   2 and 4 chunks from one address (planted: a run across two taps is refused).
+- The projection backward (a 1x1 convolution of 64 -> 128 channels: dx, dw and db in one kernel) against the
+  same references at strides 1 to 3, dx added in place, its split sums bit for bit in both block orders, a
+  residual block's step on it, and its shared memory (planted: 2 KB short, refused by the sanitizer).
 - The launch plan: split-K, backward-weight in two waves of an H200, FastDivmod's arithmetic.
 - The layouts: NCHW and channels-last inputs give the same results; outputs and dx are
   channels-last.
@@ -23,6 +26,7 @@ FP32 kernels under tf32 too).
 - Marked gpu: the same references on a GPU, and PyTorch (cuDNN with TF32, its default) beside.
 """
 import collections
+import contextlib
 
 import numpy as np
 import pytest
@@ -197,6 +201,125 @@ def test_the_square_backward_weight_copies_runs_of_chunks(monkeypatch, planted):
     want = ["conv_tc_wgrad<Tc128x128, 128>"] * 2 if planted else ["conv_tc_wgrad<Tc128x128, 64>",
                                                                   "conv_tc_wgrad<Tc128x128, 128>"]
     assert [name for name in launched if name.startswith("conv_tc_wgrad")] == want, launched
+
+
+# The 1x1, padding-0 convolutions of 64 -> 128 channels that the projection backward takes (conv_tc.projection):
+# ResNet-18's first projection; odd sizes; strides 1 to 3, with a last row and column of x that no cell of stride 3
+# reads; a partial stage and a partial block of cells; 1078 cells, 9 parts of dw's sum added in two levels.
+PROJECTION_SHAPES = [
+    ((2, 64, 8, 8), 2),
+    ((3, 64, 9, 7), 2),
+    ((2, 64, 5, 6), 1),
+    ((2, 64, 11, 10), 3),
+    ((6, 64, 14, 14), 2),
+    ((22, 64, 14, 14), 2),
+]
+PROJECTION_W = (128, 64, 1, 1)
+
+
+def launched_names(monkeypatch):
+    """The name expressions of the kernels conv_tc launches from now on."""
+    names, launch = [], conv_tc.launch
+    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, *a, **k: names.append(kernel) or
+                        launch(be, family, kernel, *a, **k))
+    return names
+
+
+@pytest.mark.parametrize("dy_tf32", [False, True], ids=["raw dy", "dy in tf32"])
+@pytest.mark.parametrize("x_shape, stride", PROJECTION_SHAPES)
+def test_a_projections_backward_reads_dy_once_for_dx_and_dw(emu, monkeypatch, x_shape, stride, dy_tf32):
+    """With dy of TF32 values, as a batch norm's backward hands it: dx (zeros at the pixels no cell reads: they
+    start as NaN), dw and db from the one kernel, against the references. A raw dy, whose bias gradient is the
+    sum of dy as given, not of what the GEMMs read, takes the separate kernels."""
+    names = launched_names(monkeypatch)
+    check_conv(emu, x_shape, PROJECTION_W, stride, 0, channels_last=True, dy_tf32=dy_tf32)
+    backward = [name.partition("<")[0] for name in names if not name.startswith("conv_tc_forward")]
+    assert backward == (["conv_tc_projection_backward"] if dy_tf32 else ["conv_tc_dgrad", "conv_tc_wgrad"]), names
+
+
+def test_a_projections_dx_is_added_to_the_gradient_there(emu, monkeypatch):
+    """add_dx_to: dx added in place at the pixels the cells read, the others left as they were."""
+    names = launched_names(monkeypatch)
+    x, w, dy, total = draw((3, 64, 9, 7), PROJECTION_W, (3, 128, 5, 4), (3, 64, 9, 7))
+    x, into = (np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2) for a in (x, total.copy()))
+    dy = kernels.cpu.round_tf32(dy)
+    dx, dw, db = emu.conv2d_backward(dy, x, w, 2, 0, add_dx_to=into, dy_tf32=True)
+    assert dx is into and names == ["conv_tc_projection_backward<true>"], names
+    check_products("projection dx added", (dx,), [dy, w],
+                   lambda dy, w, added: (R.conv2d_backward(dy, x, w, 2, 0)[0] + added,), (128,), total)
+    check_products("projection dw", (dw,), [dy, x], lambda dy, x, _: (R.conv2d_backward(dy, x, w, 2, 0)[1],), (60,))
+
+
+def test_the_projections_split_sums_do_not_depend_on_which_block_finishes_last(monkeypatch):
+    """dx, dw and db bit for bit the same with the emulator's blocks in ascending and in descending order:
+    another of the 9 parts of each group, and another group, finishes last."""
+    from kernels.emu import thread_order
+    be = kernels._device_backend("emu")
+    x, w, dy = draw((22, 64, 14, 14), PROJECTION_W, (22, 128, 7, 7))
+    x, dy = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2), kernels.cpu.round_tf32(dy)
+    names = launched_names(monkeypatch)
+    results = []
+    for order in ("ascending", "descending"):
+        with thread_order(order):
+            results.append([np.array(a) for a in be.conv2d_backward(dy, x, w, 2, 0, dy_tf32=True)])
+    assert names == ["conv_tc_projection_backward<false>"] * 2, names
+    assert conv_tc.projection_plan((22, 64, 14, 14, 128, 1, 1, 2, 2, 0, 0, 7, 7)).splits == 9
+    for what, first, second in zip(("dx", "dw", "db"), *results):
+        assert np.array_equal(first, second), what
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_projection_backward_asks_for_the_shared_memory_it_uses(monkeypatch, planted):
+    """The launch asks for conv_tc.PROJECTION_SHARED bytes of dynamic shared memory, what the kernel's ring,
+    pixels and bias sums take; planted: 2 KB short (the warps' bias sums), which the emulator's sanitizer
+    refuses as the kernel writes past it."""
+    if planted:
+        monkeypatch.setattr(conv_tc, "PROJECTION_SHARED", conv_tc.PROJECTION_SHARED - 4 * 128 * 4)
+    be = kernels._device_backend("emu")
+    x, w, dy = draw((2, 64, 8, 8), PROJECTION_W, (2, 128, 4, 4))
+    dy = kernels.cpu.round_tf32(dy)
+    if planted:
+        with pytest.raises(kernels.emu.KernelError, match="shared"):
+            be.conv2d_backward(dy, x, w, 2, 0, dy_tf32=True)
+    else:
+        check_products("projection", be.conv2d_backward(dy, x, w, 2, 0, dy_tf32=True)[:2], [dy, x, w],
+                       lambda dy, x, w, _: R.conv2d_backward(dy, x, w, 2, 0)[:2], (128, 32))
+
+
+def test_a_residual_blocks_step_on_the_projection_kernel(monkeypatch):
+    """ResNet-18's first block with a projection (64 -> 128 at stride 2; 8 x 8 images, a batch of two, after a
+    stem, its batch norm and relu) on the emulator under tf32: the projection's backward on the one kernel (its
+    dy from bn2's backward, in TF32), the loss and every gradient bit for bit in both thread orders; and as near
+    NumPy's float32 step as the step on the separate kernels (all the gradients together, in norm, within twice
+    its distance: each a sum of roundings, in another order)."""
+    import nn
+    import nn.functional as F
+    from kernels.emu import thread_order
+    from nn.resnet import Residual
+    x = rng().random((2, 1, 8, 8)).astype(np.float32)
+    labels = np.array([3, 7], np.int32)
+    names = launched_names(monkeypatch)
+
+    def step(order="ascending", emulated=True):
+        nn.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(1, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                              Residual(64, 128, use_1x1conv=True, stride=2), nn.AdaptiveAvgPool2d((1, 1)),
+                              nn.Flatten(), nn.Linear(128, 10))
+        with kernels.emulate() if emulated else contextlib.nullcontext(), thread_order(order):
+            loss = F.cross_entropy(model(nn.Tensor(x)), labels)
+            loss.backward()
+        return loss.numpy().copy(), [np.array(p.grad) for p in model.parameters()]
+    (loss, grads), (other_loss, other_grads) = step("ascending"), step("descending")
+    assert names.count("conv_tc_projection_backward<false>") == 2, sorted(set(names))
+    np.testing.assert_array_equal(loss, other_loss)
+    for i, (got, want) in enumerate(zip(grads, other_grads)):
+        np.testing.assert_array_equal(got, want, err_msg=f"parameter {i} in the other order")
+    monkeypatch.setattr(conv_tc, "projection", lambda geometry: False)   # the separate kernels
+    flat = lambda arrays: np.concatenate([a.ravel() for a in arrays]).astype(np.float64)   # noqa: E731
+    separate, fp32 = flat(step()[1]), flat(step(emulated=False)[1])
+    assert names.count("conv_tc_projection_backward<false>") == 2 and "conv_tc_dgrad<Tc64x64, 16>" in names, names
+    off = lambda a: np.linalg.norm(a - fp32) / np.linalg.norm(fp32)   # noqa: E731
+    assert off(flat(grads)) <= 2 * off(separate), (off(flat(grads)), off(separate))
 
 
 def resnet18_convolutions(batch, width):
@@ -655,10 +778,11 @@ def test_every_tensor_core_kernel_runs_hmma(arch):
     compiled = compile_family("conv_tc", arch)
     sass = compiled.sass()
     gemms = [name for name in conv_tc.KERNELS if name.startswith("conv_tc_")]
-    assert len(gemms) == 24   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
+    assert len(gemms) == 26   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
     # backward-weight: 128 x 64's two and the square's at its two ALIGNs; the forward and backward-weight that
     # apply a batch norm to x as it lands, on the two large tiles (the square backward-weight at both ALIGNs); the
-    # halo forward (with and without the norm), backward-data, and backward-weight (with and without the norm)
+    # halo forward (with and without the norm), backward-data, and backward-weight (with and without the norm);
+    # the projection backward (dx written, or added)
     for name in gemms:
         instructions = sass[compiled.lowered_names[name]]
         assert any(i.startswith("HMMA.1688.F32.TF32") for i in instructions), f"{name} for {arch}: no HMMA"

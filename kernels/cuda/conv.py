@@ -142,12 +142,18 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
             raise ValueError(f"conv2d_backward: add_dx_to is {add_dx_to.dtype} {add_dx_to.shape}, dx "
                              f"{dy.dtype} {x.shape}")
     epilogue = None   # the norm whose sums the tensor-core backward-data's epilogue computes
-    if _tensor_cores(c, o):
+    kind = _tensor_cores(c, o)
+    into = None if add_dx_to is None else add_dx_to.transpose(0, 2, 3, 1)   # its memory, if that is NHWC
+    if kind is conv_tc.TF32 and need_dx and dy_tf32 and norm is None and fold is None and \
+            conv_tc.projection(geometry) and (into is None or into.flags.c_contiguous):   # one read of dy for dx and dw
+        dx = conv_tc.projection_backward(be, nhwc(be, dy), nhwc(be, x), nhwc(be, w), geometry, dw, db, into,
+                                         w_tf32=w_tf32).transpose(0, 3, 1, 2)
+        return (dx if into is None else add_dx_to), dw, db
+    if kind:
         dy, x = nhwc(be, dy), nhwc(be, x)
         raw, dy = dy, conv_tc.tf32_values(be, dy, dy_tf32)   # TF32's GEMMs read it rounded: once for both
         dx = None
         if need_dx:
-            into = None if add_dx_to is None else add_dx_to.transpose(0, 2, 3, 1)   # its memory, if that is NHWC
             if into is None or into.flags.c_contiguous:
                 epilogue = _epilogue_norm(be, norm, dy.dtype)
                 dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into, norm=epilogue, sums=sums,

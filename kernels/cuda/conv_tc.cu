@@ -10,6 +10,8 @@
 //   conv_tc_wgrad    dw^T (KH*KW*C x O) = im2col(x)^T (KH*KW*C x N*OH*OW) . dy (N*OH*OW x O),
 //                                       written in (O, KH, KW, C) or (O, C, KH, KW) order,
 //                    and the bias gradient, the per-channel sums of dy, in the same pass
+//   conv_tc_projection_backward  both backward GEMMs of a 1x1 convolution of 64 -> 128 channels, and its bias
+//                                gradient, from one read of dy (see its section)
 //
 // Each GEMM may split its K over grid.z into parts (split-K: a small grid's blocks then fill the
 // GPU): each part writes its partial tile and the tile's parts are added in a fixed order in the
@@ -898,4 +900,211 @@ conv_tc_dgrad_halo(const float* __restrict__ dy, const float* __restrict__ w_mir
     if (sums_partial)
         tc_norm_sums<T>(BnSums<float> BN_SUMS, RowsOut{pixels, g.c}, g.c, dx, sums_smem, m0, n0, int(blockIdx.x),
                         int(gridDim.x));
+}
+
+// ---- the backward of a 1x1 projection in one pass over dy -------------------------------------------
+//
+// A 1x1, padding-0 convolution of 64 input and 128 output channels (ResNet-18's first projection, at stride 2):
+// its backward-data, dx (cells x 64) = dy (cells x 128) . w (128 x 64) at the pixels of x that the output
+// cells read, and its backward-weight, dw (128 x 64) = dy^T . x (those pixels), read the same dy. Apart, each
+// GEMM has 64 columns on one side, and a tile of BM rows by 64 columns of 4-byte operands reads 32 BM / (BM +
+// 64) FLOPs per L2 byte, under 32 for every BM (21.3 at 128). Here a block takes TC_PROJECTION_CELLS cells and
+// loads their dy and x once, and w once, for both GEMMs: 4 cells C O FLOPs over 4 (cells O + cells C + O C)
+// bytes, 32.0 at 128 cells.
+//
+// The cells go in stages of TC_PROJECTION_STAGE through a ring of 2 in dynamic shared memory
+// (TcProjectionShared), beside w and each cell's pixel. dy's stage is [cell][o], rows of 132 floats:
+// backward-data reads it along o by ldmatrix (its A, K_MAJOR: rows 4 banks apart, no bank conflict), and
+// backward-weight along the cells (its A, the permuted rows of tc_fragment_a, pairs of words: 2-way bank
+// conflicts at this pitch). x's stage is [cell][c], rows of 72 floats, backward-weight's B (tc_fragments_b).
+// w lies transposed, [c][o], rows of 132 floats, so that backward-data's B is one ldmatrix a k8 step for two
+// mma tiles; the threads transpose it as they load it, one output channel each. Backward-weight's tile is the
+// whole dw, 2 x 2 warps of 64 x 32 (TcProjection), summed over the block's stages; the blocks are the parts of
+// its split k, added in a fixed order (tc_finish). Backward-data's tile is a stage's cells by the 64
+// columns, warp w the columns 16 w.. (2 x 2 mma tiles), written (ADD: added to dx) at the end of each
+// stage; else (ADD: false) the block also writes zeros to the pixels of its cells that no cell reads (a stride
+// above 1). dy and w_krsc hold TF32 values (the launcher takes the separate kernels for a raw dy); x is rounded
+// to TF32 as it lands. The bias gradient, unless db is null, sums dy: each thread its 4 channels of its stages'
+// cells in order, then the warps in order.
+constexpr int TC_PROJECTION_CELLS = 128, TC_PROJECTION_STAGE = 32, TC_PROJECTION_BLOCKS = 2;
+constexpr int TC_PROJECTION_C = 64, TC_PROJECTION_O = 128;
+struct TcProjection : TcTile<TC_PROJECTION_O, TC_PROJECTION_C> {};   // dw
+struct TcProjectionShared {   // in floats
+    static constexpr int W_PITCH = TC_PROJECTION_O + 4, DY_PITCH = TC_PROJECTION_O + 4, X_PITCH = TC_PROJECTION_C + 8;
+    static constexpr int DY = TC_PROJECTION_STAGE * DY_PITCH, STAGE = DY + TC_PROJECTION_STAGE * X_PITCH;
+    static constexpr int RING = TC_PROJECTION_C * W_PITCH, PIXELS = RING + 2 * STAGE;
+    static constexpr int SUMS = PIXELS + 3 * TC_PROJECTION_CELLS, BYTES = (SUMS + 4 * TC_PROJECTION_O) * 4;
+};
+
+// The bias gradient's channels of a projection: the rows of dw (BiasTotals' columns).
+struct TcProjectionBias {
+    static constexpr int BN = TC_PROJECTION_O;
+};
+
+template <bool ADD>
+__global__ void __launch_bounds__(TC_THREADS, TC_PROJECTION_BLOCKS)
+conv_tc_projection_backward(const float* __restrict__ dy, const float* __restrict__ x,
+                            const float* __restrict__ w_krsc, float* __restrict__ dx, float* __restrict__ dw,
+                            float* __restrict__ db, float* partial, float* db_partial, unsigned* counters,
+                            CONV_PARAMS, int group, unsigned plane_multiplier, unsigned plane_shift,
+                            unsigned width_multiplier, unsigned width_shift) {
+    using S = TcProjectionShared;
+    using T = TcProjection;
+    constexpr int STAGE = TC_PROJECTION_STAGE, C = TC_PROJECTION_C, O = TC_PROJECTION_O;
+    constexpr int CELLS = TC_PROJECTION_CELLS, DY_CHUNKS = STAGE * O / 4 / TC_THREADS, X_CHUNKS = STAGE * C / 4 / TC_THREADS;
+    extern __shared__ __align__(16) float smem[];
+    int* const pixel = reinterpret_cast<int*>(smem + S::PIXELS);   // each cell's offset in x (and dx), row, column
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32, gl = lane / 4, t = lane % 4;
+    const int cells = g.n * g.out_plane(), m0 = int(blockIdx.x) * CELLS;
+    const int stages = (min(CELLS, cells - m0) + STAGE - 1) / STAGE;
+    {   // one thread a cell (past the cells: x's first pixel, which no copy reads), and an output channel of w
+        const FastDivmod plane{g.out_plane(), plane_multiplier, plane_shift}, width{g.ow, width_multiplier, width_shift};
+        const int cell = min(m0 + tid, cells - 1), img = plane.div(cell), pq = plane.mod(cell, img), p = width.div(pq);
+        const int row = p * g.sh, column = (pq - p * g.ow) * g.sw;
+        pixel[tid] = m0 + tid < cells ? ((img * g.h + row) * g.w + column) * C : 0;
+        pixel[CELLS + tid] = row;
+        pixel[2 * CELLS + tid] = column;
+#pragma unroll
+        for (int q = 0; q < C / 4; ++q) {   // w[tid][4q..], transposed
+            const float4 v = *reinterpret_cast<const float4*>(w_krsc + tid * C + 4 * q);
+            smem[(4 * q) * S::W_PITCH + tid] = v.x;
+            smem[(4 * q + 1) * S::W_PITCH + tid] = v.y;
+            smem[(4 * q + 2) * S::W_PITCH + tid] = v.z;
+            smem[(4 * q + 3) * S::W_PITCH + tid] = v.w;
+        }
+    }
+    __syncthreads();
+    // this thread's chunks of a stage: of dy, cells 4 c + warp, channels 4 lane..; of x, cells 4 (tid / 16) + c,
+    // channels 4 (tid % 16).. (its 4 cells' pixels one load). A chunk past the cells copies nothing from dy's
+    // first chunk, or x's (the pixel of a cell past the end), addresses within the operand.
+    const int quad = tid % 16, x_cell = 4 * (tid / 16);
+    const unsigned dy_first = (m0 + warp) * O + 4 * lane;
+    const auto load = [&](int stage, int ring) {
+        float* const s = smem + S::RING + ring * S::STAGE;
+        const int dy_left = cells - m0 - stage * STAGE - warp, x_left = cells - m0 - stage * STAGE - x_cell;
+#pragma unroll
+        for (int c = 0; c < DY_CHUNKS; ++c) {
+            const bool data = 4 * c < dy_left;
+            cp_async_cg(s + (4 * c + warp) * S::DY_PITCH + 4 * lane,
+                        dy + (data ? dy_first + unsigned(stage * STAGE + 4 * c) * O : 0u), data ? 16 : 0);
+        }
+        const int4 pixels = *reinterpret_cast<const int4*>(pixel + stage * STAGE + x_cell);
+        const int at[X_CHUNKS] = {pixels.x, pixels.y, pixels.z, pixels.w};
+#pragma unroll
+        for (int c = 0; c < X_CHUNKS; ++c)
+            cp_async_cg(s + S::DY + (x_cell + c) * S::X_PITCH + 4 * quad, x + unsigned(at[c] + 4 * quad),
+                        c < x_left ? 16 : 0);
+    };
+    load(0, 0);
+    cp_async_commit();
+    float acc[T::MI][T::NI][4], bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    tc_clear<T>(acc);
+    const int wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
+    float* const dx_thread = dx + 16 * warp + 2 * t;
+    const auto step = [&](int stage, int ring) {
+        float* const dys = smem + S::RING + ring * S::STAGE;
+        float* const xs = dys + S::DY;
+        cp_async_wait<0>();   // this thread's copies of the stage have landed
+#pragma unroll
+        for (int c = 0; c < DY_CHUNKS; ++c) {
+            const float4 v = *reinterpret_cast<const float4*>(dys + (4 * c + warp) * S::DY_PITCH + 4 * lane);
+            bias[0] += v.x;
+            bias[1] += v.y;
+            bias[2] += v.z;
+            bias[3] += v.w;
+        }
+#pragma unroll
+        for (int c = 0; c < X_CHUNKS; ++c) {
+            float4* chunk = reinterpret_cast<float4*>(xs + (x_cell + c) * S::X_PITCH + 4 * quad);
+            *chunk = tc_round(*chunk);
+        }
+        __syncthreads();   // everyone's have landed, and everyone is done with the previous stage
+        if (stage + 1 < stages) {
+            load(stage + 1, ring ^ 1);
+            cp_async_commit();
+        }
+        // backward-data: the stage's cells by this warp's 16 columns, over the 128 channels of dy
+        float d[2][2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) d[i][j][e] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < O; k += 8) {
+            unsigned fa[2][4], fb[4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                ldmatrix_x4(fa[i], dys + (16 * i + lane % 8 + (lane / 8 % 2) * 8) * S::DY_PITCH + k + lane / 16 * 4);
+            // B: columns 0-7 at k..k+3 and k+4..k+7, then columns 8-15 (tc_fragments_b's K_MAJOR matrices)
+            ldmatrix_x4(fb, smem + (16 * warp + lane % 8 + lane / 16 * 8) * S::W_PITCH + k + (lane / 8 % 2) * 4);
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const unsigned b[2] = {fb[2 * j], fb[2 * j + 1]};
+                    mma_tf32(d[i][j], fa[i], b, d[i][j]);
+                }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {   // the accumulator rows g + 8h: the stage's cells 16 i + g + 8 h
+                const int local = stage * STAGE + 16 * i + gl + 8 * h;
+                if (m0 + local >= cells) continue;
+                float* const out = dx_thread + unsigned(pixel[local]);
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    float2 v = {d[i][j][2 * h], d[i][j][2 * h + 1]};
+                    if constexpr (ADD) {
+                        const float2 was = *reinterpret_cast<const float2*>(out + 8 * j);
+                        v.x += was.x;
+                        v.y += was.y;
+                    }
+                    *reinterpret_cast<float2*>(out + 8 * j) = v;
+                }
+            }
+        // backward-weight: dw += dy^T . x over the stage's cells
+#pragma unroll
+        for (int k = 0; k < STAGE; k += 8) {
+            unsigned fa[T::MI][4];
+#pragma unroll
+            for (int i = 0; i < T::MI; ++i) {   // rows 2g and 2g + 1 (tc_fragment_a's permuted order)
+                *reinterpret_cast<uint2*>(&fa[i][0]) =
+                    *reinterpret_cast<const uint2*>(dys + (k + t) * S::DY_PITCH + wm + 16 * i + 2 * gl);
+                *reinterpret_cast<uint2*>(&fa[i][2]) =
+                    *reinterpret_cast<const uint2*>(dys + (k + t + 4) * S::DY_PITCH + wm + 16 * i + 2 * gl);
+            }
+            tc_multiply<T, false>(acc, fa, xs, wn, k);
+        }
+    };
+    // the loop unrolled over the ring, so that each stage's shared-memory addresses are constants
+    for (int stage = 0; stage < stages; stage += 2) {
+        step(stage, 0);
+        if (stage + 1 < stages) step(stage + 1, 1);
+    }
+    cp_async_wait<0>();
+    // the pixels of the block's cells that no cell reads (a stride above 1): zeros, unless dx is added to (ADD)
+    if (!ADD && g.sh * g.sw > 1) {
+        const int per_cell = g.sh * g.sw * (C / 4);
+        for (int e = tid; e < CELLS * per_cell; e += TC_THREADS) {
+            const int local = e / per_cell, sub = e % per_cell / (C / 4), q = e % (C / 4), a = sub / g.sw, b = sub % g.sw;
+            if (sub > 0 && m0 + local < cells && pixel[CELLS + local] + a < g.h && pixel[2 * CELLS + local] + b < g.w)
+                *reinterpret_cast<float4*>(dx + pixel[local] + (a * g.w + b) * C + 4 * q) = {0.0f, 0.0f, 0.0f, 0.0f};
+        }
+    }
+    // the bias gradient: each warp's sums of the channels (a lane's 4), then the warps in order
+    float* const warp_sums = smem + S::SUMS;
+    if (db) {   // the same for the whole block
+#pragma unroll
+        for (int e = 0; e < 4; ++e) warp_sums[warp * O + 4 * lane + e] = bias[e];
+        __syncthreads();
+        // thread tid's channel: the fourth warp's slot, which it alone reads, takes the total
+        warp_sums[3 * O + tid] = ((warp_sums[tid] + warp_sums[O + tid]) + warp_sums[2 * O + tid]) + warp_sums[3 * O + tid];
+    }
+    const BiasTotals<TcProjectionBias> totals{db, db_partial, O, 0, db != nullptr, warp_sums + 3 * O};
+    const SplitK split{int(gridDim.x), group, int(blockIdx.x)};
+    tc_finish<T, true>(RowsOut{O, C}, dw, partial, O * C, split, counters, 0, 0, nullptr, false, acc, totals);
 }

@@ -128,6 +128,16 @@ class WgradHalo(typing.NamedTuple):
 # fits the 99 KB of an sm_86 or sm_89.
 WGRAD_HALO = {"conv_bf16": WgradHalo("conv_bf16_wgrad_halo<Halo288x64>", 48, 224, 0),
               "conv_tc": WgradHalo("conv_tc_wgrad_halo<TcHalo288x64>", 56, 210, 2 * (2 * 210 * 20 + 56 * 68 + 56) * 4)}
+# The backward of a 1x1, padding-0 convolution of PROJECTION_CHANNELS input and PROJECTION_OUTPUTS output channels,
+# dx and dw and the bias gradient, in one kernel that reads dy once for both GEMMs (conv_tc.cu's
+# conv_tc_projection_backward: ResNet-18's first projection, 64 -> 128 at stride 2): blocks of PROJECTION_CELLS
+# output cells, each a part of backward-weight's split k. Its kernels: dx written, and added to what dx holds;
+# its shared memory (TcProjectionShared::BYTES): w transposed, 64 rows of 132 floats, two stages of 32
+# cells' dy (rows of 132) and x (rows of 72), the cells' pixels (3 ints each), 4 warps' bias sums.
+PROJECTION_CELLS, PROJECTION_CHANNELS, PROJECTION_OUTPUTS = 128, 64, 128
+PROJECTION_KERNELS = tuple(f"conv_tc_projection_backward<{adds}>" for adds in ("false", "true"))
+PROJECTION_SHARED = (64 * 132 + 2 * 32 * (132 + 72) + 3 * PROJECTION_CELLS + 4 * 128) * 4
+KERNELS += PROJECTION_KERNELS
 BF16_KERNELS = BF16.kernels(("Bf128x128", "Bf128x64")) + tuple(
     f"conv_bf16_{gemm}_halo<{BF16.halo}>" for gemm in ("forward", "dgrad")) + (WGRAD_HALO["conv_bf16"].kernel,)
 BF16_GEMMS = BF16.gemms
@@ -245,6 +255,44 @@ def plan(gemm, geometry, kind=TF32, fold=False, windows=True):
     grid = (cdiv(rows, bm), cdiv(columns, bn))
     parts, chunk = splits(k, grid[0] * grid[1] * phases, bk, target, min_split)
     return Plan(kind.kernel(gemm, tile, align), grid + (phases * parts,), chunk, parts, group_size(parts), kind.family)
+
+
+def projection(geometry):
+    """Whether TF32's backward of this convolution may run its one-kernel projection backward
+    (projection_backward): 1x1, padding 0, PROJECTION_CHANNELS input and PROJECTION_OUTPUTS output channels."""
+    n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    return (kh, kw, ph, pw, c, o) == (1, 1, 0, 0, PROJECTION_CHANNELS, PROJECTION_OUTPUTS)
+
+
+def projection_plan(geometry, add=False):
+    """The Plan of projection_backward: a block of PROJECTION_CELLS output cells a part of backward-weight's
+    split k; add: dx added to what the array holds."""
+    n, oh, ow = geometry[0], geometry[11], geometry[12]
+    parts = cdiv(n * oh * ow, PROJECTION_CELLS)
+    return Plan(PROJECTION_KERNELS[int(add)], (parts, 1, 1), PROJECTION_CELLS, parts, group_size(parts), "conv_tc")
+
+
+def projection_backward(be, dy, x, w_krsc, geometry, dw, db, into=None, w_tf32=False):
+    """dx (N, H, W, C) and dw (O, C, 1, 1 float32: C-contiguous or channels-last, the same memory) and, unless
+    db is None, the bias gradient (dy summed per channel, as given) into db (O,), of a convolution that
+    `projection` takes, in one launch: dy (N, OH, OW, O), x (N, H, W, C), w_krsc (O, 1, 1, C). dx added to `into`
+    (a C-contiguous (N, H, W, C) float32 array), in place, when given. dy holds TF32 values (as a batch norm's
+    backward makes it: the kernel sums the bias gradient from what its GEMMs read); w_tf32: as backward_data's."""
+    if not projection(geometry):
+        raise ValueError(f"conv_tc projection_backward: not a 1x1, padding-0 convolution of {PROJECTION_CHANNELS} "
+                         f"input and {PROJECTION_OUTPUTS} output channels: {geometry}")
+    n, c, h, wd, o = geometry[:5]
+    oh, ow = geometry[11:]
+    p = projection_plan(geometry, into is not None)
+    dy, x, w_krsc = aligned(dy), aligned(x), aligned(tf32_values(be, w_krsc, w_tf32))
+    dx = be.xp.empty((n, h, wd, c), np.float32) if into is None else into
+    partial, db_partial = (be.xp.empty((partial_slots(p), size), np.float32) if p.splits > 1 and out is not None
+                           else None for size, out in ((o * c, dw), (o, db)))
+    launch(be, p.family, p.kernel, p.grid,
+           (dy, x, w_krsc, dx, memory(dw), db, partial, db_partial,
+            be.counters(_groups(p) + 1), *geometry, p.group, *fast_divmod(oh * ow), *fast_divmod(ow)),
+           block=(THREADS,), shared_mem=dynamic_shared(p.kernel))
+    return dx
 
 
 def halo(geometry, gemm, columns, kind):
@@ -469,5 +517,8 @@ def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=()):
 
 def dynamic_shared(kernel):
     """The bytes of dynamic shared memory a block of `kernel` (a name expression) asks for: a halo
-    backward-weight's (WGRAD_HALO), with or without the norm applied; 0 for the others (static alone)."""
+    backward-weight's (WGRAD_HALO), with or without the norm applied, and the projection backward's
+    (PROJECTION_SHARED); 0 for the others (static alone)."""
+    if kernel in PROJECTION_KERNELS:
+        return PROJECTION_SHARED
     return next((halo_.dynamic_shared for halo_ in WGRAD_HALO.values() if kernel.startswith(halo_.kernel[:-1])), 0)
