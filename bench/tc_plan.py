@@ -103,6 +103,15 @@ def window_loops(instructions):
     return sum(b - a + 1 for a, b in innermost)
 
 
+def phase_loops(instructions):
+    """[(instructions, HMMA)] of each innermost loop with HMMA of a kernel's SASS, shortest first: the stride-2
+    backward-data from windows (conv_tc.PHASE_KERNEL) has one for each count of a phase's taps (1, 2, 4), each
+    its own GEMM (main_loops would keep the one with the most HMMA alone)."""
+    found = [(start, end, count) for start, end, count in _loops(instructions) if count]
+    return sorted((end - start + 1, count) for start, end, count in found
+                  if not any(start <= a and b <= end and (a, b) != (start, end) for a, b, _ in found))
+
+
 def window_rows(geometry, step=conv_tc.HALO_ROWS):
     """The mean rows of the windows a halo forward's or backward-data's blocks (`step` output pixels each), or a
     halo backward-weight's stages (conv_tc.WGRAD_HALO's pixels), load for the convolution (N, C, H, W, ...): the
@@ -148,6 +157,14 @@ def flops_per_byte(kind, precision, p, rows, columns, geometry):
     blocks, and each tap's channels of B. The halo backward-weight's, per stage of its pixels, the window
     of their x (32 channels) and their dy, for the nine taps of 32 channels by its columns. The projection
     backward's, both GEMMs' FLOPs of a block's cells over their dy and x and the weights."""
+    if p.kernel == conv_tc.PHASE_KERNEL:   # the four phases' blocks: each its window of dy and its taps' weights
+        n, c, h, w, o, *_, oh, ow = geometry
+        bn, cells = min(64, columns), n * oh * ow
+        window = statistics.mean(_window_pixels(m0, min(m0 + conv_tc.PHASE_ROWS, cells), oh, ow)
+                                 for m0 in range(0, cells, conv_tc.PHASE_ROWS))
+        taps = (4, 2, 2, 1)   # of the phases of a 3x3, stride-2 convolution
+        return 2 * min(conv_tc.PHASE_ROWS, cells) * bn * sum(taps) / (
+            sum(window + t * bn for t in taps) * ELEMENT_BYTES[precision])
     if p.kernel in conv_tc.PROJECTION_KERNELS:   # both GEMMs of a block's cells: dy, x and w read once
         n, c, o, oh, ow = geometry[0], geometry[1], geometry[4], geometry[11], geometry[12]
         cells = min(conv_tc.PROJECTION_CELLS, n * oh * ow)
@@ -249,6 +266,14 @@ def kernel_table(precision, arch, launched, resources):
         lean = found[kernel][0][1]
         loops_ = found[kernel]
         windowed = "_halo<" in kernel
+        if kernel == conv_tc.PHASE_KERNEL:   # a loop per count of taps (1, 2, 4), each GEMM its own HMMA
+            compiled = compile_family(kind.family, arch)
+            loops_ = phase_loops(compiled.sass()[compiled.lowered_names[kernel]])
+            ratios[kernel] = [size / hmma for size, hmma in loops_]
+            print(f"| `{kernel}` | {r.registers} | {r.shared_bytes} + {dynamic} | {resident} ({limit}) | "
+                  f"{', '.join(f'{size} / {hmma}' for size, hmma in loops_)} (1, 2 and 4 taps) | "
+                  f"{', '.join(f'{ratio:.2f}' for ratio in ratios[kernel])} | {'yes' if kernel in launched else 'no'} |")
+            continue
         if windowed:
             rows_ = window_rows(launched[kernel]["geometry"] if kernel in launched else first_stage,
                                 WGRAD_HALOS[kernel].pixels if kernel in WGRAD_HALOS else conv_tc.HALO_ROWS)

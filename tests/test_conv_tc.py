@@ -15,6 +15,8 @@ FP32 kernels under tf32 too).
   many); channel counts that are multiples of 16 take the aligned iterators, other multiples of 4
   the gathered copies, multiples of 64 and 128 backward-weight's square tile, which copies runs of
   2 and 4 chunks from one address (planted: a run across two taps is refused).
+- The stride-2 backward-data from windows of dy (3x3, even H and W: each phase a convolution of dy) against the
+  same references, and its window within the kernel's slots (planted: a larger window admitted, refused).
 - The projection backward (a 1x1 convolution of 64 -> 128 channels: dx, dw and db in one kernel) against the
   same references at strides 1 to 3, dx added in place, its split sums bit for bit in both block orders, a
   residual block's step on it, and its shared memory (planted: 2 KB short, refused by the sanitizer).
@@ -320,6 +322,49 @@ def test_a_residual_blocks_step_on_the_projection_kernel(monkeypatch):
     assert names.count("conv_tc_projection_backward<false>") == 2 and "conv_tc_dgrad<Tc64x64, 16>" in names, names
     off = lambda a: np.linalg.norm(a - fp32) / np.linalg.norm(fp32)   # noqa: E731
     assert off(flat(grads)) <= 2 * off(separate), (off(flat(grads)), off(separate))
+
+
+# 3x3, stride-2, padding-1 convolutions of even H and W that backward-data's phases from windows of dy take
+# (conv_tc.phase_windows, whatever the grid under halo_everywhere; the window of 192 cells fits its 304 slots at a
+# dy of 14 x 14, 20 x 10, not at 12 x 12 or 16 x 16): ResNet-18's 64 -> 128, one image, 196 cells a phase, a
+# partial second block; fewer channels, windows across images' ends; an odd number of chunks of dy's (48 = 3 x 16).
+PHASE_SHAPES = [
+    ((1, 64, 28, 28), (128, 64, 3, 3)),
+    ((3, 16, 28, 28), (32, 16, 3, 3)),
+    ((2, 32, 40, 20), (48, 32, 3, 3)),
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape", PHASE_SHAPES)
+def test_stride_2_backward_data_from_windows_of_dy(emu, halo_everywhere, x_shape, w_shape):
+    """dx of every phase (each cell of dx written: dx starts as NaN) against the references, with dy of TF32
+    values as the step's and raw (rounded by a launch of its own, which backward-data then reads)."""
+    for dy_tf32 in (True, False):
+        check_conv(emu, x_shape, w_shape, 2, 1, channels_last=True, dy_tf32=dy_tf32)
+    assert halo_everywhere.count(conv_tc.PHASE_KERNEL) == 2, halo_everywhere
+    assert "mirrored_weights" in halo_everywhere
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_stride_2_windows_fit_the_slots_the_kernel_has(monkeypatch, halo_everywhere, planted):
+    """A block's window of dy within conv_tc.PHASE_SLOTS slots (phase_windows: 19 rows of 16 at 14 x 14, 304, the
+    kernel's TC_PHASE_SLOTS); planted: the launcher's check at twice the slots, so that a 22 x 22 dy's windows (up
+    to 14 rows of 24, 336 slots) pass the kernel's: the cells of the last rows then read the taps' weights beside
+    the window, which the references refuse."""
+    if planted:
+        monkeypatch.setattr(conv_tc, "PHASE_SLOTS", 2 * conv_tc.PHASE_SLOTS)
+    conv_tc.plan.cache_clear()
+    emu = kernels._device_backend("emu")
+    x_shape, w_shape = (2, 16, 44, 44), (16, 16, 3, 3)
+    geometry = (2, 16, 44, 44, 16, 3, 3, 2, 2, 1, 1, 22, 22)
+    assert conv_tc.phase_windows(geometry) == planted
+    if planted:
+        with pytest.raises((AssertionError, kernels.emu.KernelError)):
+            check_conv(emu, x_shape, w_shape, 2, 1, channels_last=True, dy_tf32=True)
+        assert conv_tc.PHASE_KERNEL in halo_everywhere
+    else:
+        check_conv(emu, (2, 16, 28, 28), w_shape, 2, 1, channels_last=True, dy_tf32=True)
+        assert conv_tc.PHASE_KERNEL in halo_everywhere
 
 
 def resnet18_convolutions(batch, width):
@@ -778,11 +823,11 @@ def test_every_tensor_core_kernel_runs_hmma(arch):
     compiled = compile_family("conv_tc", arch)
     sass = compiled.sass()
     gemms = [name for name in conv_tc.KERNELS if name.startswith("conv_tc_")]
-    assert len(gemms) == 26   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
+    assert len(gemms) == 27   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
     # backward-weight: 128 x 64's two and the square's at its two ALIGNs; the forward and backward-weight that
     # apply a batch norm to x as it lands, on the two large tiles (the square backward-weight at both ALIGNs); the
     # halo forward (with and without the norm), backward-data, and backward-weight (with and without the norm);
-    # the projection backward (dx written, or added)
+    # the projection backward (dx written, or added); the stride-2 backward-data from windows of dy
     for name in gemms:
         instructions = sass[compiled.lowered_names[name]]
         assert any(i.startswith("HMMA.1688.F32.TF32") for i in instructions), f"{name} for {arch}: no HMMA"

@@ -1108,3 +1108,158 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
     const SplitK split{int(gridDim.x), group, int(blockIdx.x)};
     tc_finish<T, true>(RowsOut{O, C}, dw, partial, O * C, split, counters, 0, 0, nullptr, false, acc, totals);
 }
+
+// ---- backward-data of a 3x3, stride-2 convolution from windows of dy --------------------------------
+//
+// dx of a 3x3, stride-2, padding-1 convolution (ResNet-18's first of each stage past the first) runs as four
+// GEMMs, one per stride phase of dx's cells, each over the taps that reach it (1, 2, 2 and 4: conv_geometry.cuh's
+// Phase), its A dy shifted by the tap. With 64 columns (C) a tile of BM rows reads 32 BM / (BM + 64) FLOPs per
+// L2 byte, under 32 for every BM. Where H and W are even, a phase's cells are dy's pixels (OH x OW), and the
+// phase is a convolution of dy, padding 1, stride 1, by the taps' weights, whose taps shift dy by 0 or 1 row and
+// column: the halo kernels' taps (1, 1), (1, 2), (2, 1), (2, 2). A block of TcPhase192x64's 192 cells of one
+// phase loads, per 16 channels of dy, the window of dy their taps reach (tc_conv.cuh's halo_load_window, the
+// halo forward's: rows of OW + 2 slots; each thread's chunks of it, and where they come from, worked out once,
+// since every stage's window has the same place), once for the phase's taps (the 1-tap phase, whose tap reads dy
+// at the cell itself, its cells' rows of dy alone, as tc_gemm's A), and the taps' weights (mirrored_weights'
+// (C, 3, 3, O), read along O as the halo backward-data reads them), each stage both, through a ring of 2 in
+// dynamic shared memory (TcPhaseShared); over the four phases at 14 x 14, 37 FLOPs per L2 byte
+// (bench/tc_plan.py). dy and the weights hold TF32 values. The epilogue is conv_tc_dgrad's: dx written or
+// added (`add`), and the norm's backward sums over the tiles of every phase.
+struct TcPhase192x64 : TcTile<192, 64> {};
+constexpr int TC_PHASE_SLOTS = 304, TC_PHASE_BLOCKS = 2;   // a window's slots; resident blocks an SM
+struct TcPhaseShared {   // a stage of the ring, in floats: the window, then each tap's weights
+    static constexpr int WINDOW = TC_PHASE_SLOTS * HaloSlot<float>::PITCH, B = TcStage<64, true>::SIZE;
+    static constexpr int STAGE = WINDOW + 4 * B, BYTES = 2 * STAGE * int(sizeof(float));
+};
+
+// acc += the phase f's GEMM for the block's cells from m0, over TAPS taps (f.taps()), as above: `image` is dy's
+// geometry as the halo's (O channels, OH x OW pixels).
+template <class T, int TAPS>
+__device__ __forceinline__ void tc_phase_gemm(const float* __restrict__ dy, const float* __restrict__ w_mirrored,
+                                              const Geometry<0, 0>& g, const Geometry<0, 0>& image, const Phase& f,
+                                              int m0, float* smem, float (&acc)[T::MI][T::NI][4]) {
+    using S = TcPhaseShared;
+    using Copy = TcCopy<T::BN, true>;
+    using CopyA = TcCopy<T::BM, true>;   // the 1-tap phase's rows of dy, [cell][16 + 4] (tc_fragment_a's K_MAJOR A)
+    static_assert(TcStage<T::BM, true>::SIZE <= S::WINDOW, "the 1-tap phase's rows fit the window's place");
+    constexpr int PITCH = HaloSlot<float>::PITCH, WINDOW_CHUNKS = (4 * TC_PHASE_SLOTS + TC_THREADS - 1) / TC_THREADS;
+    const int width = image.w + 2, warp = int(threadIdx.x) / 32;
+    const int wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
+    const HaloPlace<T, float> place(image, m0, wm);
+    // the taps (i, j) of the phase: dy's row u + t_h - i and column v + t_w - j for the cell (u, v), the halo's tap
+    // (t_h - i + 1, t_w - j + 1); the kernel's tap (a + 2i, b + 2j), mirrored_weights' 8 minus it
+    int shift[TAPS], weights[TAPS];
+#pragma unroll
+    for (int q = 0; q < TAPS; ++q) {
+        const int i = q / f.taps_w, j = q % f.taps_w;
+        shift[q] = ((f.t_h - i + 1) * width + f.t_w - j + 1) * PITCH;
+        weights[q] = (8 - ((f.a + 2 * i) * 3 + f.b + 2 * j)) * g.o;
+    }
+    // this thread's chunks of a window: slot tid / 4 + 32 i, its 16 bytes 4 (tid % 4).. (HaloSlot's), the slots
+    // row-major in rows of `width` from the padded row pp of image img (halo_window_chunks' window); where each
+    // lies in dy (channel 0), or -1 for zeros (padding, past the window's rows or the last image), worked out once
+    int from[WINDOW_CHUNKS];
+#pragma unroll
+    for (int i = 0; i < WINDOW_CHUNKS; ++i) {
+        const int slot = int(threadIdx.x) / 4 + 32 * i, row = slot / width, col = slot - row * width;
+        const int padded = place.img * (image.h + 2) + place.pp + row, img = padded / (image.h + 2);
+        const int p = padded - img * (image.h + 2);
+        const bool data = row < place.rows && img < image.n && unsigned(p - 1) < unsigned(image.h) &&
+                          unsigned(col - 1) < unsigned(image.w);
+        from[i] = data ? ((img * image.h + p - 1) * image.w + col - 1) * g.o + 4 * (int(threadIdx.x) % 4) : -1;
+    }
+    unsigned inside = 0;   // bit c: this thread's chunk c of the weights lies in a row (input channel) of dx
+#pragma unroll
+    for (int c = 0; c < Copy::CHUNKS; ++c) inside |= unsigned(Copy::row(c) < g.c) << c;
+    const int chunks = g.o / TC_BK, cells = image.n * image.h * image.w;
+    const auto load = [&](int chunk, int ring) {
+        float* const s = smem + ring * S::STAGE;
+        const int c0 = chunk * TC_BK;
+        if constexpr (TAPS == 1) {   // the phase whose tap is dy at the cell itself: its rows, no window
+#pragma unroll
+            for (int c = 0; c < CopyA::CHUNKS; ++c) {
+                const bool data = m0 + CopyA::row(c) < cells;
+                cp_async_cg(s + CopyA::offset(c),
+                            dy + (data ? unsigned(m0 + CopyA::row(c)) * g.o + c0 + CopyA::k(0) : 0u), data ? 16 : 0);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < WINDOW_CHUNKS; ++i) {
+                const int slot = int(threadIdx.x) / 4 + 32 * i;
+                if (32 * (i + 1) <= TC_PHASE_SLOTS || slot < TC_PHASE_SLOTS) {   // the last row of chunks: a part
+                    const bool data = from[i] >= 0;
+                    cp_async_cg(s + slot * PITCH + 4 * (int(threadIdx.x) % 4), dy + (data ? unsigned(from[i] + c0) : 0u),
+                                data ? 16 : 0);
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < TAPS; ++q)
+#pragma unroll
+            for (int c = 0; c < Copy::CHUNKS; ++c) {
+                const bool data = inside >> c & 1u;
+                cp_async_cg(s + S::WINDOW + q * S::B + Copy::offset(c),
+                            w_mirrored + (data ? Copy::row(c) * 9 * g.o + weights[q] + c0 + Copy::k(0) : 0),
+                            data ? 16 : 0);
+            }
+        cp_async_commit();
+    };
+    tc_clear<T>(acc);
+    load(0, 0);
+    const auto step = [&](int chunk, int ring) {
+        cp_async_wait<0>();   // this thread's copies of the stage have landed
+        __syncthreads();      // everyone's have, and everyone is done with the stage before
+        if (chunk + 1 < chunks) load(chunk + 1, ring ^ 1);
+        const float* const window = smem + ring * S::STAGE;
+#pragma unroll
+        for (int q = 0; q < TAPS; ++q)
+#pragma unroll
+            for (int k = 0; k < TC_BK; k += 8) {
+                unsigned fa[T::MI][4];
+#pragma unroll
+                for (int i = 0; i < T::MI; ++i) {
+                    if constexpr (TAPS == 1)
+                        tc_fragment_a<T::BM, true>(fa[i], window, wm + 16 * i, k);
+                    else
+                        ldmatrix_x4(fa[i], window + place.slot[i] + shift[q] + k);
+                }
+                tc_multiply<T, true>(acc, fa, window + S::WINDOW + q * S::B, wn, k);
+            }
+    };
+    // the loop unrolled over the ring, so that each stage's shared-memory addresses are constants
+    for (int chunk = 0; chunk < chunks; chunk += 2) {
+        step(chunk, 0);
+        if (chunk + 1 < chunks) step(chunk + 1, 1);
+    }
+}
+
+// dx (N*H*W x C, NHWC) of a 3x3, stride-2, padding-1 convolution of even H and W and at most 64 input channels
+// from windows of dy, as above: block (x, 0, z) computes the cells [x * BM, ...) of phase z by the C columns;
+// the parameters are conv_tc_dgrad's (no split of k: k_chunk and group unused, the partial null), its
+// counters the norm's sums'. The launch gives TcPhaseShared::BYTES of dynamic shared memory.
+template <class T>
+__global__ void __launch_bounds__(TC_THREADS, TC_PHASE_BLOCKS)
+conv_tc_dgrad_phases(const float* __restrict__ dy, const float* __restrict__ w_mirrored, float* __restrict__ dx,
+                     int add, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
+                     BN_SUMS_PARAMS(float)) {
+    extern __shared__ __align__(16) float smem[];
+    const Geometry<0, 0> g CONV_GEOMETRY;
+    Geometry<0, 0> image = g;   // dy's, as the halo's image
+    image.c = g.o;
+    image.h = g.oh;
+    image.w = g.ow;
+    const Phase f = stride_phase(g, int(blockIdx.z));
+    const int m0 = int(blockIdx.x) * T::BM, tile = int(blockIdx.z * gridDim.x + blockIdx.x);
+    float acc[T::MI][T::NI][4];
+    if (f.taps() == 4)
+        tc_phase_gemm<T, 4>(dy, w_mirrored, g, image, f, m0, smem, acc);
+    else if (f.taps() == 2)
+        tc_phase_gemm<T, 2>(dy, w_mirrored, g, image, f, m0, smem, acc);
+    else
+        tc_phase_gemm<T, 1>(dy, w_mirrored, g, image, f, m0, smem, acc);
+    tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, SplitK{1, 1, 0}, counters, m0, 0,
+                        nullptr, add, acc);
+    if (sums_partial)
+        tc_norm_sums<T>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, smem, m0, 0, tile,
+                        int(g.sh * g.sw * gridDim.x));
+}

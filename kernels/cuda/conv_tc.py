@@ -137,7 +137,14 @@ WGRAD_HALO = {"conv_bf16": WgradHalo("conv_bf16_wgrad_halo<Halo288x64>", 48, 224
 PROJECTION_CELLS, PROJECTION_CHANNELS, PROJECTION_OUTPUTS = 128, 64, 128
 PROJECTION_KERNELS = tuple(f"conv_tc_projection_backward<{adds}>" for adds in ("false", "true"))
 PROJECTION_SHARED = (64 * 132 + 2 * 32 * (132 + 72) + 3 * PROJECTION_CELLS + 4 * 128) * 4
-KERNELS += PROJECTION_KERNELS
+# Backward-data of a 3x3, stride-2, padding-1 convolution of even H and W and at most 64 input channels (a
+# multiple of BK; ResNet-18's 64 -> 128), its four stride phases from windows of dy (conv_tc.cu's
+# conv_tc_dgrad_phases): blocks of PHASE_ROWS cells of a phase by the C columns, where the window of a block's
+# cells fits PHASE_SLOTS slots and the grid needs no split of k (see phase_windows); its ring's bytes
+# (TcPhaseShared::BYTES): two stages of a window and four taps' weights (64 rows of 20 floats).
+PHASE_KERNEL, PHASE_ROWS, PHASE_SLOTS = "conv_tc_dgrad_phases<TcPhase192x64>", 192, 304
+PHASE_SHARED = 2 * (PHASE_SLOTS * 20 + 4 * 64 * 20) * 4
+KERNELS += PROJECTION_KERNELS + (PHASE_KERNEL,)
 BF16_KERNELS = BF16.kernels(("Bf128x128", "Bf128x64")) + tuple(
     f"conv_bf16_{gemm}_halo<{BF16.halo}>" for gemm in ("forward", "dgrad")) + (WGRAD_HALO["conv_bf16"].kernel,)
 BF16_GEMMS = BF16.gemms
@@ -233,6 +240,8 @@ def plan(gemm, geometry, kind=TF32, fold=False, windows=True):
         rows, columns, k, phases = n * cdiv(h, sh) * cdiv(wd, sw), c, cdiv(kh, sh) * cdiv(kw, sw) * o, sh * sw
     else:
         rows, columns, k, phases = kh * kw * c, o, n * oh * ow, 1
+    if gemm == "dgrad" and kind is TF32 and phase_windows(geometry):
+        return Plan(PHASE_KERNEL, (cdiv(n * oh * ow, PHASE_ROWS), 1, phases), k, 1, 1, kind.family)
     if gemm != "wgrad" and halo(geometry, gemm, columns, kind):
         return Plan(f"{kind.family}_{gemm}_halo<{kind.halo}>", (cdiv(rows, HALO_ROWS), cdiv(columns, 64), 1), k, 1, 1,
                     kind.family)
@@ -293,6 +302,18 @@ def projection_backward(be, dy, x, w_krsc, geometry, dw, db, into=None, w_tf32=F
             be.counters(_groups(p) + 1), *geometry, p.group, *fast_divmod(oh * ow), *fast_divmod(ow)),
            block=(THREADS,), shared_mem=dynamic_shared(p.kernel))
     return dx
+
+
+def phase_windows(geometry):
+    """Whether TF32's backward-data of this convolution runs its four stride phases from windows of dy
+    (PHASE_KERNEL): 3x3, stride 2, padding 1, H and W even (each phase's cells are dy's pixels), at most 64
+    input channels (one tile of columns), channel counts multiples of BK, the window of a block's PHASE_ROWS
+    cells within PHASE_SLOTS slots (rows of OW + 2, as the halo kernels'), and grid enough that the other
+    kernel would not split k."""
+    n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    return (kh, kw, sh, sw, ph, pw) == (3, 3, 2, 2, 1, 1) and h % 2 == 0 and wd % 2 == 0 and c <= 64 and \
+        c % BK == 0 and o % BK == 0 and window_rows(PHASE_ROWS, oh, ow) * (ow + 2) <= PHASE_SLOTS and \
+        4 * cdiv(n * oh * ow, PHASE_ROWS) >= SPLIT_TARGET
 
 
 def halo(geometry, gemm, columns, kind):
@@ -418,7 +439,7 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None, w_t
     n, c, h, wd = geometry[:4]
     p = plan("dgrad", geometry, kind_of(dy.dtype))
     dy, w_krsc = aligned(tf32_values(be, dy, dy_tf32)), aligned(tf32_values(be, w_krsc, w_tf32))
-    if p.kernel == f"conv_tc_dgrad_halo<{TF32.halo}>":
+    if p.kernel in (f"conv_tc_dgrad_halo<{TF32.halo}>", PHASE_KERNEL):
         w_krsc = mirrored_weights(be, w_krsc, geometry[4], c)
     dx = be.xp.empty((n, h, wd, c), dy.dtype) if into is None else into
     if norm is None:
@@ -517,8 +538,11 @@ def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=()):
 
 def dynamic_shared(kernel):
     """The bytes of dynamic shared memory a block of `kernel` (a name expression) asks for: a halo
-    backward-weight's (WGRAD_HALO), with or without the norm applied, and the projection backward's
-    (PROJECTION_SHARED); 0 for the others (static alone)."""
+    backward-weight's (WGRAD_HALO), with or without the norm applied, the projection backward's
+    (PROJECTION_SHARED), the stride-2 backward-data's from windows (PHASE_SHARED); 0 for the others (static
+    alone)."""
     if kernel in PROJECTION_KERNELS:
         return PROJECTION_SHARED
+    if kernel == PHASE_KERNEL:
+        return PHASE_SHARED
     return next((halo_.dynamic_shared for halo_ in WGRAD_HALO.values() if kernel.startswith(halo_.kernel[:-1])), 0)
