@@ -288,19 +288,20 @@ def test_the_projection_backward_asks_for_the_shared_memory_it_uses(monkeypatch,
                        lambda dy, x, w, _: R.conv2d_backward(dy, x, w, 2, 0)[:2], (128, 32))
 
 
-def test_a_residual_blocks_step_on_the_projection_kernel(monkeypatch):
-    """ResNet-18's first block with a projection (64 -> 128 at stride 2; 8 x 8 images, a batch of two, after a
-    stem, its batch norm and relu) on the emulator under tf32: the projection's backward on the one kernel (its
-    dy from bn2's backward, in TF32), the loss and every gradient bit for bit in both thread orders; and as near
-    NumPy's float32 step as the step on the separate kernels (all the gradients together, in norm, within twice
-    its distance: each a sum of roundings, in another order)."""
+def test_a_residual_blocks_step_on_the_projection_and_stride_2_kernels(monkeypatch, halo_everywhere):
+    """ResNet-18's first block with a projection (64 -> 128 at stride 2; one 28 x 28 image after a stem, its batch
+    norm and relu) on the emulator under tf32, the kernels from windows wherever they apply: the projection's
+    backward on the one kernel (its dy from bn2's backward, in TF32), conv1's backward-data from windows of dy
+    (added to the projection's dx, with the stem's norm's sums), the loss and every gradient bit for bit in both
+    thread orders; and as near NumPy's float32 step as the step on the separate kernels (all the gradients
+    together, in norm, within twice its distance: each a sum of roundings, in another order)."""
     import nn
     import nn.functional as F
     from kernels.emu import thread_order
     from nn.resnet import Residual
-    x = rng().random((2, 1, 8, 8)).astype(np.float32)
-    labels = np.array([3, 7], np.int32)
-    names = launched_names(monkeypatch)
+    x = rng().random((1, 1, 28, 28)).astype(np.float32)
+    labels = np.array([3], np.int32)
+    names = halo_everywhere
 
     def step(order="ascending", emulated=True):
         nn.manual_seed(0)
@@ -312,14 +313,17 @@ def test_a_residual_blocks_step_on_the_projection_kernel(monkeypatch):
             loss.backward()
         return loss.numpy().copy(), [np.array(p.grad) for p in model.parameters()]
     (loss, grads), (other_loss, other_grads) = step("ascending"), step("descending")
-    assert names.count("conv_tc_projection_backward<false>") == 2, sorted(set(names))
+    new = ("conv_tc_projection_backward<false>", conv_tc.PHASE_KERNEL)
+    assert [names.count(kernel) for kernel in new] == [2, 2], sorted(set(names))
     np.testing.assert_array_equal(loss, other_loss)
     for i, (got, want) in enumerate(zip(grads, other_grads)):
         np.testing.assert_array_equal(got, want, err_msg=f"parameter {i} in the other order")
     monkeypatch.setattr(conv_tc, "projection", lambda geometry: False)   # the separate kernels
+    monkeypatch.setattr(conv_tc, "phase_windows", lambda geometry: False)
+    conv_tc.plan.cache_clear()
     flat = lambda arrays: np.concatenate([a.ravel() for a in arrays]).astype(np.float64)   # noqa: E731
     separate, fp32 = flat(step()[1]), flat(step(emulated=False)[1])
-    assert names.count("conv_tc_projection_backward<false>") == 2 and "conv_tc_dgrad<Tc64x64, 16>" in names, names
+    assert [names.count(kernel) for kernel in new] == [2, 2] and "conv_tc_dgrad<Tc128x64, 16>" in names, names
     off = lambda a: np.linalg.norm(a - fp32) / np.linalg.norm(fp32)   # noqa: E731
     assert off(flat(grads)) <= 2 * off(separate), (off(flat(grads)), off(separate))
 
