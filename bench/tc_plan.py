@@ -162,9 +162,10 @@ def flops_per_byte(kind, precision, p, rows, columns, geometry):
         bn, cells = min(64, columns), n * oh * ow
         window = statistics.mean(_window_pixels(m0, min(m0 + conv_tc.PHASE_ROWS, cells), oh, ow)
                                  for m0 in range(0, cells, conv_tc.PHASE_ROWS))
-        taps = (4, 2, 2, 1)   # of the phases of a 3x3, stride-2 convolution
-        return 2 * min(conv_tc.PHASE_ROWS, cells) * bn * sum(taps) / (
-            sum(window + t * bn for t in taps) * ELEMENT_BYTES[precision])
+        rows = min(conv_tc.PHASE_ROWS, cells)
+        taps = (4, 2, 2, 1)   # of the phases of a 3x3, stride-2 convolution; the 1-tap one reads its cells' rows
+        return 2 * rows * bn * sum(taps) / (
+            sum((window if t > 1 else rows) + t * bn for t in taps) * ELEMENT_BYTES[precision])
     if p.kernel in conv_tc.PROJECTION_KERNELS:   # both GEMMs of a block's cells: dy, x and w read once
         n, c, o, oh, ow = geometry[0], geometry[1], geometry[4], geometry[11], geometry[12]
         cells = min(conv_tc.PROJECTION_CELLS, n * oh * ow)

@@ -1122,7 +1122,7 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
 // since every stage's window has the same place), once for the phase's taps (the 1-tap phase, whose tap reads dy
 // at the cell itself, its cells' rows of dy alone, as tc_gemm's A), and the taps' weights (mirrored_weights'
 // (C, 3, 3, O), read along O as the halo backward-data reads them), each stage both, through a ring of 2 in
-// dynamic shared memory (TcPhaseShared); over the four phases at 14 x 14, 37 FLOPs per L2 byte
+// dynamic shared memory (TcPhaseShared); over the four phases at 14 x 14, 38 FLOPs per L2 byte
 // (bench/tc_plan.py). dy and the weights hold TF32 values. The epilogue is conv_tc_dgrad's: dx written or
 // added (`add`), and the norm's backward sums over the tiles of every phase.
 struct TcPhase192x64 : TcTile<192, 64> {};
