@@ -60,7 +60,7 @@ def test_collectives_in_a_world_of_one(world_of_one):
 # fp32: the sync-bn comparison needs it (under tf32, rounding the convolutions' inputs to TF32
 # turns the two sums' float32 differences into differences of TF32's size), and simulated GPUs
 # run the fp32 kernels twice as fast as the emulated tensor cores
-FLAGS = {"gpus": 1, "width": 2, "batch_size": 8, "limit": 16, "test_limit": 8, "epochs": 2,
+FLAGS = {"gpus": 1, "width": 2, "batch_size": 8, "limit": 8, "test_limit": 8, "epochs": 2,
          "momentum": 0.9, "weight_decay": 1e-4, "seed": 3, "precision": "fp32"}
 
 
