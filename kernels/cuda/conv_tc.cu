@@ -77,10 +77,11 @@ struct Tc128x64 : TcConfig<128, 64, 3, 3> {};
 struct Tc64x64 : TcConfig<64, 64, 3, 3> {};
 
 // One stage of one operand in shared memory, W rows (m or n) by TC_BK k; K_MAJOR: [W][BK + 4],
-// else [BK][W + 8] (see the header).
-template <int W, bool K_MAJOR>
+// else [BK][W + 8] (see the header); or another PITCH_ between its lines (the projection backward's stages,
+// whose k runs past a stage's).
+template <int W, bool K_MAJOR, int PITCH_ = K_MAJOR ? TC_BK + 4 : W + 8>
 struct TcStage {
-    static constexpr int PITCH = K_MAJOR ? TC_BK + 4 : W + 8;
+    static constexpr int PITCH = PITCH_;
     static constexpr int SIZE = (K_MAJOR ? W : TC_BK) * PITCH;
     __device__ static int offset(int row, int k) { return K_MAJOR ? row * PITCH + k : k * PITCH + row; }
 };
@@ -237,30 +238,31 @@ struct TcNormColumns {
 };
 
 // The A fragment of mma tile (row0.., k..k+7) for this lane (tensor_core.cuh's layout); rows in
-// the permuted order when the stage is not K_MAJOR (see the header).
-template <int W, bool K_MAJOR>
+// the permuted order when the stage is not K_MAJOR (see the header). PITCH: TcStage's.
+template <int W, bool K_MAJOR, int PITCH = TcStage<W, K_MAJOR>::PITCH>
 __device__ __forceinline__ void tc_fragment_a(unsigned (&a)[4], const float* tile, int row0, int k) {
+    using Stage = TcStage<W, K_MAJOR, PITCH>;
     const int lane = int(threadIdx.x) % 32;
     if (K_MAJOR) {
         // matrices: rows 0-7 and 8-15 at k..k+3, then at k+4..k+7
-        ldmatrix_x4(a, tile + TcStage<W, true>::offset(row0 + lane % 8 + (lane / 8 % 2) * 8, k + lane / 16 * 4));
+        ldmatrix_x4(a, tile + Stage::offset(row0 + lane % 8 + (lane / 8 % 2) * 8, k + lane / 16 * 4));
     } else {   // rows g and g + 8 of the mma are the tile's rows 2g and 2g + 1: a[0], a[1] and a[2], a[3]
         const int g = lane / 4, t = lane % 4;
-        *reinterpret_cast<uint2*>(&a[0]) =
-            *reinterpret_cast<const uint2*>(tile + TcStage<W, false>::offset(row0 + 2 * g, k + t));
+        *reinterpret_cast<uint2*>(&a[0]) = *reinterpret_cast<const uint2*>(tile + Stage::offset(row0 + 2 * g, k + t));
         *reinterpret_cast<uint2*>(&a[2]) =
-            *reinterpret_cast<const uint2*>(tile + TcStage<W, false>::offset(row0 + 2 * g, k + t + 4));
+            *reinterpret_cast<const uint2*>(tile + Stage::offset(row0 + 2 * g, k + t + 4));
     }
 }
 
-// The B fragments of two mma tiles side by side, columns col0..col0+7 and col0+8..col0+15.
-template <int W, bool K_MAJOR>
+// The B fragments of two mma tiles side by side, columns col0..col0+7 and col0+8..col0+15. PITCH: TcStage's.
+template <int W, bool K_MAJOR, int PITCH = TcStage<W, K_MAJOR>::PITCH>
 __device__ __forceinline__ void tc_fragments_b(unsigned (&b)[2][2], const float* tile, int col0, int k) {
+    using Stage = TcStage<W, K_MAJOR, PITCH>;
     const int lane = int(threadIdx.x) % 32;
     if (K_MAJOR) {
         // matrices: columns 0-7 at k..k+3 and k+4..k+7, then columns 8-15
         unsigned r[4];
-        ldmatrix_x4(r, tile + TcStage<W, true>::offset(col0 + lane % 8 + lane / 16 * 8, k + (lane / 8 % 2) * 4));
+        ldmatrix_x4(r, tile + Stage::offset(col0 + lane % 8 + lane / 16 * 8, k + (lane / 8 % 2) * 4));
         b[0][0] = r[0];
         b[0][1] = r[1];
         b[1][0] = r[2];
@@ -269,8 +271,8 @@ __device__ __forceinline__ void tc_fragments_b(unsigned (&b)[2][2], const float*
         const int g = lane / 4, t = lane % 4;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            b[j][0] = __float_as_uint(tile[TcStage<W, false>::offset(col0 + 8 * j + g, k + t)]);
-            b[j][1] = __float_as_uint(tile[TcStage<W, false>::offset(col0 + 8 * j + g, k + t + 4)]);
+            b[j][0] = __float_as_uint(tile[Stage::offset(col0 + 8 * j + g, k + t)]);
+            b[j][1] = __float_as_uint(tile[Stage::offset(col0 + 8 * j + g, k + t + 4)]);
         }
     }
 }
@@ -1034,19 +1036,14 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
                 for (int e = 0; e < 4; ++e) d[i][j][e] = 0.0f;
 #pragma unroll
         for (int k = 0; k < O; k += 8) {
-            unsigned fa[2][4], fb[4];
+            unsigned fa[2][4], fb[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) tc_fragment_a<STAGE, true, S::DY_PITCH>(fa[i], dys, 16 * i, k);
+            tc_fragments_b<C, true, S::W_PITCH>(fb, smem, 16 * warp, k);
 #pragma unroll
             for (int i = 0; i < 2; ++i)
-                ldmatrix_x4(fa[i], dys + (16 * i + lane % 8 + (lane / 8 % 2) * 8) * S::DY_PITCH + k + lane / 16 * 4);
-            // B: columns 0-7 at k..k+3 and k+4..k+7, then columns 8-15 (tc_fragments_b's K_MAJOR matrices)
-            ldmatrix_x4(fb, smem + (16 * warp + lane % 8 + lane / 16 * 8) * S::W_PITCH + k + (lane / 8 % 2) * 4);
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const unsigned b[2] = {fb[2 * j], fb[2 * j + 1]};
-                    mma_tf32(d[i][j], fa[i], b, d[i][j]);
-                }
+                for (int j = 0; j < 2; ++j) mma_tf32(d[i][j], fa[i], fb[j], d[i][j]);
         }
 #pragma unroll
         for (int i = 0; i < 2; ++i)
@@ -1071,12 +1068,7 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
         for (int k = 0; k < STAGE; k += 8) {
             unsigned fa[T::MI][4];
 #pragma unroll
-            for (int i = 0; i < T::MI; ++i) {   // rows 2g and 2g + 1 (tc_fragment_a's permuted order)
-                *reinterpret_cast<uint2*>(&fa[i][0]) =
-                    *reinterpret_cast<const uint2*>(dys + (k + t) * S::DY_PITCH + wm + 16 * i + 2 * gl);
-                *reinterpret_cast<uint2*>(&fa[i][2]) =
-                    *reinterpret_cast<const uint2*>(dys + (k + t + 4) * S::DY_PITCH + wm + 16 * i + 2 * gl);
-            }
+            for (int i = 0; i < T::MI; ++i) tc_fragment_a<O, false, S::DY_PITCH>(fa[i], dys, wm + 16 * i, k);
             tc_multiply<T, false>(acc, fa, xs, wn, k);
         }
     };
