@@ -236,6 +236,54 @@ def compile(source, arch="sm_90", options=(), name_expressions=(), filename="ker
         nvrtc.destroyProgram(program)
 
 
+_RELEASE = re.compile(r"Cuda compilation tools, release [\d.]+, (V[\d.]+)")
+
+
+def release(ptx):
+    """The CUDA release ("V13.5.37") whose compiler wrote a PTX (its header comment), or None."""
+    m = _RELEASE.search(ptx)
+    return m and m.group(1)
+
+
+@functools.lru_cache(maxsize=None)
+def ptxas(version):
+    """The path of a ptxas of the CUDA release ``version`` ("V13.5.37", release()'s): on PATH, or from the
+    nvidia-cuda-nvcc wheel; None without one. Of the very release only: another ptxas may make other SASS."""
+    candidates = [Path(found)] if (found := shutil.which("ptxas")) else []
+    try:
+        import nvidia  # noqa: PLC0415  (the wheels' namespace package)
+        candidates += [path for root in map(Path, nvidia.__path__) for path in sorted(root.glob("*/bin/ptxas"))]
+    except ImportError:
+        pass
+    for candidate in candidates:
+        try:
+            done = subprocess.run([str(candidate), "--version"], capture_output=True, text=True, timeout=60)
+        except OSError:
+            continue
+        if done.returncode == 0 and release(done.stdout) == version:
+            return candidate
+    return None
+
+
+def assemble(compiled, arch, verbose=False):
+    """Compiled for ``arch`` (sm_XX) from the PTX of another compile (``compiled``, for compute_YY), by the
+    ptxas of the PTX's own release: what compile(source, arch) gives where NVRTC writes that PTX for arch
+    too (but its .target line), without running NVRTC's front end again. None when no such ptxas is here.
+    The log is ptxas' (verbose: its resource report, as parse_ptxas_log reads it)."""
+    tool = ptxas(release(compiled.ptx))
+    if tool is None:
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        source, cubin = Path(folder) / "module.ptx", Path(folder) / "module.cubin"
+        source.write_text(compiled.ptx)
+        done = subprocess.run([str(tool), f"-arch={arch}", *(["-v"] if verbose else []), str(source),
+                               "-o", str(cubin)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NvrtcError(f"ptxas failed to assemble for {arch}:\n{done.stderr}", done.stderr)
+        return Compiled(ptx=compiled.ptx, cubin=cubin.read_bytes(), log=(done.stdout + done.stderr).strip(),
+                        lowered_names=compiled.lowered_names)
+
+
 def _log(nvrtc, program):
     return nvrtc.getProgramLog(program).rstrip("\0").strip()
 

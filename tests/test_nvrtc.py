@@ -1,4 +1,6 @@
 """ptxas' resource report, as kernels/nvrtc.py reads it; the options it compiles with, as CuPy's."""
+import os
+
 import pytest
 
 from kernels.nvrtc import parse_ptxas_log
@@ -103,3 +105,46 @@ def test_an_architecture_no_nvrtc_here_compiles_says_what_to_install(monkeypatch
     monkeypatch.setattr(nvrtc, "cuda12", lambda: None)
     assert nvrtc.unsupported_reason("sm_90") is None
     assert "pip install nvidia-cuda-nvrtc-cu12" in nvrtc.unsupported_reason("sm_70")
+
+
+def test_one_ptx_for_sm_80_to_sm_90_assembled_by_ptxas_is_what_nvrtc_makes_for_each():
+    """kernels/cuda/ptxas_report.py compiles a family's PTX once for sm_80 to sm_90 and has ptxas make each
+    one's SASS. That holds where NVRTC writes the same PTX for each (but its .target line), and where ptxas, of
+    NVRTC's release, makes from it what NVRTC makes: both checked on a family, elementwise, whose bfloat16
+    conversions branch below compute_80 (so that the comparison of PTX is seen to tell them apart)."""
+    import re
+    from kernels import nvrtc
+    from kernels.cuda import OPTIONS, launcher, source
+    from kernels.cuda.ptxas_report import PTX_SHARED, SHARED_PTX
+    reason = nvrtc.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+
+    def compiled(arch, verbose=False):
+        return nvrtc.compile(source("elementwise"), arch, OPTIONS, launcher("elementwise").KERNELS,
+                             "elementwise.cu", verbose)
+
+    def body(c):
+        return re.sub(r"^\.target .*$", "", c.ptx, flags=re.MULTILINE)
+    shared = compiled(SHARED_PTX)
+    assert body(compiled("compute_90")) == body(shared) != body(compiled("compute_75"))
+    if nvrtc.ptxas(nvrtc.release(shared.ptx)) is None:
+        pytest.skip(f"no ptxas of NVRTC's release {nvrtc.release(shared.ptx)} (pip install nvidia-cuda-nvcc)")
+    for arch in (PTX_SHARED[0], PTX_SHARED[-1]):
+        ours, theirs = nvrtc.assemble(shared, arch, verbose=True), compiled(arch, verbose=True)
+        assert ours.resources() == theirs.resources() and ours.resources()
+        assert ours.sass() == theirs.sass()
+
+
+def test_a_ptxas_of_another_release_is_not_taken(monkeypatch, tmp_path):
+    from kernels import nvrtc
+    fake = tmp_path / "ptxas"
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    nvrtc.ptxas.cache_clear()
+    try:
+        assert nvrtc.ptxas("V13.0.88") == fake
+        assert nvrtc.ptxas("V99.1.2") is None
+    finally:
+        nvrtc.ptxas.cache_clear()
