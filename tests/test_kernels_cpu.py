@@ -41,6 +41,59 @@ def test_conv2d(x_shape, w_shape, stride, padding, bias):
              backward=through_both(lambda m, dy, x, w, b, y: m.conv2d_backward(dy, x, w, stride, padding)))
 
 
+@pytest.fixture
+def cpu_threads():
+    """kernels/cpu/_parallel.py's threads(), set back after the test (the suite's workers run one each)."""
+    from kernels.cpu import _parallel
+    before = _parallel.threads()
+    yield _parallel.threads
+    _parallel.threads(before)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding", [
+    ((7, 8, 10, 10), (12, 8, 3, 3), 1, 1),      # backward-data as a convolution of dy
+    ((7, 8, 10, 9), (12, 8, 3, 3), 2, 1),       # backward-data by col2im
+    ((7, 8, 10, 10), (12, 8, 1, 1), 2, 0),      # a projection
+])
+def test_convolutions_in_parts_on_three_threads_equal_one_thread_bit_for_bit(cpu_threads, monkeypatch, x_shape,
+                                                                              w_shape, stride, padding):
+    """Parts of three images (256 rows: _PART_BYTES made small), on 1 to 3 threads: the results of each thread
+    count are the same bits, and near float64's."""
+    from kernels.cpu import conv
+    monkeypatch.setattr(conv, "_PART_BYTES", 1)
+    g = rng()
+    x = np.ascontiguousarray(g.standard_normal(x_shape, dtype=np.float32).transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    w, b = g.standard_normal(w_shape, dtype=np.float32), g.standard_normal(w_shape[0], dtype=np.float32)
+    results = []
+    for count in (1, 2, 3):
+        cpu_threads(count)
+        y = K.conv2d_forward(x, w, b, stride, padding)
+        dy = np.cos(np.arange(y.size, dtype=np.float32)).reshape(y.shape)
+        results.append((y, *K.conv2d_backward(dy, x, w, stride, padding)))
+    for other in results[1:]:
+        for a, c in zip(results[0], other):
+            assert a.tobytes() == c.tobytes()
+    expected = (R.conv2d_forward(x, w, b, stride, padding), *R.conv2d_backward(dy, x, w, stride, padding))
+    for got, want in zip(results[0], expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_a_part_that_fails_on_another_thread_raises_and_the_blas_threads_are_restored(cpu_threads):
+    from threadpoolctl import threadpool_info
+    from kernels.cpu._parallel import each
+    cpu_threads(2)
+    before, seen = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"], []
+
+    def part(i):
+        seen.append([lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"])
+        if i == 5:
+            raise ZeroDivisionError("part 5")
+    with pytest.raises(ZeroDivisionError, match="part 5"):
+        each(part, 8)
+    assert all(counts == [1] * len(before) for counts in seen) and len(seen) >= 6
+    assert [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"] == before
+
+
 def test_conv2d_channel_mismatch_is_a_value_error():
     g = rng()
     with pytest.raises(ValueError, match="(?i)channel"):

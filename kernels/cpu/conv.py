@@ -11,11 +11,15 @@ swapped, so it is one more im2col and one product of the same efficiency as the 
 At larger strides, the column gradient dy @ W, one product, is added back window by window
 into the padded input gradient (col2im).
 
-The column matrices are the largest arrays of a training step (230 MB for ResNet-18's first
-stage at batch 128) and live only inside a call, so they are built in reused workspaces.
+The column matrices would be the largest arrays of a training step (230 MB for ResNet-18's first
+stage at batch 128), so none is made whole: each product runs a part of whole images at a time (_parts),
+whose columns (about a megabyte) are built in a reused workspace and multiplied while they are in
+cache, the parts on every core (kernels/cpu/_parallel.py). The weight gradient, a sum over the
+images, is each part's product added in the parts' order.
 """
 import numpy as np
 
+from ._parallel import each
 from ._util import channel_sum, output_size, pair, padded, windows, workspace, written
 from .batchnorm import batch_norm_apply, batch_statistics, masked_backward_sums, relu_output
 
@@ -27,14 +31,11 @@ def conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None,
         y = conv2d_forward(x, w, b, stride, padding)
         return (y, *batch_statistics(y, *statistics))
     stride, padding = pair(stride), pair(padding)
-    n, oh, ow = _output_shape(x, w, stride, padding)
+    _output_shape(x, w, stride, padding)
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"conv2d bias shape {b.shape} does not match {w.shape[0]} "
                          f"output channels")
-    y = _im2col(_nhwc(x), w.shape[2:], stride, padding) @ _weight_matrix(w).T
-    if b is not None:
-        y += b
-    return _nchw(y.reshape(n, oh, ow, -1))
+    return _nchw(_products(_nhwc(x), w.shape[2:], stride, padding, _weight_matrix(w).T, b))
 
 
 def conv2d_folds(x, w, stride, padding):
@@ -88,8 +89,39 @@ def _output_shape(x, w, stride, padding):
     return x.shape[0], oh, ow
 
 
+_PART_BYTES = 1 << 20
+
+
+def _parts(n, rows, k, itemsize):
+    """Slices of the n images, a part of the products each: its window matrix of about _PART_BYTES (k columns,
+    ``rows`` rows an image), at least 256 and k / 2 rows (fewer multiply at a fraction of the BLAS's pace,
+    each packing the weights anew), and at least two parts where there are two images. From the shape alone:
+    so are the results, whatever the threads (kernels/cpu/_parallel.py)."""
+    least = max(256, k // 2, _PART_BYTES // (k * itemsize))
+    per = max(1, min(-(-least // rows), -(-n // 2)))
+    return [slice(i, min(i + per, n)) for i in range(0, n, per)]
+
+
+def _products(x_nhwc, kernel, stride, padding, weights, bias=None):
+    """(N, OH, OW, O): x's window matrix (N*OH*OW, KH*KW*C) times weights (KH*KW*C, O), plus bias when
+    given, a part of the images at a time."""
+    n = x_nhwc.shape[0]
+    oh, ow = (output_size(x_nhwc.shape[d], kernel[i], stride[i], padding[i]) for i, d in enumerate((1, 2)))
+    dtype = np.result_type(x_nhwc.dtype, weights.dtype)
+    y = np.empty((n, oh, ow, weights.shape[1]), dtype)
+    parts = _parts(n, oh * ow, weights.shape[0], dtype.itemsize)
+
+    def part(i):
+        out = y[parts[i]].reshape(-1, y.shape[3])
+        np.matmul(_im2col(x_nhwc[parts[i]], kernel, stride, padding), weights, out=out)
+        if bias is not None:
+            out += bias
+    each(part, len(parts))
+    return y
+
+
 def _im2col(x_nhwc, kernel, stride, padding):
-    """(N*OH*OW, KH*KW*C) matrix of the padded NHWC input's windows, in the workspace."""
+    """(N*OH*OW, KH*KW*C) matrix of the padded NHWC input's windows, in this thread's workspace."""
     if padding != (0, 0):
         x_nhwc = padded(x_nhwc, padding, axes=(1, 2), scratch="padded")
     win = windows(x_nhwc, kernel, stride, axes=(1, 2))      # (N, OH, OW, C, KH, KW)
@@ -100,39 +132,58 @@ def _im2col(x_nhwc, kernel, stride, padding):
 
 
 def _backward_weight(dy_nhwc, x, w, stride, padding):
-    """dw = dy^T @ im2col(x), reordered from (O, KH, KW, C) to (O, C, KH, KW)."""
+    """dw = dy^T @ im2col(x), each part's product added in the parts' order, reordered from (O, KH, KW, C)
+    to (O, C, KH, KW)."""
     o, c, kh, kw = w.shape
-    cols = _im2col(_nhwc(x), (kh, kw), stride, padding)
-    dw = dy_nhwc.reshape(-1, o).T @ cols
+    x_nhwc, (n, oh, ow, _) = _nhwc(x), dy_nhwc.shape
+    dtype = np.result_type(dy_nhwc.dtype, x.dtype)
+    parts = _parts(n, oh * ow, kh * kw * c, dtype.itemsize)
+    partial = np.empty((len(parts), o, kh * kw * c), dtype)
+
+    def part(i):
+        dy = dy_nhwc[parts[i]].reshape(-1, o)
+        np.matmul(dy.T, _im2col(x_nhwc[parts[i]], (kh, kw), stride, padding), out=partial[i])
+    each(part, len(parts))
+    dw = partial.sum(axis=0)   # the outer axis: added part by part, in order
     return np.ascontiguousarray(dw.reshape(o, kh, kw, c).transpose(0, 3, 1, 2))
 
 
 def _backward_data_stride1(dy_nhwc, w, padding):
     """dx of a stride-1 convolution: dy, padded by K-1-P, convolved with the flipped kernel."""
     o, c, kh, kw = w.shape
-    n, oh, ow, _ = dy_nhwc.shape
     pad = (kh - 1 - padding[0], kw - 1 - padding[1])
     # rows (i, j, o) in the order _im2col lays out a window of dy
     flipped = w[:, :, ::-1, ::-1].transpose(2, 3, 0, 1).reshape(kh * kw * o, c)
-    dx = _im2col(dy_nhwc, (kh, kw), (1, 1), pad) @ flipped
-    return _nchw(dx.reshape(n, oh + 2 * pad[0] - kh + 1, ow + 2 * pad[1] - kw + 1, c))
+    return _nchw(_products(dy_nhwc, (kh, kw), (1, 1), pad, flipped))
 
 
 def _col2im(dy_nhwc, x_shape, w, stride, padding):
     """dx from the output gradient: the column gradient dy @ W, scattered back by the
-    adjoint of _im2col (each window's cells added to the input cells they came from)."""
+    adjoint of _im2col (each window's cells added to the input cells they came from), a part of the
+    images at a time."""
     n, c, h, width = x_shape
     _, oh, ow, o = dy_nhwc.shape
     (kh, kw), (sh, sw), (ph, pw) = w.shape[2:], stride, padding
-    dcols = workspace("im2col", (n, oh, ow, kh, kw, c), dy_nhwc.dtype)
-    np.matmul(dy_nhwc.reshape(-1, o), _weight_matrix(w), out=dcols.reshape(n * oh * ow, -1))
-    dxp = np.zeros((n, h + 2 * ph, width + 2 * pw, c), dtype=dy_nhwc.dtype)
-    # Windows overlap when the kernel is larger than the stride, but at one kernel
-    # position they all touch distinct cells, so a strided += per position is exact.
-    for i in range(kh):
-        for j in range(kw):
-            dxp[:, i:i + sh * oh:sh, j:j + sw * ow:sw, :] += dcols[:, :, :, i, j, :]
-    return _nchw(np.ascontiguousarray(dxp[:, ph:ph + h, pw:pw + width, :]))
+    weights = _weight_matrix(w)
+    dtype = np.result_type(dy_nhwc.dtype, w.dtype)
+    dx = np.empty((n, h, width, c), dtype)
+    parts = _parts(n, oh * ow, kh * kw * c, dtype.itemsize)
+
+    def part(p):
+        s = parts[p]
+        m = s.stop - s.start
+        dcols = workspace("im2col", (m, oh, ow, kh, kw, c), dtype)
+        np.matmul(dy_nhwc[s].reshape(-1, o), weights, out=dcols.reshape(m * oh * ow, -1))
+        dxp = workspace("padded", (m, h + 2 * ph, width + 2 * pw, c), dtype)
+        dxp.fill(0)
+        # Windows overlap when the kernel is larger than the stride, but at one kernel
+        # position they all touch distinct cells, so a strided += per position is exact.
+        for i in range(kh):
+            for j in range(kw):
+                dxp[:, i:i + sh * oh:sh, j:j + sw * ow:sw, :] += dcols[:, :, :, i, j, :]
+        dx[s] = dxp[:, ph:ph + h, pw:pw + width, :]
+    each(part, len(parts))
+    return _nchw(dx)
 
 
 def _weight_matrix(w):
