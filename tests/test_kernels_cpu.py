@@ -152,6 +152,12 @@ def test_backwards_write_into_the_arrays_they_are_given():
     assert dx is None and dw is out[0] and db is out[1]
     np.testing.assert_array_equal(dw, fresh[1])
     np.testing.assert_array_equal(db, fresh[2])
+    for stride, size in ((1, 5), (2, 3)):   # dx added to add_dx_to, that very array returned: stride 1 and col2im
+        so_far = g.standard_normal(x.shape)
+        into = so_far.copy()
+        dx = K.conv2d_backward(dy[:, :, :size, :size], x, w, stride, 1, add_dx_to=into)[0]
+        assert dx is into
+        np.testing.assert_allclose(into, so_far + K.conv2d_backward(dy[:, :, :size, :size], x, w, stride, 1)[0])
     x2, w2, dy2 = g.standard_normal((6, 5)), g.standard_normal((3, 5)), g.standard_normal((6, 3))
     out = np.full_like(w2, np.nan), np.full(3, np.nan)
     _, dw2, db2 = K.linear_backward(dy2, x2, w2, out=out)

@@ -15,6 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 _lock = threading.Lock()
+_inside = threading.local()   # .part: this thread runs a part of each()'s
 _state = {"threads": None, "pool": None, "blas": None, "depth": 0, "saved": None}
 
 
@@ -44,17 +45,21 @@ def each(part, count):
     thread meanwhile; returns when all are done, raising the first part's error if one failed."""
     total = threads()
     workers = min(total, count)
-    if workers <= 1:
-        for i in range(count):
+    if workers <= 1 or getattr(_inside, "part", False):   # a part's own passes run on its thread: the others
+        for i in range(count):                            # may all be waiting for theirs
             part(i)
         return
     queue = itertools.count()   # next() of it is atomic under the GIL: each part is taken once
 
     def work():
-        for i in iter(queue.__next__, None):
-            if i >= count:
-                return
-            part(i)
+        _inside.part = True
+        try:
+            for i in iter(queue.__next__, None):
+                if i >= count:
+                    return
+                part(i)
+        finally:
+            _inside.part = False
     with _single_threaded_blas():
         with _lock:
             if _state["pool"] is None:

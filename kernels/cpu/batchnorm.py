@@ -12,13 +12,15 @@ sums of every replica between the parts.
 
 Each of these is a chain of elementwise passes; run over the whole array, every pass goes
 to memory, so the training kernels run the chain on blocks of whole images that stay in
-cache. The training kernels and the inference forward return channels-last arrays (see
+cache, the blocks on every core (kernels/cpu/_parallel.py), each block's sums added in the blocks'
+order. The training kernels and the inference forward return channels-last arrays (see
 kernels.cpu), whatever the layout of x.
 """
 import numpy as np
 
 from . import convert
-from ._util import channel_sum, written
+from ._parallel import each
+from ._util import channel_sum, workspace, written
 
 _BLOCK_BYTES = 1 << 20
 
@@ -77,14 +79,13 @@ def masked_backward_sums(dy, y, x, mean, invstd, *, out=None):
 def batch_norm_sums(x, shift):
     _check(x, shift)
     x_nhwc = _nhwc(x)
-    blocks, scratch = _image_blocks(x_nhwc)
-    sums = np.zeros((2, x.shape[1]), x.dtype)
-    for b in blocks:
-        centred = np.subtract(x_nhwc[b], shift, out=scratch[:b.stop - b.start])
-        sums[0] += channel_sum(_nchw(centred))
+
+    def block(b, sums):
+        centred = np.subtract(x_nhwc[b], shift, out=_scratch(x_nhwc, b))
+        sums[0] = channel_sum(_nchw(centred))
         centred *= centred
-        sums[1] += channel_sum(_nchw(centred))
-    return sums
+        sums[1] = channel_sum(_nchw(centred))
+    return _block_sums(x_nhwc, block, x.dtype)
 
 
 def batch_norm_stats(sums, shift, count, eps):
@@ -111,14 +112,14 @@ def _backward_sums(dy, y, x, mean, invstd):
     time, in cache, rather than over the whole of dy first."""
     _check(x, mean)
     x_nhwc, dy_nhwc, y_nhwc = _nhwc(x), _nhwc(dy), None if y is None else _nhwc(y)
-    blocks, scratch = _image_blocks(x_nhwc)
-    sums = np.zeros((2, x.shape[1]), dy.dtype)
-    for b in blocks:
+
+    def block(b, sums):
         d = dy_nhwc[b] if y is None else _positive(y_nhwc[b], dy_nhwc[b])
-        sums[1] += channel_sum(_nchw(d))
-        product = np.subtract(x_nhwc[b], mean, out=scratch[:b.stop - b.start])
+        sums[1] = channel_sum(_nchw(d))
+        product = np.subtract(x_nhwc[b], mean, out=_scratch(x_nhwc, b))
         product *= d
-        sums[0] += channel_sum(_nchw(product))
+        sums[0] = channel_sum(_nchw(product))
+    sums = _block_sums(x_nhwc, block, dy.dtype)
     sums[0] *= invstd
     return sums
 
@@ -127,16 +128,17 @@ def _backward_dx(dy, y, x, gamma, mean, invstd, sums, count):
     """batch_norm_backward_dx of dy where y > 0 (all of dy when y is None), masked a block at a time."""
     _check(x, gamma)
     x_nhwc, dy_nhwc, y_nhwc = _nhwc(x), _nhwc(dy), None if y is None else _nhwc(y)
-    blocks, scratch = _image_blocks(x_nhwc)
     scale, xhat_scale = gamma * invstd, invstd * sums[0] / count
     dx = np.empty(dy_nhwc.shape, dy.dtype)
-    for b in blocks:
-        xhat_term = np.subtract(x_nhwc[b], mean, out=scratch[:b.stop - b.start])
+
+    def block(b):
+        xhat_term = np.subtract(x_nhwc[b], mean, out=_scratch(x_nhwc, b))
         xhat_term *= xhat_scale
         d = dy_nhwc[b] if y is None else _positive(y_nhwc[b], dy_nhwc[b])
-        block = np.subtract(d, sums[1] / count, out=dx[b])
-        block -= xhat_term
-        block *= scale
+        out = np.subtract(d, sums[1] / count, out=dx[b])
+        out -= xhat_term
+        out *= scale
+    _each_block(x_nhwc, block)
     return _nchw(dx)
 
 
@@ -167,13 +169,15 @@ def _affine(x, gamma, beta, mean, invstd, residual=None, relu=False):
     shift = beta - mean * scale
     x_nhwc, r_nhwc = _nhwc(x), None if residual is None else _nhwc(residual)
     y = np.empty(x_nhwc.shape, x.dtype)
-    for b in _image_blocks(x_nhwc)[0]:
-        block = np.multiply(x_nhwc[b], scale, out=y[b])
-        block += shift
+
+    def block(b):
+        out = np.multiply(x_nhwc[b], scale, out=y[b])
+        out += shift
         if r_nhwc is not None:
-            block += r_nhwc[b]
+            out += r_nhwc[b]
         if relu:
-            np.maximum(block, 0, out=block)
+            np.maximum(out, 0, out=out)
+    _each_block(x_nhwc, block)
     return _nchw(y)
 
 
@@ -188,11 +192,32 @@ def _positive(y_nhwc, dy_nhwc):
 
 
 def _image_blocks(x_nhwc):
-    """Slices of about _BLOCK_BYTES of whole images, and a scratch array of one block."""
+    """Slices of about _BLOCK_BYTES of whole images."""
     n = x_nhwc.shape[0]
     per = min(n, max(1, _BLOCK_BYTES // max(1, x_nhwc[0].nbytes)))
-    blocks = [slice(i, min(i + per, n)) for i in range(0, n, per)]
-    return blocks, np.empty((per,) + x_nhwc.shape[1:], x_nhwc.dtype)
+    return [slice(i, min(i + per, n)) for i in range(0, n, per)]
+
+
+def _each_block(x_nhwc, block):
+    """block(b) for each of x's image blocks b, on every core."""
+    blocks = _image_blocks(x_nhwc)
+    each(lambda i: block(blocks[i]), len(blocks))
+
+
+def _block_sums(x_nhwc, block, dtype):
+    """(2, C): the sums that block(b, sums) writes for each image block b, added in the blocks' order."""
+    blocks = _image_blocks(x_nhwc)
+    partial = np.empty((len(blocks), 2, x_nhwc.shape[3]), dtype)
+    each(lambda i: block(blocks[i], partial[i]), len(blocks))
+    sums = np.zeros((2, x_nhwc.shape[3]), dtype)
+    for p in partial:
+        sums += p
+    return sums
+
+
+def _scratch(x_nhwc, b):
+    """This thread's scratch array for block b of x."""
+    return workspace("batch-norm", (b.stop - b.start,) + x_nhwc.shape[1:], x_nhwc.dtype)
 
 
 def _check(x, gamma):

@@ -68,12 +68,11 @@ def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx
     if not need_dx:
         dx = None
     elif stride == (1, 1) and all(p < k for p, k in zip(padding, w.shape[2:])):
-        dx = _backward_data_stride1(dy_nhwc, w, padding)
+        dx = _backward_data_stride1(dy_nhwc, w, padding, add_dx_to)
     else:
-        dx = _col2im(dy_nhwc, x.shape, w, stride, padding)
+        dx = _col2im(dy_nhwc, x.shape, w, stride, padding, add_dx_to)
     if dx is not None and add_dx_to is not None:
-        add_dx_to += dx
-        dx = add_dx_to
+        dx = add_dx_to   # the very array (the callers' accumulation tells it by identity)
     return dx, dw, written(db_out, channel_sum(dy))
 
 
@@ -102,9 +101,10 @@ def _parts(n, rows, k, itemsize):
     return [slice(i, min(i + per, n)) for i in range(0, n, per)]
 
 
-def _products(x_nhwc, kernel, stride, padding, weights, bias=None):
+def _products(x_nhwc, kernel, stride, padding, weights, bias=None, add_to=None):
     """(N, OH, OW, O): x's window matrix (N*OH*OW, KH*KW*C) times weights (KH*KW*C, O), plus bias when
-    given, a part of the images at a time."""
+    given, a part of the images at a time; with add_to (an (N, OH, OW, O) view), added to it as each part is
+    made, and add_to returned."""
     n = x_nhwc.shape[0]
     oh, ow = (output_size(x_nhwc.shape[d], kernel[i], stride[i], padding[i]) for i, d in enumerate((1, 2)))
     dtype = np.result_type(x_nhwc.dtype, weights.dtype)
@@ -116,8 +116,10 @@ def _products(x_nhwc, kernel, stride, padding, weights, bias=None):
         np.matmul(_im2col(x_nhwc[parts[i]], kernel, stride, padding), weights, out=out)
         if bias is not None:
             out += bias
+        if add_to is not None:
+            add_to[parts[i]] += y[parts[i]]
     each(part, len(parts))
-    return y
+    return y if add_to is None else add_to
 
 
 def _im2col(x_nhwc, kernel, stride, padding):
@@ -148,25 +150,27 @@ def _backward_weight(dy_nhwc, x, w, stride, padding):
     return np.ascontiguousarray(dw.reshape(o, kh, kw, c).transpose(0, 3, 1, 2))
 
 
-def _backward_data_stride1(dy_nhwc, w, padding):
-    """dx of a stride-1 convolution: dy, padded by K-1-P, convolved with the flipped kernel."""
+def _backward_data_stride1(dy_nhwc, w, padding, add_to=None):
+    """dx of a stride-1 convolution: dy, padded by K-1-P, convolved with the flipped kernel (added to
+    add_to, which is returned, when given)."""
     o, c, kh, kw = w.shape
     pad = (kh - 1 - padding[0], kw - 1 - padding[1])
     # rows (i, j, o) in the order _im2col lays out a window of dy
     flipped = w[:, :, ::-1, ::-1].transpose(2, 3, 0, 1).reshape(kh * kw * o, c)
-    return _nchw(_products(dy_nhwc, (kh, kw), (1, 1), pad, flipped))
+    return _nchw(_products(dy_nhwc, (kh, kw), (1, 1), pad, flipped,
+                           add_to=None if add_to is None else _nhwc(add_to)))
 
 
-def _col2im(dy_nhwc, x_shape, w, stride, padding):
+def _col2im(dy_nhwc, x_shape, w, stride, padding, add_to=None):
     """dx from the output gradient: the column gradient dy @ W, scattered back by the
     adjoint of _im2col (each window's cells added to the input cells they came from), a part of the
-    images at a time."""
+    images at a time (added to add_to, which is returned, when given)."""
     n, c, h, width = x_shape
     _, oh, ow, o = dy_nhwc.shape
     (kh, kw), (sh, sw), (ph, pw) = w.shape[2:], stride, padding
     weights = _weight_matrix(w)
     dtype = np.result_type(dy_nhwc.dtype, w.dtype)
-    dx = np.empty((n, h, width, c), dtype)
+    dx = np.empty((n, h, width, c), dtype) if add_to is None else None
     parts = _parts(n, oh * ow, kh * kw * c, dtype.itemsize)
 
     def part(p):
@@ -181,9 +185,12 @@ def _col2im(dy_nhwc, x_shape, w, stride, padding):
         for i in range(kh):
             for j in range(kw):
                 dxp[:, i:i + sh * oh:sh, j:j + sw * ow:sw, :] += dcols[:, :, :, i, j, :]
-        dx[s] = dxp[:, ph:ph + h, pw:pw + width, :]
+        if add_to is None:
+            dx[s] = dxp[:, ph:ph + h, pw:pw + width, :]
+        else:
+            _nhwc(add_to)[s] += dxp[:, ph:ph + h, pw:pw + width, :]
     each(part, len(parts))
-    return _nchw(dx)
+    return _nchw(dx) if add_to is None else add_to
 
 
 def _weight_matrix(w):

@@ -3,10 +3,13 @@
 Updates the flat parameter and velocity buffers in place, and the bfloat16 or TF32 copy of the
 parameters when one is given. The update is five elementwise
 passes; over the whole 45 MB buffers of ResNet-18 each pass would go to memory, so the
-buffers are updated in blocks small enough that the passes over a block stay in cache.
+buffers are updated in blocks small enough that the passes over a block stay in cache, the blocks
+on every core (kernels/cpu/_parallel.py).
 """
 import numpy as np
 
+from ._parallel import each
+from ._util import workspace
 from .convert import round_tf32
 
 _BLOCK = 1 << 18   # elements: 1 MB blocks of param, grad, velocity and scratch stay in cache
@@ -28,11 +31,12 @@ def sgd_update(param, grad, velocity, lr, momentum, weight_decay, copy=None):
         _sgd_block(param, grad, velocity, lr, momentum, weight_decay, np.empty_like(param), copy)
         return
     flat = [None if a is None else a.reshape(-1) for a in (param, grad, velocity, copy)]
-    scratch = np.empty(min(param.size, _BLOCK), param.dtype)
-    for lo in range(0, param.size, _BLOCK):
-        block = slice(lo, min(lo + _BLOCK, param.size))
+
+    def part(i):
+        block = slice(i * _BLOCK, min((i + 1) * _BLOCK, param.size))
         p, g, v, c = (None if a is None else a[block] for a in flat)
-        _sgd_block(p, g, v, lr, momentum, weight_decay, scratch[:block.stop - lo], c)
+        _sgd_block(p, g, v, lr, momentum, weight_decay, workspace("sgd", (block.stop - block.start,), param.dtype), c)
+    each(part, -(-param.size // _BLOCK))
 
 
 def _sgd_block(param, grad, velocity, lr, momentum, weight_decay, scratch, copy):
