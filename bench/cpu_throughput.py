@@ -23,6 +23,7 @@ import functools
 import os
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -154,12 +155,16 @@ class KernelProfiler:
     """Wall time in every kernel of kernels.cpu and in every helper function its modules call.
 
     ``total`` is inclusive; ``own`` leaves out the time in wrapped callees, so the helpers'
-    own times and the kernels' own times add up to the kernels' total.
+    own times and the kernels' own times add up to the kernels' total. Only the calls of the thread that
+    installed it are timed: a pass that the kernels cut into parts on several threads
+    (kernels/cpu/_parallel.py's each) is one row, "<the function whose parts they are> (parts)", its wall
+    time, the calls inside its parts untimed.
     """
 
     def __init__(self):
         self.total, self.own = defaultdict(float), defaultdict(float)
         self._callee_time = []   # one entry per wrapped call in progress
+        self._thread = threading.get_ident()
 
     def install(self):
         import inspect
@@ -179,16 +184,22 @@ class KernelProfiler:
         self.own.clear()
 
     def _wrap(self, name, fn):
+        from kernels.cpu import _parallel
+        parts = (fn.__module__, fn.__name__) == (_parallel.__name__, "each")
+
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            if threading.get_ident() != self._thread or getattr(_parallel._inside, "part", False):
+                return fn(*args, **kwargs)
+            label = f"{name.split('.')[0]}.{args[0].__qualname__.split('.<locals>')[0]} (parts)" if parts else name
             self._callee_time.append(0.0)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - start
-                self.total[name] += elapsed
-                self.own[name] += elapsed - self._callee_time.pop()
+                self.total[label] += elapsed
+                self.own[label] += elapsed - self._callee_time.pop()
                 if self._callee_time:
                     self._callee_time[-1] += elapsed
         return timed

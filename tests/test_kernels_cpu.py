@@ -78,6 +78,34 @@ def test_convolutions_in_parts_on_three_threads_equal_one_thread_bit_for_bit(cpu
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def test_a_convolutions_batch_norm_sums_from_its_parts_stay_close_to_float64(cpu_threads, monkeypatch):
+    """The statistics of the norm after a convolution, from parts of 3 images each (_PART_BYTES made small), on
+    two threads: squares about each part's mean, moved to the whole's, keep their accuracy where y's mean is
+    far from 0 (a bias of 300: squares about 0 would cancel to nothing in float32). And the backward sums of
+    the norm before it, from the parts of dx (stride 1 and col2im), are masked_backward_sums' of the whole dx."""
+    from kernels.cpu import conv
+    monkeypatch.setattr(conv, "_PART_BYTES", 1)
+    cpu_threads(2)
+    g = rng()
+    x = np.ascontiguousarray(g.standard_normal((10, 12, 10, 8), dtype=np.float32)).transpose(0, 3, 1, 2)
+    w = g.standard_normal((16, 8, 3, 3), dtype=np.float32)
+    b = np.full(16, 300, np.float32) + g.standard_normal(16, dtype=np.float32)
+    y, mean, invstd = K.conv2d_forward(x, w, b, 1, 1, statistics=(EPS, None, 0.1))
+    exact = R.conv2d_forward(x, w, b, 1, 1)   # float64, of the float32 inputs
+    np.testing.assert_allclose(mean, exact.mean(axis=(0, 2, 3)), rtol=1e-6)
+    np.testing.assert_allclose(invstd, 1 / np.sqrt(exact.var(axis=(0, 2, 3)) + EPS), rtol=2e-4)
+    gamma, beta = g.standard_normal(8, dtype=np.float32), g.standard_normal(8, dtype=np.float32)
+    x_mean, x_invstd = K.batch_norm_sums(x, np.zeros(8, np.float32))[0] / 1200, np.ones(8, np.float32)
+    relu = K.batch_norm_apply(x, gamma, beta, x_mean, x_invstd, relu=True)
+    for stride in (1, 2):
+        dy = g.standard_normal(K.conv2d_forward(relu, w, None, stride, 1).shape, dtype=np.float32)
+        dx, _, _, dgamma, dbeta = K.conv2d_backward(dy, relu, w, stride, 1,
+                                                    norm=(relu, x, x_mean, x_invstd, gamma, beta))
+        whole = K.batch_norm_backward_sums(np.where(relu > 0, dx, 0), x, x_mean, x_invstd)
+        np.testing.assert_allclose(dgamma, whole[0], rtol=1e-5, atol=1e-5 * np.abs(whole[0]).max())
+        np.testing.assert_allclose(dbeta, whole[1], rtol=1e-5, atol=1e-5 * np.abs(whole[1]).max())
+
+
 def test_a_part_that_fails_on_another_thread_raises_and_the_blas_threads_are_restored(cpu_threads):
     from threadpoolctl import threadpool_info
     from kernels.cpu._parallel import each

@@ -76,6 +76,17 @@ def masked_backward_sums(dy, y, x, mean, invstd, *, out=None):
     return written(dgamma, sums[0]), written(dbeta, sums[1])
 
 
+def written_sums(parts, invstd, out=None):
+    """masked_backward_sums from the backward_sums_of_part of parts that cover the batch, added in their
+    order."""
+    sums = np.zeros_like(parts[0])
+    for part in parts:
+        sums += part
+    sums[0] *= invstd
+    dgamma, dbeta = (None, None) if out is None else out
+    return written(dgamma, sums[0]), written(dbeta, sums[1])
+
+
 def batch_norm_sums(x, shift):
     _check(x, shift)
     x_nhwc = _nhwc(x)
@@ -114,14 +125,55 @@ def _backward_sums(dy, y, x, mean, invstd):
     x_nhwc, dy_nhwc, y_nhwc = _nhwc(x), _nhwc(dy), None if y is None else _nhwc(y)
 
     def block(b, sums):
-        d = dy_nhwc[b] if y is None else _positive(y_nhwc[b], dy_nhwc[b])
-        sums[1] = channel_sum(_nchw(d))
-        product = np.subtract(x_nhwc[b], mean, out=_scratch(x_nhwc, b))
-        product *= d
-        sums[0] = channel_sum(_nchw(product))
+        sums[...] = backward_sums_of_part(dy_nhwc[b], None if y is None else y_nhwc[b], x_nhwc[b], mean)
     sums = _block_sums(x_nhwc, block, dy.dtype)
     sums[0] *= invstd
     return sums
+
+
+def backward_sums_of_part(dy_nhwc, y_nhwc, x_nhwc, mean):
+    """(2, C): [sum((x - mean) * d), sum(d)] over a part of the images (NHWC views), d = dy where y > 0 (all
+    of dy where y is None): the part's share of _backward_sums before its invstd, which a kernel that has
+    the part of dy in cache (conv2d_backward's norm) computes there. The parts' shares added in their order,
+    times invstd, are the backward sums."""
+    d = dy_nhwc if y_nhwc is None else _positive(y_nhwc, dy_nhwc)
+    sums = np.empty((2, x_nhwc.shape[3]), dy_nhwc.dtype)
+    sums[1] = channel_sum(_nchw(d))
+    product = np.subtract(x_nhwc, mean, out=_scratch(x_nhwc, slice(0, x_nhwc.shape[0])))
+    product *= d
+    sums[0] = channel_sum(_nchw(product))
+    return sums
+
+
+def statistics_of_part(y_nhwc):
+    """(sum, squares, count) of a part of the images of y (an NHWC view): its channels' sums, their sums of
+    squares about the part's own mean, and the values a channel has there; what a kernel that has the part
+    in cache (conv2d_forward's statistics) computes there for statistics_of_parts."""
+    count = y_nhwc.size // y_nhwc.shape[3]
+    total = channel_sum(_nchw(y_nhwc))
+    centred = np.subtract(y_nhwc, total / count, out=_scratch(y_nhwc, slice(0, y_nhwc.shape[0])))
+    centred *= centred
+    return total, channel_sum(_nchw(centred)), count
+
+
+def statistics_of_parts(parts, eps, running, momentum):
+    """batch_statistics from statistics_of_part of parts that cover the batch, added in their order: the
+    mean of their sums, and each part's squares moved from its own mean to the whole's (Chan, Golub and
+    LeVeque's update, as stable as squares about the exact mean)."""
+    m = sum(count for _, _, count in parts)
+    mean = parts[0][0].copy()
+    for total, _, _ in parts[1:]:
+        mean += total
+    mean /= m
+    sums = np.zeros((2, mean.size), mean.dtype)
+    for total, squares, count in parts:
+        offset = total / count - mean
+        sums[0] += count * offset
+        sums[1] += squares + count * offset * offset
+    mean, invstd = batch_norm_stats(sums, mean, m, eps)
+    if running is not None:
+        batch_norm_update_running(*running, mean, invstd, m, momentum, eps)
+    return mean, invstd
 
 
 def _backward_dx(dy, y, x, gamma, mean, invstd, sums, count):

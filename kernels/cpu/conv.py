@@ -21,21 +21,23 @@ import numpy as np
 
 from ._parallel import each
 from ._util import channel_sum, output_size, pair, padded, windows, workspace, written
-from .batchnorm import batch_norm_apply, batch_statistics, masked_backward_sums, relu_output
+from .batchnorm import (backward_sums_of_part, batch_norm_apply, relu_output, statistics_of_part,
+                        statistics_of_parts, written_sums)
 
 
 def conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None, w_tf32=False):
     if normalize is not None:   # computed first: a device backend's loads apply it, the CPU has no loads to hide it in
         x = batch_norm_apply(x, *normalize, relu=True)
-    if statistics is not None:
-        y = conv2d_forward(x, w, b, stride, padding)
-        return (y, *batch_statistics(y, *statistics))
     stride, padding = pair(stride), pair(padding)
     _output_shape(x, w, stride, padding)
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"conv2d bias shape {b.shape} does not match {w.shape[0]} "
                          f"output channels")
-    return _nchw(_products(_nhwc(x), w.shape[2:], stride, padding, _weight_matrix(w).T, b))
+    parts = {}   # the statistics' sums of each part of y, made while it is in cache
+    y = _nchw(_products(_nhwc(x), w.shape[2:], stride, padding, _weight_matrix(w).T, b,
+                        after=None if statistics is None else
+                        lambda i, images, part: parts.__setitem__(i, statistics_of_part(part))))
+    return y if statistics is None else (y, *statistics_of_parts([parts[i] for i in sorted(parts)], *statistics))
 
 
 def conv2d_folds(x, w, stride, padding):
@@ -50,13 +52,15 @@ def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx
                     norm_out=None, normalize=None, w_tf32=False, dy_tf32=False):
     if normalize is not None:
         x = batch_norm_apply(x, *normalize, relu=True)
-    if norm is not None:
+    after, parts = None, {}
+    if norm is not None:   # the norm's backward sums of each part of dx, made while it is in cache
         if not need_dx:
             raise ValueError("conv2d_backward: a batch norm's sums (norm) need dx (need_dx)")
-        dx, dw, db = conv2d_backward(dy, x, w, stride, padding, out=out, add_dx_to=add_dx_to)
         y, x_norm, mean, invstd, gamma, beta = norm
-        y = relu_output(y, x_norm, gamma, beta, mean, invstd)
-        return (dx, dw, db) + masked_backward_sums(dx, y, x_norm, mean, invstd, out=norm_out)
+        y_nhwc, x_norm_nhwc = _nhwc(relu_output(y, x_norm, gamma, beta, mean, invstd)), _nhwc(x_norm)
+
+        def after(i, s, part):
+            parts[i] = backward_sums_of_part(part, y_nhwc[s], x_norm_nhwc[s], mean)
     stride, padding = pair(stride), pair(padding)
     n, oh, ow = _output_shape(x, w, stride, padding)
     if dy.shape != (n, w.shape[0], oh, ow):
@@ -64,16 +68,19 @@ def conv2d_backward(dy, x, w, stride, padding, *, need_dx=True, out=None, add_dx
                          f"{(n, w.shape[0], oh, ow)}")
     dy_nhwc = np.ascontiguousarray(_nhwc(dy))
     dw_out, db_out = (None, None) if out is None else out
-    dw = written(dw_out, _backward_weight(dy_nhwc, x, w, stride, padding))
+    dw = _backward_weight(dy_nhwc, x, w, stride, padding, dw_out)
     if not need_dx:
         dx = None
     elif stride == (1, 1) and all(p < k for p, k in zip(padding, w.shape[2:])):
-        dx = _backward_data_stride1(dy_nhwc, w, padding, add_dx_to)
+        dx = _backward_data_stride1(dy_nhwc, w, padding, add_dx_to, after)
     else:
-        dx = _col2im(dy_nhwc, x.shape, w, stride, padding, add_dx_to)
+        dx = _col2im(dy_nhwc, x.shape, w, stride, padding, add_dx_to, after)
     if dx is not None and add_dx_to is not None:
         dx = add_dx_to   # the very array (the callers' accumulation tells it by identity)
-    return dx, dw, written(db_out, channel_sum(dy))
+    grads = dx, dw, written(db_out, channel_sum(dy))
+    if norm is None:
+        return grads
+    return grads + written_sums([parts[i] for i in sorted(parts)], invstd, norm_out)
 
 
 def _output_shape(x, w, stride, padding):
@@ -101,10 +108,11 @@ def _parts(n, rows, k, itemsize):
     return [slice(i, min(i + per, n)) for i in range(0, n, per)]
 
 
-def _products(x_nhwc, kernel, stride, padding, weights, bias=None, add_to=None):
+def _products(x_nhwc, kernel, stride, padding, weights, bias=None, add_to=None, after=None):
     """(N, OH, OW, O): x's window matrix (N*OH*OW, KH*KW*C) times weights (KH*KW*C, O), plus bias when
     given, a part of the images at a time; with add_to (an (N, OH, OW, O) view), added to it as each part is
-    made, and add_to returned."""
+    made, and add_to returned. after(i, images, part): called with each part of the result (of add_to)
+    as it is made, on the part's thread, where it is in cache."""
     n = x_nhwc.shape[0]
     oh, ow = (output_size(x_nhwc.shape[d], kernel[i], stride[i], padding[i]) for i, d in enumerate((1, 2)))
     dtype = np.result_type(x_nhwc.dtype, weights.dtype)
@@ -118,6 +126,8 @@ def _products(x_nhwc, kernel, stride, padding, weights, bias=None, add_to=None):
             out += bias
         if add_to is not None:
             add_to[parts[i]] += y[parts[i]]
+        if after is not None:
+            after(i, parts[i], (y if add_to is None else add_to)[parts[i]])
     each(part, len(parts))
     return y if add_to is None else add_to
 
@@ -133,9 +143,9 @@ def _im2col(x_nhwc, kernel, stride, padding):
     return cols.reshape(-1, win.shape[3] * win.shape[4] * win.shape[5])
 
 
-def _backward_weight(dy_nhwc, x, w, stride, padding):
-    """dw = dy^T @ im2col(x), each part's product added in the parts' order, reordered from (O, KH, KW, C)
-    to (O, C, KH, KW)."""
+def _backward_weight(dy_nhwc, x, w, stride, padding, out=None):
+    """dw = dy^T @ im2col(x), each part's product added in the parts' order, into out (O, C, KH, KW) when
+    given (returned), else into a new array of w's memory layout."""
     o, c, kh, kw = w.shape
     x_nhwc, (n, oh, ow, _) = _nhwc(x), dy_nhwc.shape
     dtype = np.result_type(dy_nhwc.dtype, x.dtype)
@@ -146,11 +156,13 @@ def _backward_weight(dy_nhwc, x, w, stride, padding):
         dy = dy_nhwc[parts[i]].reshape(-1, o)
         np.matmul(dy.T, _im2col(x_nhwc[parts[i]], (kh, kw), stride, padding), out=partial[i])
     each(part, len(parts))
-    dw = partial.sum(axis=0)   # the outer axis: added part by part, in order
-    return np.ascontiguousarray(dw.reshape(o, kh, kw, c).transpose(0, 3, 1, 2))
+    dw = np.empty_like(w, dtype=dtype) if out is None else out
+    # the outer axis: added part by part, in order (into a channels-last dw in one contiguous pass)
+    np.sum(partial.reshape(-1, o, kh, kw, c), axis=0, out=dw.transpose(0, 2, 3, 1))
+    return dw
 
 
-def _backward_data_stride1(dy_nhwc, w, padding, add_to=None):
+def _backward_data_stride1(dy_nhwc, w, padding, add_to=None, after=None):
     """dx of a stride-1 convolution: dy, padded by K-1-P, convolved with the flipped kernel (added to
     add_to, which is returned, when given)."""
     o, c, kh, kw = w.shape
@@ -158,10 +170,10 @@ def _backward_data_stride1(dy_nhwc, w, padding, add_to=None):
     # rows (i, j, o) in the order _im2col lays out a window of dy
     flipped = w[:, :, ::-1, ::-1].transpose(2, 3, 0, 1).reshape(kh * kw * o, c)
     return _nchw(_products(dy_nhwc, (kh, kw), (1, 1), pad, flipped,
-                           add_to=None if add_to is None else _nhwc(add_to)))
+                           add_to=None if add_to is None else _nhwc(add_to), after=after))
 
 
-def _col2im(dy_nhwc, x_shape, w, stride, padding, add_to=None):
+def _col2im(dy_nhwc, x_shape, w, stride, padding, add_to=None, after=None):
     """dx from the output gradient: the column gradient dy @ W, scattered back by the
     adjoint of _im2col (each window's cells added to the input cells they came from), a part of the
     images at a time (added to add_to, which is returned, when given)."""
@@ -189,6 +201,8 @@ def _col2im(dy_nhwc, x_shape, w, stride, padding, add_to=None):
             dx[s] = dxp[:, ph:ph + h, pw:pw + width, :]
         else:
             _nhwc(add_to)[s] += dxp[:, ph:ph + h, pw:pw + width, :]
+        if after is not None:
+            after(p, s, (dx if add_to is None else _nhwc(add_to))[s])
     each(part, len(parts))
     return _nchw(dx) if add_to is None else add_to
 
