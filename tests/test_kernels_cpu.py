@@ -458,3 +458,22 @@ def test_count_correct():
         ours = K.count_correct(logits.astype(dtype), labels.astype(np.int32))
         assert ours.dtype == np.int64 and ours.shape == ()
         assert int(ours) == R.count_correct(logits, labels) >= 5
+
+
+@pytest.mark.parametrize("environment, kept", [({}, True), ({"MALLOC_MMAP_THRESHOLD_": "131072"}, False)])
+def test_freed_arrays_are_kept_for_the_next_ones_unless_the_user_set_mallocs_thresholds(environment, kept):
+    """A step's activations, freed at its end, serve the next step's without faulting their pages in
+    afresh (kernels.cpu asks glibc's malloc to keep freed memory); a user's own setting is left alone."""
+    import os
+    import subprocess
+    import sys
+    code = ("import resource, numpy as np, kernels.cpu\n"
+            "def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "a = np.ones(2 << 20, np.float32); del a\n"   # 8 MB, as a batch's activation
+            "before = faults(); b = np.ones(2 << 20, np.float32); print(faults() - before)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**env, **environment}, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    faults = int(done.stdout.split()[-1])
+    assert (faults < 100) == kept, f"{faults} page faults for 8 MB allocated again"
