@@ -4,9 +4,11 @@ One training step is zero_grad, forward, softmax cross-entropy, backward and an 
 (lr 0.05, momentum 0.9, weight decay 5e-4), float32, on random 1x28x28 images and labels,
 for the full-width model (nn.resnet18(), 11.2 M parameters; --width for another). PyTorch, when it is installed,
 trains d2l's ResNet-18 (the builder in tests/test_torch_parity.py) in the same run with the
-same batch sizes and thread count. Each step is timed with time.perf_counter after the
-warm-up steps; the table gives the median (the machine may be shared, and a median ignores
-the odd disturbed step), images/s from that median, and the ratio ours/PyTorch. Its "busy"
+same batch sizes and thread count. The two take turns, a step each (a machine whose speed drifts,
+as a shared one's does by tens of percent over minutes, slows both alike), each step timed with
+time.perf_counter after the warm-up steps; the table gives the median (the machine may be shared,
+and a median ignores the odd disturbed step), images/s from that median, and the ratio ours/PyTorch,
+of the medians and of each turn's two steps (their median). Its "busy"
 column is how many cores other processes kept busy meanwhile (from /proc/stat): a number
 taken while it was above 0.1 is suspect, and the run says so.
 
@@ -87,11 +89,18 @@ def busy_cpu_seconds():
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(step, warmup, steps):
-    """Step times (ms), and how many cores other processes kept busy meanwhile: the machine
-    may be shared, and a number taken while someone else ran their tests is suspect."""
+def measure(steps_of, warmup, steps):
+    """Each step's times (ms), the steps taking turns (ours, PyTorch's, ours, ...: a machine whose speed
+    drifts slows both alike), and how many cores other processes kept busy meanwhile: the machine may be
+    shared, and a number taken while someone else ran their tests is suspect."""
+    for step in steps_of:
+        for _ in range(warmup):
+            step()
     busy, own, start = busy_cpu_seconds(), os.times(), time.perf_counter()
-    times = timed_steps(step, warmup, steps)
+    clock, times = timing.WallClock(), [[] for _ in steps_of]
+    for _ in range(steps):
+        for step, kept in zip(steps_of, times):
+            kept.append(timing.time_ms(step, clock))
     wall, after = time.perf_counter() - start, os.times()
     others = None
     if busy is not None:
@@ -297,12 +306,15 @@ def main():
                                             "blas_kernels", "blas_threads", "torch", "torch_threads")))
     results = []
     for batch_size in args.batch_sizes:
-        row = {"batch_size": batch_size,
-               "ours": summary(measure(ours_step(batch_size, args.width), args.warmup, args.steps), batch_size)}
-        step = None if args.no_torch else torch_step(batch_size, args.width)
-        if step is not None:
-            row["pytorch"] = summary(measure(step, args.warmup, args.steps), batch_size)
+        steps_of = [ours_step(batch_size, args.width)]
+        theirs = None if args.no_torch else torch_step(batch_size, args.width)
+        steps_of += [] if theirs is None else [theirs]
+        times, others = measure(steps_of, args.warmup, args.steps)
+        row = {"batch_size": batch_size, "ours": summary((times[0], others), batch_size)}
+        if theirs is not None:
+            row["pytorch"] = summary((times[1], others), batch_size)
             row["ratio"] = row["ours"]["images_per_s"] / row["pytorch"]["images_per_s"]
+            row["ratio_of_turns"] = statistics.median(t / o for o, t in zip(*times))
         results.append(row)
         print_row(row, first=len(results) == 1)
     result = {"environment": env, "command": " ".join(sys.argv), "width": args.width, "steps": args.steps,
@@ -317,7 +329,8 @@ def print_row(row, first):
     if first:
         print(f"\n{'batch':>5} | {'ours ms/step':>18} {'img/s':>7} {'busy':>5} | "
               f"{'PyTorch ms/step':>18} {'img/s':>7} {'busy':>5} | {'ours/PyTorch':>12}")
-        print("(ms/step: median [min-max]; busy: cores other processes kept busy meanwhile)")
+        print("(ms/step: median [min-max]; busy: cores other processes kept busy meanwhile; ours/PyTorch: of the\n"
+              " medians, and in brackets the median of each turn's ratio, PyTorch's step over ours just before)")
     cells = [f"{row['batch_size']:>5}"]
     for name, width in (("ours", 18), ("pytorch", 18)):
         r = row.get(name)
@@ -327,7 +340,7 @@ def print_row(row, first):
         busy = "?" if r["other_processes_cores"] is None else f"{r['other_processes_cores']:.2f}"
         spread = f"{r['step_ms']:.0f} [{r['min_ms']:.0f}-{r['max_ms']:.0f}]"
         cells.append(f"{spread:>{width}} {r['images_per_s']:>7.1f} {busy:>5}")
-    cells.append(f"{row['ratio']:>12.2f}" if "ratio" in row else f"{'-':>12}")
+    cells.append(f"{row['ratio']:>5.2f} ({row['ratio_of_turns']:.2f})" if "ratio" in row else f"{'-':>12}")
     print(" | ".join(cells), flush=True)
     disturbed = [n for n in ("ours", "pytorch")
                  if ((row.get(n) or {}).get("other_processes_cores") or 0) > 0.1]
