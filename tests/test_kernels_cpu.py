@@ -477,3 +477,28 @@ def test_freed_arrays_are_kept_for_the_next_ones_unless_the_user_set_mallocs_thr
     assert done.returncode == 0, done.stderr
     faults = int(done.stdout.split()[-1])
     assert (faults < 100) == kept, f"{faults} page faults for 8 MB allocated again"
+
+
+def test_a_forked_child_runs_the_parts_on_threads_of_its_own(cpu_threads):
+    """The pool's threads are the parent's: a child forked after they started makes its own."""
+    import os
+    from kernels.cpu._parallel import each
+    cpu_threads(2)
+    each(lambda i: None, 4)   # the parent's pool, started
+    pid = os.fork()
+    if pid == 0:   # the child: a part taken by another thread must run, or this waits forever
+        seen = set()
+        try:
+            each(lambda i: seen.add(i), 8)
+        finally:
+            os._exit(0 if seen == set(range(8)) else 1)
+    import signal
+    import time
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's parts did not finish within 30 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0

@@ -11,12 +11,24 @@ take the cores the parts are on. The threads here are as many as the BLAS would 
 core, or OPENBLAS_NUM_THREADS and its kin where they are set), read once; `threads(n)` sets another count.
 """
 import itertools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 _lock = threading.Lock()
 _inside = threading.local()   # .part: this thread runs a part of each()'s
 _state = {"threads": None, "pool": None, "blas": None, "depth": 0, "saved": None}
+
+
+def _forked():
+    """A forked child has none of the pool's threads (a part handed to them would never run) and may hold
+    the lock as some thread of the parent left it: both made anew."""
+    global _lock
+    _lock = threading.Lock()
+    _state.update(pool=None, depth=0)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _blas():
