@@ -71,18 +71,13 @@ def relu_output(y, x, gamma, beta, mean, invstd):
 def masked_backward_sums(dy, y, x, mean, invstd, *, out=None):
     """(dgamma, dbeta) = batch_norm_backward_sums of dy where y > 0 (all of dy when y is None), written
     into out = (dgamma, dbeta) when given: the sums that conv2d_backward's norm asks for."""
-    sums = _backward_sums(dy, y, x, mean, invstd)
-    dgamma, dbeta = (None, None) if out is None else out
-    return written(dgamma, sums[0]), written(dbeta, sums[1])
+    return written_sums(_backward_parts(dy, y, x, mean), invstd, out)
 
 
 def written_sums(parts, invstd, out=None):
     """masked_backward_sums from the backward_sums_of_part of parts that cover the batch, added in their
     order."""
-    sums = np.zeros_like(parts[0])
-    for part in parts:
-        sums += part
-    sums[0] *= invstd
+    sums = _finished(parts, invstd)
     dgamma, dbeta = (None, None) if out is None else out
     return written(dgamma, sums[0]), written(dbeta, sums[1])
 
@@ -91,12 +86,12 @@ def batch_norm_sums(x, shift):
     _check(x, shift)
     x_nhwc = _nhwc(x)
 
-    def block(b, sums):
-        centred = np.subtract(x_nhwc[b], shift, out=_scratch(x_nhwc, b))
-        sums[0] = channel_sum(_nchw(centred))
+    def block(b):
+        centred = np.subtract(x_nhwc[b], shift, out=_scratch(x_nhwc[b]))
+        first = channel_sum(_nchw(centred))
         centred *= centred
-        sums[1] = channel_sum(_nchw(centred))
-    return _block_sums(x_nhwc, block, x.dtype)
+        return np.stack((first, channel_sum(_nchw(centred))))
+    return _added(_block_parts(x_nhwc, block))
 
 
 def batch_norm_stats(sums, shift, count, eps):
@@ -121,12 +116,20 @@ def batch_norm_backward_dx(dy, x, gamma, mean, invstd, sums, count):
 def _backward_sums(dy, y, x, mean, invstd):
     """batch_norm_backward_sums of dy where y > 0 (all of dy when y is None), the mask taken a block at a
     time, in cache, rather than over the whole of dy first."""
+    return _finished(_backward_parts(dy, y, x, mean), invstd)
+
+
+def _backward_parts(dy, y, x, mean):
+    """backward_sums_of_part of each image block."""
     _check(x, mean)
     x_nhwc, dy_nhwc, y_nhwc = _nhwc(x), _nhwc(dy), None if y is None else _nhwc(y)
+    return _block_parts(x_nhwc, lambda b: backward_sums_of_part(dy_nhwc[b], None if y is None else y_nhwc[b],
+                                                                 x_nhwc[b], mean))
 
-    def block(b, sums):
-        sums[...] = backward_sums_of_part(dy_nhwc[b], None if y is None else y_nhwc[b], x_nhwc[b], mean)
-    sums = _block_sums(x_nhwc, block, dy.dtype)
+
+def _finished(parts, invstd):
+    """The backward sums from the parts' shares: added in their order, the first times invstd."""
+    sums = _added(parts)
     sums[0] *= invstd
     return sums
 
@@ -139,7 +142,7 @@ def backward_sums_of_part(dy_nhwc, y_nhwc, x_nhwc, mean):
     d = dy_nhwc if y_nhwc is None else _positive(y_nhwc, dy_nhwc)
     sums = np.empty((2, x_nhwc.shape[3]), dy_nhwc.dtype)
     sums[1] = channel_sum(_nchw(d))
-    product = np.subtract(x_nhwc, mean, out=_scratch(x_nhwc, slice(0, x_nhwc.shape[0])))
+    product = np.subtract(x_nhwc, mean, out=_scratch(x_nhwc))
     product *= d
     sums[0] = channel_sum(_nchw(product))
     return sums
@@ -151,7 +154,7 @@ def statistics_of_part(y_nhwc):
     in cache (conv2d_forward's statistics) computes there for statistics_of_parts."""
     count = y_nhwc.size // y_nhwc.shape[3]
     total = channel_sum(_nchw(y_nhwc))
-    centred = np.subtract(y_nhwc, total / count, out=_scratch(y_nhwc, slice(0, y_nhwc.shape[0])))
+    centred = np.subtract(y_nhwc, total / count, out=_scratch(y_nhwc))
     centred *= centred
     return total, channel_sum(_nchw(centred)), count
 
@@ -161,10 +164,7 @@ def statistics_of_parts(parts, eps, running, momentum):
     mean of their sums, and each part's squares moved from its own mean to the whole's (Chan, Golub and
     LeVeque's update, as stable as squares about the exact mean)."""
     m = sum(count for _, _, count in parts)
-    mean = parts[0][0].copy()
-    for total, _, _ in parts[1:]:
-        mean += total
-    mean /= m
+    mean = _added([total for total, _, _ in parts]) / m
     sums = np.zeros((2, mean.size), mean.dtype)
     for total, squares, count in parts:
         offset = total / count - mean
@@ -184,7 +184,7 @@ def _backward_dx(dy, y, x, gamma, mean, invstd, sums, count):
     dx = np.empty(dy_nhwc.shape, dy.dtype)
 
     def block(b):
-        xhat_term = np.subtract(x_nhwc[b], mean, out=_scratch(x_nhwc, b))
+        xhat_term = np.subtract(x_nhwc[b], mean, out=_scratch(x_nhwc[b]))
         xhat_term *= xhat_scale
         d = dy_nhwc[b] if y is None else _positive(y_nhwc[b], dy_nhwc[b])
         out = np.subtract(d, sums[1] / count, out=dx[b])
@@ -256,20 +256,25 @@ def _each_block(x_nhwc, block):
     each(lambda i: block(blocks[i]), len(blocks))
 
 
-def _block_sums(x_nhwc, block, dtype):
-    """(2, C): the sums that block(b, sums) writes for each image block b, added in the blocks' order."""
+def _block_parts(x_nhwc, block):
+    """[block(b) for each of x's image blocks b], on every core."""
     blocks = _image_blocks(x_nhwc)
-    partial = np.empty((len(blocks), 2, x_nhwc.shape[3]), dtype)
-    each(lambda i: block(blocks[i], partial[i]), len(blocks))
-    sums = np.zeros((2, x_nhwc.shape[3]), dtype)
-    for p in partial:
-        sums += p
-    return sums
+    parts = [None] * len(blocks)
+    each(lambda i: parts.__setitem__(i, block(blocks[i])), len(blocks))
+    return parts
 
 
-def _scratch(x_nhwc, b):
-    """This thread's scratch array for block b of x."""
-    return workspace("batch-norm", (b.stop - b.start,) + x_nhwc.shape[1:], x_nhwc.dtype)
+def _added(parts):
+    """The parts (arrays of one shape) added in their order, whatever order they were made in."""
+    total = np.zeros_like(parts[0])
+    for part in parts:
+        total += part
+    return total
+
+
+def _scratch(a):
+    """This thread's scratch array of a's shape and dtype."""
+    return workspace("batch-norm", a.shape, a.dtype)
 
 
 def _check(x, gamma):

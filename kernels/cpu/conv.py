@@ -115,21 +115,22 @@ def _products(x_nhwc, kernel, stride, padding, weights, bias=None, add_to=None, 
     as it is made, on the part's thread, where it is in cache."""
     n = x_nhwc.shape[0]
     oh, ow = (output_size(x_nhwc.shape[d], kernel[i], stride[i], padding[i]) for i, d in enumerate((1, 2)))
-    dtype = np.result_type(x_nhwc.dtype, weights.dtype)
-    y = np.empty((n, oh, ow, weights.shape[1]), dtype)
+    dtype, o = np.result_type(x_nhwc.dtype, weights.dtype), weights.shape[1]
+    y = np.empty((n, oh, ow, o), dtype) if add_to is None else add_to
     parts = _parts(n, oh * ow, weights.shape[0], dtype.itemsize)
 
     def part(i):
-        out = y[parts[i]].reshape(-1, y.shape[3])
-        np.matmul(_im2col(x_nhwc[parts[i]], kernel, stride, padding), weights, out=out)
+        s = parts[i]   # added: made in this thread's workspace first
+        out = y[s] if add_to is None else workspace("products", (s.stop - s.start, oh, ow, o), dtype)
+        np.matmul(_im2col(x_nhwc[s], kernel, stride, padding), weights, out=out.reshape(-1, o))
         if bias is not None:
             out += bias
         if add_to is not None:
-            add_to[parts[i]] += y[parts[i]]
+            add_to[s] += out
         if after is not None:
-            after(i, parts[i], (y if add_to is None else add_to)[parts[i]])
+            after(i, s, y[s])
     each(part, len(parts))
-    return y if add_to is None else add_to
+    return y
 
 
 def _im2col(x_nhwc, kernel, stride, padding):
