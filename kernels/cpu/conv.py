@@ -19,6 +19,7 @@ images, is each part's product added in the parts' order.
 """
 import numpy as np
 
+from . import winograd
 from ._parallel import each
 from ._util import channel_sum, output_size, pair, padded, windows, workspace, written
 from .batchnorm import (backward_sums_of_part, batch_norm_apply, relu_output, statistics_of_part,
@@ -34,7 +35,7 @@ def conv2d_forward(x, w, b, stride, padding, *, statistics=None, normalize=None,
         raise ValueError(f"conv2d bias shape {b.shape} does not match {w.shape[0]} "
                          f"output channels")
     parts = {}   # the statistics' sums of each part of y, made while it is in cache
-    y = _nchw(_products(_nhwc(x), w.shape[2:], stride, padding, _weight_matrix(w).T, b,
+    y = _nchw(_products(_nhwc(x), w, stride, padding, b,
                         after=None if statistics is None else
                         lambda i, images, part: parts.__setitem__(i, statistics_of_part(part))))
     return y if statistics is None else (y, *statistics_of_parts([parts[i] for i in sorted(parts)], *statistics))
@@ -108,21 +109,44 @@ def _parts(n, rows, k, itemsize):
     return [slice(i, min(i + per, n)) for i in range(0, n, per)]
 
 
-def _products(x_nhwc, kernel, stride, padding, weights, bias=None, add_to=None, after=None):
-    """(N, OH, OW, O): x's window matrix (N*OH*OW, KH*KW*C) times weights (KH*KW*C, O), plus bias when
-    given, a part of the images at a time; with add_to (an (N, OH, OW, O) view), added to it as each part is
-    made, and add_to returned. after(i, images, part): called with each part of the result (of add_to)
-    as it is made, on the part's thread, where it is in cache."""
-    n = x_nhwc.shape[0]
+def _products(x_nhwc, w, stride, padding, bias=None, add_to=None, after=None, flipped=False):
+    """(N, OH, OW, O): x convolved with w (O, C, KH, KW) (flipped: with w[:, :, ::-1, ::-1] and its channel axes
+    swapped, dx's kernel), plus bias when given, a part of the images at a time:
+    by Winograd's F(2x2, 3x3) where it applies, else x's window matrix (N*OH*OW, KH*KW*C) times w's. With
+    add_to (an (N, OH, OW, O) view), added to it as each part is made, and add_to returned. after(i, images,
+    part): called with each part of the result (of add_to) as it is made, on the part's thread, where it is
+    in cache."""
+    n, kernel, (o, c) = x_nhwc.shape[0], w.shape[2:], w.shape[1::-1] if flipped else w.shape[:2]
     oh, ow = (output_size(x_nhwc.shape[d], kernel[i], stride[i], padding[i]) for i, d in enumerate((1, 2)))
-    dtype, o = np.result_type(x_nhwc.dtype, weights.dtype), weights.shape[1]
+    dtype = np.result_type(x_nhwc.dtype, w.dtype)
     y = np.empty((n, oh, ow, o), dtype) if add_to is None else add_to
-    parts = _parts(n, oh * ow, weights.shape[0], dtype.itemsize)
+    if winograd.applies(kernel, stride, padding, c, o):
+        u, tiles = winograd.filters(w, flipped), winograd.tile_count(oh, ow)
+        parts = _parts(n, 16 * tiles, c, dtype.itemsize)
+        if winograd.whole(tiles):   # every image's tiles, then their products a position a thread
+            v = winograd.every_tile(x_nhwc, parts, tiles)
+            m = workspace("all tile products", (16, n * tiles, o), dtype)
+            each(lambda p: np.matmul(v[p], u[p], out=m[p]), 16)
+
+            def product(s, out):
+                winograd.outputs(m[:, s.start * tiles:s.stop * tiles], oh, ow, out)
+        else:
+            def product(s, out):
+                v = winograd.tiles(x_nhwc[s])
+                m = workspace("tile products", (16, v.shape[1], o), dtype)
+                winograd.outputs(np.matmul(v, u, out=m), oh, ow, out)
+    else:
+        # rows (i, j, o) in the order _im2col lays out a window of dy, flipped: from channels-last w in runs of C
+        weights = (w[:, :, ::-1, ::-1].transpose(2, 3, 0, 1).reshape(-1, o) if flipped else _weight_matrix(w).T)
+        parts = _parts(n, oh * ow, weights.shape[0], dtype.itemsize)
+
+        def product(s, out):
+            np.matmul(_im2col(x_nhwc[s], kernel, stride, padding), weights, out=out.reshape(-1, o))
 
     def part(i):
         s = parts[i]   # added: made in this thread's workspace first
         out = y[s] if add_to is None else workspace("products", (s.stop - s.start, oh, ow, o), dtype)
-        np.matmul(_im2col(x_nhwc[s], kernel, stride, padding), weights, out=out.reshape(-1, o))
+        product(s, out)
         if bias is not None:
             out += bias
         if add_to is not None:
@@ -145,11 +169,23 @@ def _im2col(x_nhwc, kernel, stride, padding):
 
 
 def _backward_weight(dy_nhwc, x, w, stride, padding, out=None):
-    """dw = dy^T @ im2col(x), each part's product added in the parts' order, into out (O, C, KH, KW) when
-    given (returned), else into a new array of w's memory layout."""
+    """dw = dy^T @ im2col(x) (or its Winograd tiles' products, where the forward ran them), each part's product
+    added in the parts' order, into out (O, C, KH, KW) when given (returned), else into a new array of w's
+    memory layout."""
     o, c, kh, kw = w.shape
     x_nhwc, (n, oh, ow, _) = _nhwc(x), dy_nhwc.shape
     dtype = np.result_type(dy_nhwc.dtype, x.dtype)
+    dw = np.empty_like(w, dtype=dtype) if out is None else out
+    tiles = winograd.tile_count(oh, ow)
+    if winograd.applies((kh, kw), stride, padding, c, o) and not winograd.whole(tiles):
+        parts = _parts(n, tiles, 16 * c, dtype.itemsize)
+        partial = np.empty((len(parts), 16, o, c), dtype)
+
+        def part(i):
+            s = parts[i]
+            np.matmul(winograd.gradients(dy_nhwc[s]).transpose(0, 2, 1), winograd.tiles(x_nhwc[s]), out=partial[i])
+        each(part, len(parts))
+        return winograd.weight_gradient(np.sum(partial, axis=0), dw)   # the parts added in order
     parts = _parts(n, oh * ow, kh * kw * c, dtype.itemsize)
     partial = np.empty((len(parts), o, kh * kw * c), dtype)
 
@@ -157,7 +193,6 @@ def _backward_weight(dy_nhwc, x, w, stride, padding, out=None):
         dy = dy_nhwc[parts[i]].reshape(-1, o)
         np.matmul(dy.T, _im2col(x_nhwc[parts[i]], (kh, kw), stride, padding), out=partial[i])
     each(part, len(parts))
-    dw = np.empty_like(w, dtype=dtype) if out is None else out
     # the outer axis: added part by part, in order (into a channels-last dw in one contiguous pass)
     np.sum(partial.reshape(-1, o, kh, kw, c), axis=0, out=dw.transpose(0, 2, 3, 1))
     return dw
@@ -168,10 +203,8 @@ def _backward_data_stride1(dy_nhwc, w, padding, add_to=None, after=None):
     add_to, which is returned, when given)."""
     o, c, kh, kw = w.shape
     pad = (kh - 1 - padding[0], kw - 1 - padding[1])
-    # rows (i, j, o) in the order _im2col lays out a window of dy
-    flipped = w[:, :, ::-1, ::-1].transpose(2, 3, 0, 1).reshape(kh * kw * o, c)
-    return _nchw(_products(dy_nhwc, (kh, kw), (1, 1), pad, flipped,
-                           add_to=None if add_to is None else _nhwc(add_to), after=after))
+    return _nchw(_products(dy_nhwc, w, (1, 1), pad, add_to=None if add_to is None else _nhwc(add_to),
+                           after=after, flipped=True))
 
 
 def _col2im(dy_nhwc, x_shape, w, stride, padding, add_to=None, after=None):
