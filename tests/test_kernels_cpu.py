@@ -42,6 +42,59 @@ def test_conv2d(x_shape, w_shape, stride, padding, bias):
 
 
 @pytest.fixture
+def winograd_everywhere(monkeypatch):
+    """Winograd's F(2x2, 3x3) for every 3x3, stride-1, padding-1 convolution, whatever its channels (the
+    kernels take it from 64), and a record of which of its ways each call took."""
+    from kernels.cpu import winograd
+    monkeypatch.setattr(winograd, "_LEAST_CHANNELS", 1)
+    taken = []
+    for name in ("every_tile", "gradients"):   # every_tile: products a position a thread; gradients: dw
+        def spy(*args, _name=name, _fn=getattr(winograd, name)):
+            taken.append(_name)
+            return _fn(*args)
+        monkeypatch.setattr(winograd, name, spy)
+    yield taken
+
+
+@pytest.mark.parametrize("x_shape, o, bias, ways", [
+    ((2, 5, 14, 14), 6, True, {"gradients"}),         # 49 tiles an image: a part of the images a thread
+    ((3, 4, 14, 16), 3, False, {"gradients"}),
+    ((2, 3, 13, 15), 4, True, {"gradients"}),         # and odd sides
+    ((3, 4, 7, 9), 5, True, {"every_tile"}),          # odd sides: the last tiles overhang; a position a thread
+    ((2, 3, 4, 4), 4, True, {"every_tile"}),
+    ((4, 2, 1, 2), 3, False, {"every_tile"}),         # one tile, mostly padding
+])
+def test_conv2d_by_winograd(winograd_everywhere, x_shape, o, bias, ways):
+    check_op([x_shape, (o, x_shape[1], 3, 3), (o,) if bias else None],
+             *through_both(lambda m, x, w, b: m.conv2d_forward(x, w, b, 1, 1)),
+             backward=through_both(lambda m, dy, x, w, b, y: m.conv2d_backward(dy, x, w, 1, 1)))
+    assert set(winograd_everywhere) == ways
+
+
+def test_winograd_reads_no_workspace_it_did_not_write(winograd_everywhere, monkeypatch):
+    """Every workspace the transforms take comes back NaN-filled and of its exact size: the borders, the
+    overhanging tiles' zeros and every product must be written before they are read. And its planted twin:
+    a transform with two of B^T's rows swapped, which the references refuse."""
+    from kernels.cpu import winograd
+
+    def poisoned(name, shape, dtype):
+        return np.full(shape, np.nan, dtype)
+    monkeypatch.setattr(winograd, "workspace", poisoned)
+    for x_shape in ((3, 4, 7, 9), (2, 3, 13, 15)):   # both ways, odd sides
+        check_op([x_shape, (5, x_shape[1], 3, 3), (5,)], *through_both(lambda m, x, w, b: m.conv2d_forward(x, w, b, 1, 1)),
+                 backward=through_both(lambda m, dy, x, w, b, y: m.conv2d_backward(dy, x, w, 1, 1)))
+    assert set(winograd_everywhere) == {"every_tile", "gradients"}
+    right = winograd._transformed
+
+    def swapped(d, out):
+        right(d, out)
+        out[1], out[2] = out[2].copy(), out[1].copy()
+    monkeypatch.setattr(winograd, "_transformed", swapped)
+    with pytest.raises(AssertionError):
+        check_op([(2, 3, 8, 8), (4, 3, 3, 3), None], *through_both(lambda m, x, w, b: m.conv2d_forward(x, w, b, 1, 1)))
+
+
+@pytest.fixture
 def cpu_threads():
     """kernels/cpu/_parallel.py's threads(), set back after the test (the suite's workers run one each)."""
     from kernels.cpu import _parallel
@@ -50,17 +103,20 @@ def cpu_threads():
     _parallel.threads(before)
 
 
-@pytest.mark.parametrize("x_shape, w_shape, stride, padding", [
-    ((7, 8, 10, 10), (12, 8, 3, 3), 1, 1),      # backward-data as a convolution of dy
-    ((7, 8, 10, 9), (12, 8, 3, 3), 2, 1),       # backward-data by col2im
-    ((7, 8, 10, 10), (12, 8, 1, 1), 2, 0),      # a projection
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, winograd", [
+    ((7, 8, 10, 10), (12, 8, 3, 3), 1, 1, False),      # backward-data as a convolution of dy
+    ((7, 8, 10, 9), (12, 8, 3, 3), 2, 1, False),       # backward-data by col2im
+    ((7, 8, 10, 10), (12, 8, 1, 1), 2, 0, False),      # a projection
+    ((7, 8, 14, 13), (12, 8, 3, 3), 1, 1, True),       # Winograd a part of the images a thread (dw's sum)
+    ((7, 8, 10, 10), (12, 8, 3, 3), 1, 1, True),       # Winograd a position a thread
 ])
 def test_convolutions_in_parts_on_three_threads_equal_one_thread_bit_for_bit(cpu_threads, monkeypatch, x_shape,
-                                                                              w_shape, stride, padding):
-    """Parts of three images (256 rows: _PART_BYTES made small), on 1 to 3 threads: the results of each thread
-    count are the same bits, and near float64's."""
+                                                                              w_shape, stride, padding, winograd):
+    """Parts of three images (256 rows: _PART_BYTES made small; Winograd's, of one image), on 1 to 3 threads:
+    the results of each thread count are the same bits, and near float64's."""
     from kernels.cpu import conv
     monkeypatch.setattr(conv, "_PART_BYTES", 1)
+    monkeypatch.setattr(conv.winograd, "_LEAST_CHANNELS", 1 if winograd else 10 ** 9)
     g = rng()
     x = np.ascontiguousarray(g.standard_normal(x_shape, dtype=np.float32).transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
     w, b = g.standard_normal(w_shape, dtype=np.float32), g.standard_normal(w_shape[0], dtype=np.float32)
@@ -78,13 +134,15 @@ def test_convolutions_in_parts_on_three_threads_equal_one_thread_bit_for_bit(cpu
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-def test_a_convolutions_batch_norm_sums_from_its_parts_stay_close_to_float64(cpu_threads, monkeypatch):
+@pytest.mark.parametrize("winograd", [False, True])
+def test_a_convolutions_batch_norm_sums_from_its_parts_stay_close_to_float64(cpu_threads, monkeypatch, winograd):
     """The statistics of the norm after a convolution, from parts of 3 images each (_PART_BYTES made small), on
     two threads: squares about each part's mean, moved to the whole's, keep their accuracy where y's mean is
     far from 0 (a bias of 300: squares about 0 would cancel to nothing in float32). And the backward sums of
     the norm before it, from the parts of dx (stride 1 and col2im), are masked_backward_sums' of the whole dx."""
     from kernels.cpu import conv
     monkeypatch.setattr(conv, "_PART_BYTES", 1)
+    monkeypatch.setattr(conv.winograd, "_LEAST_CHANNELS", 1 if winograd else 10 ** 9)
     cpu_threads(2)
     g = rng()
     x = np.ascontiguousarray(g.standard_normal((10, 12, 10, 8), dtype=np.float32)).transpose(0, 3, 1, 2)

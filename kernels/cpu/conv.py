@@ -13,7 +13,7 @@ into the padded input gradient (col2im).
 
 The column matrices would be the largest arrays of a training step (230 MB for ResNet-18's first
 stage at batch 128), so none is made whole: each product runs a part of whole images at a time (_parts),
-whose columns (about a megabyte) are built in a reused workspace and multiplied while they are in
+whose columns (about two megabytes) are built in a reused workspace and multiplied while they are in
 cache, the parts on every core (kernels/cpu/_parallel.py). The weight gradient, a sum over the
 images, is each part's product added in the parts' order.
 """
@@ -96,7 +96,7 @@ def _output_shape(x, w, stride, padding):
     return x.shape[0], oh, ow
 
 
-_PART_BYTES = 1 << 20
+_PART_BYTES = 2 << 20   # 1 MB parts measured 6 % slower at batch 32, 30 % at width 16 (fewer, longer passes)
 
 
 def _parts(n, rows, k, itemsize):

@@ -11,7 +11,7 @@ the forward's transposed, dU = sum over tiles of (A dY A^T) * V at each position
 The tiles start every two pixels of the input padded by one (by two at the far side of an odd size, where
 the last tile overhangs: its zeros add nothing, its outputs are dropped). Every transform is a few NumPy
 passes over strided views of a part of the images (kernels/cpu/conv.py runs the parts), in this thread's
-workspace: the tiles of a part are four times its input, a megabyte or so, and stay in cache.
+workspace: the tiles of a part are four times its input, a few megabytes, and stay near the core.
 """
 import numpy as np
 
