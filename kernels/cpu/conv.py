@@ -15,7 +15,8 @@ The column matrices would be the largest arrays of a training step (230 MB for R
 stage at batch 128), so none is made whole: each product runs a part of whole images at a time (_parts),
 whose columns (about two megabytes) are built in a reused workspace and multiplied while they are in
 cache, the parts on every core (kernels/cpu/_parallel.py). The weight gradient, a sum over the
-images, is each part's product added in the parts' order.
+images, is each part's product added in the parts' order. A 3x3, stride-1, padding-1 convolution of
+64 channels or more multiplies Winograd's tiles instead of the window matrix (kernels/cpu/winograd.py).
 """
 import numpy as np
 
@@ -169,8 +170,8 @@ def _im2col(x_nhwc, kernel, stride, padding):
 
 
 def _backward_weight(dy_nhwc, x, w, stride, padding, out=None):
-    """dw = dy^T @ im2col(x) (or its Winograd tiles' products, where the forward ran them), each part's product
-    added in the parts' order, into out (O, C, KH, KW) when given (returned), else into a new array of w's
+    """dw = dy^T @ im2col(x) (or, where Winograd applies at 49 tiles an image or more, the sums of its tiles'
+    products: winograd.weight_gradient), each part's product added in the parts' order, into out (O, C, KH, KW) when given (returned), else into a new array of w's
     memory layout."""
     o, c, kh, kw = w.shape
     x_nhwc, (n, oh, ow, _) = _nhwc(x), dy_nhwc.shape
