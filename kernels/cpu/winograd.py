@@ -54,9 +54,7 @@ def filters(w, flipped=False):
     o, c = w.shape[:2]
     taps = w.transpose(0, 2, 3, 1).reshape(o, 9, c)
     gg = (_GG_FLIPPED if flipped else _GG).astype(w.dtype)
-    u = np.empty((o, 16, c), w.dtype)
-    per = -(-o // _FILTER_PARTS)
-    each(lambda i: np.matmul(gg, taps[i * per:(i + 1) * per], out=u[i * per:(i + 1) * per]), -(-o // per))
+    u = _per_filter(gg, taps, np.empty((o, 16, c), w.dtype))
     return u.transpose(1, 0, 2) if flipped else u.transpose(1, 2, 0)
 
 
@@ -66,11 +64,15 @@ def weight_gradient(du, out):
     product, as filters."""
     o, c = du.shape[1:]
     gg = _GG_SIGNED_T.astype(du.dtype)
-    taps = np.empty((o, 9, c), du.dtype)
-    per = -(-o // _FILTER_PARTS)
-    each(lambda i: np.matmul(gg, du[:, i * per:(i + 1) * per].transpose(1, 0, 2), out=taps[i * per:(i + 1) * per]),
-         -(-o // per))
+    taps = _per_filter(gg, du.transpose(1, 0, 2), np.empty((o, 9, c), du.dtype))
     np.copyto(out.transpose(0, 2, 3, 1), taps.reshape(o, 3, 3, c))
+    return out
+
+
+def _per_filter(gg, a, out):
+    """out[f] = gg @ a[f] for each filter f of a's (O, k, C), a part of the filters a thread; out returned."""
+    per = -(-a.shape[0] // _FILTER_PARTS)
+    each(lambda i: np.matmul(gg, a[i * per:(i + 1) * per], out=out[i * per:(i + 1) * per]), -(-a.shape[0] // per))
     return out
 
 
