@@ -179,6 +179,27 @@ def test_a_part_that_fails_on_another_thread_raises_and_the_blas_threads_are_res
     assert all(counts == [1] * len(before) for counts in seen) and len(seen) >= 6
     assert [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"] == before
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parts_run_their_ufuncs_on_small_buffers_and_the_callers_setting_comes_back(cpu_threads, threads):
+    """each() runs every part with NumPy's ufunc buffers of _UFUNC_BUFFER values (on every thread, whatever the
+    count: the same buffers give the same sums), and leaves the caller's own setting as it was, a failed part
+    too; a nested each() inside a part keeps them."""
+    from kernels.cpu._parallel import _UFUNC_BUFFER, each
+    cpu_threads(threads)
+    seen, caller = {}, np.getbufsize()
+    assert caller != _UFUNC_BUFFER
+
+    def part(i):
+        seen[i] = np.getbufsize()
+        each(lambda j: seen.__setitem__((i, j), np.getbufsize()), 2)
+        if i == 5:
+            raise ZeroDivisionError("part 5")
+    with pytest.raises(ZeroDivisionError, match="part 5"):
+        each(part, 8)
+    assert np.getbufsize() == caller
+    assert seen and set(seen.values()) == {_UFUNC_BUFFER} and 5 in seen and (5, 1) in seen
+
+
 
 def test_conv2d_channel_mismatch_is_a_value_error():
     g = rng()
