@@ -44,9 +44,11 @@ def test_conv2d(x_shape, w_shape, stride, padding, bias):
 @pytest.fixture
 def winograd_everywhere(monkeypatch):
     """Winograd's F(2x2, 3x3) for every 3x3, stride-1, padding-1 convolution, whatever its channels (the
-    kernels take it from 64), and a record of which of its ways each call took."""
+    kernels take it from 64), its filter transforms a filter a part (the kernels' parts hold 2 MB of them),
+    and a record of which of its ways each call took."""
     from kernels.cpu import winograd
     monkeypatch.setattr(winograd, "_LEAST_CHANNELS", 1)
+    monkeypatch.setattr(winograd, "_FILTER_PART_BYTES", 1)
     taken = []
     for name in ("every_tile", "gradients"):   # every_tile: products a position a thread; gradients: dw
         def spy(*args, _name=name, _fn=getattr(winograd, name)):

@@ -25,7 +25,9 @@ _GG_FLIPPED = np.ascontiguousarray(_GG[:, ::-1])
 # G^T, its last column negated: the output gradient's transform below leaves that sign out
 _GT_SIGNED = np.array([[1, .5, .5, 0], [0, .5, -.5, 0], [0, .5, .5, -1]])
 _GG_SIGNED_T = np.kron(_GT_SIGNED, _GT_SIGNED)   # (9, 16): tap (i, j) from position (a, b)
-_FILTER_PARTS = 4
+# a part of the filters a thread, of about this many bytes of their 16 positions: a smaller transform on one
+# thread (the threads' hand-over cost more than it: 35 -> 21 ms a batch-32 step with four parts always)
+_FILTER_PART_BYTES = 2 << 20
 
 # measured on the step (2 cores, OpenBLAS): below this many channels on either side the 16 products are too
 # thin for the BLAS to pay for the transforms (width 16: 12 % slower at 16 channels, 6 % at 32); below this
@@ -70,8 +72,8 @@ def weight_gradient(du, out):
 
 
 def _per_filter(gg, a, out):
-    """out[f] = gg @ a[f] for each filter f of a's (O, k, C), a part of the filters a thread; out returned."""
-    per = -(-a.shape[0] // _FILTER_PARTS)
+    """out[f] = gg @ a[f] for each filter f of a's (O, k, C), parts of _FILTER_PART_BYTES a thread; out returned."""
+    per = max(1, _FILTER_PART_BYTES // (16 * a.shape[2] * a.itemsize))
     each(lambda i: np.matmul(gg, a[i * per:(i + 1) * per], out=out[i * per:(i + 1) * per]), -(-a.shape[0] // per))
     return out
 
