@@ -105,29 +105,40 @@ def cpu_threads():
     _parallel.threads(before)
 
 
-@pytest.mark.parametrize("x_shape, w_shape, stride, padding, winograd", [
-    ((7, 8, 10, 10), (12, 8, 3, 3), 1, 1, False),      # backward-data as a convolution of dy
-    ((7, 8, 10, 9), (12, 8, 3, 3), 2, 1, False),       # backward-data by col2im
-    ((7, 8, 10, 10), (12, 8, 1, 1), 2, 0, False),      # a projection
-    ((7, 8, 14, 13), (12, 8, 3, 3), 1, 1, True),       # Winograd a part of the images a thread (dw's sum)
-    ((7, 8, 10, 10), (12, 8, 3, 3), 1, 1, True),       # Winograd a position a thread
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, winograd, w_channels_last", [
+    ((7, 8, 10, 10), (12, 8, 3, 3), 1, 1, False, False),      # backward-data as a convolution of dy
+    ((7, 8, 10, 9), (12, 8, 3, 3), 2, 1, False, False),       # backward-data by col2im
+    ((7, 8, 10, 10), (12, 8, 1, 1), 2, 0, False, False),      # a projection
+    ((7, 8, 14, 13), (12, 8, 3, 3), 1, 1, True, False),       # Winograd a part of the images a thread (dw's sum)
+    ((7, 8, 10, 10), (12, 8, 3, 3), 1, 1, True, False),       # Winograd a position a thread
+    ((2, 8, 10, 10), (13, 8, 3, 3), 1, 1, False, False),      # two parts: dw half of the (odd) filters a thread
+    ((2, 8, 10, 10), (13, 8, 3, 3), 1, 1, False, True),       # and written into a channels-last dw
 ])
 def test_convolutions_in_parts_on_three_threads_equal_one_thread_bit_for_bit(cpu_threads, monkeypatch, x_shape,
-                                                                              w_shape, stride, padding, winograd):
+                                                                              w_shape, stride, padding, winograd,
+                                                                              w_channels_last):
     """Parts of three images (256 rows: _PART_BYTES made small; Winograd's, of one image), on 1 to 3 threads:
-    the results of each thread count are the same bits, and near float64's."""
+    the results of each thread count are the same bits, and near float64's. A layer of two parts or fewer
+    takes its weight gradient by the filters (conv._backward_weight_by_filters), the others by the images."""
     from kernels.cpu import conv
     monkeypatch.setattr(conv, "_PART_BYTES", 1)
     monkeypatch.setattr(conv.winograd, "_LEAST_CHANNELS", 1 if winograd else 10 ** 9)
+    by_filters = []
+    monkeypatch.setattr(conv, "_backward_weight_by_filters",
+                        lambda *a, _fn=conv._backward_weight_by_filters: by_filters.append(1) or _fn(*a))
     g = rng()
     x = np.ascontiguousarray(g.standard_normal(x_shape, dtype=np.float32).transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
     w, b = g.standard_normal(w_shape, dtype=np.float32), g.standard_normal(w_shape[0], dtype=np.float32)
+    if w_channels_last:
+        w = np.ascontiguousarray(w.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
     results = []
     for count in (1, 2, 3):
         cpu_threads(count)
         y = K.conv2d_forward(x, w, b, stride, padding)
         dy = np.cos(np.arange(y.size, dtype=np.float32)).reshape(y.shape)
         results.append((y, *K.conv2d_backward(dy, x, w, stride, padding)))
+    oh, ow = y.shape[2:]
+    assert bool(by_filters) == (not winograd and len(conv._parts(x_shape[0], oh * ow, w[0].size, 4)) <= 2)
     for other in results[1:]:
         for a, c in zip(results[0], other):
             assert a.tobytes() == c.tobytes()
