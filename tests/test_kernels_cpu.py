@@ -62,9 +62,9 @@ def winograd_everywhere(monkeypatch):
     ((2, 5, 14, 14), 6, True, {"gradients"}),         # 49 tiles an image: a part of the images a thread
     ((3, 4, 14, 16), 3, False, {"gradients"}),
     ((2, 3, 13, 15), 4, True, {"gradients"}),         # and odd sides
-    ((3, 4, 7, 9), 5, True, {"every_tile"}),          # odd sides: the last tiles overhang; a position a thread
-    ((2, 3, 4, 4), 4, True, {"every_tile"}),
-    ((4, 2, 1, 2), 3, False, {"every_tile"}),         # one tile, mostly padding
+    ((3, 4, 7, 9), 5, True, {"every_tile", "gradients"}),   # odd sides: the last tiles overhang; a position a
+    ((2, 3, 4, 4), 4, True, {"every_tile", "gradients"}),   # thread (dw's products too)
+    ((4, 2, 1, 2), 3, False, {"every_tile", "gradients"}),  # one tile, mostly padding
 ])
 def test_conv2d_by_winograd(winograd_everywhere, x_shape, o, bias, ways):
     check_op([x_shape, (o, x_shape[1], 3, 3), (o,) if bias else None],

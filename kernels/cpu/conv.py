@@ -172,15 +172,23 @@ def _im2col(x_nhwc, kernel, stride, padding, out=None):
 
 
 def _backward_weight(dy_nhwc, x, w, stride, padding, out=None):
-    """dw = dy^T @ im2col(x) (or, where Winograd applies at 49 tiles an image or more, the sums of its tiles'
-    products: winograd.weight_gradient), each part's product added in the parts' order, into out (O, C, KH, KW) when given (returned), else into a new array of w's
-    memory layout."""
+    """dw = dy^T @ im2col(x), each part's product added in the parts' order (or, where Winograd applies, the
+    sums of its tiles' products, winograd.weight_gradient: at 49 tiles an image or more a part of the images a
+    thread, below it each position's product over every image's tiles a thread), into out (O, C, KH, KW) when
+    given (returned), else into a new array of w's memory layout."""
     o, c, kh, kw = w.shape
     x_nhwc, (n, oh, ow, _) = _nhwc(x), dy_nhwc.shape
     dtype = np.result_type(dy_nhwc.dtype, x.dtype)
     dw = np.empty_like(w, dtype=dtype) if out is None else out
     tiles = winograd.tile_count(oh, ow)
-    if winograd.applies((kh, kw), stride, padding, c, o) and not winograd.whole(tiles):
+    if winograd.applies((kh, kw), stride, padding, c, o) and winograd.whole(tiles):
+        # every image's tiles of x and of dy, then each position's product over all of them, a position a thread
+        parts = _parts(n, 16 * tiles, c, dtype.itemsize)
+        v, g = winograd.every_tile(x_nhwc, parts, tiles), winograd.every_gradient(dy_nhwc, parts, tiles)
+        du = np.empty((16, o, c), dtype)
+        each(lambda p: np.matmul(g[p].T, v[p], out=du[p]), 16)
+        return winograd.weight_gradient(du, dw)
+    if winograd.applies((kh, kw), stride, padding, c, o):
         parts = _parts(n, tiles, 16 * c, dtype.itemsize)
         partial = np.empty((len(parts), 16, o, c), dtype)
 

@@ -31,7 +31,8 @@ _FILTER_PART_BYTES = 2 << 20
 
 # measured on the step (2 cores, OpenBLAS): below this many channels on either side the 16 products are too
 # thin for the BLAS to pay for the transforms (width 16: 12 % slower at 16 channels, 6 % at 32); below this
-# many tiles an image, a part's products too short (and its weight gradient's too shallow)
+# many tiles an image, a part's products too short (and its weight gradient's too shallow): every image's tiles
+# first, then a position's product over all of them a thread (see whole)
 _LEAST_CHANNELS = 64
 _PART_TILES = 49
 
@@ -111,10 +112,11 @@ def _transformed(d, out):
     np.subtract(d[1], d[3], out=out[3])
 
 
-def gradients(dy):
-    """A dY A^T of every 2x2 tile of an (m, H, W, O) output gradient part, as (16, m*TH*TW, O) in this
-    thread's workspace "tile gradients"; A's last row is -[0, 1], and its sign is left to weight_gradient
-    (_GT_SIGNED, in _GG_SIGNED_T), so this is additions only."""
+def gradients(dy, out=None):
+    """A dY A^T of every 2x2 tile of an (m, H, W, O) output gradient part, as (16, m*TH*TW, O): into out when
+    given (rows of a whole's: see every_gradient), else in this thread's workspace "tile gradients"; A's last
+    row is -[0, 1], and its sign is left to weight_gradient (_GT_SIGNED, in _GG_SIGNED_T), so this is additions
+    only."""
     m, h, w, o = dy.shape
     th, tw = -(-h // 2), -(-w // 2)
     if (h, w) != (2 * th, 2 * tw):   # an odd side: the overhanging tiles' missing cells are zeros
@@ -125,7 +127,8 @@ def gradients(dy):
         dy = full
     r = workspace("tile rows", (4, m, th, 2 * tw, o), dy.dtype)
     _spread([dy[:, 0::2], dy[:, 1::2]], r)
-    g = workspace("tile gradients", (4, 4, m, th, tw, o), dy.dtype)
+    shape = (4, 4, m, th, tw, o)
+    g = workspace("tile gradients", shape, dy.dtype) if out is None else out.reshape(shape)
     _spread([r[:, :, :, 0::2], r[:, :, :, 1::2]], g.transpose(1, 0, 2, 3, 4, 5))
     return g.reshape(16, m * th * tw, o)
 
@@ -134,8 +137,19 @@ def every_tile(x, parts, per_image):
     """The tiles of all of x's (n, H, W, C) images, as (16, n*TH*TW, C) in this thread's workspace "all tiles", a
     part of the images (slices; ``per_image`` tiles an image) a thread: for a layer of few tiles an image, whose
     products run a position a thread over every image's tiles (see whole)."""
-    out = workspace("all tiles", (16, x.shape[0] * per_image, x.shape[3]), x.dtype)
-    each(lambda i: tiles(x[parts[i]], out[:, parts[i].start * per_image:parts[i].stop * per_image]), len(parts))
+    return _every(tiles, x, parts, per_image, "all tiles")
+
+
+def every_gradient(dy, parts, per_image):
+    """The gradients' tiles (see gradients) of all of dy's (n, H, W, O) images, as every_tile makes x's, in this
+    thread's workspace "all tile gradients": for the weight gradient of a layer of few tiles an image."""
+    return _every(gradients, dy, parts, per_image, "all tile gradients")
+
+
+def _every(transform, a, parts, per_image, name):
+    """transform of each part of a's images into the rows of one (16, n*per_image, a's channels) workspace."""
+    out = workspace(name, (16, a.shape[0] * per_image, a.shape[3]), a.dtype)
+    each(lambda i: transform(a[parts[i]], out[:, parts[i].start * per_image:parts[i].stop * per_image]), len(parts))
     return out
 
 
