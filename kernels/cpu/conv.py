@@ -15,9 +15,10 @@ The column matrices would be the largest arrays of a training step (230 MB for R
 stage at batch 128), so none is made whole: each product runs a part of whole images at a time (_parts),
 whose columns (about two megabytes) are built in a reused workspace and multiplied while they are in
 cache, the parts on every core (kernels/cpu/_parallel.py). The weight gradient, a sum over the
-images, is each part's product added in the parts' order; where there are two parts or fewer (a small
-output), the whole window matrix times dy, half of the filters a thread. A 3x3, stride-1, padding-1 convolution of
-64 channels or more multiplies Winograd's tiles instead of the window matrix (kernels/cpu/winograd.py).
+images, is each part's product added in the parts' order; where the images make two parts or fewer (a
+small output), it is the whole window matrix's product instead, half of the filters a thread. A 3x3,
+stride-1, padding-1 convolution of 64 channels or more multiplies Winograd's tiles instead of the window
+matrix (kernels/cpu/winograd.py).
 """
 import numpy as np
 
