@@ -182,14 +182,13 @@ def _backward_weight(dy_nhwc, x, w, stride, padding, out=None):
     dtype = np.result_type(dy_nhwc.dtype, x.dtype)
     dw = np.empty_like(w, dtype=dtype) if out is None else out
     tiles = winograd.tile_count(oh, ow)
-    if winograd.applies((kh, kw), stride, padding, c, o) and winograd.whole(tiles):
-        # every image's tiles of x and of dy, then each position's product over all of them, a position a thread
-        parts = _parts(n, 16 * tiles, c, dtype.itemsize)
-        v, g = winograd.every_tile(x_nhwc, parts, tiles), winograd.every_gradient(dy_nhwc, parts, tiles)
-        du = np.empty((16, o, c), dtype)
-        each(lambda p: np.matmul(g[p].T, v[p], out=du[p]), 16)
-        return winograd.weight_gradient(du, dw)
     if winograd.applies((kh, kw), stride, padding, c, o):
+        if winograd.whole(tiles):   # every image's tiles of x and of dy, then their products a position a thread
+            parts = _parts(n, 16 * tiles, c, dtype.itemsize)
+            v, g = winograd.every_tile(x_nhwc, parts, tiles), winograd.every_gradient(dy_nhwc, parts, tiles)
+            du = np.empty((16, o, c), dtype)
+            each(lambda p: np.matmul(g[p].T, v[p], out=du[p]), 16)
+            return winograd.weight_gradient(du, dw)
         parts = _parts(n, tiles, 16 * c, dtype.itemsize)
         partial = np.empty((len(parts), 16, o, c), dtype)
 
