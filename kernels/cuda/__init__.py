@@ -128,6 +128,14 @@ class Backend:
             chunk.fill(np.nan)
         return self._nan_chunks[device]
 
+    def hold(self, microseconds):
+        """Keep the current stream busy for `microseconds` (elementwise.cu's hold, one thread): the work queued
+        after it waits, so that the host can queue a whole step before the GPU starts on it (the profiler)."""
+        from .launch import launch
+        if not 0 <= microseconds < 2**31:
+            raise ValueError(f"hold: takes 0 to 2**31 - 1 microseconds, got {microseconds}")
+        launch(self, "elementwise", "hold", (1,), (int(microseconds),), block=(1,))
+
     def capture(self, fn):
         """(graph, fn()): fn's launches captured, not run; graph.launch() replays them (CUDA graphs on
         the GPU, a record of the launches on the emulator: see graph.py). The graph keeps alive every

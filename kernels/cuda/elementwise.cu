@@ -1,6 +1,6 @@
 // elementwise.cu: relu, its backward, the residual join relu(a + b), the conversion between float32
 // and bfloat16, uint8 images (gathered by a batch's indices) to float32 and the gather of labels, on
-// flat contiguous arrays. Launched by kernels/cuda/elementwise.py; checked by
+// flat contiguous arrays; and hold, which keeps a stream busy for a while. Launched by kernels/cuda/elementwise.py; checked by
 // tests/test_kernels_cuda.py (float32) and tests/test_bf16_ops.py (bfloat16) against
 // tests/reference.py and kernels/cpu/elementwise.py.
 // Every kernel is memory-bound: VEC elements per thread and step (VEC = 4: 16-byte loads and
@@ -11,6 +11,7 @@
 // that a NaN upstream is not hidden.
 #include "common.cuh"
 #include "tf32.cuh"
+#include "timer.cuh"
 
 // The first element of this thread's VEC, and the stride of the grid, in elements.
 #define VEC_LOOP(i, total) \
@@ -110,4 +111,13 @@ template <class Index>
 __global__ void __launch_bounds__(256)
 take(const int* __restrict__ a, const Index* __restrict__ idx, int total, int* __restrict__ out) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) out[i] = a[idx[i]];
+}
+
+// One thread that keeps its stream busy for `microseconds` of the global timer, doing nothing else: the
+// host queues the work behind it before the GPU reaches that work, which then runs back to back, as in
+// a CUDA graph, however slowly the host queued it (the profiler's steps, profiler/measure.py).
+__global__ void hold(int microseconds) {
+    const unsigned long long start = global_timer_ns();
+    while (global_timer_ns() - start < 1000ull * static_cast<unsigned long long>(microseconds)) {
+    }
 }

@@ -1,6 +1,6 @@
 """Launchers of elementwise.cu: a + b, relu, relu's backward, relu(a + b) on float32 or bfloat16
 activations, the conversion between the two, float32 rounded to TF32, uint8 images (of a batch's indices)
-to float, and the gather of labels."""
+to float, and the gather of labels; and the kernel hold (Backend.hold), which is no op of the contract."""
 import numpy as np
 
 import kernels
@@ -15,7 +15,7 @@ KERNELS = tuple(f"{kernel}<{vec}{storage_argument(t)}>"
     tuple(f"cast<{vec}, {source}, {target}>" for vec in (1, 4) for source in STORAGE_TYPES.values()
           for target in STORAGE_TYPES.values()) + ("round_tf32<1>", "round_tf32<4>") + \
     tuple(f"images_to_float<{t}{storage_argument(storage)}>" for t in C_TYPES.values()
-          for storage in STORAGE_TYPES.values()) + tuple(f"take<{t}>" for t in C_TYPES.values())
+          for storage in STORAGE_TYPES.values()) + tuple(f"take<{t}>" for t in C_TYPES.values()) + ("hold",)
 
 
 def add(be, a, b, out=None):
