@@ -1,6 +1,7 @@
 """Per-layer cost of training: where each step's time goes, layer by layer.
 
     python -m profiler --batch-size 256 --steps 20              # on the GPU where there is one
+    python -m profiler --batch-size 256 --precision bf16        # the GPU's mixed precision
     python -m profiler --device cpu --batch-size 32 --steps 10 --warmup 3 --out runs/profile
 
 The command trains ResNet-18 (nn.resnet18, --width channels in the first stage; SGD with lr 0.1,
@@ -28,7 +29,12 @@ model's, which is the loss gradient and the tape's sort), the release of the tap
 returns (it frees the step's activations), the optimizer step. A mark is taken at every begin
 and end: on the CPU backend the wall clock (NumPy returns when its work is done); on CuPy a CUDA
 event recorded on the current stream, all read after the step, so that timing never stalls the
-device mid-step (a layer's time is then the GPU time between its events, launch gaps included).
+device mid-step (a layer's time is then the GPU time between its events). The host queues an eager
+step of small kernels more slowly than a GPU runs it, and events would then time the GPU waiting for
+the host; so on the GPU every step (profiled or plain) is queued behind a kernel that holds the
+stream for longer than the host took to queue the step before (Backend.hold), and its kernels run
+back to back, as in a CUDA graph. A step the host still had not queued whole when the hold ended
+is counted, and the report warns of it (gpu_waited_for_the_host in profile.json).
 Each interval between two marks belongs to the innermost module or span open during it, so in
 each step the rows add up to the step: a leaf module (conv, batch norm, relu, pool, linear) is a
 row, and so are the own ops of a container, if it runs any (a Residual's relu joins run inside its

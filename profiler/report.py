@@ -69,7 +69,8 @@ def build_report(config, peak, kinds, inspection, profiled, plain, timeline):
     for s in profiled:
         for key, ms, overlap in s.concurrent:
             concurrent[key].append((ms, overlap))
-    steps = [{"profiled_ms": s.total_ms, "covered_ms": s.covered_ms, "plain_ms": ms} for s, ms in zip(profiled, plain)]
+    steps = [{"profiled_ms": s.total_ms, "covered_ms": s.covered_ms, "plain_ms": ms, "fed": s.fed}
+             for s, ms in zip(profiled, plain)]
     return Report(config, peak, rows, steps,
                   {key: tuple(statistics.median(v) for v in zip(*times)) for key, times in concurrent.items()},
                   timeline)
@@ -99,7 +100,7 @@ class Report:
     config: dict
     peak: Peak              # None for a GPU without figures in PEAKS
     rows: list              # in the order they first ran
-    steps: list             # per profiled step: {profiled_ms, covered_ms, plain_ms} (its plain neighbour)
+    steps: list             # per profiled step: {profiled_ms, covered_ms, plain_ms (its plain neighbour), fed}
     concurrent: dict        # (name, category) -> (median ms, median ms overlapping backward)
     timeline: list          # the trace events of every rank's profiled steps (profiler/trace.py)
 
@@ -116,6 +117,11 @@ class Report:
     @property
     def overhead_ms(self):
         return self.step_ms - self.plain_step_ms
+
+    def starved(self):
+        """The profiled steps in which the GPU waited for the host (measure.EventClock.ahead): their rows
+        hold that wait too."""
+        return sum(not s["fed"] for s in self.steps)
 
     def covered_fraction(self):
         """How much of a step its layers and spans account for (the median over the steps)."""
@@ -138,7 +144,7 @@ class Report:
                 "step": {"profiled_ms": self.step_ms, "plain_ms": self.plain_step_ms,
                          "overhead_ms": self.overhead_ms, "overhead_fraction": self.overhead_ms / self.plain_step_ms,
                          "covered_fraction": self.covered_fraction(), "rows_median_sum_ms": self.rows_ms(),
-                         "each": self.steps},
+                         "gpu_waited_for_the_host": self.starved(), "each": self.steps},
                 "rows": metrics, "groups": self.groups(),
                 "concurrent": [{"name": n, "category": c, "ms": ms, "overlap_backward_ms": overlap,
                                 "overlap_fraction": overlap / ms if ms > 0 else None}
@@ -179,7 +185,11 @@ class Report:
                   f"of it inside its layers and spans; the rows' medians add up to {self.rows_ms():.2f} ms",
                   f"profiler overhead: {self.step_ms:.2f} ms per step with per-layer marks against "
                   f"{self.plain_step_ms:.2f} ms with one pair of marks per step: {self.overhead_ms:+.2f} ms "
-                  f"({100 * self.overhead_ms / self.plain_step_ms:+.1f} %)", "",
+                  f"({100 * self.overhead_ms / self.plain_step_ms:+.1f} %)"]
+        if self.starved():
+            lines.append(f"warning: in {self.starved()} of {len(self.steps)} profiled steps the GPU waited for the host "
+                         f"to queue work: those steps' rows include the wait")
+        lines += ["",
                   f"{'by stage and residual block':{LABEL_WIDTH}s} " + " ".join(f"{h:>8s}" for h in PHASE_HEADS)
                   + f" {'share':>6s}"]
         for g in self.groups():

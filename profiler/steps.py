@@ -35,10 +35,12 @@ def training_step(model, optimizer, images, labels, index, ddp=None):
 
 
 def plain_step_ms(clock, fn, *args):
-    """One step timed by one pair of marks: the baseline of the profiler's overhead."""
-    marks = [clock.mark()]
-    fn(*args)
-    marks.append(clock.mark())
+    """One step timed by one pair of marks, run ahead of the GPU as a profiled one is: the baseline of
+    the profiler's overhead."""
+    with clock.ahead():
+        marks = [clock.mark()]
+        fn(*args)
+        marks.append(clock.mark())
     return clock.resolve(marks)[-1]
 
 
@@ -80,7 +82,7 @@ def profile(model, optimizer, images, labels, batch_size, steps, warmup=3, log=p
     xp, backend = get_array_module(images), backend_of(images)
     order = xp.asarray(data.epoch_order(len(images), seed=0, epoch=0))
     batches = [b for b in data.batch_indices(order, batch_size) if len(b) == batch_size]
-    clock = clock_for(xp)
+    clock = clock_for(xp, backend)
     peak = device_peak(xp)
     profiler = Profiler(model, clock, Nvtx(enabled=xp is not np))
     step = functools.partial(training_step, model, optimizer, images, labels, ddp=ddp)
