@@ -29,6 +29,10 @@ def parse_args(argv):
                    help="channels of the first stage; 64 is ResNet-18 (default %(default)s)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="where to run (default: cuda where CuPy sees a GPU, else cpu)")
+    p.add_argument("--precision", choices=kernels.PRECISIONS,
+                   help="of the step on the GPU, as train_resnet.py's --precision: tf32 (the convolutions on the "
+                        "TF32 tensor cores), bf16 (mixed precision, the activations in bfloat16) or fp32 (default: "
+                        "tf32 where the GPU has tensor cores, else fp32; the CPU computes in float32 and takes none)")
     p.add_argument("--out", metavar="DIR", help="folder for profile.json, profile.csv, profile.png and "
                                                 "profile.trace.json (default runs/profile-<date>-<time>)")
     p.add_argument("--json", metavar="FILE", help="the JSON file (default DIR/profile.json)")
@@ -50,6 +54,16 @@ def parse_args(argv):
         args.xp = kernels.array_module_for(args.device)
     except kernels.DeviceError as e:
         p.error(f"--device {args.device}: {e}")
+    if args.device == "cpu":
+        if args.precision is not None:
+            p.exit(2, f"{p.prog}: error: --precision {args.precision} is the GPU's: the CPU computes in float32\n")
+    else:
+        try:
+            args.precision, why = kernels.precision_for([args.xp.cuda.runtime.getDevice()], args.precision)
+        except kernels.DeviceError as e:
+            p.exit(2, f"{p.prog}: error: {e}\n")
+        if why:
+            print(why, flush=True)
     args.out = args.out or time.strftime("runs/profile-%Y%m%d-%H%M%S")
     problem = report.unwritable(report.output_paths(args.out, args.json, args.csv, args.png, args.trace), args.out)
     if problem:
@@ -62,6 +76,11 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    with kernels.use_precision(args.precision or kernels.precision()):
+        return _profile(args)
+
+
+def _profile(args):
     manual_seed(args.seed)
     model = resnet18(num_classes=CLASSES, width=args.width).to(args.device)
     optimizer = SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
