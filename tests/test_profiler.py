@@ -1,12 +1,17 @@
 """The profiler package on the CPU backend: an entry for every layer, rows that add up to the step, FLOP
 counts against hand arithmetic, the files, the timeline (profile.trace.json), the spans other code
-records, the CUDA kernel names (through the emulator), the command line; and, marked ``gpu``, ResNet-18
-at batch 256 on CUDA."""
+records, the CUDA kernel names (through the emulator), the command line; on simulated GPUs, every way a
+step launches its kernels (the tensor cores' projection, stride-2 phase, halo and split-K kernels, each
+precision's families) named by the recorder, whose wrapper takes every call launch() makes, the hold
+before each step and the steps where the GPU waited for the host, and the two commands that profile
+(python -m profiler --device cuda in each precision, train_resnet.py --profile with --graph and without);
+and, marked ``gpu``, ResNet-18 at batch 256 on CUDA in tf32 and bf16."""
 import collections
 import contextlib
 import csv
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -161,8 +166,9 @@ def test_layer_and_span_times_add_up_to_the_step(resnet):
     assert report.overhead_ms == pytest.approx(report.step_ms - report.plain_step_ms)
 
 
-class ScriptedClock:
-    """Marks at given times (ms), so that what each row owns can be worked out by hand."""
+class ScriptedClock(profiler.WallClock):
+    """Marks at given times (ms), so that what each row owns can be worked out by hand (nothing to hold, as
+    on the CPU)."""
     name = "scripted"
 
     def __init__(self, times):
@@ -475,25 +481,236 @@ def test_cuda_without_a_gpu_says_so(capsys):
     assert "--device cuda:" in capsys.readouterr().err
 
 
+# ---- every way a step launches its kernels, on simulated GPUs --------------------------------------
+
+class LookUps:
+    """A backend as kernels/cuda/launch.py's launch() sees one: be.function(family, name[, shared_mem]) gives
+    a kernel, here one that records its launch."""
+
+    def __init__(self):
+        self.looked_up, self.ran = [], []
+
+    def function(self, family, name, shared_mem=0):
+        self.looked_up.append((family, name, shared_mem))
+        return lambda grid, block, args, shared_mem=0: self.ran.append((name, shared_mem))
+
+
+def narrow(function, on_launch):
+    """The recorder as it was: the kernel's family and name, nothing more (a launch that asked for dynamic
+    shared memory crashed every GPU profile with a TypeError)."""
+    def launched(family, name):
+        on_launch(name)
+        return function(family, name)
+    return launched
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["recorder", "planted narrow recorder"])
+def test_the_recorder_takes_every_call_that_launch_makes(monkeypatch, planted):
+    """launch() looks every kernel up through be.function, with the dynamic shared memory where it asks for
+    some and without where not: under the profiler's recording both reach the kernel, and both are named."""
+    from kernels.cuda.launch import launch
+    from profiler import measure
+    if planted:
+        monkeypatch.setattr(measure, "_naming", narrow)
+    backend, names = LookUps(), []
+    with measure._recording_ops(backend, lambda op, args, kwargs: None, names.append):
+        launch(backend, "conv", "plain", (1,), (3, 2.5))
+        try:
+            launch(backend, "conv_tc", "with_shared_memory", (1,), (3,), shared_mem=96 * 1024)
+        except TypeError as e:
+            assert planted, f"the recorder refused a launch with shared memory: {e}"
+            return
+    assert not planted, "the narrow recorder took a launch with shared memory"
+    assert names == ["plain", "with_shared_memory"]
+    assert backend.looked_up == [("conv", "plain", 0), ("conv_tc", "with_shared_memory", 96 * 1024)]
+    assert backend.ran == [("plain", 0), ("with_shared_memory", 96 * 1024)]
+    assert "function" not in vars(backend), "the recorder left its wrapper on the backend"
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch, tmp_path):
+    """One simulated GPU in this process (kernels/simulated), current; the kernels on the emulator without its
+    sanitizer (their own tests run them under it)."""
+    monkeypatch.setenv(kernels.SIMULATED_GPUS, "1")
+    monkeypatch.setenv("CUDA_EMU_SANITIZE", "off")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    gpus = kernels.cupy_module()
+    gpus.cuda.Device(0).use()
+    yield gpus
+    gpus.cuda.Device(0).synchronize()
+
+
+def launch_paths_net():
+    """A network whose step takes every kind of launch of a ResNet-18 step, on 28 x 28 images: the stem (1 -> 16,
+    conv.cu's FP32 kernels, under every precision), a stride-2 block of 16 channels (the tensor cores' stride-2
+    backward-data from windows of dy, conv_tc.phase_windows), a block of 16 (the 3x3 kernels from windows of the
+    image, conv_tc.halo and wgrad_halo), 16 -> 64 at stride 2, and ResNet-18's first projection, 64 -> 128 (its
+    backward in one kernel, conv_tc.projection); split-K where the grids are small."""
+    from nn.resnet import Residual
+    nn.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         Residual(16, 16, use_1x1conv=True, stride=2), Residual(16, 16),
+                         Residual(16, 64, use_1x1conv=True, stride=2), Residual(64, 128, use_1x1conv=True, stride=2),
+                         nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(128, 10))
+
+
+def _tc(name):
+    from kernels.cuda import conv_tc
+    return getattr(conv_tc, name)
+
+
+# (precision, windows wherever the convolution allows them (conftest's halo_everywhere: the phase and halo
+# kernels' grid conditions dropped, as at batch 256), kernels the step must launch (the beginnings of their
+# name expressions: a folded twin's ends ", true>"), GEMMs that must split k)
+LAUNCH_PATHS = [
+    ("tf32", True, lambda: {_tc("PHASE_KERNEL"), _tc("PROJECTION_KERNELS")[0],
+                            f"conv_tc_forward_halo<{_tc('TF32').halo}", f"conv_tc_dgrad_halo<{_tc('TF32').halo}",
+                            _tc("WGRAD_HALO")["conv_tc"].kernel[:-1], "conv2d_forward<Tile64, 3, 3>"}, {"wgrad"}),
+    ("bf16", True, lambda: {f"conv_bf16_forward_halo<{_tc('BF16').halo}", f"conv_bf16_dgrad_halo<{_tc('BF16').halo}",
+                            _tc("WGRAD_HALO")["conv_bf16"].kernel[:-1], "conv2d_forward<Tile64, 3, 3, bf16>"}, {"wgrad"}),
+    ("bf16", False, lambda: {"conv2d_wgrad<Tile64, 3, 3, bf16>"}, {"forward", "dgrad", "wgrad"}),
+    ("fp32", False, lambda: {"conv2d_forward<Tile64, 3, 3>", "conv2d_dgrad_strided<Tile64>",
+                             "conv2d_forward<Tile64, 1, 1>", "conv2d_wgrad<Tile64, 1, 1>"}, set()),
+]
+
+
+@pytest.mark.parametrize("precision, windows, launched, split", LAUNCH_PATHS,
+                         ids=["tf32 windows", "bf16 windows", "bf16", "fp32"])
+def test_every_kernel_a_step_launches_is_named_on_a_simulated_gpu(simulated_gpu, request, monkeypatch, precision,
+                                                                    windows, launched, split):
+    """profile() on a simulated GPU through every kind of launch (LAUNCH_PATHS): the kernels the report names are
+    all those the step looked up (a backend.function of the class's, counted beneath the recorder), none lost
+    to a launch the recorder mishandles, each in a row of the layer that ran it."""
+    from kernels.cuda import Backend, conv_tc
+    if windows:
+        request.getfixturevalue("halo_everywhere")
+    looked_up, split_gemms = set(), set()
+    function = Backend.function
+    monkeypatch.setattr(Backend, "function", lambda self, family, name, *a, **k: (looked_up.add(name),
+                                                                                   function(self, family, name, *a, **k))[1])
+    plan = conv_tc.plan
+
+    def planned(gemm, *args, **kwargs):
+        p = plan(gemm, *args, **kwargs)
+        if p.splits > 1:
+            split_gemms.add(gemm)
+        return p
+    planned.cache_clear = plan.cache_clear
+    monkeypatch.setattr(conv_tc, "plan", planned)
+    with kernels.use_precision(precision):
+        model = launch_paths_net().to("cuda")
+        images, labels = (simulated_gpu.asarray(a) for a in batch(4))
+        report = run_profile(model, images, labels, batch_size=2, steps=1, warmup=0)
+    named = {name for r in report.rows for phase in r.kernels.values() for name in phase}
+    assert named == looked_up - {"hold"}, f"looked up, not named: {looked_up - named - {'hold'}}; named, not looked " \
+                                          f"up: {named - looked_up}"
+    missing = [kernel for kernel in launched() if not any(name.startswith(kernel) for name in named)]
+    assert not missing, f"not launched: {missing}"
+    assert split <= split_gemms, f"no split of k in {split - split_gemms}"
+    if precision == "tf32":   # each kernel in the row of the layer that launched it
+        assert _tc("PROJECTION_KERNELS")[0] in rows_by_name(report)["6.conv3", "layer"].kernels["backward"]
+    assert report.config["precision"] == precision and report.starved() == 0
+
+
+def test_a_step_that_waits_for_the_gpu_is_reported(simulated_gpu):
+    """A step during which the host waits for the GPU (a synchronize, a copy to the host) has let the GPU's hold
+    run out before it was queued whole: the report counts it and warns; the same step without the wait is fed."""
+    def waits(step):
+        def run(*args, **kwargs):
+            step(*args, **kwargs)
+            simulated_gpu.cuda.Device().synchronize()
+        return run
+    images, labels = (simulated_gpu.asarray(a) for a in batch(4))
+    reports = {}
+    for planted in (False, True):
+        nn.manual_seed(0)
+        model = tiny_net().to("cuda")
+        optimizer = nn.SGD(model.parameters(), lr=0.1)
+        training_step = profiler.steps.training_step
+        with pytest.MonkeyPatch.context() as patch:
+            if planted:
+                patch.setattr(profiler.steps, "training_step", waits(training_step))
+            reports[planted] = profiler.profile(model, optimizer, images, labels, 2, steps=2, warmup=0,
+                                                log=lambda *a: None)
+    assert reports[False].starved() == 0 and "waited for the host" not in reports[False].table()
+    assert reports[True].starved() == 2 and "in 2 of 2 profiled steps the GPU waited for the host" in \
+        reports[True].table()
+    assert reports[True].to_json()["step"]["gpu_waited_for_the_host"] == 2
+
+
+def test_the_hold_keeps_the_stream_busy_for_the_time_asked():
+    """Backend.hold on the emulator: the time asked, from the clock the kernel reads, and not much more."""
+    import time
+    backend = kernels._device_backend("emu")
+    backend.hold(0)   # compiled
+    for microseconds in (0, 30_000):
+        began = time.perf_counter()
+        backend.hold(microseconds)
+        took = time.perf_counter() - began
+        assert microseconds * 1e-6 <= took < microseconds * 1e-6 + 0.5, (microseconds, took)
+    with pytest.raises(ValueError, match="hold: takes 0 to"):
+        backend.hold(-1)
+
+
+def simulated_command(argv, tmp_path):
+    """A command of the project on one simulated GPU, its kernels on the emulator without the sanitizer."""
+    env = {**os.environ, kernels.SIMULATED_GPUS: "1", "CUDA_EMU_SANITIZE": "off", "TMPDIR": str(tmp_path)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])
+def test_python_m_profiler_on_a_simulated_gpu(tmp_path, precision):
+    """python -m profiler --device cuda, as bench/gpu_check's tier f runs it, in each precision."""
+    done = simulated_command(["-m", "profiler", "--device", "cuda", "--precision", precision, "--width", "4",
+                              "--batch-size", "2", "--steps", "1", "--warmup", "0", "--out", tmp_path / "p"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = json.loads((tmp_path / "p" / "profile.json").read_text())
+    assert written["config"]["precision"] == precision and written["config"]["backend"] == "cuda"
+    family = {"tf32": "conv_tc_", "bf16": "conv_bf16_", "fp32": "conv2d_"}[precision]
+    row = next(r for r in written["rows"] if r["name"] == "resnet_block2.1.conv2")
+    assert any(k.startswith(family) for k in row["kernels"]["backward"]), row["kernels"]
+    assert written["step"]["gpu_waited_for_the_host"] == 0
+
+
+@pytest.mark.parametrize("graph", ["--graph", "--no-graph"])
+def test_train_resnet_profile_on_a_simulated_gpu(tmp_path, graph):
+    """train_resnet.py --gpus 1 --profile, with the step as a graph or not: the profile times eager steps either
+    way (a graph replays the step as one launch, with no layer to mark), and says so."""
+    from helpers import write_fashion_mnist
+    data = write_fashion_mnist(tmp_path / "data", 8, 4)
+    done = simulated_command(["train_resnet.py", "--gpus", "1", "--width", "4", "--batch-size", "2", "--limit", "8",
+                              "--test-limit", "4", "--profile", "--profile-steps", "1", graph, "--data-dir", data,
+                              "--out", tmp_path / "run"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = json.loads((tmp_path / "run" / "profile.json").read_text())
+    assert written["config"]["backend"] == "cuda" and written["config"]["precision"] == "tf32"
+    assert ("eager steps" in done.stdout) == (graph == "--graph"), done.stdout[-2000:]
+
+
 # ---- on the GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_resnet18_at_batch_256_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("precision, family", [("tf32", "conv_tc_forward"), ("bf16", "conv_bf16_forward")])
+def test_resnet18_at_batch_256_on_the_gpu(tmp_path, precision, family):
+    """Every layer has its row, with the kernels of its precision; the GPU never waited for the host (the
+    hold before each step outlasted its queueing), so the rows add up to the step."""
     from test_kernels_cuda import gpu_unavailable_reason
     reason = gpu_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    import cupy
-    nn.manual_seed(0)
-    model = nn.resnet18().to("cuda")
-    images, labels = (cupy.asarray(a) for a in batch(512))
-    report = run_profile(model, images, labels, batch_size=256, steps=3, warmup=2)
+    cupy = kernels.cupy_module()
+    with kernels.use_precision(precision):
+        nn.manual_seed(0)
+        model = nn.resnet18().to("cuda")
+        images, labels = (cupy.asarray(a) for a in batch(512))
+        report = run_profile(model, images, labels, batch_size=256, steps=3, warmup=2)
     rows = rows_by_name(report)
     for name, module in model.named_modules():
         if not module.children():
             assert (name, "layer") in rows, name
-    assert any(k.startswith("conv2d_forward<") for k in rows["resnet_block1.0.conv1", "layer"].kernels["forward"])
-    assert report.config["clock"] == "CUDA events" and report.step_ms > 0
+    assert any(k.startswith(family) for k in rows["resnet_block1.0.conv1", "layer"].kernels["forward"])
+    assert report.config["clock"] == "CUDA events" and report.step_ms > 0 and report.starved() == 0
     assert abs(report.rows_ms() - report.step_ms) <= max(0.15 * report.step_ms, 2.0)
     paths = report.write(tmp_path)
     assert json.loads(paths["json"].read_text())["rows"][0]["total_ms"] >= 0

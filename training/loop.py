@@ -324,6 +324,9 @@ def run_profile(given, comm=None, steps=20, warmup=3, log=lambda *a: print(*a, f
     comm = comm or SingleProcess()
     log = log if comm.rank == 0 else (lambda *a: None)
     cfg, (x_train, y_train), _, model, opt, _, ddp, held = _replicated(given, comm, log, profiling=True)
+    if cfg.replayed_step:
+        log("--profile times eager steps: a CUDA graph replays the whole step as one launch, with no layer "
+            "boundary to mark (training replays it; --no-graph leaves this note out)")
     with held, use_precision(cfg.compute_precision):
         title = f"ResNet-18 width {cfg.width}, {comm.world_size} rank(s), batch {cfg.batch_size} global"
         report = profiler.profile(model, opt, x_train, y_train, cfg.batch_size, steps, warmup, log=log,
