@@ -686,22 +686,39 @@ TORCH_PEERS = [
 
 
 def compare_with_torch(ours, torch, device, case):
-    """One TORCH_PEERS case: our float32 op against PyTorch's float64 on the same inputs."""
+    """One TORCH_PEERS case: our float32 op against PyTorch's float64 on the same inputs, each result within the
+    case's bound of it (relative_error). A failure also says how far PyTorch's own float32 op is from the same
+    float64 results: a kernel less accurate than float32 allows, or inputs that float32 cannot resolve."""
     name, inputs, torch_op, forward, backward, bound = case
     g = rng()
     arrays = [g.standard_normal(a).astype(np.float32) if isinstance(a, tuple) else a for a in inputs]
-    tensors = [torch.tensor(a, device=device, dtype=torch.float64 if a.dtype.kind == "f" else torch.int64,
-                            requires_grad=a.dtype.kind == "f") for a in arrays]
-    peer = torch_op(torch.nn.functional, *tensors)
-    dy = g.standard_normal(tuple(peer.shape)).astype(np.float32)
-    peer.backward(torch.tensor(dy, dtype=torch.float64, device=device))
+    dy = g.standard_normal(torch_results(torch, device, torch_op, arrays)[0].shape).astype(np.float32)
+    expected = torch_results(torch, device, torch_op, arrays, dy)
     outputs = _outputs(forward(ours, *arrays))
     grads = _outputs(backward(ours, dy, *arrays, *outputs))
-    expected = [peer] + [t.grad for t in tensors if t.requires_grad]
     assert len(grads) == len(expected) - 1, f"{name}: {len(grads)} gradients"
-    for label, o, t in zip(("output", *(f"gradient {i}" for i in range(len(grads)))), (outputs[0], *grads), expected):
-        error = relative_error(o, t.detach().cpu().numpy())
-        assert error < bound, f"{name} {label}: relative error {error:.3g} >= {bound}\n{reproduce_hint()}"
+    labels = ("output", *(f"gradient {i}" for i in range(len(grads))))
+    for i, (label, o, t) in enumerate(zip(labels, (outputs[0], *grads), expected)):
+        error = relative_error(o, t)
+        assert error < bound, (
+            f"{name} {label}: relative error {error:.3g} >= {bound}; PyTorch's float32 on the same inputs: "
+            f"{relative_error(torch_results(torch, device, torch_op, arrays, dy, torch.float32)[i], t):.3g}\n"
+            f"{reproduce_hint()}")
+
+
+def torch_results(torch, device, torch_op, arrays, dy=None, dtype=None):
+    """PyTorch's op on `arrays` on `device`, the floating ones as `dtype` (float64 unless given; convolutions without
+    TF32), the integer ones as int64: [its output], and after its backward from dy, where given, the gradients of
+    the floating arrays; as NumPy arrays."""
+    dtype = dtype or torch.float64
+    tensors = [torch.tensor(a, device=device, dtype=dtype if a.dtype.kind == "f" else torch.int64,
+                            requires_grad=a.dtype.kind == "f") for a in arrays]
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        out = torch_op(torch.nn.functional, *tensors)
+        if dy is not None:
+            out.backward(torch.tensor(dy, dtype=dtype, device=device))
+    grads = [t.grad for t in tensors if t.requires_grad] if dy is not None else []
+    return [r.detach().cpu().numpy() for r in (out, *grads)]
 
 
 def relative_error(ours, ref):
