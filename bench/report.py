@@ -31,12 +31,13 @@ def now():
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def compute_sanitizer():
-    """compute-sanitizer's path: on PATH, else in $CUDA_HOME/bin; None where there is none."""
-    found = shutil.which("compute-sanitizer")
+def cuda_tool(name):
+    """The path of one of CUDA's command-line tools (compute-sanitizer, ncu): on PATH, else in
+    $CUDA_HOME/bin (or $CUDA_PATH/bin); None where there is none."""
+    found = shutil.which(name)
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if found is None and home and os.access(Path(home) / "bin" / "compute-sanitizer", os.X_OK):
-        found = str(Path(home) / "bin" / "compute-sanitizer")
+    if found is None and home and os.access(Path(home) / "bin" / name, os.X_OK):
+        found = str(Path(home) / "bin" / name)
     return found
 
 
@@ -45,7 +46,8 @@ def environment():
     can be asked; a part that cannot says why under '<part>_error'."""
     import numpy
     info = {"date": now(), "host": platform.node(), "python": platform.python_version(),
-            "numpy": numpy.__version__, "compute_sanitizer": compute_sanitizer()}
+            "numpy": numpy.__version__, "compute_sanitizer": cuda_tool("compute-sanitizer"),
+            "ncu": cuda_tool("ncu")}
     for part, describe in (("cupy", _cupy), ("torch", _torch), ("nvidia_smi", _nvidia_smi)):
         try:
             info.update(describe())
