@@ -2,8 +2,11 @@
 cuda kernels) eagerly ("ours", --no-graph) and as a CUDA graph ("ours_graph", --graph, the trainer's
 default on GPUs), in the default tf32 precision and in bf16 ("ours_bf16", "ours_bf16_graph"), beside
 d2l's model in PyTorch eager (cuDNN) with TF32 off, with its defaults, and under
-torch.autocast(device, torch.bfloat16) with the model and its input channels_last ("torch_bf16"), in
-one process; sec/epoch is the time of 60000 images at the median step time.
+torch.autocast(device, torch.bfloat16) with the model and its input channels_last ("torch_bf16"), and
+that last one also captured as one CUDA graph ("torch_bf16_graph"), in one process; sec/epoch is the
+time of 60000 images at the median step time. PyTorch runs with cudnn.benchmark on (tuned: cuDNN times
+each convolution's algorithms once and keeps the fastest), as a user tuning for speed sets it; each
+row's "precision" says so, and whether it was a graph.
 
   PYTHONPATH=. python -m bench.train_times --out training.json              # 100 steps each
   PYTHONPATH=. python -m bench.train_times --dry-run --out training.json    # tiny, on the CPU
@@ -16,6 +19,7 @@ gives the step time. A run that has spent --seconds-per-run stops early and says
 it timed. Each run's result is written to the JSON file as soon as it ends.
 """
 import argparse
+import contextlib
 import itertools
 import os
 import statistics
@@ -94,9 +98,11 @@ def ours_graph_step(config, images, labels):
     return run
 
 
-def torch_step(torch, config, images, labels, mixed):
+def torch_step(torch, config, images, labels, mixed, graph=False, compiled=None):
     """The same step of d2l's ResNet-18 in PyTorch eager; `mixed`: as PyTorch's mixed-precision recipe
-    has it, the model and its input channels_last, forward and loss under autocast to bfloat16."""
+    has it, the model and its input channels_last, forward and loss under autocast to bfloat16;
+    `graph`: the whole step captured as one CUDA graph (captured); `compiled`: the model under
+    torch.compile with this backend ("inductor" is its default), the optimizer eager."""
     from nn import data
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_torch_parity import torch_resnet18   # the one copy of d2l's model in the repository
@@ -109,17 +115,51 @@ def torch_step(torch, config, images, labels, mixed):
     opt = torch.optim.SGD(model.parameters(), **hyperparameters())
     order = torch.from_numpy(data.epoch_order(len(images), 0, 0)).to(device)
     batches = itertools.cycle(order.split(config["batch"]))
+    forward = torch.compile(model, backend=compiled) if compiled else model
 
-    def step():
-        idx = next(batches)
+    def step(idx):
         x = images[idx].unsqueeze(1).to(torch.float32).div_(255).contiguous(memory_format=layout)
         opt.zero_grad()
         with autocast(torch, device, mixed):
-            loss = torch.nn.functional.cross_entropy(model(x), labels[idx])
+            loss = torch.nn.functional.cross_entropy(forward(x), labels[idx])
         loss.backward()
         opt.step()
         return loss.detach()
-    return step
+    return captured(torch, step, batches) if graph else lambda: step(next(batches))
+
+
+def captured(torch, step, batches):
+    """step(idx) as PyTorch's whole-network capture runs it: three warm-up steps on a side stream, one
+    captured as a CUDA graph (torch.cuda.graph); then each step copies its batch's indices into the
+    graph's input and replays the graph, whose loss is the captured step's output."""
+    idx = next(batches).clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(idx)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step(idx)
+
+    def replay():
+        idx.copy_(next(batches))
+        graph.replay()
+        return loss
+    return replay
+
+
+@contextlib.contextmanager
+def tuned(torch):
+    """cudnn.benchmark on inside the block (cuDNN times the algorithms of each new convolution once and
+    keeps the fastest), as a user tuning for speed sets it; yields the setting for a run's record."""
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield {"cudnn.benchmark": True}
+    finally:
+        torch.backends.cudnn.benchmark = saved
 
 
 def time_steps(step, clock, config, seconds):
@@ -141,17 +181,23 @@ def time_steps(step, clock, config, seconds):
 OURS = (("ours", "tf32"), ("ours_bf16", "bf16"))   # our runs' names and precisions (kernels.precision())
 
 
+TORCH_GRAPHS = ("torch_bf16",)   # PyTorch's settings also run as one CUDA graph ("<setting>_graph")
+
+
 def runs(config, torch):
     """(name, make_step, clock framework, setting) for every run to time: ours in a precision of OURS,
-    PyTorch in a setting of bench.op_times.SETTINGS."""
+    PyTorch in a setting of bench.op_times.SETTINGS, and as a graph for those of TORCH_GRAPHS."""
     images, labels = random_data(config)
+    graphs = config["device"] == "cuda"   # graphs are the GPU's
     for name, chosen in OURS:
         yield name, lambda: ours_step(config, images, labels), "ours", chosen
-        if config["device"] == "cuda":   # graphs are the GPU's
+        if graphs:
             yield f"{name}_graph", lambda: ours_graph_step(config, images, labels), "ours", chosen
     if torch is not None:
         for setting, tf32, mixed in SETTINGS:
-            yield setting, lambda mixed=mixed: torch_step(torch, config, images, labels, mixed), "torch", (tf32, mixed)
+            for graph in (False, True) if graphs and setting in TORCH_GRAPHS else (False,):
+                yield setting + "_graph" * graph, lambda mixed=mixed, graph=graph: torch_step(
+                    torch, config, images, labels, mixed, graph), "torch", (tf32, mixed, graph)
 
 
 def run(out, seconds_per_run, dry_run=False):
@@ -162,10 +208,11 @@ def run(out, seconds_per_run, dry_run=False):
     for name, make_step, side, setting in runs(config, torch):
         clock = timing.clock(side, config["device"], torch)
         if side == "torch":
-            tf32, mixed = setting
-            with precision(torch, tf32) as flags:
+            tf32, mixed, graph = setting
+            with precision(torch, tf32) as flags, tuned(torch) as tuning:
                 measured = {**time_steps(make_step(), clock, config, seconds_per_run),
-                            "precision": {**flags, "autocast": "bfloat16" if mixed else None}}
+                            "precision": {**flags, **tuning, "autocast": "bfloat16" if mixed else None,
+                                          "cuda_graph": graph}}
         else:
             with kernels.use_precision(setting):
                 measured = {**time_steps(make_step(), clock, config, seconds_per_run),
