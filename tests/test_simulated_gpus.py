@@ -1,7 +1,8 @@
 """The GPU code paths on simulated GPUs (KERNELS_SIMULATED_GPUS, kernels/simulated), without a GPU.
 
 - The stand-in itself: CuPy's signatures and NCCL's constants (checked against the installed
-  CuPy), arrays that remember their device, and each thing a GPU punishes refused with the call
+  CuPy), copies between the host and a device in the order asked, not the array's, as CuPy's,
+  arrays that remember their device, and each thing a GPU punishes refused with the call
   named: an array of another device in a kernel or operation, a host array where a device array
   is needed, an event recorded on another device's stream, an NCCL buffer of another device, an
   NCCL call that differs between ranks, two ranks on one GPU; CUDA_VISIBLE_DEVICES.
@@ -121,8 +122,8 @@ def _ours(obj):
 
 
 SIGNATURES = [f"{path}" for path in (
-    "asarray", "ascontiguousarray", "empty", "zeros", "ones", "empty_like", "zeros_like", "ones_like", "arange",
-    "ndarray.get", "ndarray.fill", "ndarray.reshape", "ndarray.ravel", "ndarray.copy", "ndarray.astype",
+    "asarray", "ascontiguousarray", "asnumpy", "empty", "zeros", "ones", "empty_like", "zeros_like", "ones_like",
+    "arange", "ndarray.get", "ndarray.fill", "ndarray.reshape", "ndarray.ravel", "ndarray.copy", "ndarray.astype",
     "ndarray.view", "ndarray.transpose", "ndarray.swapaxes", "ndarray.sum", "ndarray.max", "ndarray.item",
     "ndarray.tolist", "ndarray.__getitem__", "ndarray.__setitem__", "RawModule", "RawModule.get_function",
     "RawKernel.__call__", "cuda.Device", "cuda.Device.use", "cuda.Device.synchronize", "cuda.Stream",
@@ -172,6 +173,28 @@ def test_the_stand_in_offers_nothing_cupy_lacks(gpus):
         pytest.skip("CuPy cannot load NCCL here (pip install nvidia-nccl-cu13): its constants are not readable")
     ours = {k: v for k, v in vars(sim_nccl).items() if k.startswith("NCCL_")}
     assert ours == {k: getattr(nccl, k) for k in ours}, "NCCL's datatype and reduction codes differ"
+
+
+def test_copies_between_the_host_and_a_device_are_in_the_order_asked_as_cupys(gpus):
+    """As CuPy 14.2's (core.pyx's _array_default and ndarray.get): asarray of a host array is C-ordered (Fortran-
+    ordered where it is only that), whatever its strides; get and asnumpy are C-ordered, or as order asks ('A': F
+    where the device array is Fortran-contiguous); get(out=) takes a contiguous out alone. So a test that asserts
+    a layout must read it from the device array (OnDevice, tests/test_kernels_cuda.py)."""
+    x = host((2, 4, 5, 3)).transpose(0, 3, 1, 2)   # channels-last
+    d = gpus.asarray(x)
+    assert d.flags.c_contiguous, d.strides
+    last = gpus.asarray(np.ascontiguousarray(x.transpose(0, 2, 3, 1))).transpose(0, 3, 1, 2)
+    for copy in (d.get(), last.get(), gpus.asnumpy(last), gpus.asnumpy(last, order="A")):
+        assert copy.flags.c_contiguous, copy.strides
+        np.testing.assert_array_equal(copy, x)
+    assert gpus.asnumpy(last, order="F").flags.f_contiguous
+    fortran = np.asfortranarray(host((3, 4)))
+    f = gpus.asarray(fortran)
+    assert f.flags.f_contiguous and not f.flags.c_contiguous, f.strides
+    assert gpus.asnumpy(f).flags.c_contiguous and gpus.asnumpy(f, order="A").flags.f_contiguous
+    np.testing.assert_array_equal(gpus.asnumpy(f, order="A"), fortran)
+    with pytest.raises(RuntimeError, match="`out` cannot be specified when copying to non-contiguous ndarray"):
+        last.get(out=np.empty_like(x))
 
 
 def test_cupy_older_than_14_2_is_refused(monkeypatch):

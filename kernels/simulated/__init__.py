@@ -37,11 +37,11 @@ transport, and the GPU's rounding (the emulator's is the CPU's, with subnormals 
 ``-ftz=true`` does).
 """
 from . import cuda, nccl
-from .arrays import (RawModule, __version__, arange, asarray, ascontiguousarray, empty, empty_like, ndarray,
-                     ones, ones_like, zeros, zeros_like)
+from .arrays import (RawModule, __version__, arange, asarray, ascontiguousarray, asnumpy, empty, empty_like,
+                     ndarray, ones, ones_like, zeros, zeros_like)
 
 cuda.nccl = nccl
 get_default_memory_pool = cuda.get_default_memory_pool
 
-__all__ = ["ndarray", "asarray", "ascontiguousarray", "empty", "empty_like", "zeros", "zeros_like", "ones",
+__all__ = ["ndarray", "asarray", "ascontiguousarray", "asnumpy", "empty", "empty_like", "zeros", "zeros_like", "ones",
            "ones_like", "arange", "RawModule", "cuda", "get_default_memory_pool", "__version__"]

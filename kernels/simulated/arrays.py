@@ -9,10 +9,12 @@ or, in a stream capture, it is recorded for the graph's replays (an operation th
 array then gets the array now, NaN until a replay computes it). It takes its arrays from the
 current device only, and a host NumPy array where a device array is needed is refused, as CuPy
 refuses it: the simulated machine has no peer access, so an array of another device is an error
-naming the call, not a slow success. A copy to the host (``get``, ``float()``, ``item()``, ...)
-waits for its stream, and is refused during a capture. ``RawModule`` is the CPU emulator's
-(kernels/emu); ``empty`` fills new memory with NaN (integers: their minimum), so that an element
-a kernel forgets to write shows.
+naming the call, not a slow success. As CuPy's, a copy of host memory (``asarray``) is in C order
+(Fortran order where the host array is only that) and a copy to the host (``get``, ``asnumpy``) in the
+order asked, C by default, whatever the strides of the array copied. A copy to the host (``get``,
+``asnumpy``, ``float()``, ``item()``, ...) waits for its stream, and is refused during a capture.
+``RawModule`` is the CPU emulator's (kernels/emu); ``empty`` fills new memory with NaN (integers:
+their minimum), so that an element a kernel forgets to write shows.
 """
 import math
 import os
@@ -206,6 +208,23 @@ class ndarray:  # noqa: N801  (CuPy's name)
         return host
 
     def get(self, stream=None, order="C", out=None, blocking=True):
+        """As CuPy's: a new host array in ``order`` (C, F, or A: F for a Fortran-contiguous array, else C),
+        whatever the device array's layout; or ``out``, which must match its dtype and shape, and be C- or
+        F-contiguous."""
+        if out is None:
+            order = order.upper()
+            if order == "A":
+                order = "F" if self.flags.f_contiguous else "C"
+            if order not in ("C", "F"):
+                raise ValueError(f"unsupported order: {order}")
+        elif not isinstance(out, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be obtained fromcupy.ndarray")   # sic, CuPy's message
+        elif out.dtype != self.dtype:
+            raise TypeError(f"{out.dtype} array cannot be obtained from {self.dtype} array")
+        elif out.shape != self.shape:
+            raise ValueError(f"Shape mismatch. Expected shape: {self.shape}, actual shape: {out.shape}")
+        elif not (out.flags.c_contiguous or out.flags.f_contiguous):
+            raise RuntimeError("`out` cannot be specified when copying to non-contiguous ndarray")
         host = self._to_host("ndarray.get", stream, out, blocking)
         return host if out is not None else np.array(host, order=order)
 
@@ -389,8 +408,22 @@ def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
             return _queue("copy", lambda v: np.asarray(v, dtype=dtype), [a], order=order or "K")
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
     cuda.refuse_during_capture("cupy.asarray of host memory (a copy from the host)", cuda.get_current_stream())
-    values = np.array(a, dtype=dtype, order=order or "K")
+    order = (order or "K").upper()
+    if order in ("K", "A"):   # as CuPy copies host memory: in Fortran order if it is only that, else in C order
+        order = "F" if isinstance(a, np.ndarray) and a.flags.fnc else "C"
+    values = np.array(a, dtype=dtype, order=order)
     return _queue("copy from the host", lambda: values, [])
+
+
+def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
+    """A device array's ``get``; anything else through NumPy, as CuPy's."""
+    if isinstance(a, ndarray):
+        return a.get(stream=stream, order=order, out=out, blocking=blocking)
+    values = np.asarray(a, order=order)
+    if out is None:
+        return values
+    out[...] = values
+    return out
 
 
 def ascontiguousarray(a, dtype=None):
