@@ -13,7 +13,13 @@ convolutions of the tf32 precision are tests/test_conv_tc.py's).
   (conftest's poisoned_empty), so an element a kernel forgets to write fails.
 - The same op tests, marked ``gpu``, on CuPy arrays through the ``cuda`` backend (skipped
   with the reason where there is no GPU), plus PyTorch float64 on the same GPU and a
-  bit-for-bit determinism check.
+  bit-for-bit determinism check. They call the ops with NumPy arrays through OnDevice, which
+  copies each to the device in its own layout and each result back in the device array's, or
+  as the caller's array where the op returns the device array it was given (out=), so that the
+  layouts and identities the tests assert are the device arrays'.
+- OnDevice and the GPU fixtures on one simulated GPU (KERNELS_SIMULATED_GPUS), in CI: layouts
+  and identities kept, the gradients written into out= returned as the arrays given; planted,
+  cupy.asarray's or cupy.asnumpy's C-ordered copies and new host arrays, refused by name.
 """
 import functools
 import inspect
@@ -76,52 +82,81 @@ class CrossChecked:
         return run
 
 
+def in_memory_order(a):
+    """The axes of ``a`` (a host or a device array) from the largest stride to the smallest: transposed to them,
+    an array of dense memory is C-contiguous (a channels-last NCHW array: 0, 2, 3, 1)."""
+    return sorted(range(a.ndim), key=lambda axis: -a.strides[axis])
+
+
 class OnDevice:
-    """The ops of the cuda backend called with NumPy arrays: copied to the GPU, results (and
-    arguments the op updates in place) copied back."""
+    """The ops of the cuda backend called with NumPy arrays. Each array argument is copied to the GPU in its own
+    layout (one device array for each host array, however often it is passed), and copied back after the call
+    (what the op wrote in place); each result is copied to a new host array in the layout of the device array,
+    or, where the op returns a device array it was given (out=, add_dx_to=), is the caller's host array itself:
+    the layouts and identities a test asserts on the host are those of the device arrays. (CuPy's copies,
+    cupy.asarray and get, are C-ordered whatever the strides: each here copies the array transposed to
+    in_memory_order, C-contiguous where its memory is dense, and transposes the copy back.)"""
 
     def __init__(self, backend):
-        import cupy
-        self.backend, self.cupy = backend, cupy
+        self.backend, self.cupy = backend, kernels.cupy_module()
+
+    def device_array(self, a):
+        axes = in_memory_order(a)
+        return self.cupy.asarray(a.transpose(axes)).transpose(np.argsort(axes))
+
+    def host_array(self, d):
+        axes = in_memory_order(d)
+        return d.transpose(axes).get().transpose(np.argsort(axes))
+
+    def result(self, r, given):
+        """A result on the host: ``given`` maps the ids of the device arrays passed to the host arrays copied there."""
+        return given[id(r)] if id(r) in given else None if r is None else self.host_array(r)
 
     def __getattr__(self, name):
-        op, cp = getattr(self.backend, name), self.cupy
-
-        def to_device(a):   # tuples of arrays too: `running`, `out`
-            return tuple(map(to_device, a)) if isinstance(a, tuple) else cp.asarray(a) if isinstance(a, np.ndarray) \
-                else a
-
-        def copy_back(a, d):
-            if isinstance(a, tuple):
-                for pair in zip(a, d):
-                    copy_back(*pair)
-            elif isinstance(a, np.ndarray):
-                a[...] = cp.asnumpy(d)
+        op = getattr(self.backend, name)
 
         def run(*args, **kwargs):
-            device, device_kwargs = to_device(args), {k: to_device(v) for k, v in kwargs.items()}
-            result = op(*device, **device_kwargs)
-            copy_back(args, device)
-            copy_back(tuple(kwargs.values()), tuple(device_kwargs.values()))
-            outputs = tuple(None if r is None else cp.asnumpy(r) for r in _outputs(result))
+            placed = {}   # id of a host array: (the host array, its device array)
+
+            def to_device(a):   # tuples of arrays too: `running`, `out`
+                if isinstance(a, tuple):
+                    return tuple(map(to_device, a))
+                if not isinstance(a, np.ndarray):
+                    return a
+                if id(a) not in placed:
+                    placed[id(a)] = a, self.device_array(a)
+                return placed[id(a)][1]
+
+            result = op(*to_device(args), **{k: to_device(v) for k, v in kwargs.items()})
+            for a, d in placed.values():
+                a[...] = self.host_array(d)
+            given = {id(d): a for a, d in placed.values()}
+            outputs = tuple(self.result(r, given) for r in _outputs(result))
             return outputs if isinstance(result, tuple) else outputs[0]
         return run
 
 
+class PlainCopies(OnDevice):
+    """Planted: OnDevice's results as they came back before, cupy.asnumpy's copies: C-ordered whatever the device
+    array's layout, and new arrays where the op returned a device array it was given."""
+
+    def result(self, r, given):
+        return None if r is None else self.cupy.asnumpy(r)
+
+
 def gpu_unavailable_reason():
     try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() > 0:
+        if kernels.cupy_module().cuda.runtime.getDeviceCount() > 0:
             return None
         return "no CUDA device"
-    except Exception as e:  # ImportError, or CuPy's error without a driver
+    except Exception as e:  # DeviceError without CuPy, or CuPy's error without a driver
         return f"no usable GPU ({type(e).__name__}: {e})"
 
 
 @pytest.fixture
 def poisoned_device_empty(monkeypatch):
     """cupy.empty / empty_like filled with NaN (integers: their minimum), like poisoned_empty."""
-    import cupy
+    cupy = kernels.cupy_module()
 
     def poison(array):
         if array.dtype.kind == "f":
@@ -354,6 +389,11 @@ def test_batch_norm_with_its_relu_join(ours, variant, shape, residual):
 def test_backwards_write_into_the_gradient_arrays_they_are_given(ours, variant):
     """out=(dw, db) or (dgamma, dbeta), NaN-filled: every element written, the arrays returned, the
     values those of a call without; need_dx=False: no dx."""
+    write_into_the_gradient_arrays_given(ours)
+
+
+def write_into_the_gradient_arrays_given(ours):
+    """The test above's calls and checks, on the op namespace ``ours``."""
     g = rng()
     draw = lambda *shape: g.standard_normal(shape).astype(np.float32)  # noqa: E731
     x, w, dy = draw(2, 4, 6, 6), draw(8, 4, 3, 3), draw(2, 8, 6, 6)
@@ -362,24 +402,26 @@ def test_backwards_write_into_the_gradient_arrays_they_are_given(ours, variant):
     for dw_target, weights in ((np.full_like(w, np.nan), w), (np.full_like(w_last, np.nan), w_last)):
         out = dw_target, np.full(8, np.nan, np.float32)
         dx, dw, db = ours.conv2d_backward(dy, x, weights, 1, 1, need_dx=False, out=out)
-        assert dx is None and dw is out[0] and db is out[1]
+        assert dx is None, "need_dx=False gave a dx"
+        assert dw is out[0] and db is out[1], f"conv2d_backward: dw is not out[0] or db not out[1], into strides " \
+                                              f"{dw_target.strides}"
         for got, want, name in ((dw, fresh[1], "dw"), (db, fresh[2], "db")):
             np.testing.assert_array_equal(got, want, err_msg=f"{name} into strides {dw_target.strides}")
     x, w, dy = draw(6, 8), draw(4, 8), draw(6, 4)
     out = np.full_like(w, np.nan), np.full(4, np.nan, np.float32)
     _, dw, db = ours.linear_backward(dy, x, w, out=out)
-    assert dw is out[0] and db is out[1]
+    assert dw is out[0] and db is out[1], "linear_backward: dw is not out[0] or db not out[1]"
     np.testing.assert_array_equal(dw, ours.linear_backward(dy, x, w)[1])
     x, dy, gamma = shifted_batch((3, 5, 4, 4)).astype(np.float32), draw(3, 5, 4, 4), draw(5)
     _, mean, invstd = ours.batch_norm_forward(x, gamma, gamma, EPS)
     out = np.full(5, np.nan, np.float32), np.full(5, np.nan, np.float32)
     dx, dgamma, dbeta = ours.batch_norm_backward(dy, x, gamma, mean, invstd, out=out)
-    assert dgamma is out[0] and dbeta is out[1]
+    assert dgamma is out[0] and dbeta is out[1], "batch_norm_backward: dgamma is not out[0] or dbeta not out[1]"
     fresh = ours.batch_norm_backward(dy, x, gamma, mean, invstd)
     np.testing.assert_array_equal(dx, fresh[0])
     out = np.full(5, np.nan, np.float32), None   # one gradient written there, the other new
     _, dgamma, dbeta = ours.batch_norm_backward(dy, x, gamma, mean, invstd, out=out)
-    assert dgamma is out[0]
+    assert dgamma is out[0], "batch_norm_backward: dgamma is not out[0] (dbeta new)"
     np.testing.assert_array_equal(dgamma, fresh[1])
     np.testing.assert_array_equal(dbeta, fresh[2])
 
@@ -654,8 +696,7 @@ def gpu():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("PyTorch without CUDA: no float64 peer on the GPU")
-    import cupy
-    return kernels._device_backend("cuda"), cupy, torch
+    return kernels._device_backend("cuda"), kernels.cupy_module(), torch
 
 
 # name, inputs (shapes, drawn standard normal, or integer arrays), PyTorch's op of float64 tensors,
@@ -748,6 +789,63 @@ def test_gpu_results_are_bit_identical_run_to_run(gpu):
 
     for i, (a, b) in enumerate(zip(step(), step())):
         assert cp.array_equal(a, b), f"output {i} differs between two runs"
+
+
+# ---- the GPU tests' copies, on a simulated GPU ----------------------------------------------
+
+@pytest.fixture
+def simulated_gpu(monkeypatch, request):
+    """The cuda backend on one simulated GPU (kernels/simulated), where the GPU tests' fixtures find it
+    (gpu_unavailable_reason, poisoned_device_empty); its kernels on the emulator without the sanitizer (each
+    kernel's own tests run them under it): what a GPU test does with its arrays, checked in CI."""
+    monkeypatch.setenv(kernels.SIMULATED_GPUS, "1")
+    monkeypatch.setenv("CUDA_EMU_SANITIZE", "off")
+    assert gpu_unavailable_reason() is None
+    request.getfixturevalue("poisoned_device_empty")
+    yield kernels._device_backend("cuda")
+    kernels.cupy_module().cuda.Device(0).synchronize()   # its work ordered before the next test's
+
+
+def keep_layouts_and_identities(ours):
+    """relu of a channels-last x comes back channels-last (the kernel writes its input's layout), of a C-ordered x
+    C-ordered; add(a, b, out=a) returns a, a + b in it."""
+    g = rng()
+    for x in (channels_last((2, 3, 4, 5)), g.standard_normal((2, 3, 4, 5)).astype(np.float32)):
+        y = ours.relu_forward(x)
+        assert y.strides == x.strides, f"relu_forward of strides {x.strides} gave strides {y.strides}"
+        validate(y, R.relu_forward(x), "relu_forward")
+    a, b = g.standard_normal((2, 300)).astype(np.float32)
+    expected = a + b
+    assert ours.add(a, b, out=a) is a, "add(a, b, out=a) did not return a"
+    np.testing.assert_array_equal(a, expected)
+
+
+@pytest.mark.parametrize("planted", [None, "plain copies to the device", "plain copies back"])
+def test_on_device_copies_keep_the_layouts_and_identities_of_the_arrays(simulated_gpu, planted):
+    """OnDevice on one simulated GPU: an array goes to the device in its layout, and a result comes back in the
+    device array's, or as the host array that was given. Planted: cupy.asarray's copy to the device (C-ordered,
+    as CuPy copies a NumPy array), or PlainCopies's results."""
+    ours = (PlainCopies if planted == "plain copies back" else OnDevice)(simulated_gpu)
+    if planted == "plain copies to the device":
+        ours.device_array = ours.cupy.asarray
+    if planted is None:
+        keep_layouts_and_identities(ours)
+    else:
+        with pytest.raises(AssertionError, match=r"relu_forward of strides \(240, 4, 60, 12\) gave strides "
+                                                 r"\(240, 80, 20, 4\)"):
+            keep_layouts_and_identities(ours)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["OnDevice", "planted: plain copies back"])
+def test_the_backwards_return_the_arrays_given_on_a_simulated_gpu(simulated_gpu, planted):
+    """test_backwards_write_into_the_gradient_arrays_they_are_given's GPU variant (OnDevice on the cuda backend) on
+    one simulated GPU: each gradient written into out= is the host array given. Planted, PlainCopies's new host
+    arrays fail its identity check, as OnDevice's did on one H200."""
+    if planted:
+        with pytest.raises(AssertionError, match=r"conv2d_backward: dw is not out\[0\]"):
+            write_into_the_gradient_arrays_given(PlainCopies(simulated_gpu))
+    else:
+        write_into_the_gradient_arrays_given(OnDevice(simulated_gpu))
 
 
 # ---- a whole ResNet-18 training step on the device backends against the NumPy backend ------------
