@@ -15,6 +15,8 @@ multiples of 8) and conv.cu's FP32 kernels on bfloat16 storage (the others: the 
 - The SASS of every BF16 kernel, for sm_80 and sm_90, holds HMMA.16816.F32.BF16, LDSM and LDGSTS;
   bench/tc_plan.py's plan covers every product of ResNet-18.
 - Marked gpu: the same references on a GPU, and PyTorch (cuDNN on bfloat16 inputs) beside.
+- On one simulated GPU, in CI: check_conv through the GPU tests' fixture, whose copies keep the
+  device arrays' layouts (planted: cupy.asnumpy's C-ordered copies, refused by name).
 """
 import numpy as np
 import pytest
@@ -25,7 +27,7 @@ from helpers import reproduce_hint, rng, validate
 from kernels import bfloat16, nvrtc
 from kernels.cuda import conv_tc
 from test_conv_tc import emu, gpu_backend  # noqa: F401  (fixtures: the emu backend in each thread order, the GPU's)
-from test_kernels_cuda import poisoned_device_empty  # noqa: F401  (a fixture gpu_backend asks for)
+from test_kernels_cuda import PlainCopies, poisoned_device_empty, simulated_gpu  # noqa: F401  (the last two fixtures)
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty", "bf16")
 UNIT32, UNIT_BF16 = 2.0**-24, 2.0**-8   # unit roundoff of float32 and of bfloat16 (8 significant bits)
@@ -350,6 +352,19 @@ def test_the_launch_plan_of_resnet18_covers_every_product():
 
 
 # ---- GPU -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("planted", [False, True], ids=["OnDevice", "planted: plain copies back"])
+def test_check_conv_reads_the_layouts_of_the_device_arrays_on_a_simulated_gpu(simulated_gpu, request, planted):
+    """The GPU tests' check_conv through gpu_backend on one simulated GPU, at a small shape: y and dx bfloat16 and
+    channels-last as the device holds them, the numbers compared. Planted, PlainCopies's C-ordered copies fail its
+    layout assertion by name, as OnDevice's did on one H200."""
+    x_shape, w_shape, stride, padding, _ = GATHERED_SHAPES[2]
+    if planted:
+        with pytest.raises(AssertionError, match=r": y has strides \(144, 18, 6, 2\)"):
+            check_conv(PlainCopies(simulated_gpu), x_shape, w_shape, stride, padding)
+    else:
+        check_conv(request.getfixturevalue("gpu_backend"), x_shape, w_shape, stride, padding)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=2, width=16)

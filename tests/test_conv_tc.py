@@ -26,6 +26,8 @@ FP32 kernels under tf32 too).
 - A training step of the whole ResNet-18 (width 8) on the emulator against NumPy in float32.
 - The SASS of every tensor-core kernel, for sm_80 and sm_90, holds HMMA.1688.F32.TF32.
 - Marked gpu: the same references on a GPU, and PyTorch (cuDNN with TF32, its default) beside.
+- On one simulated GPU, in CI: check_conv through the GPU tests' fixture, whose copies keep the
+  device arrays' layouts (planted: cupy.asnumpy's C-ordered copies, refused by name).
 """
 import collections
 import contextlib
@@ -39,7 +41,8 @@ from bench.layers import distinct, resnet18_layers
 from helpers import reproduce_hint, rng, validate
 from kernels import nvrtc
 from kernels.cuda import conv_tc
-from test_kernels_cuda import OnDevice, gpu_unavailable_reason, poisoned_device_empty, resnet_step  # noqa: F401
+from test_kernels_cuda import (OnDevice, PlainCopies, gpu_unavailable_reason, poisoned_device_empty,  # noqa: F401
+                               resnet_step, simulated_gpu)   # (the last two fixtures)
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty", "tf32")
 UNIT32, UNIT_TF32 = 2.0**-24, 2.0**-11   # unit roundoff of float32 and of TF32
@@ -848,6 +851,19 @@ def gpu_backend(request):
         pytest.skip(reason)
     request.getfixturevalue("poisoned_device_empty")
     return OnDevice(kernels._device_backend("cuda"))
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["OnDevice", "planted: plain copies back"])
+def test_check_conv_reads_the_layouts_of_the_device_arrays_on_a_simulated_gpu(simulated_gpu, request, planted):
+    """The GPU tests' check_conv through gpu_backend on one simulated GPU, at a small shape: y and dx channels-last as
+    the device holds them, the numbers compared. Planted, PlainCopies's C-ordered copies fail its layout assertion
+    by name, as OnDevice's did on one H200."""
+    x_shape, w_shape, stride, padding, _ = VECTOR_SHAPES[2]
+    if planted:
+        with pytest.raises(AssertionError, match=r": y has strides \(144, 36, 12, 4\)"):
+            check_conv(PlainCopies(simulated_gpu), x_shape, w_shape, stride, padding, channels_last=True)
+    else:
+        check_conv(request.getfixturevalue("gpu_backend"), x_shape, w_shape, stride, padding, channels_last=True)
 
 
 @pytest.mark.gpu
