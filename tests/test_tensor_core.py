@@ -11,7 +11,10 @@
   kernel's arguments, copies never waited for.
 - Marked gpu: the same kernels on a GPU against the emulator, fragment by fragment: bit for bit
   for cvt, ldmatrix and cp.async, within accumulation rounding for mma. This proves that the
-  PTX strings mean what their emulation does; bench/gpu_check runs it first.
+  PTX strings mean what their emulation does; bench/gpu_check runs it first. Its emulation side
+  runs in CI too (the emulator's outputs standing in for the GPU's), cp.async's kernel, which
+  reads its destinations before their wait, without the sanitizer as the CPU tests run it
+  (planted: under it, refused by name).
 """
 import functools
 from pathlib import Path
@@ -276,27 +279,31 @@ def gpu_module():
     return cupy, cupy.RawModule(code=SOURCE.read_text(), options=("--std=c++17", *OPTIONS))
 
 
-def on_both(name, grid, block, *args):
-    """The outputs of one launch on the emulator and on the GPU: (emulator's, GPU's) per array."""
-    cupy, gpu = gpu_module()
+def on_both(name, grid, block, *args, sanitize=True, gpu=True):
+    """The outputs of one launch on the emulator (under its sanitizer unless sanitize=False) and on the GPU:
+    (emulator's, GPU's) per array. gpu=False: the emulation side alone, its own outputs standing in for the GPU's."""
+    cupy, module = gpu_module() if gpu else (None, None)
     host = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    launch(name, grid, block, *host, sanitize=sanitize)
+    if not gpu:
+        return [(h, h.copy()) for h in host if isinstance(h, np.ndarray)]
     device = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-    launch(name, grid, block, *host)
-    gpu.get_function(name)(grid, block, tuple(device))
+    module.get_function(name)(grid, block, tuple(device))
     return [(h, d.get()) for h, d in zip(host, device) if isinstance(h, np.ndarray)]
 
 
-@pytest.mark.gpu
-def test_the_gpu_computes_what_the_emulation_does():
+def compare_with_the_emulation(run):
+    """Each wrapper's kernel on random data, through run (on_both, or a stand-in for it): bit for bit for cvt,
+    ldmatrix and cp.async, within accumulation rounding for mma."""
     g = rng()
     x = (g.standard_normal(1000) * 10.0 ** g.integers(-20, 20, 1000)).astype(np.float32)
-    _, (emulated, real) = on_both("round_tf32", (8,), (128,), x, np.zeros(1000, np.uint32), np.int32(1000))
+    _, (emulated, real) = run("round_tf32", (8,), (128,), x, np.zeros(1000, np.uint32), np.int32(1000))
     np.testing.assert_array_equal(real, emulated, err_msg="cvt.rna.tf32.f32")
 
     a = g.standard_normal((32, 4)).astype(np.float32).view(np.uint32)
     b = g.standard_normal((32, 2)).astype(np.float32).view(np.uint32)
     c = g.standard_normal((32, 4)).astype(np.float32)
-    *_, (emulated, real) = on_both("mma_fragments", (1,), (32,), a, b, c, np.zeros((32, 4), np.float32))
+    *_, (emulated, real) = run("mma_fragments", (1,), (32,), a, b, c, np.zeros((32, 4), np.float32))
     # the tensor core's accumulation is not one IEEE rounding of the exact sum, and near cancellation
     # its difference is many units of the small result: bound it, as the convolutions' tests do, by
     # float32's rounding of a sum of 8 products and C, relative to the sum of their magnitudes
@@ -306,15 +313,15 @@ def test_the_gpu_computes_what_the_emulation_does():
 
     x = np.concatenate([(g.standard_normal(998) * 10.0 ** g.integers(-38, 38, 998)), [1.0 + 2.0 ** -8, 3e38]])
     x = x.astype(np.float32)
-    single, pairs, wide = on_both("round_bf16", (8,), (128,), x, np.zeros(1000, ml_dtypes.bfloat16),
-                                  np.zeros(500, np.uint32), np.zeros(1000, np.float32), np.int32(1000))[1:]
+    single, pairs, wide = run("round_bf16", (8,), (128,), x, np.zeros(1000, ml_dtypes.bfloat16),
+                              np.zeros(500, np.uint32), np.zeros(1000, np.float32), np.int32(1000))[1:]
     for name, (emulated, real) in (("cvt.rn.bf16.f32", single), ("cvt.rn.bf16x2.f32", pairs), ("widened", wide)):
         np.testing.assert_array_equal(real.view(np.uint16), emulated.view(np.uint16), err_msg=name)
 
     a = g.standard_normal((32, 8)).astype(ml_dtypes.bfloat16).view(np.uint32)
     b = g.standard_normal((32, 4)).astype(ml_dtypes.bfloat16).view(np.uint32)
     c = g.standard_normal((32, 4)).astype(np.float32)
-    *_, (emulated, real) = on_both("mma_bf16_fragments", (1,), (32,), a, b, c, np.zeros((32, 4), np.float32))
+    *_, (emulated, real) = run("mma_bf16_fragments", (1,), (32,), a, b, c, np.zeros((32, 4), np.float32))
     magnitude = mma_bf16_model(a & np.uint32(0x7FFF7FFF), b & np.uint32(0x7FFF7FFF), np.abs(c)).astype(np.float64)
     excess = np.abs(real.astype(np.float64) - emulated) - (16 + 16) * 2.0**-24 * magnitude
     assert excess.max() <= 0, (real.ravel()[excess.argmax()], emulated.ravel()[excess.argmax()])
@@ -323,15 +330,36 @@ def test_the_gpu_computes_what_the_emulation_does():
         for trans in (0, 1):
             m = g.integers(0, 2**16, (4, 8, 8)).astype(np.uint16)
             slot = g.permutation(32).astype(np.int32)
-            *_, (emulated, real) = on_both("ldmatrix_fragments", (1,), (32,), m, slot, np.zeros((32, 4), np.uint32),
-                                           np.int32(count), np.int32(trans))
+            *_, (emulated, real) = run("ldmatrix_fragments", (1,), (32,), m, slot, np.zeros((32, 4), np.uint32),
+                                       np.int32(count), np.int32(trans))
             np.testing.assert_array_equal(real, emulated, err_msg=f"ldmatrix x{count} trans={trans}")
 
     for bytes_, src_bytes, cg in ((4, 4, 0), (8, 4, 0), (16, 12, 0), (16, 16, 1)):
         src = g.standard_normal(64 * 4).astype(np.float32)
-        _, _, middle, late = on_both("cp_async_groups", (1,), (64,), src, *(np.zeros(64 * 4, np.float32) for _ in range(3)),
-                                     np.int32(bytes_), np.int32(src_bytes), np.int32(cg))
+        # it reads its destinations before their waits: without the sanitizer, which refuses that read
+        _, _, middle, late = run("cp_async_groups", (1,), (64,), src, *(np.zeros(64 * 4, np.float32) for _ in range(3)),
+                                 np.int32(bytes_), np.int32(src_bytes), np.int32(cg), sanitize=False)
         # before a wait the GPU's shared memory holds anything: only what has landed is compared
         first = 32 * bytes_ // 4
         np.testing.assert_array_equal(middle[1][:first], middle[0][:first], err_msg=f"cp.async {bytes_}, group 0")
         np.testing.assert_array_equal(late[1], late[0], err_msg=f"cp.async {bytes_} bytes, {src_bytes} read")
+
+
+@pytest.mark.gpu
+def test_the_gpu_computes_what_the_emulation_does():
+    compare_with_the_emulation(on_both)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["as the CPU tests", "planted: every launch sanitized"])
+def test_the_emulation_side_of_the_gpu_comparison_runs(planted):
+    """The GPU test above with the emulator's outputs standing in for the GPU's, in CI: each launch runs on the
+    emulator as the GPU test runs it there, cp_async_groups without the sanitizer. Planted, every launch under the
+    sanitizer (as the GPU test ran on one H200): it refuses that kernel's reads before their wait, by name."""
+    def emulated(*launch_args, sanitize=True):
+        return on_both(*launch_args, sanitize=sanitize or planted, gpu=False)
+    if planted:
+        with pytest.raises(emu.KernelError, match=r"kernel 'cp_async_groups' failed: .*initcheck: reads byte 0 of "
+                                                  r"`tile` while a cp\.async to it is in flight"):
+            compare_with_the_emulation(emulated)
+    else:
+        compare_with_the_emulation(emulated)
