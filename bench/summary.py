@@ -1,5 +1,8 @@
 """The short report bench/gpu_check prints last, from summary.json alone: each tier's status; the ops at
-batch 256, ours beside PyTorch; training sec/epoch; the epochs' test accuracy in tf32 and in bf16."""
+batch 256, ours beside PyTorch; training sec/epoch; a step's kernels by kind, ours beside PyTorch's, our
+slowest kernels and ncu's speed of light for them; the profiler's layers against those kernels; the
+epochs' test accuracy in tf32 and in bf16."""
+from bench.kernel_times import CONVOLUTION, KINDS, short_name
 from bench.op_times import PEERS
 
 PHASES = ("forward", "backward")
@@ -7,16 +10,25 @@ CONV_TARGET = 1.25   # every convolution within this factor of cuDNN's time in t
 # our side and PyTorch's whose convolutions are held to CONV_TARGET, and what PyTorch runs there
 CONV_PEERS = (("ours", "torch_default", "cuDNN TF32"), ("ours_bf16", "torch_bf16", "cuDNN BF16 under autocast"))
 EPOCHS = (("epoch", "tf32"), ("epoch_bf16", "bf16"))   # tier e's results and their precisions
+# tier k: each of our runs beside the PyTorch run whose convolutions round as ours do
+KERNEL_PEERS = (("ours_tf32", "torch_tf32"), ("ours_bf16", "torch_bf16"))
+SLOWEST = 8   # our kernels listed per run
+KIND_HEADS = {"convolution": "convolution", "batch norm and elementwise": "bn+elementwise", "other": "other"}
 
 
 def summary_lines(summary):
     tiers = summary["tiers"]
     lines = header(summary) + [""] + tier_lines(tiers)
-    ops, training = (tiers.get(k, {}).get(name) for k, name in (("c", "ops"), ("d", "training")))
+    ops, training, measured = (tiers.get(k, {}).get(name) for k, name in (("c", "ops"), ("d", "training"),
+                                                                           ("k", "kernels")))
     if ops and ops.get("rows"):
         lines += [""] + ops_lines(ops)
     if training and training.get("runs"):
         lines += [""] + training_lines(training)
+    if measured and measured.get("runs"):
+        lines += [""] + kernel_lines(measured, tiers["k"].get("ncu") or {})
+    if tiers.get("f", {}).get("against_kernels"):
+        lines += [""] + against_kernels_lines(tiers["f"]["against_kernels"])
     epochs = [epoch_line(tiers["e"][key], precision) for key, precision in EPOCHS if tiers.get("e", {}).get(key)]
     if epochs:
         lines += [""] + epochs
@@ -65,9 +77,23 @@ def outcome(t):
     if "training" in t:
         runs = (t["training"] or {}).get("runs", {})
         parts.append(", ".join(f"{name} {r['steps']} steps" for name, r in runs.items()) or "no run finished")
+    if "kernels" in t:
+        runs = (t["kernels"] or {}).get("runs", {})
+        done = [name for name, r in runs.items() if "kernels" in r]
+        parts.append(f"kernels of {len(done)} runs recorded" + "".join(
+            f"; {name}: {why_not(r)}" for name, r in runs.items() if "kernels" not in r))
+    if "ncu" in t:
+        ncu = t["ncu"] or {}
+        parts.append("ncu: " + (ncu["not_run"] if "not_run" in ncu else ", ".join(
+            f"{precision} {r['not_run']}" if "not_run" in r else f"{precision} {r['launches']} launches read"
+            for precision, r in ncu.items())))
+    for precision, check in t.get("against_kernels", {}).items():
+        parts.append(f"{precision} profile against tier k: " + (
+            f"{check['ratio']:.2f}x, {check['status']}" if "ratio" in check else f"{check['status']}"))
     for key, precision in EPOCHS:
         if key in t:
-            parts.append(f"{precision} test acc {t[key]['test_acc']:.4f}" if t[key] else f"no {precision} epoch finished")
+            parts.append(f"{precision} test acc {t[key]['test_acc']:.4f}" if t[key] else
+                         f"no {precision} epoch finished")
     failed = [c for c in t.get("commands", []) if c.get("rc") not in (0, None) or c.get("timed_out")]
     parts += [f"{c['name']}: {command_state(c)}, see {c['log']}" for c in failed]
     return "; ".join(parts)
@@ -140,6 +166,61 @@ def training_lines(training):
                      f"{r['steps']} steps{versus})")
     if training.get("torch") != "compared":
         lines.append(f"  PyTorch not compared: {training.get('torch')}")
+    return lines
+
+
+def why_not(run):
+    """Why a run of tier k has no kernels: its error, that it did not finish, or that it was not run."""
+    return run.get("error") or run.get("not_run") or f"unfinished ({run.get('unfinished')})"
+
+
+def _ms(value, width=9):
+    return f"{value:>{width}.2f}" if value is not None else f"{'-':>{width}s}"
+
+
+def kernel_lines(measured, ncu):
+    """Tier k: per run the step, its kernels and their kinds; our slowest kernels beside PyTorch's
+    convolutions in the same precision; ncu's speed of light for ours."""
+    runs = measured["runs"]
+    lines = [f"a training step's kernels at batch {measured['config']['batch']}, ms per step: the step by CUDA events, "
+             f"the kernels added up, by kind"] + [f"  {side}: {how}" for side, how in measured["recorded"].items()]
+    lines.append(f"  {'run':20s} {'step':>9s} {'kernels':>9s} {'launches':>9s}  " +
+                 " ".join(f"{KIND_HEADS[kind]:>14s}" for kind in KINDS))
+    for name, r in runs.items():
+        if "kernels" not in r:
+            lines.append(f"  {name:20s} {why_not(r)}")
+            continue
+        lines.append(f"  {name:20s} {_ms(r['step_ms'])} {_ms(r['kernel_ms_per_step'])} {r['kernels_per_step']:>9g}  " +
+                     " ".join(_ms(r["by_kind"][kind]["ms_per_step"], 14) for kind in KINDS))
+    for ours, peer in KERNEL_PEERS:
+        if "kernels" not in runs.get(ours, {}):
+            continue
+        convolutions = (runs.get(peer) or {}).get("by_kind", {}).get(CONVOLUTION)
+        beside = f"; {peer}'s convolutions: {_ms(convolutions['ms_per_step'], 0)} ms in " \
+                 f"{convolutions['calls_per_step']:g} launches" if convolutions else ""
+        lines.append(f"the slowest kernels of {ours}: us per step, launches per step, kind{beside}")
+        for k in runs[ours]["kernels"][:SLOWEST]:
+            us = f"{k['us_per_step']:9.1f}" if k["us_per_step"] is not None else f"{'-':>9s}"
+            lines.append(f"  {us} x{k['calls_per_step']:<4g} {short_name(k['name'])[:60]:60s} {k['kind']}")
+    for precision, r in ncu.items() if "not_run" not in ncu else ():
+        if r.get("by_kernel"):
+            lines.append(f"ncu's speed of light for ours_{precision} ({r['csv']}): launches, us, SM % and memory % of "
+                         f"peak throughput (weighted by duration; the lowest and highest launch's)")
+            lines += [f"  {k['kernel'][:50]:50s} {k['launches']:>3d} {k['us']:9.1f}  SM {k['sm_pct']:5.1f} "
+                      f"({k['sm_pct_range'][0]:.1f}-{k['sm_pct_range'][1]:.1f})  memory {k['memory_pct']:5.1f} "
+                      f"({k['memory_pct_range'][0]:.1f}-{k['memory_pct_range'][1]:.1f})" for k in r["by_kernel"]]
+    return lines
+
+
+def against_kernels_lines(checks):
+    """Tier f: each profile's layers added up beside tier k's kernel time of the same step."""
+    lines = ["the profiler's layers added up against tier k's kernels of the same step (ms per step)"]
+    for precision, c in checks.items():
+        if "ratio" in c:
+            lines.append(f"  {precision}: layers {c['profile_ms']:.2f}, kernels {c['kernel_ms']:.2f}, ratio "
+                         f"{c['ratio']:.3f}: {c['status']} (within {c['tolerance']:.0%} passes)")
+        else:
+            lines.append(f"  {precision}: {c['status']}: {c['reason']}")
     return lines
 
 
