@@ -130,10 +130,11 @@ def kind_of(name):
 
 # ---- recording a step's kernels ------------------------------------------------------------
 
-def event_table(events, steps, categories):
+def event_table(events, steps, categories, nested=False):
     """[{name, calls_per_step, us_per_step, kind}] from chrome-trace events of `steps` steps, slowest first:
-    the events of `categories`, each by its own time (what the events nested in it on its thread or
-    stream did not take: kernels do not nest; a CPU op holds the ops it called)."""
+    the events of `categories`, each by its duration; `nested` (CPU ops, which hold the ops they call): by
+    its own time, what the events nested in it on its thread did not take. Kernels are never nested, even
+    where two overlap on one stream (a launch that starts before the one before it ends)."""
     chosen = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in categories and "dur" in e),
                     key=lambda e: (str(e.get("pid")), str(e.get("tid")), e["ts"], -e["dur"]))
     own, open_, where = [], [], None
@@ -143,7 +144,7 @@ def event_table(events, steps, categories):
         while open_ and open_[-1][1] <= e["ts"]:
             open_.pop()
         own.append([e["name"], float(e["dur"])])
-        if open_ and e["ts"] + e["dur"] <= open_[-1][1]:
+        if nested and open_ and e["ts"] + e["dur"] <= open_[-1][1]:
             own[open_[-1][0]][1] -= float(e["dur"])
         open_.append((len(own) - 1, e["ts"] + e["dur"]))
     calls, micros = collections.Counter(), collections.Counter()
@@ -164,7 +165,7 @@ def profiled(torch, step, steps, sync, activity, trace):
         sync()
     prof.export_chrome_trace(str(trace))
     events = json.loads(Path(trace).read_text())["traceEvents"]
-    return event_table(events, steps, GPU_EVENTS if activity == "CUDA" else CPU_EVENTS)
+    return event_table(events, steps, *((GPU_EVENTS, False) if activity == "CUDA" else (CPU_EVENTS, True)))
 
 
 @contextlib.contextmanager
