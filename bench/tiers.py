@@ -345,6 +345,7 @@ def speed_of_light(run, measured, chosen):
 
 
 PROFILE_TOLERANCE = 0.10   # the profiler's layers added up against tier k's kernel time of the same step
+PROFILE_S = 50             # one profile's limit, so that a hang of the first leaves the second its time
 
 
 def layer_profile(run):
@@ -357,7 +358,7 @@ def layer_profile(run):
     for chosen in ("tf32", "bf16"):
         out = run.path(f"profile_{chosen}")
         run.command(f"profile_{chosen}", [PYTHON, "-m", "profiler", "--device", "cuda", "--precision", chosen, *shape,
-                                          "--out", out], simulated_gpus=1)
+                                          "--out", out], limit=PROFILE_S, simulated_gpus=1)
         profile = results[f"profile_{chosen}"] = report.read_json(out / "profile.json")
         results["against_kernels"][chosen] = against_kernels(profile, measured, chosen) if measured else \
             {"status": "not made", "reason": why_not}

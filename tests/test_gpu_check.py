@@ -632,6 +632,17 @@ def test_the_summary_of_tiers_k_and_f():
     assert "  bf16: not made: tier k's ours_bf16 has no kernel time (no such run)" in text
 
 
+def test_tier_d_on_a_gpu_times_pytorchs_bf16_step_as_a_graph_too():
+    """The runs tier d builds on a GPU (their steps are made only when timed): ours and PyTorch's bf16 each
+    eager and as a CUDA graph."""
+    torch = pytest.importorskip("torch")
+    from bench import train_times
+    runs = {name: setting for name, _, _, setting in train_times.runs(train_times.FULL, torch)}
+    assert list(runs) == ["ours", "ours_graph", "ours_bf16", "ours_bf16_graph", "torch_fp32", "torch_default",
+                          "torch_bf16", "torch_bf16_graph"]
+    assert runs["torch_bf16_graph"] == (None, True, True) and runs["torch_bf16"] == (None, True, False)
+
+
 def test_the_sanitizer_step_runs_on_the_numpy_backend():
     from bench import sanitizer_step
     assert sanitizer_step.main(["--device", "cpu"]) == 0
