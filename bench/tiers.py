@@ -503,6 +503,9 @@ def archive_problem(path):
     kind = file_kind(path)
     if kind not in (None, "a regular file"):
         return f"--archive {path} is {kind}, not a file the archive can replace"
+    folder = next(folder for folder in path.parents if file_kind(folder) is not None)   # the nearest that is
+    if file_kind(folder) != "a folder":
+        return f"--archive {path}: {folder} is {file_kind(folder)}, not a folder"
     probe_file = path.with_name(path.name + ".part")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
