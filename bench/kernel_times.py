@@ -31,7 +31,8 @@ runs with the "eager" backend (TorchDynamo's capture, no code generation).
 
 --ncu-step PRECISION runs warm-up steps of ours and then one step between cudaProfilerStart and
 cudaProfilerStop, for `ncu --profile-from-start off`; ncu_filter and ncu_launches build ncu's kernel
-filter and read its CSV (bench/gpu_check runs ncu's SpeedOfLight section so on the slowest kernels).
+filter and read its CSV (bench/gpu_check runs ncu's SpeedOfLight section this way over the launches of
+the slowest kernels). It needs a GPU: the simulated ones have no profiler to start.
 """
 import argparse
 import collections
@@ -337,21 +338,20 @@ def ncu_by_kernel(launches):
     return sorted(table, key=lambda r: -r["us"])
 
 
-def ncu_step(chosen, dry_run=False):
-    """Warm-up steps of ours in precision `chosen`, then one step between cudaProfilerStart and Stop."""
-    config = DRY if dry_run else FULL
-    device = kernels.cupy_module().cuda.Device()
+def ncu_step(chosen):
+    """Warm-up steps of ours in precision `chosen` (FULL's shapes), then one step between cudaProfilerStart and
+    cudaProfilerStop."""
+    cuda = kernels.cupy_module().cuda
     with kernels.use_precision(chosen):
-        step = train_times.ours_step(config, *train_times.random_data(config))
-        for _ in range(config["warmup"]):
+        step = train_times.ours_step(FULL, *train_times.random_data(FULL))
+        for _ in range(FULL["warmup"]):
             step()
-        device.synchronize()
-        runtime = kernels.cupy_module().cuda.runtime
-        runtime.profilerStart()
+        cuda.Device().synchronize()
+        cuda.runtime.profilerStart()
         step()
-        device.synchronize()
-        runtime.profilerStop()
-    print(f"one {chosen} step of ours at batch {config['batch']} ran between cudaProfilerStart and Stop", flush=True)
+        cuda.Device().synchronize()
+        cuda.runtime.profilerStop()
+    print(f"one {chosen} step of ours at batch {FULL['batch']} ran between cudaProfilerStart and Stop", flush=True)
 
 
 def main(argv=None):
@@ -366,7 +366,7 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny shapes: ours on a simulated GPU, PyTorch on the CPU")
     args = p.parse_args(argv)
     if args.ncu_step:
-        ncu_step(args.ncu_step, args.dry_run)
+        ncu_step(args.ncu_step)
         return 0
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     if not args.out or not names or set(names) - set(RUNS):
