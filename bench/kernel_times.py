@@ -322,17 +322,17 @@ def _number(text):
 
 def ncu_by_kernel(launches):
     """Per kernel, slowest first: its launches, their microseconds, and SM % and memory % of peak throughput
-    weighted by each launch's duration, with the lowest and highest launch's."""
+    weighted by each launch's duration, with the lowest and highest launch's (launches with every figure)."""
     kept = collections.defaultdict(list)
     for launch in launches:
-        if None not in launch.values():
+        if None not in launch.values() and launch["duration_us"] > 0:
             kept[launch["kernel"]].append(launch)
     table = []
     for kernel, chosen in kept.items():
         us = sum(x["duration_us"] for x in chosen)
         row = {"kernel": kernel, "launches": len(chosen), "us": round(us, 1)}
         for key in ("sm_pct", "memory_pct"):
-            row[key] = round(sum(x[key] * x["duration_us"] for x in chosen) / us, 1) if us > 0 else None
+            row[key] = round(sum(x[key] * x["duration_us"] for x in chosen) / us, 1)
             row[f"{key}_range"] = [min(x[key] for x in chosen), max(x[key] for x in chosen)]
         table.append(row)
     return sorted(table, key=lambda r: -r["us"])

@@ -2,7 +2,7 @@
 batch 256, ours beside PyTorch; training sec/epoch; a step's kernels by kind, ours beside PyTorch's, our
 slowest kernels and ncu's speed of light for them; the profiler's layers against those kernels; the
 epochs' test accuracy in tf32 and in bf16."""
-from bench.kernel_times import CONVOLUTION, KINDS, short_name
+from bench.kernel_times import CONVOLUTION, ELEMENTWISE, KINDS, OTHER, short_name
 from bench.op_times import PEERS
 
 PHASES = ("forward", "backward")
@@ -13,7 +13,7 @@ EPOCHS = (("epoch", "tf32"), ("epoch_bf16", "bf16"))   # tier e's results and th
 # tier k: each of our runs beside the PyTorch run whose convolutions round as ours do
 KERNEL_PEERS = (("ours_tf32", "torch_tf32"), ("ours_bf16", "torch_bf16"))
 SLOWEST = 8   # our kernels listed per run
-KIND_HEADS = {"convolution": "convolution", "batch norm and elementwise": "bn+elementwise", "other": "other"}
+KIND_HEADS = {CONVOLUTION: "convolution", ELEMENTWISE: "bn+elementwise", OTHER: "other"}
 
 
 def summary_lines(summary):
