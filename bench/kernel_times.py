@@ -36,7 +36,6 @@ the slowest kernels). It needs a GPU: the simulated ones have no profiler to sta
 """
 import argparse
 import collections
-import contextlib
 import csv
 import functools
 import json
@@ -169,25 +168,10 @@ def profiled(torch, step, steps, sync, activity, trace):
     return event_table(events, steps, *((GPU_EVENTS, False) if activity == "CUDA" else (CPU_EVENTS, True)))
 
 
-@contextlib.contextmanager
-def launches_by_name(backend, calls):
-    """Count in `calls` each kernel the CUDA launchers look up, once a launch (Backend.function), by name."""
-    function = backend.function
-
-    def counted(family, name, *args, **kwargs):
-        calls[name] += 1
-        return function(family, name, *args, **kwargs)
-    backend.function = counted
-    try:
-        yield
-    finally:
-        del backend.function     # the class's method again
-
-
 def launched(step, steps, sync):
     """The kernel table of `steps` steps of ours on a simulated GPU: calls per step, no durations."""
     calls = collections.Counter()
-    with launches_by_name(kernels.backend_of(kernels.cupy_module().zeros(1)), calls):
+    with kernels.backend_of(kernels.cupy_module().zeros(1)).observing_launches(lambda name: calls.update((name,))):
         for _ in range(steps):
             step()
         sync()

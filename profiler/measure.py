@@ -319,7 +319,7 @@ def _overlap(interval, window):
 @contextlib.contextmanager
 def _recording_ops(backend, on_op, on_launch):
     """The backend's contract ops call on_op(op, args, kwargs) first, outermost calls only; with
-    `on_launch`, each kernel launch calls on_launch(name) (the CUDA backend's be.function)."""
+    `on_launch`, each kernel launch calls on_launch(name) (the CUDA backend's observing_launches)."""
     depth = [0]
 
     def recorded(op, fn):
@@ -336,25 +336,12 @@ def _recording_ops(backend, on_op, on_launch):
     originals = {op: getattr(backend, op) for op in CONTRACT if hasattr(backend, op)}
     for op, fn in originals.items():
         setattr(backend, op, recorded(op, fn))
-    if on_launch is not None:
-        backend.function = _naming(backend.function, on_launch)
     try:
-        yield
+        with backend.observing_launches(on_launch) if on_launch is not None else contextlib.nullcontext():
+            yield
     finally:
         for op, fn in originals.items():
             setattr(backend, op, fn)
-        if on_launch is not None:
-            del backend.function        # the class's method again
-
-
-def _naming(function, on_launch):
-    """`function` (a backend's be.function, through which every launch looks its kernel up) calling
-    on_launch(name) first; what else a launch passes (the dynamic shared memory, ...) goes through as it is."""
-    @functools.wraps(function)
-    def launched(family, name, *args, **kwargs):
-        on_launch(name)
-        return function(family, name, *args, **kwargs)
-    return launched
 
 
 @contextlib.contextmanager

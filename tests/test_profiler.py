@@ -23,6 +23,7 @@ import pytest
 import kernels
 import nn
 from helpers import rng
+from test_kernels_cuda import poisoned_device_empty, simulated_gpu  # noqa: F401  (fixtures)
 import profiler
 from profiler import cli as command
 
@@ -483,61 +484,43 @@ def test_cuda_without_a_gpu_says_so(capsys):
 
 # ---- every way a step launches its kernels, on simulated GPUs --------------------------------------
 
-class LookUps:
-    """A backend as kernels/cuda/launch.py's launch() sees one: be.function(family, name[, shared_mem]) gives
-    a kernel, here one that records its launch."""
+@contextlib.contextmanager
+def narrow(backend, on_launch):
+    """Backend.observing_launches as the profiler's recorder was: a wrapper of the backend's function() that takes
+    the kernel's family and name, nothing more (a launch that asked for dynamic shared memory crashed every GPU
+    profile with a TypeError)."""
+    function = backend.function
 
-    def __init__(self):
-        self.looked_up, self.ran = [], []
-
-    def function(self, family, name, shared_mem=0):
-        self.looked_up.append((family, name, shared_mem))
-        return lambda grid, block, args, shared_mem=0: self.ran.append((name, shared_mem))
-
-
-def narrow(function, on_launch):
-    """The recorder as it was: the kernel's family and name, nothing more (a launch that asked for dynamic
-    shared memory crashed every GPU profile with a TypeError)."""
     def launched(family, name):
         on_launch(name)
         return function(family, name)
-    return launched
+    backend.function = launched
+    try:
+        yield
+    finally:
+        del backend.function
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["recorder", "planted narrow recorder"])
 def test_the_recorder_takes_every_call_that_launch_makes(monkeypatch, planted):
     """launch() looks every kernel up through be.function, with the dynamic shared memory where it asks for
-    some and without where not: under the profiler's recording both reach the kernel, and both are named."""
+    some and without where not: under the profiler's recording both run, and both are named."""
+    from kernels.cuda import Backend
     from kernels.cuda.launch import launch
     from profiler import measure
     if planted:
-        monkeypatch.setattr(measure, "_naming", narrow)
-    backend, names = LookUps(), []
+        monkeypatch.setattr(Backend, "observing_launches", narrow)
+    backend, names = kernels._device_backend("emu"), []
     with measure._recording_ops(backend, lambda op, args, kwargs: None, names.append):
-        launch(backend, "conv", "plain", (1,), (3, 2.5))
+        launch(backend, "elementwise", "hold", (1,), (0,), block=(1,))
         try:
-            launch(backend, "conv_tc", "with_shared_memory", (1,), (3,), shared_mem=96 * 1024)
+            launch(backend, "elementwise", "hold", (1,), (0,), block=(1,), shared_mem=64)
         except TypeError as e:
             assert planted, f"the recorder refused a launch with shared memory: {e}"
             return
     assert not planted, "the narrow recorder took a launch with shared memory"
-    assert names == ["plain", "with_shared_memory"]
-    assert backend.looked_up == [("conv", "plain", 0), ("conv_tc", "with_shared_memory", 96 * 1024)]
-    assert backend.ran == [("plain", 0), ("with_shared_memory", 96 * 1024)]
-    assert "function" not in vars(backend), "the recorder left its wrapper on the backend"
-
-
-@pytest.fixture
-def simulated_gpu(monkeypatch, tmp_path):
-    """One simulated GPU in this process (kernels/simulated), current; the kernels on the emulator without its
-    sanitizer (their own tests run them under it)."""
-    monkeypatch.setenv(kernels.SIMULATED_GPUS, "1")
-    monkeypatch.setenv("CUDA_EMU_SANITIZE", "off")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    gpus = kernels.cupy_module()
-    gpus.cuda.Device(0).use()
-    yield gpus
-    gpus.cuda.Device(0).synchronize()
+    assert names == ["hold", "hold"]
+    assert "function" not in vars(backend) and not backend._observers, "the recorder left itself on the backend"
 
 
 def launch_paths_net():
@@ -599,7 +582,7 @@ def test_every_kernel_a_step_launches_is_named_on_a_simulated_gpu(simulated_gpu,
     monkeypatch.setattr(conv_tc, "plan", planned)
     with kernels.use_precision(precision):
         model = launch_paths_net().to("cuda")
-        images, labels = (simulated_gpu.asarray(a) for a in batch(4))
+        images, labels = (kernels.cupy_module().asarray(a) for a in batch(4))
         report = run_profile(model, images, labels, batch_size=2, steps=1, warmup=0)
     named = {name for r in report.rows for phase in r.kernels.values() for name in phase}
     assert named == looked_up - {"hold"}, f"looked up, not named: {looked_up - named - {'hold'}}; named, not looked " \
@@ -618,9 +601,9 @@ def test_a_step_that_waits_for_the_gpu_is_reported(simulated_gpu):
     def waits(step):
         def run(*args, **kwargs):
             step(*args, **kwargs)
-            simulated_gpu.cuda.Device().synchronize()
+            kernels.cupy_module().cuda.Device().synchronize()
         return run
-    images, labels = (simulated_gpu.asarray(a) for a in batch(4))
+    images, labels = (kernels.cupy_module().asarray(a) for a in batch(4))
     reports = {}
     for planted in (False, True):
         nn.manual_seed(0)

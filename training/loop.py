@@ -6,7 +6,6 @@ files of the output folder rewritten atomically: ``checkpoint.npz``,
 checkpoint computes the same weights, bit for bit, as one that was never stopped:
 batch order depends only on (seed, epoch) and everything else is in the checkpoint.
 """
-import contextlib
 import dataclasses
 import functools
 import sys

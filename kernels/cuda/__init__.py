@@ -15,6 +15,7 @@ padding)``, and gets its array module (``be.xp``) and its compiled kernels
 ``make_backend(name)`` builds one; ``kernels.backend_of`` decides which one an array gets.
 Each family is compiled once per process, on its first launch.
 """
+import contextlib
 import importlib
 import re
 import types
@@ -77,6 +78,7 @@ class Backend:
         self._raw_module = raw_module
         self._modules, self._functions, self._counters, self._nan_chunks = {}, {}, {}, {}
         self._shared_allowed = {}   # (family, name), device: the dynamic shared memory a kernel is allowed there
+        self._observers = []        # observing_launches' callbacks
         for family in FAMILIES:
             module = launcher(family)
             for op in module.OPS:
@@ -94,6 +96,8 @@ class Backend:
         ask for, which it is then allowed on the current device (a CUDA function attribute, set for each
         device apart: CuPy's RawKernel.max_dynamic_shared_size_bytes sets it on the current one), past the
         48 KB a block has without asking."""
+        for observe in self._observers:
+            observe(name)
         key = (family, name)
         if key not in self._functions:
             self._functions[key] = self.module(family).get_function(name)
@@ -104,6 +108,17 @@ class Backend:
                 kernel.max_dynamic_shared_size_bytes = shared_mem
                 self._shared_allowed[allowed] = shared_mem
         return kernel
+
+    @contextlib.contextmanager
+    def observing_launches(self, on_launch):
+        """While inside, every kernel launch calls on_launch(name) first, name its name expression (launch.launch
+        looks each kernel up through function(), once a launch, whatever else it asks for): how the profiler
+        and bench/kernel_times name the kernels a step launches."""
+        self._observers.append(on_launch)
+        try:
+            yield
+        finally:
+            self._observers.remove(on_launch)
 
     def counters(self, count):
         """At least `count` zeroed unsigned counters on the current device, for the reductions that
