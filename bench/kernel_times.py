@@ -171,7 +171,7 @@ def profiled(torch, step, steps, sync, activity, trace):
 def launched(step, steps, sync):
     """The kernel table of `steps` steps of ours on a simulated GPU: calls per step, no durations."""
     calls = collections.Counter()
-    with kernels.backend_of(kernels.cupy_module().zeros(1)).observing_launches(lambda name: calls.update((name,))):
+    with kernels.backend_of(kernels.cupy_module().zeros(1)).observing_launches(lambda family, name: calls.update((name,))):
         for _ in range(steps):
             step()
         sync()

@@ -337,7 +337,8 @@ def _recording_ops(backend, on_op, on_launch):
     for op, fn in originals.items():
         setattr(backend, op, recorded(op, fn))
     try:
-        with backend.observing_launches(on_launch) if on_launch is not None else contextlib.nullcontext():
+        with backend.observing_launches(lambda family, name: on_launch(name)) if on_launch is not None else \
+                contextlib.nullcontext():
             yield
     finally:
         for op, fn in originals.items():

@@ -74,12 +74,11 @@ def variant(request, monkeypatch):
 
 
 @pytest.fixture
-def launched(monkeypatch):
+def launched():
     """The (family, kernel) of every launch of the emu backend, in order."""
-    be, names = kernels._device_backend("emu"), []
-    function = be.function
-    monkeypatch.setattr(be, "function", lambda family, name: names.append((family, name)) or function(family, name))
-    return names
+    names = []
+    with kernels._device_backend("emu").observing_launches(lambda family, name: names.append((family, name))):
+        yield names
 
 
 def families(launched):

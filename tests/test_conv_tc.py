@@ -741,14 +741,12 @@ def test_the_precision_is_a_setting_with_tf32_the_default():
     assert kernels.precision() == "tf32"
 
 
-def test_fp32_runs_the_fp32_kernels_and_tf32_the_tensor_cores(monkeypatch):
+def test_fp32_runs_the_fp32_kernels_and_tf32_the_tensor_cores():
     be, launched = kernels._device_backend("emu"), []
-    launch = be.function
-    monkeypatch.setattr(be, "function", lambda family, name: launched.append(name) or launch(family, name))
     x, w, b = draw((2, 4, 5, 5), (8, 4, 3, 3), (8,))
     for precision in ("tf32", "fp32"):
         launched.clear()
-        with kernels.use_precision(precision):
+        with kernels.use_precision(precision), be.observing_launches(lambda family, name: launched.append(name)):
             y = be.conv2d_forward(x, w, b, 1, 1)
             be.conv2d_backward(y, x, w, 1, 1)
             be.linear_backward(*draw((3, 6), (3, 5), (6, 5)))

@@ -97,7 +97,7 @@ class Backend:
         device apart: CuPy's RawKernel.max_dynamic_shared_size_bytes sets it on the current one), past the
         48 KB a block has without asking."""
         for observe in self._observers:
-            observe(name)
+            observe(family, name)
         key = (family, name)
         if key not in self._functions:
             self._functions[key] = self.module(family).get_function(name)
@@ -111,9 +111,9 @@ class Backend:
 
     @contextlib.contextmanager
     def observing_launches(self, on_launch):
-        """While inside, every kernel launch calls on_launch(name) first, name its name expression (launch.launch
-        looks each kernel up through function(), once a launch, whatever else it asks for): how the profiler
-        and bench/kernel_times name the kernels a step launches."""
+        """While inside, every kernel launch calls on_launch(family, name) first, name its name expression
+        (launch.launch looks each kernel up through function(), once a launch, whatever else it asks for): how
+        the profiler, bench/kernel_times and the tests name the kernels a step launches."""
         self._observers.append(on_launch)
         try:
             yield
