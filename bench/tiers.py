@@ -60,6 +60,7 @@ failed, timed out or was skipped; 2 when there is no GPU (nothing ran; the summa
 import argparse
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -557,12 +558,33 @@ def parse_args(argv):
     args.tiers = [t for t in TIERS if t.key in keys]
     args.out = Path(args.out).resolve()
     args.data_dir = str(Path(args.data_dir).resolve())
-    if args.archive:
-        args.archive = Path(args.archive).resolve()
-        problem = archive_problem(args.archive)
-        if problem:
-            p.exit(2, f"{p.prog}: error: {problem}\n")
+    args.archive = Path(args.archive).resolve() if args.archive else None
+    # argparse's usage is for a flag it cannot parse (above); a well-formed value that cannot serve is one line
+    problem = budget_problem(args.budget_seconds) or (archive_problem(args.archive) if args.archive else None) or \
+        out_problem(args.out)   # the folder made last, when nothing else is wrong
+    if problem:
+        p.exit(2, f"{p.prog}: error: {problem}\n")
     return args
+
+
+def budget_problem(seconds):
+    """Why --budget-seconds cannot serve, in one line; None when it can."""
+    return None if 0 < seconds < math.inf else f"--budget-seconds must be positive and finite, got {seconds}"
+
+
+def out_problem(out):
+    """Why the results folder `out` cannot be made or written, in one line (asked before anything runs: it is
+    made, and a file written and removed there); None when it can."""
+    folder = next(folder for folder in (out, *out.parents) if file_kind(folder) is not None)   # the nearest that is
+    if file_kind(folder) != "a folder":
+        return f"--out {out}: {folder} is {file_kind(folder)}, not a folder"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".written").write_bytes(b"")
+        (out / ".written").unlink()
+    except OSError as e:
+        return f"--out {out}: cannot write there ({e.strerror or e})"
+    return None
 
 
 def _terminated(signum, frame):

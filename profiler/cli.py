@@ -9,17 +9,19 @@ import numpy as np
 
 import kernels
 import profiler
+from kernels.cuda.launch import ELEMENT_LIMIT
 from nn.init import manual_seed
 from nn.optim import SGD
-from nn.resnet import memory_shortfall, resnet18
+from nn.resnet import largest_activation, memory_shortfall, resnet18
 from . import report
 from .steps import profile
 
 CLASSES = 10
+PROG = "python -m profiler"
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m profiler", description=profiler.__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=profiler.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-size", type=int, default=256, help="images per step (default %(default)s)")
     p.add_argument("--steps", type=int, default=20,
@@ -43,41 +45,53 @@ def parse_args(argv):
     p.add_argument("--top", type=int, default=15, help="rows in the terminal table (default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the weights and the random images (default %(default)s)")
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)   # argparse's own errors (an unknown flag, a malformed number) print the usage
+    problem = _problem(args)
+    if problem:                 # a well-formed value that is wrong here: one line, as train_resnet.py's
+        p.exit(2, f"{p.prog}: error: {problem}\n")
+    if args.why_fp32:
+        print(args.why_fp32, flush=True)
+    return args
+
+
+def _problem(args):
+    """What is wrong with well-formed flags, for this machine too, in one line (None when nothing is); fills
+    in the device, its array module, the precision and the output folder."""
     for name in ("batch_size", "steps", "width", "top"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
     if args.warmup < 0:
-        p.error(f"--warmup must be 0 or more, got {args.warmup}")
+        return f"--warmup must be 0 or more, got {args.warmup}"
+    if args.seed < 0:
+        return f"--seed must be 0 or more, got {args.seed}"
     args.device = args.device or ("cuda" if kernels.gpu_count() else "cpu")
+    args.why_fp32 = None
     try:
         args.xp = kernels.array_module_for(args.device)
+        if args.device != "cpu":
+            args.precision, args.why_fp32 = kernels.precision_for([args.xp.cuda.runtime.getDevice()], args.precision)
     except kernels.DeviceError as e:
-        p.error(f"--device {args.device}: {e}")
-    if args.device == "cpu":
-        if args.precision is not None:
-            p.exit(2, f"{p.prog}: error: --precision {args.precision} is the GPU's: the CPU computes in float32\n")
-    else:
-        try:
-            args.precision, why = kernels.precision_for([args.xp.cuda.runtime.getDevice()], args.precision)
-        except kernels.DeviceError as e:
-            p.exit(2, f"{p.prog}: error: {e}\n")
-        if why:
-            print(why, flush=True)
+        return f"--device {args.device}: {e}"
+    if args.device == "cpu" and args.precision is not None:
+        return f"--precision {args.precision} is the GPU's: the CPU computes in float32"
+    if args.device != "cpu" and args.batch_size * largest_activation(args.width) > ELEMENT_LIMIT:
+        return (f"--batch-size {args.batch_size}: at --width {args.width} the first stage's activations would have "
+                f"{args.batch_size * largest_activation(args.width):,} elements, more than the CUDA kernels index "
+                f"({ELEMENT_LIMIT:,}); at most {ELEMENT_LIMIT // largest_activation(args.width):,} images fit a batch")
     args.out = args.out or time.strftime("runs/profile-%Y%m%d-%H%M%S")
-    problem = report.unwritable(report.output_paths(args.out, args.json, args.csv, args.png, args.trace), args.out)
-    if problem:
-        p.error(problem)
-    shortfall = memory_shortfall(args.width, CLASSES, 1, args.xp)
-    if shortfall:
-        p.error(shortfall)
-    return args
+    return report.unwritable(report.output_paths(args.out, args.json, args.csv, args.png, args.trace), args.out) or \
+        memory_shortfall(args.width, CLASSES, 1, args.xp)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    with kernels.use_precision(args.precision or kernels.precision()):
-        return _profile(args)
+    try:
+        with kernels.use_precision(args.precision or kernels.precision()):
+            return _profile(args)
+    except MemoryError:   # CuPy's OutOfMemoryError is one too
+        print(f"{PROG}: error: out of {args.device} memory at batch size {args.batch_size}: try a smaller "
+              f"--batch-size", file=sys.stderr)
+        return 1
 
 
 def _profile(args):
@@ -96,7 +110,7 @@ def _profile(args):
     try:
         paths = result.write(args.out, args.json, args.csv, args.png, args.trace)
     except OSError as e:   # what the checks before profiling could not foresee (a full disk, /proc)
-        print(f"python -m profiler: error: cannot write the profile: {e}", file=sys.stderr)
+        print(f"{PROG}: error: cannot write the profile: {e}", file=sys.stderr)
         return 1
     print("written: " + ", ".join(str(p) for p in paths.values()))
     return 0

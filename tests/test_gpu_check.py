@@ -44,10 +44,34 @@ def test_help_names_every_tier_and_the_ten_epoch_command():
         assert text in done.stdout, text
 
 
-def test_unknown_tiers_are_refused(capsys):
-    with pytest.raises(SystemExit):
-        tiers.parse_args(["--tiers", "a,x"])
-    assert "--tiers" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, message", [
+    (["--tiers", "a,x"], "--tiers takes letters among"),
+    (["--budget-seconds", "soon"], "argument --budget-seconds: invalid float value: 'soon'"),
+    (["--dry-runn"], "unrecognized arguments: --dry-runn"),
+])
+def test_malformed_flags_are_refused_with_the_usage(flags, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        tiers.parse_args(["--out", str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("usage: bench/gpu_check") and message in err, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget-seconds", "0"], "--budget-seconds must be positive and finite, got 0.0"),
+    (["--budget-seconds", "-60"], "--budget-seconds must be positive and finite, got -60.0"),
+    (["--budget-seconds", "inf"], "--budget-seconds must be positive and finite, got inf"),
+    (["--out", "{tmp}/a-file/out"], "--out {tmp}/a-file/out: {tmp}/a-file is a regular file, not a folder"),
+    (["--out", "{tmp}/a-file"], "--out {tmp}/a-file: {tmp}/a-file is a regular file, not a folder"),
+])
+def test_well_formed_but_wrong_flags_are_one_line_errors(flags, message, capsys, tmp_path):
+    """A value argparse takes but the check cannot use: `bench/gpu_check: error: ...` alone, exit code 2, before
+    anything runs (as train_resnet.py's and python -m profiler's)."""
+    (tmp_path / "a-file").write_text("not a folder")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    with pytest.raises(SystemExit) as stop:
+        tiers.parse_args(["--out", str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == f"bench/gpu_check: error: {message.format(tmp=tmp_path)}\n", err
 
 
 @pytest.mark.skipif(kernels.gpu_count() > 0, reason="this machine has a GPU")

@@ -447,15 +447,52 @@ def test_a_tiny_run_writes_its_files(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--warmup", "-1"], "--warmup must be 0 or more"),
-    (["--batch-size", "many"], "invalid int value"),
-    (["--device", "tpu"], "invalid choice"),
+    (["--batch-size", "many"], "argument --batch-size: invalid int value: 'many'"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--stpes", "3"], "unrecognized arguments: --stpes 3"),
+    (["--steps"], "argument --steps: expected one argument"),
 ])
-def test_bad_arguments_are_refused(flags, message, capsys):
-    with pytest.raises(SystemExit):
+def test_malformed_flags_are_refused_with_the_usage(flags, message, capsys):
+    """An unknown flag, a missing value, a malformed number or choice: argparse's usage, then the error."""
+    with pytest.raises(SystemExit) as stop:
         command.parse_args(flags)
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("usage: python -m profiler") and message in err, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be 0 or more, got -1"),
+    (["--seed", "-3"], "--seed must be 0 or more, got -3"),
+    (["--top", "0"], "--top must be at least 1, got 0"),
+    (["--device", "cpu", "--precision", "bf16"], "--precision bf16 is the GPU's: the CPU computes in float32"),
+])
+def test_well_formed_but_wrong_flags_are_one_line_errors(flags, message, capsys):
+    """A value argparse takes but this command cannot use is `python -m profiler: error: ...` alone, exit code 2,
+    as train_resnet.py's."""
+    with pytest.raises(SystemExit) as stop:
+        command.parse_args(flags)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == f"python -m profiler: error: {message}\n", err
+
+
+def test_a_batch_too_large_for_the_kernels_indices_is_refused_before_profiling(simulated_gpu, capsys):
+    """On a GPU the first stage's activations of a batch must fit the int indices of the CUDA kernels."""
+    with pytest.raises(SystemExit) as stop:
+        command.parse_args(["--device", "cuda", "--width", "64", "--batch-size", "50000"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("python -m profiler: error: --batch-size 50000: at --width 64") \
+        and "at most 42,778 images fit a batch" in err and "usage" not in err, err
+    command.parse_args(["--device", "cuda", "--width", "64", "--batch-size", "42778"])   # the largest that fits
+
+
+def test_running_out_of_memory_is_a_one_line_error(monkeypatch, tmp_path, capsys):
+    def exhausted(*args, **kwargs):
+        raise MemoryError("planted")
+    monkeypatch.setattr(command, "profile", exhausted)
+    assert command.main(["--device", "cpu", "--width", "2", "--batch-size", "4", "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == ("python -m profiler: error: out of cpu memory at batch size 4: try a smaller "
+                                       "--batch-size\n")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -466,20 +503,21 @@ def test_bad_arguments_are_refused(flags, message, capsys):
     (["--width", "100000"], "--width 100000: the model has 27,240,028,600,010 parameters"),
 ])
 def test_outputs_and_memory_are_checked_before_profiling(flags, message, tmp_path, capsys):
-    """Refused at the start, not after the profile has run (or with a traceback)."""
+    """Refused at the start in one line, not after the profile has run (or with a traceback)."""
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     with pytest.raises(SystemExit):
         command.parse_args(["--device", "cpu", "--out", str(tmp_path / "out"), *(f.format(tmp=tmp_path) for f in flags)])
     err = capsys.readouterr().err
-    assert message.format(tmp=tmp_path) in err, err
+    assert err.startswith("python -m profiler: error: ") and message.format(tmp=tmp_path) in err and \
+        err.count("\n") == 1, err
 
 
 @pytest.mark.skipif(kernels.gpu_count() > 0, reason="this machine has a GPU")
 def test_cuda_without_a_gpu_says_so(capsys):
     with pytest.raises(SystemExit):
         command.parse_args(["--device", "cuda"])
-    assert "--device cuda:" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("python -m profiler: error: --device cuda: ")
 
 
 # ---- every way a step launches its kernels, on simulated GPUs --------------------------------------
