@@ -12,7 +12,7 @@ import pytest
 
 import kernels
 import nn
-from helpers import run_cli, write_fashion_mnist
+from helpers import run_cli, usage_error, write_fashion_mnist
 from training import checkpoint, cli, loop
 from training import step as training_step
 
@@ -103,7 +103,6 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     (["--gpus", "1"], "--gpus 1: "),  # no GPU on a test machine
     (["--gpus", "2"], "--gpus 2: this machine has 0 GPU(s)"),
     (["--gpus", "-1"], "--gpus must be 0 or more"),
-    (["--schedule", "linear"], "invalid choice"),
     (["--lr", "inf"], "learning rate must be positive and finite, got inf"),
     (["--lr", "nan"], "learning rate must be positive and finite, got nan"),
     (["--momentum", "nan"], "--momentum must be at least 0 and below 1, got nan"),
@@ -116,22 +115,45 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     (["--precision", "bf16"], "--precision bf16 runs on GPU tensor cores: add --gpus N"),
 ])
 def test_bad_flags_are_clear_errors(data_dir, tmp_path, capsys, flags, message):
+    """Well-formed values that will not do: one line (helpers.usage_error), not argparse's usage first."""
+    assert message in usage_error(capsys, run, data_dir, tmp_path / "run", *flags)
+    assert not (tmp_path / "run" / "checkpoint.npz").exists(), "nothing ran"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "0.1x"], "argument --lr: invalid float value: '0.1x'"),
+    (["--epochs", "three"], "argument --epochs: invalid int value: 'three'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--epochs"], "argument --epochs: expected one argument"),
+    (["--schedule", "linear"], "argument --schedule: invalid choice: 'linear'"),
+])
+def test_a_command_line_argparse_cannot_read_shows_the_usage(data_dir, tmp_path, capsys, flags, message):
+    """The twin of the one-line errors: what argparse cannot read gets its usage, then the line."""
     with pytest.raises(SystemExit) as e:
         run(data_dir, tmp_path / "run", *flags)
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "run" / "checkpoint.npz").exists(), "nothing ran"
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: train_resnet.py [-h]"), err
+    assert err.strip().splitlines()[-1].startswith(f"train_resnet.py: error: {message}"), err
+
+
+def test_a_precision_the_gpu_lacks_is_one_line(data_dir, tmp_path, capsys, monkeypatch):
+    """Wrong for this machine: --precision tf32 on a GPU of compute capability 7.5 (a simulated T4)."""
+    from kernels.simulated import cuda as sim_cuda
+    monkeypatch.setenv(kernels.SIMULATED_GPUS, "1")
+    monkeypatch.setenv(sim_cuda.CAPABILITY, "75")
+    assert usage_error(capsys, run, data_dir, tmp_path / "run", "--gpus", "1", "--precision", "tf32") == (
+        "train_resnet.py: error: --gpus 1: --precision tf32 multiplies on the tensor cores of compute capability 8.0 "
+        "and later (Ampere): GPU 0 (Simulated GPU 0 (CPU emulator)) is of compute capability 7.5; use --precision "
+        "fp32 there\n")
 
 
 def test_resuming_with_another_width_is_an_error(data_dir, tmp_path, capsys):
     assert run(data_dir, tmp_path / "run", "--epochs", "1") == 0
     capsys.readouterr()
-    with pytest.raises(SystemExit):
-        cli.main(["--resume", str(tmp_path / "run"), "--epochs", "2", "--width", "4"])
-    assert "--width 4 does not match the checkpoint's 2" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["--resume", str(tmp_path / "run"), "--epochs", "1"])
-    assert "finished 1 epochs already" in capsys.readouterr().err
+    assert "--width 4 does not match the checkpoint's 2" in \
+        usage_error(capsys, cli.main, ["--resume", str(tmp_path / "run"), "--epochs", "2", "--width", "4"])
+    assert "finished 1 epochs already" in \
+        usage_error(capsys, cli.main, ["--resume", str(tmp_path / "run"), "--epochs", "1"])
 
 
 def as_if_trained_on_a_gpu(out, precision):
@@ -212,9 +234,8 @@ def test_weights_that_do_not_fit_are_a_clear_error(data_dir, tmp_path, capsys):
 
 def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "checkpoint.npz").write_bytes(b"PK\x03\x04 not really a zip")
-    with pytest.raises(SystemExit):
-        cli.main(["--resume", str(tmp_path)])
-    assert f"not a checkpoint of this program, or corrupt: {tmp_path / 'checkpoint.npz'}" in capsys.readouterr().err
+    assert f"not a checkpoint of this program, or corrupt: {tmp_path / 'checkpoint.npz'}" in \
+        usage_error(capsys, cli.main, ["--resume", str(tmp_path)])
 
 
 def test_help_explains_the_flags(capsys):

@@ -37,12 +37,14 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path, capsys)
     out = tmp_path / "run"
     assert run(data_dir, out, "--epochs", "1") == 0
     first = (out / checkpoint.FILENAME).read_bytes()
+    capsys.readouterr()
     err = usage_error(capsys, run, data_dir, out, "--epochs", "2")
     assert f"--out {out} holds an earlier run (checkpoint.npz, metrics.json, metrics.csv, training.png): continue " \
            f"it with --resume {out}, or replace it with --overwrite" in err
     assert (out / checkpoint.FILENAME).read_bytes() == first, "the earlier run is untouched"
     assert run(data_dir, out, "--epochs", "1", "--seed", "4", "--overwrite") == 0
     assert checkpoint.load(out)[1]["config"]["seed"] == 4
+    capsys.readouterr()
     assert "--overwrite starts a new run and --resume continues one" in \
         usage_error(capsys, run, data_dir, None, "--resume", out, "--overwrite", "--epochs", "3")
 

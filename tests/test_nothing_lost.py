@@ -5,7 +5,7 @@ used to lose a finished run, print a traceback, give wrong results or hang, hand
   when the new run ends without a checkpoint (or is killed: the next start restores it); a
   resumed run never writes into a folder that holds another run; --export never names one of the
   run's own files, never replaces a device, a pipe or a symbolic link.
-- One-line errors (exit 2): what the --gpus N workers would find is found before they start, and
+- One-line errors (exit 2, no usage): what the --gpus N workers would find is found before they start, and
   a user's mistake a worker finds is one line too; a weights file in bfloat16 is read (widened
   exactly), one in a dtype the loader does not take names the key; an empty split; a model too
   large for memory; a failing MPI rank that SIGTERM reaches prints no traceback.
@@ -268,7 +268,7 @@ def test_a_model_too_large_for_memory_is_an_error_before_it_is_made(data_dir, tm
     "launch.fail(World(), 2, 'error: a fault')\n",
     # a usage error that rank 1 leaves to rank 0 to print, waiting while rank 0 exits
     "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
-    "cli.usage_error(cli.parse_args([])[0], 'a fault')\n"], ids=["abort", "usage error"])
+    "cli.one_line_error(cli.parse_args([])[0], 'a fault')\n"], ids=["abort", "usage error"])
 def test_a_failing_mpi_rank_that_sigterm_reaches_exits_with_its_code_and_no_traceback(failing):
     """The MPI runtime's SIGTERM arriving while a rank fails (about 1 run in 10-20 under mpiexec)."""
     script = (f"import os, signal, sys, threading, time\nsys.path.insert(0, {str(ROOT)!r})\n"

@@ -35,7 +35,8 @@ WATCHDOG_SECONDS = 600.0
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="train_resnet.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int,
                    help="GPUs to train on: 0 trains on the CPU, 1 on one GPU through CuPy, N on N GPUs "
                         "of this machine, one worker process each, gradients summed over NCCL; under "
@@ -122,8 +123,11 @@ def parse_args(argv):
 USER_ERRORS = (config.ConfigError, checkpoint.CheckpointError, fashion_mnist.DataError)
 
 
-def usage_error(parser, message):
-    """parser.error, printed once: under mpiexec (or srun) every rank finds the same fault, and only
+def one_line_error(parser, message):
+    """A command line whose every value is well-formed but will not do (out of range, or wrong for this
+    machine, this data, this checkpoint, these ranks): ``train_resnet.py: error: message``, exit code 2,
+    without the usage, which argparse prints for what it cannot read (an unknown flag, a missing value, a
+    malformed number). Printed once: under mpiexec (or srun) every rank finds the same fault, and only
     rank 0 says so (the others give it time to, since mpiexec, and srun --kill-on-bad-exit, end the
     job at the first rank that exits with an error). A default output folder this start made goes
     again."""
@@ -136,7 +140,7 @@ def usage_error(parser, message):
         launch.exit_on_sigterm(2)
         time.sleep(3)
         sys.exit(2)
-    parser.error(message)
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def train_on_gpus(parser, given, watchdog, profile_steps):
@@ -150,11 +154,11 @@ def train_on_gpus(parser, given, watchdog, profile_steps):
         loop.prepare(given, log=lambda *a: None, world_size=given["gpus"], profiling=profile_steps is not None,
                      dry=True)[-1].release()
     except USER_ERRORS as e:
-        usage_error(parser, str(e))
+        one_line_error(parser, str(e))
     try:
         unique_id = communicators.NCCLCommunicator.unique_id()
     except Exception as e:
-        usage_error(parser, f"--gpus {given['gpus']}: NCCL is unavailable ({type(e).__name__}: {e})")
+        one_line_error(parser, f"--gpus {given['gpus']}: NCCL is unavailable ({type(e).__name__}: {e})")
     print(f"starting {given['gpus']} worker processes, one per GPU; rank 0 reports", flush=True)
     try:
         launch.run_workers(given["gpus"], loop.gpu_worker, (given, unique_id, profile_steps), watchdog=watchdog)
@@ -191,8 +195,8 @@ def _check_ranks_agree(parser, comm, flags):
         if any(v != values[0] for v in values):
             flag = "--" + name.replace("_", "-")
             said = ", ".join(f"{'not given' if v is None else v} on rank {r}" for r, v in enumerate(values))
-            usage_error(parser, f"the ranks were started with different flags: {flag} is {said}; start every "
-                                f"rank with the same flags")
+            one_line_error(parser, f"the ranks were started with different flags: {flag} is {said}; start "
+                                   f"every rank with the same flags")
 
 
 class Terminated(KeyboardInterrupt):
@@ -233,15 +237,15 @@ def _main(argv):
     given = {k: v for k, v in vars(args).items() if v is not None and k not in modes}
     profile_steps = args.profile_steps if args.profile else None
     if profile_steps is not None and profile_steps < 1:
-        usage_error(parser, f"--profile-steps must be at least 1, got {profile_steps}")
+        one_line_error(parser, f"--profile-steps must be at least 1, got {profile_steps}")
     if profile_steps is not None and args.export is not None:
-        usage_error(parser, "--export writes the weights a run trained, and --profile trains none: give one of them")
+        one_line_error(parser, "--export writes the weights a run trained, and --profile trains none: give one of them")
     if not 0 < args.watchdog < math.inf:
-        usage_error(parser, f"--watchdog must be a positive number of seconds, got {args.watchdog}")
+        one_line_error(parser, f"--watchdog must be a positive number of seconds, got {args.watchdog}")
     try:   # an environment that makes no sense, named before it is used
         mpi, tasks = launch.mpi_world() is not None, launch.slurm_world()
     except launch.LaunchError as e:
-        usage_error(parser, str(e))
+        one_line_error(parser, str(e))
     slurm = tasks is not None and tasks.size > 1
     gpus = args.gpus
     if args.resume:
@@ -255,10 +259,10 @@ def _main(argv):
         try:
             kernels.cupy_module()
         except kernels.DeviceError as e:
-            usage_error(parser, f"--gpus {gpus}: {e}")
+            one_line_error(parser, f"--gpus {gpus}: {e}")
         # under mpiexec or srun, --gpus counts the node's GPUs, and a rank may see only its own (kernels.local_gpu)
         if kernels.gpu_count() < (1 if mpi or slurm else gpus):
-            usage_error(parser, f"--gpus {gpus}: this machine has {kernels.gpu_count()} GPU(s) that CuPy can use")
+            one_line_error(parser, f"--gpus {gpus}: this machine has {kernels.gpu_count()} GPU(s) that CuPy can use")
         if gpus > 1 and not mpi and not slurm:
             return train_on_gpus(parser, {**given, "gpus": gpus}, args.watchdog, profile_steps)
     comm = communicators.SingleProcess()
@@ -276,13 +280,13 @@ def _main(argv):
     except USER_ERRORS as e:
         code, message = 2, f"{parser.prog}: error: {e}"
         if comm.world_size == 1:
-            usage_error(parser, str(e))
+            one_line_error(parser, str(e))
     except (loop.NonFiniteLoss, loop.OutOfMemory, loop.OutputError) as e:
         code, message = 1, f"error: {e}"
     except (launch.LaunchError, kernels.DeviceError) as e:
         code, message = 2, f"{parser.prog}: error: {e}"
-        if comm.world_size == 1:   # srun's tasks find it alike: rank 0 says it (usage_error)
-            usage_error(parser, str(e))
+        if comm.world_size == 1:   # srun's tasks find it alike: rank 0 says it (one_line_error)
+            one_line_error(parser, str(e))
     except KeyboardInterrupt as e:
         kept = getattr(e, "kept", "it stopped before training: nothing was written")
         code, message = _exit_code(e), f"\n{_stopped_by(e)}: {kept}"
