@@ -13,7 +13,7 @@ import pytest
 import kernels
 import nn
 from helpers import run_cli, usage_error, write_fashion_mnist
-from training import checkpoint, cli, loop
+from training import checkpoint, cli, config, loop
 from training import step as training_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,10 +157,10 @@ def test_resuming_with_another_width_is_an_error(data_dir, tmp_path, capsys):
 
 
 def as_if_trained_on_a_gpu(out, precision):
-    """Rewrite the record of the checkpoint in `out` (a CPU run's) as a run of --gpus 1 --precision
+    """Rewrite the record of the checkpoint in `out` (a CPU run's) as a run of --gpus 1 --graph --precision
     `precision` would have written it: what resuming it on the CPU meets."""
     arrays, record = checkpoint.load(out)
-    record["config"].update(gpus=1, precision=precision)
+    record["config"].update(gpus=1, graph=True, precision=precision)
     for row in record["metrics"]:
         row["precision"] = precision
     np.savez(out / checkpoint.FILENAME, **arrays, record=np.array(json.dumps(record)))
@@ -169,7 +169,8 @@ def as_if_trained_on_a_gpu(out, precision):
 def test_a_resumed_run_keeps_its_precision_unless_told_and_says_so(data_dir, tmp_path, capsys):
     """--precision, like --gpus, says how a run computes, not what it trains (the float32 weights are the
     whole state under every precision): a resumed run may change it, and says so; a run moved to the
-    CPU from a tensor-core precision must say --precision fp32 rather than have it changed unasked."""
+    CPU from a tensor-core precision must say --precision fp32 rather than have it changed unasked. Its
+    --graph, for the GPUs, does not follow it there."""
     out = tmp_path / "run"
     assert run(data_dir, out, "--epochs", "1") == 0
     as_if_trained_on_a_gpu(out, "bf16")
@@ -185,7 +186,7 @@ def test_a_resumed_run_keeps_its_precision_unless_told_and_says_so(data_dir, tmp
     assert "the checkpoint's run trained in precision bf16; it continues in fp32" in printed
     record = checkpoint.load(out)[1]
     assert [m["precision"] for m in record["metrics"]] == ["bf16", "fp32"]
-    assert record["config"]["precision"] == "fp32"
+    assert record["config"]["precision"] == "fp32" and record["config"]["graph"] is None
     assert cli.main(["--resume", str(out), "--epochs", "3"]) == 0   # kept from now on, silently
     assert "continues" not in capsys.readouterr().out
 
@@ -236,6 +237,16 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "checkpoint.npz").write_bytes(b"PK\x03\x04 not really a zip")
     assert f"not a checkpoint of this program, or corrupt: {tmp_path / 'checkpoint.npz'}" in \
         usage_error(capsys, cli.main, ["--resume", str(tmp_path)])
+
+
+def test_every_flag_is_of_one_class_of_what_a_resume_does_with_it():
+    """config.py's RUN_DEFINING, KEPT and ONCE sort the parser's flags, each into one class; a checkpoint keeps
+    the first two (a flag added without a class would be kept or dropped by chance)."""
+    parser, _ = cli.parse_args([])
+    flags = {action.dest for action in parser._actions} - {"help"}
+    classes = (config.RUN_DEFINING, config.KEPT, config.ONCE)
+    assert sorted(name for names in classes for name in names) == sorted(flags)
+    assert sorted(config.Config().kept()) == sorted(config.RUN_DEFINING + config.KEPT)
 
 
 def test_help_explains_the_flags(capsys):

@@ -5,6 +5,10 @@ used to lose a finished run, print a traceback, give wrong results or hang, hand
   when the new run ends without a checkpoint (or is killed: the next start restores it); a
   resumed run never writes into a folder that holds another run; --export never names one of the
   run's own files, never replaces a device, a pipe or a symbolic link.
+- What a resume may write: what its own command line says, and a fork nothing of the run it came
+  from; the flags of one command (--export, --overwrite, --init-from, ...) are never kept, nor
+  applied again from a checkpoint of an earlier version that kept them; the data folder is kept
+  resolved, for a resume from another working folder.
 - One-line errors (exit 2, no usage): what the --gpus N workers would find is found before they start, and
   a user's mistake a worker finds is one line too; a weights file in bfloat16 is read (widened
   exactly), one in a dtype the loader does not take names the key; an empty split; a model too
@@ -35,7 +39,7 @@ import pytest
 import kernels
 import nn
 from helpers import run_cli, usage_error, write_fashion_mnist
-from training import checkpoint, cli, loop, output
+from training import checkpoint, cli, config, fashion_mnist, loop, output
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--width", "2", "--batch-size", "16", "--limit", "32", "--test-limit", "16"]
@@ -131,6 +135,114 @@ def test_a_resumed_run_never_writes_into_a_folder_that_holds_another_run(data_di
     assert intact(other, finished)
     assert run(data_dir, tmp_path / "new", "--resume", finished[0], "--epochs", "2") == 0
     assert checkpoint.load(tmp_path / "new")[1]["epoch"] == 2 and intact(finished[0], finished)
+
+
+# ---- what a resume may write ------------------------------------------------------------------------
+
+def snapshot(*paths):
+    """{path: (mtime, bytes)} of each of ``paths`` and, for a folder, of everything in it: the folder's own
+    mtime changes when a file is made, removed or renamed in it."""
+    found = [p for path in map(Path, paths) for p in (path, *(path.rglob("*") if path.is_dir() else ()))]
+    return {str(p): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in found}
+
+
+@pytest.fixture
+def started_once(data_dir, tmp_path, monkeypatch):
+    """A finished run of one epoch, ``run`` in the working folder tmp_path, whose command gave every flag that
+    acts once, with the paths as typed: --overwrite of an earlier run there, --init-from start.safetensors (no
+    longer weights since) and --export run.safetensors. The paths the run and its first command wrote and read."""
+    monkeypatch.chdir(tmp_path)
+    nn.save_safetensors(nn.resnet18(width=2), "start.safetensors")
+    assert run(data_dir, "run", "--epochs", "1") == 0
+    assert run(data_dir, "run", "--epochs", "1", "--seed", "2", "--overwrite", "--init-from", "start.safetensors",
+               "--export", "run.safetensors") == 0
+    Path("start.safetensors").write_bytes(b"weights no more: a resume that read them again would stop")
+    return [tmp_path / name for name in ("run", "run.safetensors", "start.safetensors")]
+
+
+def once_flags_kept(out):
+    return {name: value for name, value in checkpoint.load(out)[1]["config"].items() if name in config.ONCE}
+
+
+def test_a_fork_writes_nothing_of_the_run_it_came_from(data_dir, started_once, tmp_path, capsys):
+    """--resume run --out fork trains on in fork alone: its run's first command's --export (which the fork
+    replaced with its own weights), --overwrite and --init-from are not done again, nor kept."""
+    before = snapshot(*started_once)
+    assert run(data_dir, "fork", "--resume", "run", "--epochs", "2") == 0
+    assert snapshot(*started_once) == before, "the run, its export and its start are as they were"
+    assert sorted(os.listdir(tmp_path)) == ["fork", "run", "run.safetensors", "start.safetensors"]
+    assert "exported" not in capsys.readouterr().out
+    assert checkpoint.load("fork")[1]["epoch"] == 2 and once_flags_kept("fork") == {}
+
+
+def test_a_resume_in_place_does_nothing_its_runs_first_command_did_once(data_dir, started_once, tmp_path, capsys,
+                                                                        monkeypatch):
+    """--resume run (no --export): its first command's export stays that command's; --overwrite sets nothing
+    aside (the run's files stay in place while it trains); --init-from is neither read nor kept."""
+    run_folder, *others = started_once
+    before, during, real_epoch = snapshot(*others), [], loop.train_epoch
+
+    def epoch(*args, **kwargs):
+        during.append(sorted(os.listdir(run_folder)))
+        return real_epoch(*args, **kwargs)
+    monkeypatch.setattr(loop, "train_epoch", epoch)
+    assert run(data_dir, None, "--resume", "run", "--epochs", "2") == 0
+    assert during == [sorted([*output.RUN_FILES, output.LOCK])], "nothing set aside"
+    assert snapshot(*others) == before and sorted(os.listdir(tmp_path)) == ["run", "run.safetensors",
+                                                                            "start.safetensors"]
+    assert "exported" not in capsys.readouterr().out
+    assert checkpoint.load("run")[1]["epoch"] == 2 and once_flags_kept("run") == {}
+
+
+def test_export_of_a_finished_run_does_that_alone(data_dir, started_once, tmp_path, monkeypatch):
+    """--resume run --export again.safetensors: the weights, no epoch, and nothing else written (its first
+    command's --overwrite used to set the run's files aside and back)."""
+    before = snapshot(*started_once)
+    monkeypatch.setattr(loop, "train_epoch", lambda *args, **kwargs: pytest.fail("an epoch was trained"))
+    assert run(data_dir, None, "--resume", "run", "--export", "again.safetensors") == 0
+    assert snapshot(*started_once) == before
+    assert Path("again.safetensors").read_bytes() == Path("run.safetensors").read_bytes()
+
+
+def test_a_checkpoint_that_kept_every_flag_resumes_without_those_that_acted_once(data_dir, started_once, capsys):
+    """Earlier versions kept every flag as typed: resumed now, such a checkpoint exports nothing unasked, and
+    says so, and sets nothing aside."""
+    run_folder, exported, _ = started_once
+    arrays, record = checkpoint.load(run_folder)
+    record["config"].update(out="run", resume=None, overwrite=True, init_from="start.safetensors",
+                            export="run.safetensors", data_dir=str(data_dir))
+    np.savez(run_folder / checkpoint.FILENAME, **arrays, record=np.array(json.dumps(record)))
+    before = snapshot(exported)
+    assert run(data_dir, None, "--resume", "run", "--epochs", "2") == 0
+    assert snapshot(exported) == before
+    assert ("the checkpoint keeps --export run.safetensors of its run's first command (an earlier version kept it): "
+            "this run writes no weights file unless given --export FILE") in capsys.readouterr().out
+    assert once_flags_kept(run_folder) == {}
+
+
+@pytest.mark.parametrize("given", [["--data-dir", "fashion"], []], ids=["--data-dir", "the default"])
+def test_a_resume_from_another_working_folder_reads_the_data_its_run_read(tmp_path, monkeypatch, given):
+    """The data folder is kept resolved: resumed from elsewhere, the run reads the same files (it looked for a
+    relative --data-dir, or ./data/fashion-mnist, in the new working folder, and downloaded the data there)."""
+    first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    write_fashion_mnist(first / (given[-1] if given else fashion_mnist.DEFAULT_DIR), 40, 16)
+    elsewhere.mkdir()
+    monkeypatch.delenv("FASHION_MNIST_DIR", raising=False)
+    monkeypatch.chdir(first)
+    assert cli.main([*given, "--out", "run", *SMALL, "--epochs", "1"]) == 0
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(fashion_mnist, "_download", lambda *args: pytest.fail("downloaded"))
+    assert cli.main(["--resume", str(first / "run"), "--epochs", "2"]) == 0
+    assert checkpoint.load(first / "run")[1]["epoch"] == 2 and not list(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("own", ["metrics.json", "training.png", ".lock"])
+def test_a_fork_may_not_export_onto_a_file_of_the_run_it_came_from(data_dir, finished, tmp_path, capsys, own):
+    out = copy_of(finished, tmp_path)
+    (out / ".lock").touch()
+    line = refused(capsys, data_dir, tmp_path / "fork", "--resume", out, "--epochs", "2", "--export", out / own)
+    assert f"--export {out / own} is {own} of the run it resumes" in line, line
+    assert intact(out, finished) and not (tmp_path / "fork" / checkpoint.FILENAME).exists()
 
 
 @pytest.mark.parametrize("own", [checkpoint.FILENAME, "metrics.json", ".lock"])

@@ -75,10 +75,13 @@ def parse_args(argv):
     p.add_argument("--limit", type=int, help="train on the first N images of the training split only")
     p.add_argument("--test-limit", type=int, help="evaluate on the first N images of the test split only")
     p.add_argument("--data-dir", help="folder of the four Fashion-MNIST .gz files (default: "
-                                      "$FASHION_MNIST_DIR, else ./data/fashion-mnist; downloaded if missing)")
+                                      "$FASHION_MNIST_DIR, else ./data/fashion-mnist; downloaded if missing; a resumed "
+                                      "run: the folder its run read)")
     p.add_argument("--out", help="output folder (default runs/resnet18-<date>-<time>; "
                                  "when resuming, the checkpoint's folder)")
-    p.add_argument("--resume", help="a checkpoint.npz, or an output folder holding one")
+    p.add_argument("--resume", help="a checkpoint.npz, or an output folder holding one: the run continues with the "
+                                    "checkpoint's flags but for those of one command (--out, --overwrite, "
+                                    "--init-from, --export, --profile, --watchdog), which a checkpoint never keeps")
     p.add_argument("--overwrite", action="store_true", default=None,
                    help="let a new run replace the run whose files --out holds (without it, that is an error): "
                         "they are set aside once the new run has passed its checks, deleted when it writes its "

@@ -1,17 +1,28 @@
-"""The configuration of a training run: its flags with their defaults and checks, and how a
-resumed run merges the flags given with its checkpoint's."""
+"""The configuration of a training run: its flags with their defaults and checks, which of them a
+checkpoint keeps, and how a resumed run merges the flags given with its checkpoint's."""
 import dataclasses
 import math
 
 import kernels
 from nn import init
 from parallel.ddp import DEFAULT_BUCKET_MB
+from . import fashion_mnist
 
 SCHEDULES = ("constant", "cosine")
 GPU_PRECISIONS = ("tf32", "bf16")   # the tensor cores' (kernels.precision()): a CPU run computes in float32
-# flags that must agree between a checkpoint and the run that resumes it
+
+# Every flag of train_resnet.py (training/cli.py's parser) is of one of three classes, by what a resumed run
+# does with it:
+# what the run trains: kept in the checkpoint, and one given to a resume must give the checkpoint's value
 RUN_DEFINING = ("width", "batch_size", "lr", "momentum", "weight_decay", "schedule", "seed",
                 "limit", "test_limit", "init")
+# kept in the checkpoint and taken from it unless given: how far the run goes (--epochs, raised to train
+# further), how it computes (devices, precision, graph, data parallelism) and where its data is (stored
+# resolved, so that a resume from another working folder reads the same files)
+KEPT = ("epochs", "gpus", "precision", "graph", "data_dir", "sync_bn", "scale_lr", "check_sync", "bucket_mb")
+# what this one command does, and where: never kept, so that a resume does what its own command line says
+# and nothing that the run's first command asked for that once (--export again over that command's file)
+ONCE = ("out", "resume", "overwrite", "init_from", "export", "profile", "profile_steps", "watchdog")
 
 
 class ConfigError(ValueError):
@@ -61,6 +72,13 @@ class Config:
         """Whether the training step runs as a CUDA graph: --graph, else on GPUs."""
         return bool(self.gpus) if self.graph is None else self.graph
 
+    def kept(self):
+        """What a checkpoint keeps of this configuration: the run-defining and kept flags, the data folder
+        resolved (the one read, whatever the working folder of a later resume)."""
+        kept = {name: getattr(self, name) for name in (*RUN_DEFINING, *KEPT)}
+        kept["data_dir"] = str(fashion_mnist.resolve_dir(self.data_dir).resolve())
+        return kept
+
     def check(self):
         for name in ("data_dir", "out", "resume", "init_from"):
             if getattr(self, name) == "":   # an unset shell variable: not the default, unasked
@@ -106,31 +124,43 @@ class Config:
                               f"every rank needs at least one image per step")
 
 
-def merge_resumed(given, saved):
-    """The configuration of a resumed run: the checkpoint's, except where a flag was
-    given; a given run-defining flag that disagrees with the checkpoint is an error.
-    ``given`` holds only the flags on the command line.
+def merge_resumed(given, saved, home):
+    """The configuration of a resumed run: the checkpoint's kept flags (``saved``, the checkpoint's record of
+    them), except where a flag was given; a given run-defining flag that disagrees with the checkpoint is an
+    error. ``given`` holds only the flags on the command line; without --out the run writes in ``home``, the
+    checkpoint's folder wherever it now is. A checkpoint of an earlier version, which kept every flag, is read
+    alike: of its flags that acted once, none acts again.
 
     --gpus and --precision say how the run computes, not what it trains (the checkpoint's float32
     weights and momentum are the whole state under every precision: the bf16 precision's bfloat16
     weights are remade from them), so a resumed run may change them, as it may move to other
     devices; it then continues as a run started so would, and no longer bit for bit (see
     resumed_changes). A run moved to the CPU whose checkpoint names a tensor-core precision is told
-    to say --precision fp32, rather than have it changed unasked."""
+    to say --precision fp32, rather than have it changed unasked; its --graph, which changes no result,
+    stays with the GPUs."""
     for name in RUN_DEFINING:
         if name in given and given[name] != saved[name]:
             raise ConfigError(f"--{name.replace('_', '-')} {given[name]} does not match the "
                               f"checkpoint's {saved[name]}")
-    if given.get("gpus") == 0 and "precision" not in given and saved.get("precision") in GPU_PRECISIONS:
-        raise ConfigError(f"the checkpoint's run trained with --precision {saved['precision']}, which runs on GPUs: "
-                          f"add --precision fp32 to continue it on the CPU")
-    return Config(**{**saved, **given})
+    kept = _kept(saved)
+    if given.get("gpus") == 0:
+        if "precision" not in given and kept.get("precision") in GPU_PRECISIONS:
+            raise ConfigError(f"the checkpoint's run trained with --precision {kept['precision']}, which runs on "
+                              f"GPUs: add --precision fp32 to continue it on the CPU")
+        if kept.get("graph"):
+            kept["graph"] = None
+    return Config(**{**kept, "out": str(home), **given})
+
+
+def _kept(saved):
+    return {name: value for name, value in saved.items() if name in (*RUN_DEFINING, *KEPT)}
 
 
 def resumed_changes(saved, cfg):
     """Lines saying how a resumed run computes otherwise than its checkpoint's run did (the GPUs, the
-    precision), for the log; none when it continues as it was."""
-    before = Config(**saved)
+    precision), for the log, and that it exports only when told, where the checkpoint of an earlier version
+    names the file its run's first command exported to; none when it continues as it was."""
+    before = Config(**_kept(saved))
     lines = []
     if cfg.gpus != before.gpus:
         lines.append(f"the checkpoint's run trained with --gpus {before.gpus}; it continues with --gpus {cfg.gpus}"
@@ -138,4 +168,7 @@ def resumed_changes(saved, cfg):
     if cfg.compute_precision != before.compute_precision:
         lines.append(f"the checkpoint's run trained in precision {before.compute_precision}; it continues in "
                      f"{cfg.compute_precision}")
+    if saved.get("export") and not cfg.export:
+        lines.append(f"the checkpoint keeps --export {saved['export']} of its run's first command (an earlier "
+                     f"version kept it): this run writes no weights file unless given --export FILE")
     return lines

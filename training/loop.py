@@ -6,7 +6,6 @@ files of the output folder rewritten atomically: ``checkpoint.npz``,
 checkpoint computes the same weights, bit for bit, as one that was never stopped:
 batch order depends only on (seed, epoch) and everything else is in the checkpoint.
 """
-import dataclasses
 import functools
 import sys
 import time
@@ -174,11 +173,9 @@ def prepare(given, log=print, world_size=1, lead=True, profiling=False, dry=Fals
                               f"one of them")
     if given.get("resume"):
         saved_arrays, record = checkpoint.load(given["resume"])
-        # without --out, a resumed run writes beside its checkpoint, wherever that now is
         home = checkpoint.resolve(given["resume"]).parent
-        saved = {**record["config"], "out": str(home)}
-        cfg = merge_resumed(given, saved)
-        for line in resumed_changes(saved, cfg):
+        cfg = merge_resumed(given, record["config"], home)
+        for line in resumed_changes(record["config"], cfg):
             log(line)
     else:
         cfg = Config(**given)
@@ -396,7 +393,7 @@ def _train(comm, log, cfg, train, test, model, opt, record, ddp):
             "images_per_sec": len(x_train) / train_seconds, "world_size": comm.world_size,
             "precision": cfg.compute_precision}))
         if lead:
-            _write_epoch(out, model, opt, {"epoch": epoch + 1, "config": dataclasses.asdict(cfg), "metrics": metrics,
+            _write_epoch(out, model, opt, {"epoch": epoch + 1, "config": cfg.kept(), "metrics": metrics,
                                            "rng_state": init.get_rng_state()})
         log(f"epoch {epoch + 1}/{cfg.epochs}: loss {train_loss:.4f}, train acc {train_acc:.3f}, "
             f"test acc {test_acc:.3f}, {seconds:.1f} s, {metrics[-1]['images_per_sec']:.1f} images/s")

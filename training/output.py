@@ -175,8 +175,8 @@ def export_target(export, out, resume=None):
     """The regular file that ``--export`` writes: the path given, or where its symbolic link leads
     (the link itself is never replaced). ConfigError, at the start rather than after training,
     when it is empty, a folder, a device, a pipe or a socket, in a folder that does not exist or
-    cannot be written, or one of the run's own files (those of ``out``, or the checkpoint it
-    resumes)."""
+    cannot be written, or one of the run's own files: those of ``out``, and the checkpoint it
+    resumes with the files beside it (a fork writes nothing of the run it came from)."""
     if not export:
         raise ConfigError("--export needs the name of the file to write")
     try:
@@ -192,13 +192,14 @@ def export_target(export, out, resume=None):
                           + ("does not exist" if folder is None else f"is {folder}, not a folder"))
     if not os.access(target.parent, os.W_OK):
         raise ConfigError(f"--export {export}: the folder {target.parent} cannot be written")
-    own = [Path(out) / name for name in (*RUN_FILES, LOCK)] if out else []
+    own = [(Path(out) / name, "the run itself") for name in (*RUN_FILES, LOCK)] if out else []
     if resume is not None:
-        own.append(checkpoint.resolve(resume))
-    for path in own:
+        resumed = checkpoint.resolve(resume)
+        own += [(path, "the run it resumes") for path in (resumed, *(resumed.parent / n for n in (*RUN_FILES, LOCK)))]
+    for path, whose in own:
         if path.resolve() == target:
-            raise ConfigError(f"--export {export} is {path.name} of the run itself: it would overwrite it with "
-                              f"weights; export to a file of its own")
+            raise ConfigError(f"--export {export} is {path.name} of {whose}: it would overwrite it with weights; "
+                              f"export to a file of its own")
     remove_stale_temporaries(target)   # of an export killed before it finished
     return target
 
