@@ -313,10 +313,7 @@ def test_several_gpus_check_the_flags_and_nccl_before_any_worker_starts(data_dir
     monkeypatch.setenv(kernels.SIMULATED_GPUS, "2")
     monkeypatch.setattr(comm, "nccl_module", lambda: types.SimpleNamespace(available=False))
     monkeypatch.setattr(launch, "run_workers", lambda *a, **k: pytest.fail("a worker was started"))
-    with pytest.raises(SystemExit) as e:
-        run(data_dir, tmp_path / "run", "--gpus", "2", *flags)
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in usage_error(capsys, run, data_dir, tmp_path / "run", "--gpus", "2", *flags)
 
 
 class Terminal(io.StringIO):
