@@ -3,11 +3,12 @@
 Each kernel runs against NumPy, most of them once in each thread order (ascending, then
 descending), so that a result which depends on the order of the threads shows. Then the
 emulator's diagnostics: a missing __syncthreads(), unwritten shared memory, an out-of-bounds
-write, a float atomicMax, each kind of wrong argument or launch. The traffic counter (emu.traffic()),
-against the requests, sectors and bytes of loads counted by hand. Last, every test kernel through
-NVRTC for sm_80 and sm_90, as on a GPU.
+write, a float atomicMax, each kind of wrong argument or launch, a cache folder that cannot be
+written. The traffic counter (emu.traffic()), against the requests, sectors and bytes of loads
+counted by hand. Last, every test kernel through NVRTC for sm_80 and sm_90, as on a GPU.
 """
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -442,6 +443,63 @@ def test_an_edited_header_rebuilds_the_module(tmp_path, monkeypatch):
         header.write_text(f"#define VALUE {value}f\n")
         emu.RawModule(code=source, options=(f"-I{tmp_path}",)).get_function("value")((1,), (1,), (out,))
         validate(out, np.array([value]), "a value from an included header")
+
+
+def unwritable_folder(tmp_path, how):
+    """A cache folder that cannot be written: under a regular file, or (not for root, whom permissions
+    do not stop) a folder without write permission."""
+    if how == "under a file":
+        (tmp_path / "file").write_text("not a folder")
+        return tmp_path / "file" / "cache"
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):
+        pytest.skip("running as root, whom a folder without write permission does not stop")
+    return folder
+
+
+@pytest.mark.parametrize("how", ["under a file", "without write permission"])
+@pytest.mark.parametrize("variable", ["CUDA_EMU_CACHE_DIR", "HOME"])
+def test_a_cache_folder_that_cannot_be_written_is_one_line_naming_it(tmp_path, monkeypatch, how, variable):
+    """Through CUDA_EMU_CACHE_DIR, or as the default under a home that cannot be written: emu.CacheError, one
+    line that names the folder, and nothing compiled; the same source in a folder that can be written runs."""
+    folder = unwritable_folder(tmp_path, how)
+    if variable == "HOME":
+        monkeypatch.delenv("CUDA_EMU_CACHE_DIR", raising=False)
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        monkeypatch.setenv("HOME", str(folder))
+        named = folder / ".cache" / "resnet-cuda-from-scratch" / "emu"
+    else:
+        monkeypatch.setenv("CUDA_EMU_CACHE_DIR", str(folder))
+        named = folder
+    source = f'extern "C" __global__ void seven(float* y) {{ y[0] = 7.0f; }}  // {tmp_path}\n'   # new every run
+    with pytest.raises(emu.CacheError) as error:
+        emu.RawModule(code=source)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"the CUDA emulator's cache folder {named} cannot be written ("), \
+        message
+    monkeypatch.setenv("CUDA_EMU_CACHE_DIR", str(tmp_path / "writable"))
+    y = np.zeros(1, np.float32)
+    emu.RawModule(code=source).get_function("seven")((1,), (1,), (y,))
+    assert y[0] == 7
+
+
+def test_a_read_only_cache_that_holds_the_module_serves_it(tmp_path, monkeypatch):
+    """Only a module missing from the cache is written: one compiled before the folder lost its write
+    permission is loaded from it (the runtime of the process is another folder's: a test of modules)."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("CUDA_EMU_CACHE_DIR", str(folder))
+    source = f'extern "C" __global__ void eight(float* y) {{ y[0] = 8.0f; }}  // {tmp_path}\n'
+    emu.RawModule(code=source)
+    for path in folder.rglob("*"):
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):
+        pytest.skip("running as root, whom a folder without write permission does not stop")
+    y = np.zeros(1, np.float32)
+    emu.RawModule(code=source).get_function("eight")((1,), (1,), (y,))
+    assert y[0] == 8
 
 
 # ---- float modes -------------------------------------------------------------------------------

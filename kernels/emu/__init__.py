@@ -11,9 +11,9 @@ or misaligned access, race, uninitialised read and divergent barrier where it ha
 32-byte sectors and bytes per kernel (``Traffic``), of arrays aligned as CuPy's (``aligned_empty``).
 """
 from .build import sanitizer
-from .errors import CompileError, EmuError, KernelError, LaunchError
+from .errors import CacheError, CompileError, EmuError, KernelError, LaunchError
 from .raw import (ORDERS, SHARED_BYTES_WITHOUT_OPT_IN, RawKernel, RawModule, Traffic, aligned_empty, thread_order,
                   traffic)
 
 __all__ = ["RawModule", "RawKernel", "thread_order", "sanitizer", "traffic", "Traffic", "aligned_empty", "ORDERS",
-           "SHARED_BYTES_WITHOUT_OPT_IN", "EmuError", "CompileError", "LaunchError", "KernelError"]
+           "SHARED_BYTES_WITHOUT_OPT_IN", "EmuError", "CacheError", "CompileError", "LaunchError", "KernelError"]

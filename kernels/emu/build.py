@@ -12,6 +12,8 @@ cached by a hash of everything that goes into them: the emulator's own sources, 
 version, the flags, the source, the options and the name expressions. The headers a source
 includes are recorded with their contents' hashes and checked on every cache hit. A module missing
 from the cache is compiled by one process at a time (a lock file beside it): the others wait for it.
+A cache that holds what is asked for is only read; one that cannot be written where something is
+missing is a CacheError naming the folder.
 
 Modules are compiled for the sanitizer (SANITIZE_FLAGS; see README.md) unless
 ``CUDA_EMU_SANITIZE=off`` (full, the default, or memcheck: see sanitize_level). Environment: ``CUDA_EMU_CACHE_DIR`` (default
@@ -31,7 +33,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .errors import CompileError
+from .errors import CacheError, CompileError
 
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "cuda_emu.h"
@@ -138,21 +140,37 @@ def _digest(*parts):
     return h.hexdigest()[:24]
 
 
+@contextlib.contextmanager
+def _writing_the_cache():
+    """An OSError inside (a read-only file system, no write permission, a path under a file, a full disk)
+    becomes a CacheError of one line that names the cache folder."""
+    try:
+        yield
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        raise CacheError(f"the CUDA emulator's cache folder {cache_dir()} cannot be written "
+                         f"({e.strerror or e}{where}); set CUDA_EMU_CACHE_DIR to a folder that can be") from None
+
+
 def _write_atomically(path, data):
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data if isinstance(data, bytes) else data.encode())
-    os.replace(tmp, path)
+    with _writing_the_cache():
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data if isinstance(data, bytes) else data.encode())
+        os.replace(tmp, path)
 
 
 @contextlib.contextmanager
 def _compiling(path):
-    """Held while this process compiles what ``path`` names (a lock file beside it): another process that
-    needs the same module at the same time (the two workers of --gpus 2, two test workers on a new
-    machine) waits for it and then finds it in the cache, instead of compiling it a second time. The
-    lock goes with the process, should it die."""
+    """Held while this process compiles what ``path`` names (a lock file beside it, in a folder it makes):
+    another process that needs the same module at the same time (the two workers of --gpus 2, two test
+    workers on a new machine) waits for it and then finds it in the cache, instead of compiling it a
+    second time. The lock goes with the process, should it die."""
     import fcntl  # noqa: PLC0415  (POSIX, as g++ and the emulator's fibers are)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
+    with _writing_the_cache():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a")
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
@@ -173,7 +191,6 @@ def runtime_library():
     path = cache_dir() / f"libcudaemu-{key}.so"
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
     with _compiling(path):
         if not path.exists():   # unless another process made it while this one waited
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -372,7 +389,6 @@ def build_module(code, options=(), name_expressions=()):
     cached = _cached(meta_path)
     if cached:
         return cached
-    folder.mkdir(parents=True, exist_ok=True)
     with _compiling(meta_path):
         return _cached(meta_path) or _build(code, key, folder, meta_path, cxx, pre, flags, runtime, sanitize,
                                             name_expressions)

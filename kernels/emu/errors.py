@@ -15,3 +15,8 @@ class LaunchError(EmuError):
 
 class KernelError(EmuError):
     """The kernel ran and went wrong: an out-of-bounds write, a fault, a deadlock, an assert."""
+
+
+class CacheError(EmuError):
+    """The folder of compiled kernels cannot be written (a read-only home, a folder without write
+    permission, a path under a file): nothing was compiled. One line that names the folder."""
