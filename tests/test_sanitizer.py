@@ -1,9 +1,11 @@
 """The emulator as a compute-sanitizer (kernels/emu/runtime.cpp; kernels/emu/README.md): each kernel of
 tests/emu_kernels/sanitizer.cu that holds a bug a GPU punishes is refused at the access, naming the
 check, the thread and block, the array (an argument, or a __shared__ variable and the byte in it)
-and the .cu line; each correct kernel beside them runs clean, in both thread orders. The project's
-own kernels run under the same checks in every kernel test (tests/test_kernels_cuda.py,
-tests/test_conv_tc.py, tests/test_tensor_core.py, the simulated GPUs).
+and the .cu line; each correct kernel beside them runs clean, in both thread orders. The undefined
+value a shuffle gives a lane that reads outside its mask is refused where it is used, naming the use's
+line and the shuffle's, and runs clean where it is discarded. The project's own kernels run under the
+same checks in every kernel test (tests/test_kernels_cuda.py, tests/test_conv_tc.py,
+tests/test_tensor_core.py, the simulated GPUs).
 """
 import functools
 import re
@@ -11,7 +13,7 @@ import re
 import numpy as np
 import pytest
 
-from helpers import rng
+from helpers import rng, validate
 from kernels import emu
 from test_emu import KERNELS, OPTIONS as FILE_OPTIONS
 
@@ -133,9 +135,10 @@ def test_synccheck_matches_warp_wide_instructions_by_call_instance_not_by_source
 # ---- shuffles ---------------------------------------------------------------------------------------
 
 def test_a_shuffle_of_lanes_that_are_not_there_is_refused(order):
-    """A shuffle whose mask names lanes that do not exist (a block of 48 threads) or that returned, or
-    whose lane reads one of them: undefined values on a GPU, refused with the lanes and the line. Its
-    twin, which exchanges among the lanes there, runs clean."""
+    """A shuffle whose mask names lanes that do not exist (a block of 48 threads) or that returned: refused
+    with the lanes and the line. One whose lanes read lanes that returned, with a mask of themselves, gets
+    undefined values, refused where they are stored. The twin, which exchanges among the lanes there, runs
+    clean."""
     x = floats(48)
     error = refused("warp_sum_in_a_partial_warp", (1,), (48,), (x, np.zeros(2, np.float32)))
     assert re.search(rf"thread \(32,0,0\) of block \(0,0,0\): __shfl_down_sync\(mask 0xffffffff\) names lanes 16-31, "
@@ -143,12 +146,172 @@ def test_a_shuffle_of_lanes_that_are_not_there_is_refused(order):
                      rf"execute it \(the values are undefined on a GPU\) {LINE}", error), error
     assert f".cu:{line_of('v += __shfl_down_sync(0xffffffffu')}" in error, error
     error = refused("shuffle_reads_lanes_that_returned", (1,), (32,), (x[:32], np.zeros(32, np.float32)))
-    assert re.search(r"thread \(\d+,0,0\) of block \(0,0,0\): __shfl_sync\(mask 0x0000ffff\) of lane \d+ reads lane "
-                     r"(1[6-9]|2\d|3[01]), which is not in the mask: the value is undefined on a GPU", error), error
+    line = line_of("y[threadIdx.x] = __shfl_sync(0x0000ffffu")
+    assert re.search(rf"thread \((\d+),0,0\) of block \(0,0,0\): initcheck: writes an undefined value to global memory "
+                     rf"at 0x[0-9a-f]+ at \S+\.cu:{line}: what __shfl_sync at \S+\.cu:{line} gives a lane that reads one "
+                     rf"outside the mask \(the first: lane 0 of thread \(0,0,0\) of block \(0,0,0\), which read lane 16, not "
+                     rf"in mask 0x0000ffff\) \(argument 1 \(float\* y\) of 32 elements: element \1, its first byte\)", error), error
     y = np.zeros(2, np.float32)
     module().get_function("warp_sum_of_the_lanes_there")((1,), (48,), (x, y))
     np.testing.assert_allclose(y, [x[:32].astype(np.float64).sum(), x[32:].astype(np.float64).sum()], rtol=1e-5,
                                atol=1e-5)
+
+
+# ---- undefined shuffle values --------------------------------------------------------------------------
+# A lane that reads one outside its shuffle's mask (past the 16 lanes of a block's second warp) gets an
+# undefined value: no error while it is discarded, refused where it is used, naming the use's line and the
+# shuffle's.
+
+def partial_warp_sums(x):
+    """Each lane's sum in partial_warp_sums: lane l adds lane l + k's value for k = 16, 8, 4, 2, 1 where that
+    lane is in its warp, of a block of x.size threads."""
+    sums = []
+    for start in range(0, x.size, 32):
+        v = x[start:start + 32].astype(np.int64 if np.issubdtype(x.dtype, np.integer) else np.float64)
+        for k in (16, 8, 4, 2, 1):
+            v = v + np.pad(v[k:], (0, v.size - v[k:].size))
+        sums.append(v)
+    return np.concatenate(sums)
+
+
+def values(dtype, n=48):
+    if np.issubdtype(dtype, np.integer):
+        return rng().integers(-1000, 1000, n).astype(dtype)
+    return rng().standard_normal(n).astype(dtype)
+
+
+def shuffle_read_outside_the_mask(shuffle, use_line):
+    """The message's account of the use at use_line of what the shuffle marked `shuffle` gave a lane."""
+    return (rf"at \S+\.cu:{use_line}: what __shfl_down_sync at \S+\.cu:{line_of(shuffle)} gives a lane that reads "
+            rf"one outside the mask \(the first: lane (\d+) of thread \((\d+),0,0\) of block \(0,0,0\), which read lane "
+            rf"(\d+), not in mask 0x0000ffff\)")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.float64])
+def test_an_undefined_shuffle_value_that_is_discarded_runs_clean(order, dtype):
+    """A partial warp's sum that adds what a lane read from lane + k only where that lane is there (as a GPU
+    runs it: compute-sanitizer says nothing), in each type's size of undefined value; and the sum without
+    that guard, whose undefined values reach lanes that no one reads, stored by lane 0 alone."""
+    x, y = values(dtype), np.zeros(48, dtype)
+    name = {np.float32: "float", np.int32: "int", np.float64: "double"}[dtype]
+    module().get_function(f"partial_warp_sums_{name}")((1,), (48,), (x, y))
+    validate(y, partial_warp_sums(x), f"partial_warp_sums_{name}")
+    if dtype is np.float32:
+        y = np.zeros(2, np.float32)
+        module().get_function("partial_warp_sum_stored_by_lane_0")((1,), (48,), (x, y))
+        validate(y, partial_warp_sums(x)[[0, 32]], "partial_warp_sum_stored_by_lane_0")
+
+
+@pytest.mark.parametrize("name, dtype, place, shuffle, store", [
+    ("partial_warp_sums_unguarded_float", np.float32, r"global memory at 0x[0-9a-f]+", "// unguarded sum",
+     "y[threadIdx.x] = v;   // every lane, unguarded"),
+    ("partial_warp_sums_unguarded_double", np.float64, r"global memory at 0x[0-9a-f]+", "// unguarded sum",
+     "y[threadIdx.x] = v;   // every lane, unguarded"),
+    ("next_lane_into_shared_memory", np.int32, r"byte 1\d\d of `s`", "// shared store", "// shared store"),
+])
+def test_an_undefined_shuffle_value_written_to_memory_is_refused(order, name, dtype, place, shuffle, store):
+    """A float computed from an undefined value (its NaN carries the mark), a double and an int undefined
+    value themselves, written to global or shared memory by a lane of the partial warp."""
+    error = refused(name, (1,), (48,), (values(dtype), np.zeros(48, dtype)))
+    match = re.search(rf"thread \((\d+),0,0\) of block \(0,0,0\): initcheck: writes an undefined value to {place} "
+                      + shuffle_read_outside_the_mask(shuffle, line_of(store)), error)
+    assert match, error
+    thread, first_lane, first_thread, source = map(int, match.groups())
+    assert 32 <= thread < 48 and first_thread == 32 + first_lane and source >= 16, error
+
+
+def test_an_undefined_shuffle_value_as_an_atomic_operand_is_refused(order):
+    total = np.zeros(1, np.int32)
+    error = refused("next_lane_added_atomically", (1,), (48,), (values(np.int32), total))
+    assert re.search(r"thread \(47,0,0\) of block \(0,0,0\): initcheck: uses an undefined value as an atomic's "
+                     r"operand " + shuffle_read_outside_the_mask("// atomic operand", line_of("// atomic operand")),
+                     error), error
+
+
+def test_an_undefined_shuffle_value_compared_or_branched_on_is_refused(order):
+    """A maximum that compares what a lane read outside the mask (float), a switch on it (int); their twins,
+    whose guard keeps the comparison to lanes there, run clean."""
+    x = floats(48)
+    error = refused("partial_warp_max", (1,), (48,), (x, np.zeros(2, np.float32), np.int32(0)))
+    assert re.search(r"thread \((3[2-9]|4[0-7]),0,0\) of block \(0,0,0\): initcheck: uses an undefined value in a "
+                     r"comparison "
+                     + shuffle_read_outside_the_mask("// max", line_of("&& other > v) v = other")), error), error
+    y = np.zeros(2, np.float32)
+    module().get_function("partial_warp_max")((1,), (48,), (x, y, np.int32(1)))
+    np.testing.assert_array_equal(y, [x[:32].max(), x[32:].max()])
+
+    codes = rng().integers(0, 5, 48).astype(np.int32)
+    error = refused("by_the_next_lane", (1,), (48,), (codes, np.zeros(48, np.int32), np.int32(0)))
+    assert re.search(r"thread \(47,0,0\) of block \(0,0,0\): initcheck: uses an undefined value in a comparison "
+                     + shuffle_read_outside_the_mask("// branched on", line_of("switch (next)")), error), error
+    y = np.zeros(48, np.int32)
+    module().get_function("by_the_next_lane")((1,), (48,), (codes, y, np.int32(1)))
+    next_lane = np.concatenate([codes[1:], [0]])
+    expected = np.select([next_lane == 0, next_lane == 1, next_lane == 2], [codes, -codes, 2 * codes], 7)
+    expected[[31, 47]] = -1   # the last lane of each warp: lane + 1 is not there
+    np.testing.assert_array_equal(y, expected)
+
+
+@pytest.mark.parametrize("place, base", [
+    (0, r"0x[0-9a-f]+ \(argument 0 \(const float\* table\) of 48 elements: element 0, its first byte\)"),
+    (1, r"byte 0 of `s`"), (2, r"a variable of the module"), (3, r"the thread's own stack \(a local array\)")])
+def test_an_undefined_shuffle_value_as_an_index_is_refused(order, place, base):
+    """A table looked up (an argument, in shared memory, a __device__ array, the thread's own array) at what
+    a lane read outside the mask: refused at the access, which lies the undefined value times 4 bytes past
+    the table; the twin looks up only what lanes there gave."""
+    table, index = floats(48), rng().integers(0, 48, 48).astype(np.int32)
+    error = refused("look_up_the_next_lane", (1,), (48,), (table, index, np.zeros(48, np.float32), np.int32(0),
+                                                             np.int32(place)))
+    assert re.search(r"thread \(47,0,0\) of block \(0,0,0\): initcheck: uses an undefined value in the address of a "
+                     r"4-byte read " + shuffle_read_outside_the_mask("// index", line_of("// looked up"))
+                     + rf"; the address is 4 times the value past {base}$", error), error
+    y = np.zeros(48, np.float32)
+    module().get_function("look_up_the_next_lane")((1,), (48,), (table, index, y, np.int32(1), np.int32(place)))
+    expected = table[np.concatenate([index[1:], [0]])]
+    expected[[31, 47]] = -1   # the last lane of each warp: lane + 1 is not there
+    np.testing.assert_array_equal(y, expected)
+
+
+@pytest.mark.parametrize("use, what, marker", [(0, "as the lane or offset of a shuffle", "// source lane"),
+                                               (1, "as the predicate of a barrier", "// predicate"),
+                                               (2, "as the mask of a warp operation", "// mask")])
+def test_an_undefined_shuffle_value_as_an_operand_of_the_runtime_is_refused(order, use, what, marker):
+    """What a lane read outside the mask as the source lane of a shuffle, the predicate of
+    __syncthreads_count or the mask of a __syncwarp(); the twins give those of lanes there alone."""
+    lanes = np.arange(48) % 32
+    if use == 0:
+        x = rng().integers(0, 16, 48).astype(np.int32)   # source lanes that both warps have
+    elif use == 1:
+        x = rng().integers(-2, 3, 48).astype(np.int32)   # predicates, some of them 0
+    else:
+        x = np.where(np.arange(48) < 32, -1, 0xffff).astype(np.int32)   # the mask of each warp's lanes
+    error = refused("next_lane_as_an_operand", (1,), (48,), (x, np.zeros(48, np.int32), np.int32(use), np.int32(0)))
+    assert re.search(rf"thread \(47,0,0\) of block \(0,0,0\): initcheck: uses an undefined value {what} "
+                     + shuffle_read_outside_the_mask("// operand", line_of(marker)), error), error
+    y = np.zeros(48, np.int32)
+    module().get_function("next_lane_as_an_operand")((1,), (48,), (x, y, np.int32(use), np.int32(1)))
+    there = np.ones(48, bool)
+    there[[31, 47]] = False   # the last lane of each warp: lane + 1 is not there
+    following = np.concatenate([x[1:], [0]])
+    if use == 0:
+        source = np.where(there, following, lanes)
+        expected = x[np.where(np.arange(48) < 32, 0, 32) + source]
+    elif use == 1:
+        expected = np.full(48, np.count_nonzero(np.where(there, following, 0)))
+    else:
+        expected = lanes
+    np.testing.assert_array_equal(y, expected)
+
+
+def test_undefined_shuffle_values_are_checked_under_memcheck_too():
+    """The level whole networks run under: no shadow memory is needed to see an undefined value."""
+    x = floats(48)
+    with emu.sanitizer("memcheck"):
+        error = refused("partial_warp_sums_unguarded_float", (1,), (48,), (x, np.zeros(48, np.float32)))
+        y = np.zeros(48, np.float32)
+        module().get_function("partial_warp_sums_float")((1,), (48,), (x, y))
+    assert "initcheck: writes an undefined value to global memory" in error, error
+    validate(y, partial_warp_sums(x), "partial_warp_sums_float under memcheck")
 
 
 # ---- racecheck --------------------------------------------------------------------------------------

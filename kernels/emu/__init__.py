@@ -5,7 +5,8 @@ very same ``.cu`` source is compiled by g++ against ``cuda_emu.h`` and run with 
 execution semantics (threads of a block as fibers, barriers, warps of 32 lanes, shared
 memory per block). ``thread_order("descending")`` runs the threads of the launches inside it
 in the other order. Modules are compiled for the sanitizer, which refuses each out-of-bounds
-or misaligned access, race, uninitialised read and divergent barrier where it happens (README.md);
+or misaligned access, race, uninitialised read, divergent barrier and use of an undefined shuffle value
+where it happens (README.md);
 ``sanitizer(level)`` sets its level ("full", "memcheck" or "off") for what is made and launched inside it.
 ``traffic()`` counts the global loads of the launches inside it as a GPU's memory system sees them: requests,
 32-byte sectors and bytes per kernel (``Traffic``), of arrays aligned as CuPy's (``aligned_empty``).

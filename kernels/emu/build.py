@@ -61,13 +61,15 @@ CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared",
              "-fno-extern-tls-init",
              "-fmax-errors=10")
 # The sanitizer (runtime.cpp): ThreadSanitizer's instrumentation makes every load and store of a
-# kernel call __tsan_{read,write}N, which the runtime defines (TSan's own runtime is never linked:
-# the module is compiled with these flags and linked without them); line tables, to name the .cu
-# line of an access; and no transformation that changes the accesses the source makes (vectorised
-# or merged loads and stores would look misaligned) or merges two call sites into one.
-SANITIZE_FLAGS = ("-fsanitize=thread", "-fno-plt", "-fno-exceptions", "-DEMU_SANITIZE=1", "-g1", "-fno-tree-vectorize",
-                  "-fno-tree-slp-vectorize", "-fno-tree-sra", "-fno-store-merging", "-fno-crossjumping", "-fno-tree-tail-merge",
-                  "-fno-optimize-sibling-calls")
+# kernel call __tsan_{read,write}N, and the coverage instrumentation's trace-cmp every comparison
+# __sanitizer_cov_trace_cmpN with its operands (an undefined shuffle value may not be compared), which
+# the runtime defines (TSan's own runtime is never linked: the module is compiled with these flags and
+# linked without them); line tables, to name the .cu line of an access; and no transformation that
+# changes the accesses the source makes (vectorised or merged loads and stores would look misaligned)
+# or merges two call sites into one.
+SANITIZE_FLAGS = ("-fsanitize=thread", "-fsanitize-coverage=trace-cmp", "-fno-plt", "-fno-exceptions", "-DEMU_SANITIZE=1",
+                  "-g1", "-fno-tree-vectorize", "-fno-tree-slp-vectorize", "-fno-tree-sra", "-fno-store-merging",
+                  "-fno-crossjumping", "-fno-tree-tail-merge", "-fno-optimize-sibling-calls")
 
 
 LEVELS = {"full": 2, "memcheck": 1, "off": 0}
@@ -77,9 +79,9 @@ _levels = []   # what sanitizer() asked for, innermost last
 
 def sanitize_level():
     """The sanitizer's level for what is compiled and launched now: "full" (every check), "memcheck"
-    (bounds, alignment and divergent barriers: not the shadow memory that races and uninitialised
-    reads need, which costs the most) or "off": as sanitizer() says, else CUDA_EMU_SANITIZE (full by
-    default)."""
+    (bounds, alignment, divergent barriers and the uses of undefined shuffle values: not the shadow memory
+    that races and uninitialised reads need, which costs the most) or "off": as sanitizer() says, else
+    CUDA_EMU_SANITIZE (full by default)."""
     if _levels:
         return _levels[-1]
     value = os.environ.get("CUDA_EMU_SANITIZE", "full").strip().lower()

@@ -51,26 +51,12 @@ inline const emu_thread* self() {
 #endif
     return reinterpret_cast<const emu_thread*>((sp & ~(kEmuSlotBytes - 1)) + kEmuThreadOffset);
 }
-
-template <class T>
-inline std::uint64_t to_bits(T v) {
-    static_assert(sizeof(T) <= 8);
-    std::uint64_t bits = 0;
-    std::memcpy(&bits, &v, sizeof(T));
-    return bits;
-}
-
-template <class T>
-inline T from_bits(std::uint64_t bits) {
-    T v;
-    std::memcpy(&v, &bits, sizeof(T));
-    return v;
-}
 }  // namespace emu
 
-// Not the kernel's memory traffic: what the sanitizer leaves alone (see EMU_SANITIZE below).
+// Not the kernel's own work: what the sanitizer leaves alone, its memory traffic and its comparisons (see
+// EMU_SANITIZE below).
 #ifdef EMU_SANITIZE
-#define EMU_UNCHECKED __attribute__((no_sanitize_thread))
+#define EMU_UNCHECKED __attribute__((no_sanitize_thread, no_sanitize_coverage))
 #else
 #define EMU_UNCHECKED
 #endif
@@ -115,31 +101,32 @@ inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 #endif
 
-inline void __syncwarp(unsigned mask = 0xffffffffu) { emu_warp(EMU_SYNCWARP, mask, 0, 0, 32); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { emu_warp(EMU_SYNCWARP, mask, 0, 0, 32, 0); }
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
-    return unsigned(emu_warp(EMU_BALLOT, mask, predicate != 0, 0, 32));
+    return unsigned(emu_warp(EMU_BALLOT, mask, predicate != 0, 0, 32, 0));
 }
 inline int __any_sync(unsigned mask, int predicate) {
-    return int(emu_warp(EMU_ANY, mask, predicate != 0, 0, 32));
+    return int(emu_warp(EMU_ANY, mask, predicate != 0, 0, 32, 0));
 }
 inline int __all_sync(unsigned mask, int predicate) {
-    return int(emu_warp(EMU_ALL, mask, predicate != 0, 0, 32));
+    return int(emu_warp(EMU_ALL, mask, predicate != 0, 0, 32, 0));
 }
 
-// CUDA's overload set of the shuffles, no more; inlined, so that a message names the kernel's line.
+// CUDA's overload set of the shuffles, no more; inlined, so that a message names the kernel's line. A lane
+// that reads one outside the mask gets a poison of its type's size (runtime.cpp).
 #define EMU_SHUFFLE inline __attribute__((always_inline))
 #define EMU_SHUFFLES(T)                                                                        \
     EMU_SHUFFLE T __shfl_sync(unsigned mask, T var, int src_lane, int width = warpSize) {           \
-        return emu::from_bits<T>(emu_warp(EMU_SHFL_IDX, mask, emu::to_bits(var), src_lane, width)); \
+        return emu::from_bits<T>(emu_warp(EMU_SHFL_IDX, mask, emu::to_bits(var), src_lane, width, sizeof(T))); \
     }                                                                                          \
     EMU_SHUFFLE T __shfl_up_sync(unsigned mask, T var, unsigned int delta, int width = warpSize) {  \
-        return emu::from_bits<T>(emu_warp(EMU_SHFL_UP, mask, emu::to_bits(var), int(delta), width)); \
+        return emu::from_bits<T>(emu_warp(EMU_SHFL_UP, mask, emu::to_bits(var), int(delta), width, sizeof(T))); \
     }                                                                                          \
     EMU_SHUFFLE T __shfl_down_sync(unsigned mask, T var, unsigned int delta, int width = warpSize) { \
-        return emu::from_bits<T>(emu_warp(EMU_SHFL_DOWN, mask, emu::to_bits(var), int(delta), width)); \
+        return emu::from_bits<T>(emu_warp(EMU_SHFL_DOWN, mask, emu::to_bits(var), int(delta), width, sizeof(T))); \
     }                                                                                          \
     EMU_SHUFFLE T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize) {      \
-        return emu::from_bits<T>(emu_warp(EMU_SHFL_XOR, mask, emu::to_bits(var), lane_mask, width)); \
+        return emu::from_bits<T>(emu_warp(EMU_SHFL_XOR, mask, emu::to_bits(var), lane_mask, width, sizeof(T))); \
     }
 EMU_SHUFFLES(int)
 EMU_SHUFFLES(unsigned int)
@@ -155,17 +142,22 @@ EMU_SHUFFLES(double)
 // ---- atomics: exactly CUDA's overloads -----------------------------------------------------
 // Under the sanitizer (EMU_SANITIZE, see build.py) an atomic is checked for bounds and alignment
 // but is not a plain store: atomics never race. So the compiler must not instrument them, nor inline
-// them into a kernel that it does instrument; the check names the kernel's call.
+// them into a kernel that it does instrument; the check names the kernel's call. Its operand is a
+// value the atomic uses: it must not be an undefined shuffle value.
 #ifdef EMU_SANITIZE
-#define EMU_ATOMIC __attribute__((no_sanitize_thread, noinline)) inline
-#define EMU_CHECK_ATOMIC(address) emu_check_access(address, sizeof *(address), 2, __builtin_return_address(0))
+#define EMU_ATOMIC __attribute__((no_sanitize_thread, no_sanitize_coverage, noinline)) inline
+#define EMU_CHECK_OPERAND(val) \
+    emu_check_defined(emu::to_bits(val), int(sizeof(val)), "as an atomic's operand", __builtin_return_address(0))
+#define EMU_CHECK_ATOMIC(address, val) \
+    (emu_check_access(address, sizeof *(address), 2, __builtin_return_address(0)), EMU_CHECK_OPERAND(val))
 #else
 #define EMU_ATOMIC inline
-#define EMU_CHECK_ATOMIC(address) ((void)0)
+#define EMU_CHECK_OPERAND(val) ((void)0)
+#define EMU_CHECK_ATOMIC(address, val) ((void)0)
 #endif
 #define EMU_INTEGER_ATOMIC(name, T, builtin) \
     EMU_ATOMIC T name(T* address, T val) {    \
-        EMU_CHECK_ATOMIC(address);              \
+        EMU_CHECK_ATOMIC(address, val);         \
         return builtin(address, val, __ATOMIC_RELAXED); \
     }
 #define EMU_INTEGER_ATOMICS(T)                               \
@@ -204,26 +196,26 @@ EMU_ATOMIC T atomic_float_add(T* address, T val) {
 }  // namespace emu
 
 EMU_ATOMIC float atomicAdd(float* address, float val) {
-    EMU_CHECK_ATOMIC(address);
+    EMU_CHECK_ATOMIC(address, val);
     return emu::atomic_float_add<float, std::uint32_t>(address, val);
 }
 EMU_ATOMIC double atomicAdd(double* address, double val) {
-    EMU_CHECK_ATOMIC(address);
+    EMU_CHECK_ATOMIC(address, val);
     return emu::atomic_float_add<double, std::uint64_t>(address, val);
 }
 EMU_ATOMIC float atomicExch(float* address, float val) {
-    EMU_CHECK_ATOMIC(address);
+    EMU_CHECK_ATOMIC(address, val);
     return emu::from_bits<float>(__atomic_exchange_n(reinterpret_cast<std::uint32_t*>(address),
                                                      std::uint32_t(emu::to_bits(val)), __ATOMIC_RELAXED));
 }
 
 #define EMU_MIN_MAX_ATOMICS(T)                                                                \
     EMU_ATOMIC T atomicMin(T* address, T val) {                                               \
-        EMU_CHECK_ATOMIC(address);                                                            \
+        EMU_CHECK_ATOMIC(address, val);                                                       \
         return emu::atomic_update(address, [val](T old) { return old < val ? old : val; });   \
     }                                                                                         \
     EMU_ATOMIC T atomicMax(T* address, T val) {                                               \
-        EMU_CHECK_ATOMIC(address);                                                            \
+        EMU_CHECK_ATOMIC(address, val);                                                       \
         return emu::atomic_update(address, [val](T old) { return old > val ? old : val; });   \
     }
 EMU_MIN_MAX_ATOMICS(int)
@@ -234,7 +226,8 @@ EMU_MIN_MAX_ATOMICS(unsigned long long)
 
 #define EMU_CAS(T)                                                                            \
     EMU_ATOMIC T atomicCAS(T* address, T compare, T val) {                                   \
-        EMU_CHECK_ATOMIC(address);                                                            \
+        EMU_CHECK_OPERAND(compare);                                                           \
+        EMU_CHECK_ATOMIC(address, val);                                                       \
         __atomic_compare_exchange_n(address, &compare, val, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); \
         return compare;                                                                       \
     }
@@ -245,11 +238,11 @@ EMU_CAS(unsigned short)
 #undef EMU_CAS
 
 EMU_ATOMIC unsigned int atomicInc(unsigned int* address, unsigned int val) {
-    EMU_CHECK_ATOMIC(address);
+    EMU_CHECK_ATOMIC(address, val);
     return emu::atomic_update(address, [val](unsigned int old) { return old >= val ? 0u : old + 1; });
 }
 EMU_ATOMIC unsigned int atomicDec(unsigned int* address, unsigned int val) {
-    EMU_CHECK_ATOMIC(address);
+    EMU_CHECK_ATOMIC(address, val);
     return emu::atomic_update(address,
                               [val](unsigned int old) { return (old == 0 || old > val) ? val : old - 1; });
 }

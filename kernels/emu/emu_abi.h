@@ -5,6 +5,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 struct uint3 {
     unsigned int x, y, z;
@@ -33,6 +34,24 @@ struct emu_thread {
     dim3 grid_dim;
 };
 
+namespace emu {
+// A value of up to 8 bytes as the bits a warp operation carries (the low bytes), and back.
+template <class T>
+inline std::uint64_t to_bits(T v) {
+    static_assert(sizeof(T) <= 8);
+    std::uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    return bits;
+}
+
+template <class T>
+inline T from_bits(std::uint64_t bits) {
+    T v;
+    std::memcpy(&v, &bits, sizeof(T));
+    return v;
+}
+}  // namespace emu
+
 // The warp-level operations that need a rendezvous of the lanes named in a mask; EMU_ALIGNED
 // is a warp-wide .aligned instruction (mma.sync, ldmatrix), see emu_warp_aligned.
 enum emu_warp_op : int {
@@ -52,7 +71,9 @@ constexpr std::size_t kEmuSharedTailBytes = 256;
 extern "C" {
 // A barrier called at file:line; how: 0 count, 1 and, 2 or.
 int emu_syncthreads_reduce(int predicate, int how, const char* file, int line);
-std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, int arg, int width);
+// A warp-level operation: `bytes`, the size of a shuffle's value (4 or 8; 0 for a vote or __syncwarp),
+// is that of the undefined value a lane that reads outside the mask gets (see runtime.cpp, poison).
+std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, int arg, int width, int bytes);
 // A warp-wide .aligned instruction named `what`, called at file:line: returns when all 32 lanes
 // of the warp have reached this very call, each lane's `bytes` at `in` gathered, lane by lane,
 // into every lane's `out` (32 * bytes). Lanes at another call, or returned, are an error.
@@ -66,6 +87,9 @@ void emu_warp_aligned_rows(const char* what, const char* file, int line, const v
 // hands on or takes the writes a fence released: see emu_threadfence); `caller`, the return address
 // into the kernel to name, or null for the call's own.
 void emu_check_access(const void* p, std::size_t bytes, int how, const void* caller);
+// The sanitizer's check of a value the kernel uses where the compiler's instrumentation does not see it
+// (an atomic's operand): an error if it is an undefined shuffle value (`bytes`: its size); `what` names the use.
+void emu_check_defined(std::uint64_t bits, int bytes, const char* what, const void* caller);
 // __threadfence() under the sanitizer: the fence, and for racecheck, a block's writes before it handed on
 // by its next atomic to the blocks that update the same word after (last_block's counter).
 void emu_threadfence(void);

@@ -22,9 +22,10 @@
 // racecheck (a shared byte written by one thread and read or written by another with no barrier
 // between, lanes of a warp needing a __syncwarp; a global byte written by two threads of the
 // launch with plain stores), initcheck (a shared byte read before any thread of the block wrote
-// it, or while a cp.async to it is in flight) and synccheck (the threads a barrier releases, and
-// the lanes of a warp-wide .aligned instruction, at one call instance: the same chain of return
-// addresses, which is why modules are compiled with frame pointers).
+// it, or while a cp.async to it is in flight; and the value a shuffle gives a lane that reads outside its
+// mask, where it is used: see poison) and synccheck (the threads a barrier releases, and the lanes of a
+// warp-wide .aligned instruction, at one call instance: the same chain of return addresses, which is why
+// modules are compiled with frame pointers).
 //
 // The traffic counter (a launch with `traffic`, emu.traffic() in Python) rides on the same hooks: it
 // groups the global loads of a warp into the requests a GPU's memory system sees and counts the 32-byte
@@ -184,6 +185,21 @@ struct CallChain {
     const void* ret[kChainDepth];
 };
 
+// A shuffle that gave a lane an undefined value in this launch (see poison): its code address, and what a
+// message says of it. Its index in Launch::undefined is the tag its poison carries.
+struct UndefinedShuffle {
+    const void* pc;
+    std::string what;
+};
+
+// The running thread's last store to memory while the launch has undefined values about, not yet checked
+// for one (undefined_store): the instrumentation reports a store before it happens.
+struct UncheckedStore {
+    std::uintptr_t a;
+    std::size_t n;
+    const void* pc;
+};
+
 // A store to global bytes that another thread of the launch wrote (global_write): their values before.
 struct RacingStore {
     int thread;
@@ -238,6 +254,8 @@ struct Launch {
     std::vector<CallChain> barrier_calls;             // its chain of calls
     std::vector<std::pair<const char*, int>> barrier_site;   // and its source line
     LoadTraffic* traffic;                             // the traffic counter, or null
+    std::vector<UndefinedShuffle> undefined;          // the shuffles that gave undefined values, by tag
+    UncheckedStore unchecked;                         // n = 0: none
 };
 
 Launch* g_launch = nullptr;
@@ -246,6 +264,7 @@ std::vector<ShadowWord> g_shadow;   // of the running module's shared memory, by
 std::uint32_t g_phase = 0;          // of every stretch between barriers, over all blocks (see ShadowWord)
 std::uint32_t g_warp_gen = 0;       // of every completed __syncwarp()
 std::uintptr_t g_report_address = 0;  // an address the sanitizer refused, for the message's argument
+bool g_check_values = false;        // the launch is sanitized and has given undefined values (see poison)
 
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string format(const char* fmt, ...) {
@@ -670,6 +689,121 @@ void on_global_atomic(std::uintptr_t word) {
     g.acquiring.push_back(word);
 }
 
+// ---- undefined shuffle values -------------------------------------------------------------------
+// A lane whose shuffle reads a lane outside the mask gets an undefined value on a GPU, which is no error
+// until it is used: a partial warp's reduction reads past its last lane and discards what it gets. Here it
+// gets a poison that names the shuffle: 22 payload bits, kPoisonMark above the shuffle's index in the
+// launch's `undefined` (its tag). As a float, the signalling NaN of that payload; as a double, the NaN with
+// the same payload at the top of its mantissa (each converts to the other); as an integer, those bits. The
+// CPU's float arithmetic hands a NaN operand's payload on (quietened, its sign perhaps flipped), so a float
+// computed from a poison is one too; integer arithmetic does not. Under the sanitizer a poison is refused
+// where it is used: written to memory (undefined_store), compared (the module's comparison hooks), an
+// atomic's operand, a warp operation's mask or lane, a barrier's predicate (check_defined), or indexing an
+// address (check_address_defined).
+constexpr int kPoisonTagBits = 10;
+constexpr std::uint64_t kPoisonMark = 0xa5a;   // 12 bits, 22 with the tag
+
+std::uint64_t poison(std::uint64_t tag, int bytes) {
+    const std::uint64_t payload = kPoisonMark << kPoisonTagBits | tag;
+    return bytes == 8 ? 0x7ff0000000000000ull | payload << 29 : 0x7f800000u | payload;
+}
+
+// The tag of the poison that `bits` (a value of `bytes`) are, or -1.
+int poison_tag(std::uint64_t bits, int bytes) {
+    std::uint64_t payload;
+    if (bytes == 4) {
+        const std::uint32_t x = std::uint32_t(bits) & 0x7fbfffffu;   // without the sign and the quiet bit
+        if (x >> 23 != 0xff) return -1;
+        payload = x & 0x3fffff;
+    } else if (bytes == 8) {
+        const std::uint64_t x = bits & 0x7ff7ffffffffffffull;
+        if (x >> 52 != 0x7ff || (x & ((std::uint64_t(1) << 29) - 1))) return -1;
+        payload = x >> 29 & 0x3fffff;
+    } else {
+        return -1;   // a shuffle's value has 4 or 8 bytes
+    }
+    const std::uint64_t tag = payload & ((std::uint64_t(1) << kPoisonTagBits) - 1);
+    return payload >> kPoisonTagBits == kPoisonMark && tag < g_launch->undefined.size() ? int(tag) : -1;
+}
+
+// An error if `bits` (a value of `bytes`) are a poison: `use` says how the running thread uses the value.
+void check_defined(std::uint64_t bits, int bytes, const char* use, const void* pc) {
+    const int tag = poison_tag(bits, bytes);
+    if (__builtin_expect(tag >= 0, 0))
+        fail_in_fiber(format("initcheck: uses an undefined value %s%s: %s", use, at(pc).c_str(),
+                             g_launch->undefined[std::size_t(tag)].what.c_str()));
+}
+
+// The check of the running thread's last store (Launch::unchecked), now that it has happened: an error message
+// if it wrote a poison, else "".
+std::string undefined_store() {
+    Launch& g = *g_launch;
+    const UncheckedStore store = g.unchecked;
+    g.unchecked.n = 0;
+    for (std::size_t o = 0; o + 4 <= store.n; o += 4) {
+        std::uint32_t four;
+        std::memcpy(&four, reinterpret_cast<const void*>(store.a + o), 4);
+        int tag = poison_tag(four, 4);
+        if (tag < 0 && o % 8 == 0 && o + 8 <= store.n) {
+            std::uint64_t eight;
+            std::memcpy(&eight, reinterpret_cast<const void*>(store.a + o), 8);
+            tag = poison_tag(eight, 8);
+        }
+        if (tag < 0) continue;
+        const std::uintptr_t a = store.a + o;
+        std::string place;
+        if (const SharedVariable* v = shared_variable(a, 4)) {
+            place = format("byte %ld of `%s`", long(a - v->begin), v->name.c_str());
+        } else {
+            place = format("global memory at 0x%lx", static_cast<unsigned long>(a));
+            g_report_address = a;
+        }
+        return format("initcheck: writes an undefined value to %s%s: %s", place.c_str(), at(store.pc).c_str(),
+                      g.undefined[std::size_t(tag)].what.c_str());
+    }
+    return "";
+}
+
+// Checks the running thread's last store, if it is not yet checked.
+inline void settle_store() {
+    if (__builtin_expect(g_launch->unchecked.n != 0, 0)) {
+        const std::string error = undefined_store();
+        if (!error.empty()) fail_in_fiber(error);
+    }
+}
+
+// An error if an access to [a, a + n) outside the launch's memory is at the address of a poison used as an
+// index: a place in the launch's memory (an argument, a __shared__ variable, the module's own variables, the
+// thread's stack) plus the poison times an element size.
+void check_address_defined(std::uintptr_t a, std::size_t n, int how, const void* pc) {
+    Launch& g = *g_launch;
+    const auto stack = reinterpret_cast<std::uintptr_t>(g_slots.guard(g.current));
+    for (std::size_t tag = 0; tag < g.undefined.size(); ++tag)
+        for (const int bytes : {4, 8})
+            for (std::uintptr_t size = 1; size <= 16; size *= 2) {
+                const std::uintptr_t base = a - std::uintptr_t(poison(tag, bytes)) * size;
+                std::string place;
+                if (const SharedVariable* v = shared_variable(base, 0)) {
+                    place = format("byte %ld of `%s`", long(base - v->begin), v->name.c_str());
+                } else if (base - stack < kEmuSlotBytes) {
+                    place = "the thread's own stack (a local array)";
+                } else {
+                    for (const auto& [start, end] : g.regions)
+                        if (base >= start && base <= end) {
+                            place = format("0x%lx", static_cast<unsigned long>(base));
+                            g_report_address = base;   // the message ends with the argument it lies in
+                        }
+                    for (const auto& [start, end] : g.module->segments)
+                        if (base >= start && base <= end) place = "a variable of the module";
+                }
+                if (!place.empty())
+                    fail_in_fiber(format("initcheck: uses an undefined value in the address of a %zu-byte %s%s: %s; "
+                                         "the address is %zu times the value past %s", n,
+                                         how == WRITE ? "write" : how == READ ? "read" : "atomic", at(pc).c_str(),
+                                         g.undefined[tag].what.c_str(), std::size_t(size), place.c_str()));
+            }
+}
+
 // Every check of a kernel's access to [a, a + n): `aligned`, the natural alignment of an n-byte access.
 void check_access(std::uintptr_t a, std::size_t n, int how, bool aligned, const void* pc) {
     Launch& g = *g_launch;
@@ -697,6 +831,7 @@ void check_access(std::uintptr_t a, std::size_t n, int how, bool aligned, const 
     }
     for (const auto& [start, end] : g.module->segments)
         if (a >= start && a + n <= end) return;   // the module's own variables (__device__, constants)
+    if (g_check_values) check_address_defined(a, n, how, pc);
     g_report_address = a;
     fail_in_fiber(format("memcheck: out-of-bounds global %s of %zu bytes at 0x%lx%s",
                          how == WRITE ? "write" : how == READ ? "read" : "atomic", n, static_cast<unsigned long>(a),
@@ -706,7 +841,9 @@ void check_access(std::uintptr_t a, std::size_t n, int how, bool aligned, const 
 inline void instrumented(std::uintptr_t a, std::size_t n, int how, bool aligned, const void* pc) {
     Launch* g = g_launch;
     if (!g || !g->sanitize || g->current < 0) return;
+    settle_store();
     if (a - reinterpret_cast<std::uintptr_t>(g_slots.base) < std::size_t(g_slots.count) * kEmuSlotBytes) return;
+    if (__builtin_expect(g_check_values, 0) && how != READ) g->unchecked = {a, n, pc};
     // the common case: an aligned access to the shared variable of the last shared access
     const SharedVariable* last = g->last_shared;
     if (last && a >= last->begin && a + n <= last->end && !(aligned && (a & (n - 1)))) {
@@ -750,31 +887,43 @@ int shuffle_source(const Warp& w, int lane) {
 
 std::string lane_list(unsigned lanes);
 
-// A shuffle of lanes that are not all there: its value is undefined on a GPU where a lane reads one that
-// does not execute it, and where the mask names lanes that returned or do not exist (NVIDIA's CUDA C++
-// guidelines, 2.1 and 2.3). An error for the first such lane of the group, or false.
+// A shuffle whose mask names lanes that returned or do not exist (NVIDIA's CUDA C++ guidelines, 2.1 and
+// 2.3): an error for the group, or false. (Its lanes then read lanes of the mask, which all execute it, or
+// lanes outside the mask, whose values are undefined: undefined_value.)
 bool shuffle_without_its_lanes(int wi, unsigned mask, unsigned group) {
     const Warp& w = g_launch->warps[wi];
     const int first = __builtin_ctz(group);
-    if (mask & w.returned) {
-        fail(describe_thread(wi * 32 + first) +
-             format(": %s(mask 0x%08x) names lanes %s, which have returned or are not in the block (of %d "
-                    "threads): a shuffle's mask may name only lanes that execute it (the values are undefined on a "
-                    "GPU)%s", warp_op_name(w.op[first]), mask, lane_list(mask & w.returned).c_str(), g_launch->threads,
-                    at(w.pc[first]).c_str()));
-        return true;
+    if (!(mask & w.returned)) return false;
+    fail(describe_thread(wi * 32 + first) +
+         format(": %s(mask 0x%08x) names lanes %s, which have returned or are not in the block (of %d "
+                "threads): a shuffle's mask may name only lanes that execute it (the values are undefined on a "
+                "GPU)%s", warp_op_name(w.op[first]), mask, lane_list(mask & w.returned).c_str(), g_launch->threads,
+                at(w.pc[first]).c_str()));
+    return true;
+}
+
+// The poison for lane `lane` of warp `wi`, whose shuffle reads lane `src`, outside the mask: a value that is
+// undefined on a GPU, an error only where it is used (see poison).
+std::uint64_t undefined_value(int wi, int lane, int src) {
+    Launch& g = *g_launch;
+    const Warp& w = g.warps[wi];
+    std::size_t tag = 0;
+    while (tag < g.undefined.size() && g.undefined[tag].pc != w.pc[lane]) ++tag;
+    if (tag == g.undefined.size()) {
+        if (tag == std::size_t(1) << kPoisonTagBits) {
+            fail(describe_thread(wi * 32 + lane) +
+                 format(": %s%s reads lane %d, outside the mask: more shuffles of this launch read outside their "
+                        "masks than the emulator tells apart (%zu)", warp_op_name(w.op[lane]), at(w.pc[lane]).c_str(),
+                        src, tag));
+            return 0;
+        }
+        g_check_values = g.sanitize != 0;
+        g.undefined.push_back({w.pc[lane], format("what %s%s gives a lane that reads one outside the mask (the first: "
+                                                  "lane %d of %s, which read lane %d, not in mask 0x%08x)",
+                                                  warp_op_name(w.op[lane]), at(w.pc[lane]).c_str(), lane,
+                                                  describe_thread(wi * 32 + lane).c_str(), src, w.mask[lane])});
     }
-    for (unsigned rest = group; rest; rest &= rest - 1) {
-        const int lane = __builtin_ctz(rest), src = shuffle_source(w, lane);
-        if (group >> src & 1u) continue;
-        fail(describe_thread(wi * 32 + lane) +
-             format(": %s(mask 0x%08x) of lane %d reads lane %d, which %s: the value is undefined on a GPU%s",
-                    warp_op_name(w.op[lane]), mask, lane, src,
-                    mask >> src & 1u ? "has returned or is not in the block" : "is not in the mask",
-                    at(w.pc[lane]).c_str()));
-        return true;
-    }
-    return false;
+    return poison(tag, w.bytes[lane]);
 }
 
 // Completes the group of lanes waiting with `mask` in warp `wi` if every lane the mask names
@@ -800,7 +949,11 @@ void try_complete_warp(int wi, unsigned mask) {
             case EMU_ANY: w.result[lane] = votes != 0; break;
             case EMU_ALL: w.result[lane] = votes == group; break;
             case EMU_SYNCWARP: w.result[lane] = 0; break;
-            default: w.result[lane] = w.value[shuffle_source(w, lane)]; break;
+            default: {
+                const int src = shuffle_source(w, lane);
+                w.result[lane] = group >> src & 1u ? w.value[src] : undefined_value(wi, lane, src);
+                break;
+            }
         }
         g.state[wi * 32 + lane] = RUNNABLE;
     }
@@ -1009,6 +1162,13 @@ bool run_block(uint3 block_idx) {
             switch_to_fiber(i);
             g.current = -1;
             if (g.failed || (!g.racing.empty() && !check_racing_stores())) return false;
+            if (g.unchecked.n) {   // the thread's last store, before the thread's turn ended
+                const std::string error = undefined_store();
+                if (!error.empty()) {
+                    fail(describe_thread(i) + ": " + error);
+                    return false;
+                }
+            }
             ran = true;
         }
         if (g.live == 0) break;
@@ -1120,6 +1280,8 @@ extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(std::uintpt
 extern "C" int emu_syncthreads_reduce(int predicate, int how, const char* file, int line) {
     Launch& g = *g_launch;
     const int i = g.current;
+    if (g_check_values)
+        check_defined(std::uint32_t(predicate), 4, "as the predicate of a barrier", __builtin_return_address(0));
     const void* innermost;
     g.barrier_calls[i].n = 0;
     const std::uint64_t outer = call_path(__builtin_frame_address(0), &innermost, 1, nullptr, &g.barrier_calls[i]);
@@ -1136,9 +1298,13 @@ extern "C" int emu_syncthreads_reduce(int predicate, int how, const char* file, 
 }
 
 
-extern "C" std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, int arg, int width) {
+extern "C" std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, int arg, int width, int bytes) {
     Launch& g = *g_launch;
     const int i = g.current, lane = i % 32;
+    if (g_check_values) {
+        check_defined(mask, 4, "as the mask of a warp operation", __builtin_return_address(0));
+        check_defined(std::uint32_t(arg), 4, "as the lane or offset of a shuffle", __builtin_return_address(0));
+    }
     if (!(mask >> lane & 1u))
         fail_in_fiber(format("%s with mask 0x%08x, which leaves out the calling lane %d", warp_op_name(op), mask,
                              lane));
@@ -1152,6 +1318,7 @@ extern "C" std::uint64_t emu_warp(int op, unsigned mask, std::uint64_t value, in
     w.value[lane] = value;
     w.arg[lane] = arg;
     w.width[lane] = width;
+    w.bytes[lane] = bytes;
     w.pc[lane] = __builtin_return_address(0);
     try_complete_warp(i / 32, mask);
     switch_to_scheduler(i);
@@ -1234,6 +1401,7 @@ extern "C" void emu_check_shared(const void* p, std::size_t bytes, std::size_t a
 
 extern "C" void emu_cp_async(void* dst, const void* src, int bytes, int src_bytes, int cache_global,
                              const char* file, int line) {
+    settle_store();   // before the copy fills its destination
     const char* what = cache_global ? "cp.async.cg" : "cp.async.ca";
     if (!(bytes == 4 || bytes == 8 || bytes == 16) || (cache_global && bytes != 16))
         fail_in_fiber(format("%s at %s:%d copies %d bytes: .ca takes 4, 8 or 16, .cg 16", what, file, line, bytes));
@@ -1260,6 +1428,7 @@ extern "C" void emu_cp_async_commit(void) {
 }
 
 extern "C" void emu_cp_async_wait(int pending_groups) {
+    settle_store();   // before the copies land
     AsyncCopies& a = g_launch->async[g_launch->current];
     const std::size_t keep = std::size_t(pending_groups < 0 ? 0 : pending_groups);
     while (a.groups.size() > keep) {
@@ -1308,6 +1477,38 @@ extern "C" void __tsan_read_range(std::uintptr_t a, std::size_t n) {
 extern "C" void __tsan_write_range(std::uintptr_t a, std::size_t n) {
     instrumented(a, n, WRITE, n == 8 || n == 16, __builtin_return_address(0));
 }
+// What -fsanitize-coverage=trace-cmp makes a module call before each comparison (and switch), with its
+// operands: an undefined shuffle value may not be compared, and so not branched on. Operands of 1 or 2 bytes
+// are never one.
+namespace {
+inline void compared(std::uint64_t x, std::uint64_t y, int bytes, const void* pc) {
+    if (__builtin_expect(!g_check_values, 1)) return;
+    settle_store();
+    check_defined(x, bytes, "in a comparison", pc);
+    check_defined(y, bytes, "in a comparison", pc);
+}
+}  // namespace
+
+#define EMU_CMP_HOOKS(N, T)                                                                              \
+    extern "C" void __sanitizer_cov_trace_cmp##N(T x, T y) { compared(x, y, N, __builtin_return_address(0)); } \
+    extern "C" void __sanitizer_cov_trace_const_cmp##N(T x, T y) {                                         \
+        compared(x, y, N, __builtin_return_address(0));                                                    \
+    }
+EMU_CMP_HOOKS(1, std::uint8_t)
+EMU_CMP_HOOKS(2, std::uint16_t)
+EMU_CMP_HOOKS(4, std::uint32_t)
+EMU_CMP_HOOKS(8, std::uint64_t)
+#undef EMU_CMP_HOOKS
+extern "C" void __sanitizer_cov_trace_cmpf(float x, float y) {
+    compared(emu::to_bits(x), emu::to_bits(y), 4, __builtin_return_address(0));
+}
+extern "C" void __sanitizer_cov_trace_cmpd(double x, double y) {
+    compared(emu::to_bits(x), emu::to_bits(y), 8, __builtin_return_address(0));
+}
+// cases: their count, the value's width in bits, then the values of the cases
+extern "C" void __sanitizer_cov_trace_switch(std::uint64_t value, const std::uint64_t* cases) {
+    compared(value, value, int(cases[1] / 8), __builtin_return_address(0));
+}
 extern "C" void __tsan_func_entry(void*) {}
 extern "C" void __tsan_func_exit(void) {}
 extern "C" void __tsan_init(void) {}
@@ -1323,6 +1524,10 @@ extern "C" void emu_threadfence() {
 extern "C" void emu_check_access(const void* p, std::size_t bytes, int how, const void* caller) {
     instrumented(reinterpret_cast<std::uintptr_t>(p), bytes, how, how == ATOMIC,
                  caller ? caller : __builtin_return_address(0));
+}
+
+extern "C" void emu_check_defined(std::uint64_t bits, int bytes, const char* what, const void* caller) {
+    if (g_check_values) check_defined(bits, bytes, what, caller);
 }
 
 extern "C" void emu_assert_fail(const char* expr, const char* file, int line, const char* function) {
@@ -1475,6 +1680,7 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
         if (g.sanitize > 1 && g_shadow.size() < g.tls_bytes / 4 + 1) g_shadow.resize(g.tls_bytes / 4 + 1);
     }
     g_report_address = 0;
+    g_check_values = false;
     g_launch = &g;
     g_launch_thread = pthread_self();
     g_fault = Fault{0, 0, -1};
@@ -1494,6 +1700,7 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
         }
     }
     g_launch = nullptr;
+    g_check_values = false;
     for (std::size_t r = 0; r < g.writers.size(); ++r)
         if (g.writers[r])
             munmap(g.writers[r], 2 * (g.regions[r].second - g.regions[r].first) * sizeof(std::uint32_t));

@@ -1,7 +1,8 @@
 // sanitizer.cu: kernels that each hold one bug a GPU punishes, and correct kernels beside them that
 // do nearly the same and must run clean, for tests/test_sanitizer.py. Each bug is one that
 // compute-sanitizer reports on a GPU (memcheck, racecheck, synccheck, initcheck), but the race of
-// two plain stores to one global word, which no tool reports there (one update is lost).
+// two plain stores to one global word (one update is lost) and the use of an undefined value a shuffle
+// read outside its mask, which no tool reports there.
 #include "common.cuh"
 #include "tensor_core.cuh"
 
@@ -161,10 +162,129 @@ extern "C" __global__ void warp_sum_of_the_lanes_there(const float* x, float* y)
     if (threadIdx.x % 32 == 0) y[threadIdx.x / 32] = v;
 }
 
-// Lanes 16-31 return; lanes 0-15 then read them, with a mask of themselves.
+// Lanes 16-31 return; lanes 0-15 then read them, with a mask of themselves, and store what they read.
 extern "C" __global__ void shuffle_reads_lanes_that_returned(const float* x, float* y) {
     if (threadIdx.x >= 16) return;
     y[threadIdx.x] = __shfl_sync(0x0000ffffu, x[threadIdx.x], int(threadIdx.x) + 16);
+}
+
+// ---- undefined shuffle values -------------------------------------------------------------------
+// Launched with 48 threads: the second warp has 16 lanes, and its shuffles name them alone. Where a lane
+// reads lane + k past them, outside the mask, it gets an undefined value: no error while it is discarded,
+// an error where it is used (stored, compared, branched on, an address, an atomic's operand).
+
+// The lanes there in the calling thread's warp, and the mask of them.
+__device__ int lanes_there() { return min(32, int(blockDim.x - threadIdx.x / 32 * 32)); }
+__device__ unsigned mask_of_lanes_there() { return lanes_there() == 32 ? 0xffffffffu : (1u << lanes_there()) - 1; }
+
+// Correct: a lane adds what it read from lane + k only if that lane is there; every lane stores its sum.
+template <class T>
+__device__ void partial_warp_sums(const T* x, T* y) {
+    const int lane = threadIdx.x % 32, lanes = lanes_there();
+    T v = x[threadIdx.x];
+    for (int k = 16; k > 0; k >>= 1) {
+        const T other = __shfl_down_sync(mask_of_lanes_there(), v, k);   // guarded sum
+        if (lane + k < lanes) v += other;
+    }
+    y[threadIdx.x] = v;
+}
+extern "C" __global__ void partial_warp_sums_float(const float* x, float* y) { partial_warp_sums(x, y); }
+extern "C" __global__ void partial_warp_sums_int(const int* x, int* y) { partial_warp_sums(x, y); }
+extern "C" __global__ void partial_warp_sums_double(const double* x, double* y) { partial_warp_sums(x, y); }
+
+// Correct: the sum from half the lanes there, without the guard: lanes 8-15 of the partial warp add undefined
+// values, and lanes 4-7, 2-3 and 1 what those lanes then hold, but lane 0, which alone stores, adds lanes 0-15.
+extern "C" __global__ void partial_warp_sum_stored_by_lane_0(const float* x, float* y) {
+    float v = x[threadIdx.x];
+    for (int k = lanes_there() / 2; k > 0; k >>= 1) v += __shfl_down_sync(mask_of_lanes_there(), v, k);
+    if (threadIdx.x % 32 == 0) y[threadIdx.x / 32] = v;
+}
+
+// Stored: the sum without the guard, stored by every lane: from k = 16 on, every lane of the partial warp adds
+// an undefined value and stores what it computed from it (float, double).
+template <class T>
+__device__ void partial_warp_sums_unguarded(const T* x, T* y) {
+    T v = x[threadIdx.x];
+    for (int k = 16; k > 0; k >>= 1) v += __shfl_down_sync(mask_of_lanes_there(), v, k);   // unguarded sum
+    y[threadIdx.x] = v;   // every lane, unguarded
+}
+extern "C" __global__ void partial_warp_sums_unguarded_float(const float* x, float* y) {
+    partial_warp_sums_unguarded(x, y);
+}
+extern "C" __global__ void partial_warp_sums_unguarded_double(const double* x, double* y) {
+    partial_warp_sums_unguarded(x, y);
+}
+
+// Stored: each lane puts its next lane's value into shared memory; the partial warp's lane 15 has none.
+extern "C" __global__ void next_lane_into_shared_memory(const int* x, int* y) {
+    __shared__ int s[48];
+    s[threadIdx.x] = __shfl_down_sync(mask_of_lanes_there(), x[threadIdx.x], 1);   // shared store
+    __syncthreads();
+    y[threadIdx.x] = s[threadIdx.x];
+}
+
+// Stored by an atomic: each lane adds its next lane's value to the total; the partial warp's lane 15 has none.
+extern "C" __global__ void next_lane_added_atomically(const int* x, int* total) {
+    atomicAdd(total, __shfl_down_sync(mask_of_lanes_there(), x[threadIdx.x], 1));   // atomic operand
+}
+
+// Correct, and compared without the guard: each warp's maximum.
+extern "C" __global__ void partial_warp_max(const float* x, float* y, int guarded) {
+    const int lane = threadIdx.x % 32, lanes = lanes_there();
+    float v = x[threadIdx.x];
+    for (int k = 16; k > 0; k >>= 1) {
+        const float other = __shfl_down_sync(mask_of_lanes_there(), v, k);   // max
+        if ((!guarded || lane + k < lanes) && other > v) v = other;
+    }
+    if (lane == 0) y[threadIdx.x / 32] = v;
+}
+
+// Correct, and branched on without the guard: what each lane does depends on its next lane's value.
+extern "C" __global__ void by_the_next_lane(const int* x, int* y, int guarded) {
+    const int t = threadIdx.x, lane = t % 32;
+    const int next = __shfl_down_sync(mask_of_lanes_there(), x[t], 1);   // branched on
+    if (guarded && lane + 1 >= lanes_there()) {
+        y[t] = -1;
+        return;
+    }
+    switch (next) {
+        case 0: y[t] = x[t]; break;
+        case 1: y[t] = -x[t]; break;
+        case 2: y[t] = 2 * x[t]; break;
+        default: y[t] = 7; break;
+    }
+}
+
+// Correct, and an address without the guard: each lane looks its next lane's index up in a table, in an
+// argument (place 0), in shared memory (1), in a __device__ array (2) or in an array of its own (3).
+__device__ float device_table[48];
+
+extern "C" __global__ void look_up_the_next_lane(const float* table, const int* index, float* y, int guarded,
+                                                 int place) {
+    __shared__ float s[48];
+    float own[48];
+    const int t = threadIdx.x, lane = t % 32;
+    s[t] = table[t];
+    device_table[t] = table[t];
+    for (int k = 0; k < 48; ++k) own[k] = table[k];
+    __syncthreads();
+    const int next = __shfl_down_sync(mask_of_lanes_there(), index[t], 1);   // index
+    const float* in = place == 0 ? table : place == 1 ? s : place == 2 ? device_table : own;
+    y[t] = !guarded || lane + 1 < lanes_there() ? in[next] : -1.0f;   // looked up
+}
+
+// Correct, and an operand of a warp operation or a barrier without the guard: each lane's next lane's value
+// as the source lane of a shuffle (use 0), a barrier's predicate (1) or the mask of a __syncwarp() (2).
+extern "C" __global__ void next_lane_as_an_operand(const int* x, int* y, int use, int guarded) {
+    const int t = threadIdx.x, lane = t % 32;
+    const int next = __shfl_down_sync(mask_of_lanes_there(), x[t], 1);   // operand
+    const bool there = !guarded || lane + 1 < lanes_there();
+    if (use == 0) y[t] = __shfl_sync(mask_of_lanes_there(), x[t], there ? next : lane);   // source lane
+    if (use == 1) y[t] = __syncthreads_count(there ? next : 0);   // predicate
+    if (use == 2) {
+        __syncwarp(there ? unsigned(next) : mask_of_lanes_there());   // mask
+        y[t] = lane;
+    }
 }
 
 // ---- racecheck ------------------------------------------------------------------------------------
