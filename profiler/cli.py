@@ -9,6 +9,7 @@ import numpy as np
 
 import kernels
 import profiler
+from kernels import emu
 from kernels.cuda.launch import ELEMENT_LIMIT
 from nn.init import manual_seed
 from nn.optim import SGD
@@ -92,6 +93,9 @@ def main(argv=None):
         print(f"{PROG}: error: out of {args.device} memory at batch size {args.batch_size}: try a smaller "
               f"--batch-size", file=sys.stderr)
         return 1
+    except emu.CacheError as e:   # the emulator's (on simulated GPUs) cannot keep what it compiles
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _profile(args):

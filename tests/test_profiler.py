@@ -486,6 +486,18 @@ def test_a_batch_too_large_for_the_kernels_indices_is_refused_before_profiling(s
     command.parse_args(["--device", "cuda", "--width", "64", "--batch-size", "42778"])   # the largest that fits
 
 
+def test_an_emulator_cache_that_cannot_be_written_is_a_one_line_error(tmp_path):
+    """On a simulated GPU the kernels are compiled into the emulator's cache: a folder that cannot be written is
+    one line naming it, exit code 2, not a traceback."""
+    (tmp_path / "a-file").write_text("")
+    done = simulated_command(["-m", "profiler", "--device", "cuda", "--width", "2", "--batch-size", "2", "--steps",
+                              "1", "--warmup", "0", "--out", tmp_path / "p"], tmp_path,
+                             CUDA_EMU_CACHE_DIR=str(tmp_path / "a-file" / "cache"))
+    assert done.returncode == 2 and done.stderr.startswith("python -m profiler: error: the CUDA emulator's cache "
+                                                           f"folder {tmp_path / 'a-file' / 'cache'} cannot be written") \
+        and done.stderr.count("\n") == 1, done.stderr[-2000:]
+
+
 def test_running_out_of_memory_is_a_one_line_error(monkeypatch, tmp_path, capsys):
     def exhausted(*args, **kwargs):
         raise MemoryError("planted")
@@ -673,9 +685,11 @@ def test_the_hold_keeps_the_stream_busy_for_the_time_asked():
         backend.hold(-1)
 
 
-def simulated_command(argv, tmp_path):
-    """A command of the project on one simulated GPU, its kernels on the emulator without the sanitizer."""
-    env = {**os.environ, kernels.SIMULATED_GPUS: "1", "CUDA_EMU_SANITIZE": "off", "TMPDIR": str(tmp_path)}
+def simulated_command(argv, tmp_path, **environment):
+    """A command of the project on one simulated GPU, its kernels on the emulator without the sanitizer; with
+    more `environment`."""
+    env = {**os.environ, kernels.SIMULATED_GPUS: "1", "CUDA_EMU_SANITIZE": "off", "TMPDIR": str(tmp_path),
+           **environment}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
 
