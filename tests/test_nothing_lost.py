@@ -452,6 +452,19 @@ def test_an_output_folder_whose_name_is_not_utf8_under_a_strict_utf8_stdout(data
     assert "run-\\udcff" in done.stdout and checkpoint.load(out)[1]["epoch"] == 1
 
 
+def test_an_emulator_cache_folder_that_cannot_be_written_is_one_line(data_dir, tmp_path):
+    """On simulated GPUs the kernels are compiled into the CUDA emulator's cache folder: one that cannot be
+    written (here under a file; a read-only home) is one line naming it, where it was a traceback."""
+    (tmp_path / "a-file").write_text("x")
+    cache = tmp_path / "a-file" / "cache"
+    environment = {**os.environ, kernels.SIMULATED_GPUS: "1", "CUDA_EMU_CACHE_DIR": str(cache), "TMPDIR": str(tmp_path)}
+    done = subprocess.run(command(data_dir, tmp_path / "run", "--gpus", "1"), capture_output=True, text=True,
+                          timeout=120, env=environment)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"train_resnet.py: error: the CUDA emulator's cache folder {cache} cannot be "
+                                  f"written"), done.stderr
+
+
 def test_a_batch_whose_activations_pass_the_kernels_int_indices_is_refused(data_dir, tmp_path, capsys, monkeypatch):
     """On GPUs the kernels index with int: a batch of 50,000 at width 64 (the stem's output, 2.5e9 elements)
     is refused before training, naming the largest batch that fits, and every launch checks its arrays

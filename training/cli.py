@@ -26,6 +26,7 @@ import time
 import traceback
 
 import kernels
+from kernels import emu
 from parallel import comm as communicators
 from parallel import launch
 from . import checkpoint, config, fashion_mnist, loop, output
@@ -122,8 +123,9 @@ def parse_args(argv):
     return p, p.parse_args(argv)
 
 
-# a user's mistake: one line naming it, exit code 2, on every path (a worker's included)
-USER_ERRORS = (config.ConfigError, checkpoint.CheckpointError, fashion_mnist.DataError)
+# a user's mistake, or a folder of the machine that will not do (the CUDA emulator's cache of compiled kernels,
+# on simulated GPUs): one line naming it, exit code 2, on every path (a worker's included)
+USER_ERRORS = (config.ConfigError, checkpoint.CheckpointError, fashion_mnist.DataError, emu.CacheError)
 
 
 def one_line_error(parser, message):
