@@ -241,15 +241,15 @@ def run_cli(data_dir, out, small, *flags):
     return cli.main(["--data-dir", str(data_dir), *(["--out", str(out)] if out else []), *small, *map(str, flags)])
 
 
-def usage_error(capsys, run, *args):
-    """The stderr of run(*args), which must stop with exit code 2 before training and say why in one line,
-    ``train_resnet.py: error: ...``: no traceback, and no usage (argparse's, for a command line it cannot
-    read: an unknown flag, a missing value, a malformed number)."""
+def one_line_error(capsys, run, *args, prog="train_resnet.py"):
+    """The stderr of run(*args), which must stop with exit code 2 before it starts and say why in one line,
+    ``<prog>: error: ...``: no traceback, and no usage (argparse's, for a command line it cannot read: an
+    unknown flag, a missing value, a malformed number)."""
     import pytest
     with pytest.raises(SystemExit) as e:
         run(*args)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("train_resnet.py: error: ") and err.count("\n") == 1, err
+    assert e.value.code == 2 and err.startswith(f"{prog}: error: ") and err.count("\n") == 1, err
     return err
 
 

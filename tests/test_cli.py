@@ -12,7 +12,7 @@ import pytest
 
 import kernels
 import nn
-from helpers import run_cli, usage_error, write_fashion_mnist
+from helpers import run_cli, one_line_error, write_fashion_mnist
 from training import checkpoint, cli, config, loop
 from training import step as training_step
 
@@ -115,8 +115,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     (["--precision", "bf16"], "--precision bf16 runs on GPU tensor cores: add --gpus N"),
 ])
 def test_bad_flags_are_clear_errors(data_dir, tmp_path, capsys, flags, message):
-    """Well-formed values that will not do: one line (helpers.usage_error), not argparse's usage first."""
-    assert message in usage_error(capsys, run, data_dir, tmp_path / "run", *flags)
+    """Well-formed values that will not do: one line (helpers.one_line_error), not argparse's usage first."""
+    assert message in one_line_error(capsys, run, data_dir, tmp_path / "run", *flags)
     assert not (tmp_path / "run" / "checkpoint.npz").exists(), "nothing ran"
 
 
@@ -141,7 +141,7 @@ def test_a_precision_the_gpu_lacks_is_one_line(data_dir, tmp_path, capsys, monke
     from kernels.simulated import cuda as sim_cuda
     monkeypatch.setenv(kernels.SIMULATED_GPUS, "1")
     monkeypatch.setenv(sim_cuda.CAPABILITY, "75")
-    assert usage_error(capsys, run, data_dir, tmp_path / "run", "--gpus", "1", "--precision", "tf32") == (
+    assert one_line_error(capsys, run, data_dir, tmp_path / "run", "--gpus", "1", "--precision", "tf32") == (
         "train_resnet.py: error: --gpus 1: --precision tf32 multiplies on the tensor cores of compute capability 8.0 "
         "and later (Ampere): GPU 0 (Simulated GPU 0 (CPU emulator)) is of compute capability 7.5; use --precision "
         "fp32 there\n")
@@ -151,9 +151,9 @@ def test_resuming_with_another_width_is_an_error(data_dir, tmp_path, capsys):
     assert run(data_dir, tmp_path / "run", "--epochs", "1") == 0
     capsys.readouterr()
     assert "--width 4 does not match the checkpoint's 2" in \
-        usage_error(capsys, cli.main, ["--resume", str(tmp_path / "run"), "--epochs", "2", "--width", "4"])
+        one_line_error(capsys, cli.main, ["--resume", str(tmp_path / "run"), "--epochs", "2", "--width", "4"])
     assert "finished 1 epochs already" in \
-        usage_error(capsys, cli.main, ["--resume", str(tmp_path / "run"), "--epochs", "1"])
+        one_line_error(capsys, cli.main, ["--resume", str(tmp_path / "run"), "--epochs", "1"])
 
 
 def as_if_trained_on_a_gpu(out, precision):
@@ -236,7 +236,7 @@ def test_weights_that_do_not_fit_are_a_clear_error(data_dir, tmp_path, capsys):
 def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "checkpoint.npz").write_bytes(b"PK\x03\x04 not really a zip")
     assert f"not a checkpoint of this program, or corrupt: {tmp_path / 'checkpoint.npz'}" in \
-        usage_error(capsys, cli.main, ["--resume", str(tmp_path)])
+        one_line_error(capsys, cli.main, ["--resume", str(tmp_path)])
 
 
 def test_every_flag_is_of_one_class_of_what_a_resume_does_with_it():
@@ -313,7 +313,7 @@ def test_several_gpus_check_the_flags_and_nccl_before_any_worker_starts(data_dir
     monkeypatch.setenv(kernels.SIMULATED_GPUS, "2")
     monkeypatch.setattr(comm, "nccl_module", lambda: types.SimpleNamespace(available=False))
     monkeypatch.setattr(launch, "run_workers", lambda *a, **k: pytest.fail("a worker was started"))
-    assert message in usage_error(capsys, run, data_dir, tmp_path / "run", "--gpus", "2", *flags)
+    assert message in one_line_error(capsys, run, data_dir, tmp_path / "run", "--gpus", "2", *flags)
 
 
 class Terminal(io.StringIO):

@@ -23,7 +23,7 @@ import kernels.cpu as K
 from bench import kernel_times, tiers
 from bench.layers import distinct, parameter_count, resnet18_layers
 from profiler import costs
-from helpers import write_fashion_mnist
+from helpers import one_line_error, write_fashion_mnist
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_CHECK = ROOT / "bench" / "gpu_check"
@@ -68,10 +68,8 @@ def test_well_formed_but_wrong_flags_are_one_line_errors(flags, message, capsys,
     anything runs (as train_resnet.py's and python -m profiler's)."""
     (tmp_path / "a-file").write_text("not a folder")
     flags = [f.format(tmp=tmp_path) for f in flags]
-    with pytest.raises(SystemExit) as stop:
-        tiers.parse_args(["--out", str(tmp_path / "out"), *flags])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err == f"bench/gpu_check: error: {message.format(tmp=tmp_path)}\n", err
+    assert one_line_error(capsys, tiers.parse_args, ["--out", str(tmp_path / "out"), *flags],
+                          prog="bench/gpu_check") == f"bench/gpu_check: error: {message.format(tmp=tmp_path)}\n"
 
 
 @pytest.mark.skipif(kernels.gpu_count() > 0, reason="this machine has a GPU")

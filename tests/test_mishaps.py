@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import nn
-from helpers import run_cli, usage_error, write_fashion_mnist, write_idx
+from helpers import run_cli, one_line_error, write_fashion_mnist, write_idx
 from training import checkpoint, cli, fashion_mnist, loop, output, reports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path, capsys)
     assert run(data_dir, out, "--epochs", "1") == 0
     first = (out / checkpoint.FILENAME).read_bytes()
     capsys.readouterr()
-    err = usage_error(capsys, run, data_dir, out, "--epochs", "2")
+    err = one_line_error(capsys, run, data_dir, out, "--epochs", "2")
     assert f"--out {out} holds an earlier run (checkpoint.npz, metrics.json, metrics.csv, training.png): continue " \
            f"it with --resume {out}, or replace it with --overwrite" in err
     assert (out / checkpoint.FILENAME).read_bytes() == first, "the earlier run is untouched"
@@ -46,7 +46,7 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path, capsys)
     assert checkpoint.load(out)[1]["config"]["seed"] == 4
     capsys.readouterr()
     assert "--overwrite starts a new run and --resume continues one" in \
-        usage_error(capsys, run, data_dir, None, "--resume", out, "--overwrite", "--epochs", "3")
+        one_line_error(capsys, run, data_dir, None, "--resume", out, "--overwrite", "--epochs", "3")
 
 
 def test_default_folders_are_unique_within_a_second(tmp_path):
@@ -57,7 +57,7 @@ def test_default_folders_are_unique_within_a_second(tmp_path):
 
 def test_a_folder_in_use_by_another_run_is_refused_naming_it(data_dir, tmp_path, capsys):
     with output.claim(tmp_path / "busy"):
-        err = usage_error(capsys, run, data_dir, tmp_path / "busy", "--epochs", "1")
+        err = one_line_error(capsys, run, data_dir, tmp_path / "busy", "--epochs", "1")
     assert f"--out {tmp_path / 'busy'} is in use by another run (process {os.getpid()})" in err
     assert run(data_dir, tmp_path / "busy", "--epochs", "1") == 0, "free again once the first run ended"
 
@@ -65,8 +65,8 @@ def test_a_folder_in_use_by_another_run_is_refused_naming_it(data_dir, tmp_path,
 def test_an_output_folder_that_cannot_be_one_is_refused_before_the_data_is_read(tmp_path, capsys):
     nowhere = tmp_path / "no-data"   # reading it would fail too: the folder is checked first
     (tmp_path / "a-file").write_text("x")
-    assert f"--out {tmp_path / 'a-file'} is a file, not a folder" in usage_error(capsys, run, nowhere, tmp_path / "a-file")
-    assert "--out /proc/no/such: cannot write there" in usage_error(capsys, run, nowhere, "/proc/no/such")
+    assert f"--out {tmp_path / 'a-file'} is a file, not a folder" in one_line_error(capsys, run, nowhere, tmp_path / "a-file")
+    assert "--out /proc/no/such: cannot write there" in one_line_error(capsys, run, nowhere, "/proc/no/such")
 
 
 def test_temporary_files_are_per_process(tmp_path):
@@ -161,13 +161,13 @@ def test_what_is_not_our_checkpoint_says_so(tmp_path, capsys, content):
 def test_test_images_of_another_size_are_an_error(tmp_path, capsys):
     folder = write_fashion_mnist(tmp_path / "data", 32, 8)
     write_idx(folder / fashion_mnist.FILES["test"][0], np.zeros((8, 32, 32), np.uint8))
-    err = usage_error(capsys, run, folder, tmp_path / "run", "--epochs", "1")
+    err = one_line_error(capsys, run, folder, tmp_path / "run", "--epochs", "1")
     assert "t10k-images-idx3-ubyte.gz holds images of 32x32 pixels" in err and "of 28x28" in err
 
 
 def test_a_data_folder_that_cannot_be_read_is_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "a-file").write_text("x")
-    assert f"{tmp_path / 'a-file'} is a file, not a folder" in usage_error(capsys, run, tmp_path / "a-file", tmp_path / "r1")
+    assert f"{tmp_path / 'a-file'} is a file, not a folder" in one_line_error(capsys, run, tmp_path / "a-file", tmp_path / "r1")
     real_kind = fashion_mnist.file_kind
 
     def denied(path):   # what a folder without read permission gives a user other than root
@@ -176,7 +176,7 @@ def test_a_data_folder_that_cannot_be_read_is_one_line(tmp_path, capsys, monkeyp
         return real_kind(path)
     monkeypatch.setattr(fashion_mnist, "file_kind", denied)
     assert f"{tmp_path / 'locked'}: cannot be read (Permission denied)" in \
-        usage_error(capsys, run, tmp_path / "locked", tmp_path / "r2")
+        one_line_error(capsys, run, tmp_path / "locked", tmp_path / "r2")
 
 
 # ---- signals --------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import pytest
 
 import kernels
 import nn
-from helpers import run_cli, usage_error, write_fashion_mnist
+from helpers import run_cli, one_line_error, write_fashion_mnist
 from training import checkpoint, cli, config, fashion_mnist, loop, output
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def run(data_dir, out, *flags):
 
 def refused(capsys, data_dir, out, *flags):
     """The one line of a run refused with exit code 2 before training."""
-    return usage_error(capsys, run, data_dir, out, *flags).strip().splitlines()[-1]
+    return one_line_error(capsys, run, data_dir, out, *flags).strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +302,7 @@ def test_gpu_workers_errors_are_one_line_found_before_any_worker_starts(data_dir
     busy = tmp_path / "busy"
     flags = [f.format(tmp=tmp_path, busy=busy) for f in flags]
     with output.claim(busy):
-        assert message.format(tmp=tmp_path) in usage_error(capsys, cli.main, ["--gpus", "2", "--data-dir", str(data_dir),
+        assert message.format(tmp=tmp_path) in one_line_error(capsys, cli.main, ["--gpus", "2", "--data-dir", str(data_dir),
                                                                     "--out", str(tmp_path / "run"), *SMALL, *flags])
 
 

@@ -22,7 +22,7 @@ import pytest
 
 import kernels
 import nn
-from helpers import rng
+from helpers import one_line_error, rng
 from test_kernels_cuda import poisoned_device_empty, simulated_gpu  # noqa: F401  (fixtures)
 import profiler
 from profiler import cli as command
@@ -470,19 +470,16 @@ def test_malformed_flags_are_refused_with_the_usage(flags, message, capsys):
 def test_well_formed_but_wrong_flags_are_one_line_errors(flags, message, capsys):
     """A value argparse takes but this command cannot use is `python -m profiler: error: ...` alone, exit code 2,
     as train_resnet.py's."""
-    with pytest.raises(SystemExit) as stop:
-        command.parse_args(flags)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err == f"python -m profiler: error: {message}\n", err
+    assert one_line_error(capsys, command.parse_args, flags, prog="python -m profiler") == \
+        f"python -m profiler: error: {message}\n"
 
 
 def test_a_batch_too_large_for_the_kernels_indices_is_refused_before_profiling(simulated_gpu, capsys):
     """On a GPU the first stage's activations of a batch must fit the int indices of the CUDA kernels."""
-    with pytest.raises(SystemExit) as stop:
-        command.parse_args(["--device", "cuda", "--width", "64", "--batch-size", "50000"])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.startswith("python -m profiler: error: --batch-size 50000: at --width 64") \
-        and "at most 42,778 images fit a batch" in err and "usage" not in err, err
+    err = one_line_error(capsys, command.parse_args, ["--device", "cuda", "--width", "64", "--batch-size", "50000"],
+                         prog="python -m profiler")
+    assert err.startswith("python -m profiler: error: --batch-size 50000: at --width 64") and \
+        "at most 42,778 images fit a batch" in err, err
     command.parse_args(["--device", "cuda", "--width", "64", "--batch-size", "42778"])   # the largest that fits
 
 
@@ -518,18 +515,15 @@ def test_outputs_and_memory_are_checked_before_profiling(flags, message, tmp_pat
     """Refused at the start in one line, not after the profile has run (or with a traceback)."""
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    with pytest.raises(SystemExit):
-        command.parse_args(["--device", "cpu", "--out", str(tmp_path / "out"), *(f.format(tmp=tmp_path) for f in flags)])
-    err = capsys.readouterr().err
-    assert err.startswith("python -m profiler: error: ") and message.format(tmp=tmp_path) in err and \
-        err.count("\n") == 1, err
+    err = one_line_error(capsys, command.parse_args, ["--device", "cpu", "--out", str(tmp_path / "out"),
+                                                      *(f.format(tmp=tmp_path) for f in flags)], prog="python -m profiler")
+    assert message.format(tmp=tmp_path) in err, err
 
 
 @pytest.mark.skipif(kernels.gpu_count() > 0, reason="this machine has a GPU")
 def test_cuda_without_a_gpu_says_so(capsys):
-    with pytest.raises(SystemExit):
-        command.parse_args(["--device", "cuda"])
-    assert capsys.readouterr().err.startswith("python -m profiler: error: --device cuda: ")
+    assert one_line_error(capsys, command.parse_args, ["--device", "cuda"], prog="python -m profiler").startswith(
+        "python -m profiler: error: --device cuda: ")
 
 
 # ---- every way a step launches its kernels, on simulated GPUs --------------------------------------

@@ -52,10 +52,10 @@ def test_slurms_world_and_first_node_are_read_as_srun_sets_them():
 
 def test_a_plain_run_in_a_job_of_several_tasks_says_to_use_srun(data_dir, tmp_path, capsys, monkeypatch):
     """python train_resnet.py in an sbatch -n 2 script (or salloc's shell) used to train alone without a word."""
-    from helpers import run_cli, usage_error
+    from helpers import run_cli, one_line_error
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.setenv("SLURM_PROCID", "0")
-    err = usage_error(capsys, run_cli, data_dir, tmp_path / "run", TINY)
+    err = one_line_error(capsys, run_cli, data_dir, tmp_path / "run", TINY)
     assert "this Slurm job has SLURM_NTASKS=2 tasks, and this process is not one of them" in err, err
 
 
