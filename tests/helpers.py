@@ -253,6 +253,20 @@ def one_line_error(capsys, run, *args, prog="train_resnet.py"):
     return err
 
 
+def usage_then_error(capsys, run, *args, prog="train_resnet.py"):
+    """The stderr of run(*args), a command line argparse cannot read (an unknown flag, a missing value, a
+    malformed number, a value outside a flag's choices): exit code 2, argparse's usage, then the one line of
+    ``<prog>: error: ...``; that line."""
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        run(*args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"usage: {prog} [-h]"), err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"{prog}: error: "), err
+    return line
+
+
 def batch_norm_over_replicas(m, x, gamma, beta, dy, cut, eps):
     """Training batch norm of the batch ``x`` as two replicas holding x[:cut] and x[cut:]
     compute it with the contract's parts (module ``m``), adding their per-channel sums

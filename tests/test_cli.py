@@ -12,7 +12,7 @@ import pytest
 
 import kernels
 import nn
-from helpers import run_cli, one_line_error, write_fashion_mnist
+from helpers import one_line_error, run_cli, usage_then_error, write_fashion_mnist
 from training import checkpoint, cli, config, loop
 from training import step as training_step
 
@@ -129,11 +129,8 @@ def test_bad_flags_are_clear_errors(data_dir, tmp_path, capsys, flags, message):
 ])
 def test_a_command_line_argparse_cannot_read_shows_the_usage(data_dir, tmp_path, capsys, flags, message):
     """The twin of the one-line errors: what argparse cannot read gets its usage, then the line."""
-    with pytest.raises(SystemExit) as e:
-        run(data_dir, tmp_path / "run", *flags)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("usage: train_resnet.py [-h]"), err
-    assert err.strip().splitlines()[-1].startswith(f"train_resnet.py: error: {message}"), err
+    assert usage_then_error(capsys, run, data_dir, tmp_path / "run", *flags).startswith(
+        f"train_resnet.py: error: {message}")
 
 
 def test_a_precision_the_gpu_lacks_is_one_line(data_dir, tmp_path, capsys, monkeypatch):

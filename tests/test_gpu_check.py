@@ -23,7 +23,7 @@ import kernels.cpu as K
 from bench import kernel_times, tiers
 from bench.layers import distinct, parameter_count, resnet18_layers
 from profiler import costs
-from helpers import one_line_error, write_fashion_mnist
+from helpers import one_line_error, usage_then_error, write_fashion_mnist
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_CHECK = ROOT / "bench" / "gpu_check"
@@ -50,10 +50,8 @@ def test_help_names_every_tier_and_the_ten_epoch_command():
     (["--dry-runn"], "unrecognized arguments: --dry-runn"),
 ])
 def test_malformed_flags_are_refused_with_the_usage(flags, message, capsys, tmp_path):
-    with pytest.raises(SystemExit) as stop:
-        tiers.parse_args(["--out", str(tmp_path / "out"), *flags])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.startswith("usage: bench/gpu_check") and message in err, err
+    assert message in usage_then_error(capsys, tiers.parse_args, ["--out", str(tmp_path / "out"), *flags],
+                                       prog="bench/gpu_check")
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -22,7 +22,7 @@ import pytest
 
 import kernels
 import nn
-from helpers import one_line_error, rng
+from helpers import one_line_error, rng, usage_then_error
 from test_kernels_cuda import poisoned_device_empty, simulated_gpu  # noqa: F401  (fixtures)
 import profiler
 from profiler import cli as command
@@ -454,10 +454,7 @@ def test_a_tiny_run_writes_its_files(tmp_path):
 ])
 def test_malformed_flags_are_refused_with_the_usage(flags, message, capsys):
     """An unknown flag, a missing value, a malformed number or choice: argparse's usage, then the error."""
-    with pytest.raises(SystemExit) as stop:
-        command.parse_args(flags)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.startswith("usage: python -m profiler") and message in err, err
+    assert message in usage_then_error(capsys, command.parse_args, flags, prog="python -m profiler")
 
 
 @pytest.mark.parametrize("flags, message", [
