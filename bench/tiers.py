@@ -504,16 +504,21 @@ def archive_problem(path):
     kind = file_kind(path)
     if kind not in (None, "a regular file"):
         return f"--archive {path} is {kind}, not a file the archive can replace"
-    folder = next(folder for folder in path.parents if file_kind(folder) is not None)   # the nearest that is
-    if file_kind(folder) != "a folder":
-        return f"--archive {path}: {folder} is {file_kind(folder)}, not a folder"
-    probe_file = path.with_name(path.name + ".part")
+    return folder_problem(f"--archive {path}", path.parent)
+
+
+def folder_problem(flag, folder):
+    """Why `folder` cannot be made or written, in one line that begins with `flag` (the option and its path),
+    asked before anything runs: it is made, and a file written and removed there; None when it can."""
+    nearest = next(f for f in (folder, *folder.parents) if file_kind(f) is not None)   # the nearest that is
+    if file_kind(nearest) != "a folder":
+        return f"{flag}: {nearest} is {file_kind(nearest)}, not a folder"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe_file.write_bytes(b"")
-        probe_file.unlink()
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ".written").write_bytes(b"")
+        (folder / ".written").unlink()
     except OSError as e:
-        return f"--archive {path}: cannot write there ({e.strerror or e})"
+        return f"{flag}: cannot write there ({e.strerror or e})"
     return None
 
 
@@ -561,7 +566,7 @@ def parse_args(argv):
     args.archive = Path(args.archive).resolve() if args.archive else None
     # argparse's usage is for a flag it cannot parse (above); a well-formed value that cannot serve is one line
     problem = budget_problem(args.budget_seconds) or (archive_problem(args.archive) if args.archive else None) or \
-        out_problem(args.out)   # the folder made last, when nothing else is wrong
+        folder_problem(f"--out {args.out}", args.out)   # the folder made last, when nothing else is wrong
     if problem:
         p.exit(2, f"{p.prog}: error: {problem}\n")
     return args
@@ -570,21 +575,6 @@ def parse_args(argv):
 def budget_problem(seconds):
     """Why --budget-seconds cannot serve, in one line; None when it can."""
     return None if 0 < seconds < math.inf else f"--budget-seconds must be positive and finite, got {seconds}"
-
-
-def out_problem(out):
-    """Why the results folder `out` cannot be made or written, in one line (asked before anything runs: it is
-    made, and a file written and removed there); None when it can."""
-    folder = next(folder for folder in (out, *out.parents) if file_kind(folder) is not None)   # the nearest that is
-    if file_kind(folder) != "a folder":
-        return f"--out {out}: {folder} is {file_kind(folder)}, not a folder"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / ".written").write_bytes(b"")
-        (out / ".written").unlink()
-    except OSError as e:
-        return f"--out {out}: cannot write there ({e.strerror or e})"
-    return None
 
 
 def _terminated(signum, frame):

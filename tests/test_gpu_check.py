@@ -23,7 +23,8 @@ import kernels.cpu as K
 from bench import kernel_times, tiers
 from bench.layers import distinct, parameter_count, resnet18_layers
 from profiler import costs
-from helpers import one_line_error, usage_then_error, write_fashion_mnist
+from helpers import (again_where_permissions_bind, one_line_error, permissions_bind, usage_then_error,
+                     write_fashion_mnist)
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_CHECK = ROOT / "bench" / "gpu_check"
@@ -232,13 +233,20 @@ def test_an_archive_that_cannot_be_written_stops_the_check_before_anything_runs(
     assert done.stderr == f"bench/gpu_check: error: --archive {tmp_path / 'file' / 'check.tar.gz'}: " \
                           f"{tmp_path / 'file'} is a regular file, not a folder\n"
     assert not (tmp_path / "out").exists() and done.stdout == ""
-    if os.geteuid() != 0:   # root writes anywhere
-        (tmp_path / "locked").mkdir(mode=0o500)
-        assert "cannot write there" in tiers.archive_problem(tmp_path / "locked" / "check.tar.gz")
     (tmp_path / "folder.tar.gz").mkdir()
     assert "is a folder" in tiers.archive_problem(tmp_path / "folder.tar.gz")
     assert "ending in .tar.gz or .tgz" in tiers.archive_problem(tmp_path / "check.zip")
     assert tiers.archive_problem(tmp_path / "new" / "check.tgz") is None and not list((tmp_path / "new").iterdir())
+
+
+def test_an_archive_or_results_folder_without_write_permission_is_refused(tmp_path, request):
+    if not permissions_bind(tmp_path):   # root, as CI runs the suite: again without the override
+        return again_where_permissions_bind(request)
+    (tmp_path / "locked").mkdir(mode=0o500)
+    assert tiers.archive_problem(tmp_path / "locked" / "check.tar.gz") == \
+        f"--archive {tmp_path / 'locked' / 'check.tar.gz'}: cannot write there (Permission denied)"
+    assert tiers.folder_problem("--out X", tmp_path / "locked" / "out") == "--out X: cannot write there (Permission denied)"
+    assert tiers.folder_problem("--out X", tmp_path / "open") is None
 
 
 def test_the_archive_holds_every_file_of_the_out_folder_and_is_replaced_whole(tmp_path):
