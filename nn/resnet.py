@@ -1,5 +1,6 @@
 """ResNet-18 with the module tree of d2l's PyTorch version (the 'multiple GPUs,
 concise' section), so that state-dict keys line up with it."""
+from kernels.cuda.launch import ELEMENT_LIMIT
 from .init import get_rng_state, init_model, set_rng_state
 from .modules import AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Flatten, Linear, Module, ReLU, Sequential
 
@@ -71,6 +72,12 @@ def largest_activation(width, size=28):
     """Elements per image of ``resnet18(width=width)``'s largest activation on ``size`` x ``size`` images:
     the stem's and the first stage's, ``width`` channels at the input's resolution."""
     return width * size * size
+
+
+def largest_gpu_batch(width, size=28):
+    """The most images of ``size`` x ``size`` whose first-stage activations at ``width`` the CUDA kernels can
+    index (their int indices: kernels/cuda/launch.py's ELEMENT_LIMIT, which checks every launch too)."""
+    return ELEMENT_LIMIT // largest_activation(width, size)
 
 
 # what the model holds per parameter: its value, its gradient and its momentum, each float32, and as much

@@ -13,7 +13,7 @@ from kernels import emu
 from kernels.cuda.launch import ELEMENT_LIMIT
 from nn.init import manual_seed
 from nn.optim import SGD
-from nn.resnet import largest_activation, memory_shortfall, resnet18
+from nn.resnet import largest_activation, largest_gpu_batch, memory_shortfall, resnet18
 from . import report
 from .steps import profile
 
@@ -75,10 +75,10 @@ def _problem(args):
         return f"--device {args.device}: {e}"
     if args.device == "cpu" and args.precision is not None:
         return f"--precision {args.precision} is the GPU's: the CPU computes in float32"
-    if args.device != "cpu" and args.batch_size * largest_activation(args.width) > ELEMENT_LIMIT:
+    if args.device != "cpu" and args.batch_size > largest_gpu_batch(args.width):
         return (f"--batch-size {args.batch_size}: at --width {args.width} the first stage's activations would have "
                 f"{args.batch_size * largest_activation(args.width):,} elements, more than the CUDA kernels index "
-                f"({ELEMENT_LIMIT:,}); at most {ELEMENT_LIMIT // largest_activation(args.width):,} images fit a batch")
+                f"({ELEMENT_LIMIT:,}); at most {largest_gpu_batch(args.width):,} images fit a batch")
     args.out = args.out or time.strftime("runs/profile-%Y%m%d-%H%M%S")
     return report.unwritable(report.output_paths(args.out, args.json, args.csv, args.png, args.trace), args.out) or \
         memory_shortfall(args.width, CLASSES, 1, args.xp)

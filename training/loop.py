@@ -19,7 +19,7 @@ from kernels.cuda.launch import ELEMENT_LIMIT
 from nn import data, init
 from nn.functional import cross_entropy
 from nn.optim import SGD, CosineAnnealingLR
-from nn.resnet import largest_activation, memory_shortfall, resnet18
+from nn.resnet import largest_activation, largest_gpu_batch, memory_shortfall, resnet18
 from nn.serialization import SerializationError, load_safetensors, save_safetensors
 from nn.tensor import Tensor, no_grad
 from parallel.comm import NCCLCommunicator, SingleProcess
@@ -263,12 +263,12 @@ def _check_index_range(cfg, world_size, test_shape):
     largest batch (a training step's share of --batch-size, or an evaluation batch of its shard of the
     test images), has more elements than the CUDA kernels index with int (kernels/cuda/launch.py checks every
     array of every launch too, as a last line)."""
-    per_image = largest_activation(cfg.width, test_shape[1])
     batch = max(-(-cfg.batch_size // world_size), min(cfg.batch_size, -(-test_shape[0] // world_size)))
-    fits = ELEMENT_LIMIT // per_image
+    fits = largest_gpu_batch(cfg.width, test_shape[1])
     if batch > fits:
         raise ConfigError(f"--batch-size {cfg.batch_size}: a GPU's batch of {batch:,} images at --width {cfg.width} "
-                          f"makes the first stage's activations {batch * per_image:,} elements, more than the CUDA "
+                          f"makes the first stage's activations "
+                          f"{batch * largest_activation(cfg.width, test_shape[1]):,} elements, more than the CUDA "
                           f"kernels index ({ELEMENT_LIMIT:,}); at most {fits:,} images fit a GPU's batch")
 
 
