@@ -733,9 +733,9 @@ def compare_with_torch(ours, torch, device, case):
     name, inputs, torch_op, forward, backward, bound = case
     g = rng()
     arrays = [g.standard_normal(a).astype(np.float32) if isinstance(a, tuple) else a for a in inputs]
-    dy = g.standard_normal(torch_results(torch, device, torch_op, arrays)[0].shape).astype(np.float32)
-    expected = torch_results(torch, device, torch_op, arrays, dy)
     outputs = _outputs(forward(ours, *arrays))
+    dy = g.standard_normal(outputs[0].shape).astype(np.float32)
+    expected = torch_results(torch, device, torch_op, arrays, dy)
     grads = _outputs(backward(ours, dy, *arrays, *outputs))
     assert len(grads) == len(expected) - 1, f"{name}: {len(grads)} gradients"
     labels = ("output", *(f"gradient {i}" for i in range(len(grads))))
@@ -747,19 +747,17 @@ def compare_with_torch(ours, torch, device, case):
             f"{reproduce_hint()}")
 
 
-def torch_results(torch, device, torch_op, arrays, dy=None, dtype=None):
+def torch_results(torch, device, torch_op, arrays, dy, dtype=None):
     """PyTorch's op on `arrays` on `device`, the floating ones as `dtype` (float64 unless given; convolutions without
-    TF32), the integer ones as int64: [its output], and after its backward from dy, where given, the gradients of
-    the floating arrays; as NumPy arrays."""
+    TF32), the integer ones as int64: [its output, then, after its backward from dy, the gradients of the
+    floating arrays], as NumPy arrays."""
     dtype = dtype or torch.float64
     tensors = [torch.tensor(a, device=device, dtype=dtype if a.dtype.kind == "f" else torch.int64,
                             requires_grad=a.dtype.kind == "f") for a in arrays]
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         out = torch_op(torch.nn.functional, *tensors)
-        if dy is not None:
-            out.backward(torch.tensor(dy, dtype=dtype, device=device))
-    grads = [t.grad for t in tensors if t.requires_grad] if dy is not None else []
-    return [r.detach().cpu().numpy() for r in (out, *grads)]
+        out.backward(torch.tensor(dy, dtype=dtype, device=device))
+    return [r.detach().cpu().numpy() for r in (out, *(t.grad for t in tensors if t.requires_grad))]
 
 
 def relative_error(ours, ref):
