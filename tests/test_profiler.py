@@ -25,6 +25,7 @@ import nn
 from helpers import one_line_error, rng, usage_then_error
 from test_kernels_cuda import poisoned_device_empty, simulated_gpu  # noqa: F401  (fixtures)
 import profiler
+from kernels.cuda import conv_tc
 from profiler import cli as command
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -578,23 +579,18 @@ def launch_paths_net():
                          nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(128, 10))
 
 
-def _tc(name):
-    from kernels.cuda import conv_tc
-    return getattr(conv_tc, name)
-
-
 # (precision, windows wherever the convolution allows them (conftest's halo_everywhere: the phase and halo
 # kernels' grid conditions dropped, as at batch 256), kernels the step must launch (the beginnings of their
 # name expressions: a folded twin's ends ", true>"), GEMMs that must split k)
 LAUNCH_PATHS = [
-    ("tf32", True, lambda: {_tc("PHASE_KERNEL"), _tc("PROJECTION_KERNELS")[0],
-                            f"conv_tc_forward_halo<{_tc('TF32').halo}", f"conv_tc_dgrad_halo<{_tc('TF32').halo}",
-                            _tc("WGRAD_HALO")["conv_tc"].kernel[:-1], "conv2d_forward<Tile64, 3, 3>"}, {"wgrad"}),
-    ("bf16", True, lambda: {f"conv_bf16_forward_halo<{_tc('BF16').halo}", f"conv_bf16_dgrad_halo<{_tc('BF16').halo}",
-                            _tc("WGRAD_HALO")["conv_bf16"].kernel[:-1], "conv2d_forward<Tile64, 3, 3, bf16>"}, {"wgrad"}),
-    ("bf16", False, lambda: {"conv2d_wgrad<Tile64, 3, 3, bf16>"}, {"forward", "dgrad", "wgrad"}),
-    ("fp32", False, lambda: {"conv2d_forward<Tile64, 3, 3>", "conv2d_dgrad_strided<Tile64>",
-                             "conv2d_forward<Tile64, 1, 1>", "conv2d_wgrad<Tile64, 1, 1>"}, set()),
+    ("tf32", True, {conv_tc.PHASE_KERNEL, conv_tc.PROJECTION_KERNELS[0], f"conv_tc_forward_halo<{conv_tc.TF32.halo}",
+                    f"conv_tc_dgrad_halo<{conv_tc.TF32.halo}", conv_tc.WGRAD_HALO["conv_tc"].kernel[:-1],
+                    "conv2d_forward<Tile64, 3, 3>"}, {"wgrad"}),
+    ("bf16", True, {f"conv_bf16_forward_halo<{conv_tc.BF16.halo}", f"conv_bf16_dgrad_halo<{conv_tc.BF16.halo}",
+                    conv_tc.WGRAD_HALO["conv_bf16"].kernel[:-1], "conv2d_forward<Tile64, 3, 3, bf16>"}, {"wgrad"}),
+    ("bf16", False, {"conv2d_wgrad<Tile64, 3, 3, bf16>"}, {"forward", "dgrad", "wgrad"}),
+    ("fp32", False, {"conv2d_forward<Tile64, 3, 3>", "conv2d_dgrad_strided<Tile64>", "conv2d_forward<Tile64, 1, 1>",
+                     "conv2d_wgrad<Tile64, 1, 1>"}, set()),
 ]
 
 
@@ -605,7 +601,7 @@ def test_every_kernel_a_step_launches_is_named_on_a_simulated_gpu(simulated_gpu,
     """profile() on a simulated GPU through every kind of launch (LAUNCH_PATHS): the kernels the report names are
     all those the step looked up (a backend.function of the class's, counted beneath the recorder), none lost
     to a launch the recorder mishandles, each in a row of the layer that ran it."""
-    from kernels.cuda import Backend, conv_tc
+    from kernels.cuda import Backend
     if windows:
         request.getfixturevalue("halo_everywhere")
     looked_up, split_gemms = set(), set()
@@ -628,11 +624,11 @@ def test_every_kernel_a_step_launches_is_named_on_a_simulated_gpu(simulated_gpu,
     named = {name for r in report.rows for phase in r.kernels.values() for name in phase}
     assert named == looked_up - {"hold"}, f"looked up, not named: {looked_up - named - {'hold'}}; named, not looked " \
                                           f"up: {named - looked_up}"
-    missing = [kernel for kernel in launched() if not any(name.startswith(kernel) for name in named)]
+    missing = [kernel for kernel in launched if not any(name.startswith(kernel) for name in named)]
     assert not missing, f"not launched: {missing}"
     assert split <= split_gemms, f"no split of k in {split - split_gemms}"
     if precision == "tf32":   # each kernel in the row of the layer that launched it
-        assert _tc("PROJECTION_KERNELS")[0] in rows_by_name(report)["6.conv3", "layer"].kernels["backward"]
+        assert conv_tc.PROJECTION_KERNELS[0] in rows_by_name(report)["6.conv3", "layer"].kernels["backward"]
     assert report.config["precision"] == precision and report.starved() == 0
 
 
