@@ -63,12 +63,13 @@ def unsupported_reason(arch):
 def nvrtc_for(arch):
     """The NVRTC that compiles for ``arch``: CuPy's (kernels.nvrtc's module of the functions), else CUDA 12's
     library from the nvidia-cuda-nvrtc-cu12 wheel, loaded beside it (CUDA 13 dropped sm_70; CuPy binds one
-    NVRTC, the one of its own CUDA), else None."""
+    NVRTC, the one of its own CUDA), else None. An architecture's own features ("sm_90a") compile where it does."""
     nvrtc = _nvrtc()
-    if int(arch.partition("_")[2]) in nvrtc.getSupportedArchs():
+    number = int(arch.partition("_")[2].rstrip("af"))
+    if number in nvrtc.getSupportedArchs():
         return nvrtc
     other = cuda12()
-    return other if other is not None and int(arch.partition("_")[2]) in other.getSupportedArchs() else None
+    return other if other is not None and number in other.getSupportedArchs() else None
 
 
 @functools.lru_cache(maxsize=None)
