@@ -1,0 +1,82 @@
+"""Launchers of conv_sm90.cu: the bf16 convolutions of Hopper (compute capability 9.0), warpgroup MMA fed by TMA,
+which conv_tc.forward runs where `chosen` says so, and the mma.sync kernels of conv_bf16.cu elsewhere.
+
+The arrays are C-contiguous NHWC bfloat16, the geometry conv.py's tuple (N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH,
+OW). x and w reach the kernel as TMA tensor maps (launch.tensor_map): x as (N, H, W, C) in boxes of a tile's output
+box of pixels by 64 channels, w as (O, KH*KW*C) in boxes of BN filters by 64.
+"""
+import numpy as np
+
+from kernels import bfloat16
+
+from .launch import aligned, cdiv, launch, tensor_map
+
+OPS = ()   # the contract's op is conv.py's conv2d_forward, through conv_tc.forward
+THREADS = 384   # a producer warpgroup and two consumer warpgroups (SM90_THREADS)
+ROWS, BK = 128, 64   # the rows (output pixels) of a tile, and the k (channels) of a stage
+# tile: (columns BN, stages): 128 filters where the output channels are a multiple of 128, else 64
+TILES = {"Sm90x128": (128, 4), "Sm90x64": (64, 6)}
+KERNELS = tuple(f"conv_sm90_forward<{tile}>" for tile in TILES)
+
+
+def available(be):
+    """Whether `be` runs on a GPU of compute capability 9.0, whose sm_90a code this family is (a simulated GPU
+    reports the capability it simulates; the emulator's own backend takes conv_bf16.cu's kernels, and the tests
+    call this family directly)."""
+    return be.xp is not np and be.xp.cuda.Device().compute_capability == "90"
+
+
+def supports(geometry):
+    """Whether the family computes this forward: stride 1 (the box of the output is a box of x), and input and
+    output channels multiples of 64 (a stage's k, the 128-byte rows of the swizzle; the tiles' columns)."""
+    n, c, h, w, o, kh, kw, sh, sw = geometry[:9]
+    return sh == sw == 1 and c % BK == 0 and o % 64 == 0
+
+
+def chosen(be, geometry):
+    return available(be) and supports(geometry)
+
+
+def choose_box(n, oh, ow):
+    """(box_i, box_h, box_w) of a tile's 128 output pixels: powers of two whose tiles cover the output (N, OH, OW)
+    with the fewest rows past its edges, the widest rows among equals (rows of x and of y contiguous in memory)."""
+    boxes = [(ROWS // (bh * bw), bh, bw) for bw in (2**i for i in range(8)) for bh in (2**i for i in range(8))
+             if bh * bw <= ROWS]
+    return min(boxes, key=lambda b: (cdiv(n, b[0]) * cdiv(oh, b[1]) * cdiv(ow, b[2]), -b[2], -b[1]))
+
+
+def choose_tile(o):
+    return "Sm90x128" if o % 128 == 0 else "Sm90x64"
+
+
+def shared_bytes(tile):
+    """The dynamic shared memory of a block (Sm90Tile::SHARED_BYTES): 1024 bytes to align the ring, its stages of
+    A (128 rows of 64 bf16) and B (BN rows), and a full and an empty barrier a stage."""
+    columns, stages = TILES[tile]
+    return 1024 + stages * (ROWS + columns) * BK * 2 + 2 * stages * 8
+
+
+def plan(geometry):
+    """(kernel, grid, box) of the forward: the tile's kernel, a block per box of the output by BN filters."""
+    n, o, oh, ow = geometry[0], geometry[4], geometry[11], geometry[12]
+    box = choose_box(n, oh, ow)
+    tile = choose_tile(o)
+    tiles = cdiv(n, box[0]) * cdiv(oh, box[1]) * cdiv(ow, box[2])
+    return f"conv_sm90_forward<{tile}>", (tiles, o // TILES[tile][0]), box
+
+
+def forward(be, x, w_krsc, b, geometry):
+    """y (N, OH, OW, O) bfloat16 = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (float32 (O,), or None)."""
+    n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    if not supports(geometry) or x.dtype != bfloat16 or w_krsc.dtype != bfloat16:
+        raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 and channels multiples of 64, got "
+                         f"{x.dtype} x, {w_krsc.dtype} w, geometry {geometry}")
+    kernel, grid, (box_i, box_h, box_w) = plan(geometry)
+    tile = kernel[len("conv_sm90_forward<"):-1]
+    x, w_krsc = aligned(x), aligned(w_krsc)
+    x_map = tensor_map(be, x, (box_i, box_h, box_w, BK))
+    w_map = tensor_map(be, w_krsc.reshape(o, kh * kw * c), (TILES[tile][0], BK))
+    y = be.xp.empty((n, oh, ow, o), bfloat16)
+    launch(be, "conv_sm90", kernel, grid, (x_map, w_map, b, y, n, c, o, kh, kw, ph, pw, oh, ow, box_w, box_h, box_i),
+           block=(THREADS,), shared_mem=shared_bytes(tile))
+    return y
