@@ -5,6 +5,9 @@ The backend object ``be`` (kernels/cuda/__init__.py) gives the array module ``be
 (CuPy, or NumPy under the emulator) and the compiled kernels ``be.function(family, name)``.
 Nothing here synchronises with the device: sizes come from shapes, never from values.
 """
+import ctypes
+import functools
+
 import numpy as np
 
 from kernels import bfloat16
@@ -258,3 +261,69 @@ def sum_partials(be, family, partial, splits, out, scale=1.0):
     (splits, rows), added in split order by common.cuh's sum_partials compiled in `family`."""
     rows = out.size
     launch(be, family, "sum_partials", (cdiv(rows, THREADS),), (partial, splits, rows, float(scale), out))
+
+
+# ---- tensor maps: what the tensor memory accelerator (TMA) of sm_90 copies (kernels/cuda/sm90.cuh) ------------
+
+# cuda.h's CUtensorMapDataType of the arrays' dtypes, and CUtensorMapSwizzle of the swizzles (bytes)
+_TENSOR_MAP_TYPES = {np.dtype(np.float32): 7, bfloat16: 9}
+_SWIZZLES = {0: 0, 128: 3}
+_L2_PROMOTION_128B = 2
+
+
+def tensor_map(be, array, box, swizzle=128):
+    """The tensor map of a C-contiguous device array (rank 2 to 5, float32 or bfloat16) for a kernel's
+    `const __grid_constant__ TensorMap` parameter (sm90.cuh): TMA copies boxes of `box` elements (in the array's
+    axis order, outermost first) at a time, `swizzle` 128 (bytes: 16-byte chunk j of each 128-byte row at
+    j ^ (row % 8)) or 0. On a GPU, the 128 bytes that the driver's cuTensorMapEncodeTiled writes, as a NumPy
+    array of one element that CuPy passes by value; on the emulator (and the simulated GPUs), its own record of
+    the same map (kernels.emu.TensorMap)."""
+    if be.xp is np:
+        from kernels import emu
+        return emu.TensorMap(array, box, swizzle)
+    simulated = getattr(be.xp, "tensor_map", None)
+    if simulated is not None:
+        return simulated(array, box, swizzle)
+    return _encode_tiled(array, tuple(box), swizzle)
+
+
+@functools.lru_cache(maxsize=None)
+def _cu_tensor_map_encode_tiled():
+    """The driver's cuTensorMapEncodeTiled (CUDA 12.0 and later), through ctypes: CuPy does not bind it."""
+    function = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    u32, u64 = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    function.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64, u64, u32, u32,
+                         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+    function.restype = ctypes.c_int
+    return function
+
+
+def _encode_tiled(array, box, swizzle):
+    if array.dtype not in _TENSOR_MAP_TYPES or not 2 <= array.ndim <= 5 or not array.flags.c_contiguous or \
+            len(box) != array.ndim or swizzle not in _SWIZZLES:
+        raise ValueError(f"tensor_map: takes a C-contiguous float32 or bfloat16 array of rank 2 to 5, a box of its "
+                         f"rank and a swizzle of 0 or 128 bytes, got {array.dtype} {array.shape}, box {box}, "
+                         f"swizzle {swizzle}")
+    rank = array.ndim
+    # cuda.h's order: innermost first; the strides of all but the innermost dimension, in bytes
+    dims = (ctypes.c_uint64 * rank)(*reversed(array.shape))
+    strides = (ctypes.c_uint64 * (rank - 1))(*reversed(array.strides[:-1]))
+    boxes = (ctypes.c_uint32 * rank)(*reversed(box))
+    element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
+    # CUtensorMap is 64-byte aligned: written into an aligned place of a larger buffer, passed as a view of it
+    buffer = np.zeros(128 + 64, np.uint8)
+    start = -buffer.ctypes.data % 64
+    encoded = buffer[start:start + 128]
+    status = _cu_tensor_map_encode_tiled()(encoded.ctypes.data, _TENSOR_MAP_TYPES[array.dtype], rank,
+                                           array.data.ptr, dims, strides, boxes, element_strides, 0,
+                                           _SWIZZLES[swizzle], _L2_PROMOTION_128B, 0)
+    if status != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled refused the map of a {array.dtype} array of shape "
+                           f"{array.shape} with box {box} and swizzle {swizzle}: CUresult {status}")
+    encoded = encoded.view(np.dtype((np.void, 128))).view(_TensorMapBytes)
+    encoded.tensor = array   # what the map points at lives as long as it (a CUDA graph keeps its kernels' arguments)
+    return encoded
+
+
+class _TensorMapBytes(np.ndarray):
+    """A tensor map's 128 bytes (one element, which CuPy passes to a kernel by value), holding on to its tensor."""
