@@ -52,7 +52,8 @@ CONVOLUTION, ELEMENTWISE, OTHER = "convolution", "batch norm and elementwise", "
 KINDS = (CONVOLUTION, ELEMENTWISE, OTHER)
 # our families (kernels.cuda.FAMILIES) by kind: the convolutions; the batch norm, the element-wise kernels
 # (casts, relu, the batch's gather) and the pooling; the linear layer, the loss and SGD
-FAMILY_KINDS = {"conv": CONVOLUTION, "conv_tc": CONVOLUTION, "conv_bf16": CONVOLUTION, "batchnorm": ELEMENTWISE,
+FAMILY_KINDS = {"conv": CONVOLUTION, "conv_tc": CONVOLUTION, "conv_bf16": CONVOLUTION, "conv_sm90": CONVOLUTION,
+                "batchnorm": ELEMENTWISE,
                 "elementwise": ELEMENTWISE, "pool": ELEMENTWISE, "linear": OTHER, "loss": OTHER, "optim": OTHER}
 # PyTorch's kernels by name, the first that matches (lower case): Inductor's generated kernels (triton_poi_, _red_,
 # _per_: fused element-wise work and reductions, whatever op they were fused from) and the batch norm first; then

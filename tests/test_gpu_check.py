@@ -328,13 +328,17 @@ def test_the_summary_of_a_gpu_run():
 
 def test_compile_all_compiles_the_families_it_is_given(monkeypatch):
     """python -m kernels.cuda.compile_all, tier a's first command, on a simulated GPU: each family compiled in
-    a process of its own and named as it is done; a family that does not compile named, and the exit non-zero;
-    an unknown one refused."""
+    a process of its own and named as it is done; a family the GPU does not run named as such; a family that does
+    not compile named, and the exit non-zero; an unknown one refused."""
     env = {**os.environ, kernels.SIMULATED_GPUS: "1", "CUDA_EMU_SANITIZE": "off", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "kernels.cuda.compile_all", "loss", "optim"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert sorted(line.split(":")[0] for line in done.stdout.splitlines()) == ["loss", "optim"], done.stdout
+    # Hopper's family on an Ampere: named, not compiled (NVRTC would refuse sm_80a)
+    done = subprocess.run([sys.executable, "-m", "kernels.cuda.compile_all", "conv_sm90"], cwd=ROOT, timeout=300,
+                          env={**env, "KERNELS_SIMULATED_COMPUTE_CAPABILITY": "80"}, capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "conv_sm90: not for this GPU\n"), done.stderr
     from kernels.cuda import compile_all
     monkeypatch.setattr(compile_all.concurrent.futures, "ProcessPoolExecutor",
                         compile_all.concurrent.futures.ThreadPoolExecutor)

@@ -16,15 +16,21 @@ padding)``, and gets its array module (``be.xp``) and its compiled kernels
 Each family is compiled once per process, on its first launch.
 """
 import contextlib
+import hashlib
 import importlib
+import json
+import os
 import re
 import types
 from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("conv", "conv_tc", "conv_bf16", "batchnorm", "elementwise", "pool", "linear", "loss", "optim")
+FAMILIES = ("conv", "conv_tc", "conv_bf16", "conv_sm90", "batchnorm", "elementwise", "pool", "linear", "loss",
+            "optim")
 TENSOR_CORE_FAMILIES = ("conv_tc", "conv_bf16")   # mma.sync of TF32 and BF16, cp.async: sm_80 and later
+# wgmma, TMA, setmaxnreg: Hopper's own instructions, compiled for sm_90a, which no other GPU runs
+HOPPER_FAMILIES = ("conv_sm90",)
 # the GPUs the project compiles for: Volta and Turing (sm_70, sm_75: a V100, a T4) run the fp32 step, every
 # family but the tensor cores'; Ampere (sm_80, sm_86), Ada (sm_89) and Hopper (sm_90) every precision
 ARCHITECTURES = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
@@ -32,7 +38,14 @@ ARCHITECTURES = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 
 def families_for(arch):
     """The families that compile, and run, on GPUs of ``arch`` ("sm_75")."""
-    return FAMILIES if int(arch[3:]) >= 80 else tuple(f for f in FAMILIES if f not in TENSOR_CORE_FAMILIES)
+    number = int(arch[3:])
+    return tuple(f for f in FAMILIES if (number >= 80 or f not in TENSOR_CORE_FAMILIES) and
+                 (number == 90 or f not in HOPPER_FAMILIES))
+
+
+def arch_of(family, arch):
+    """The architecture NVRTC compiles ``family`` for on GPUs of ``arch``: sm_90a for the Hopper families."""
+    return f"{arch}a" if family in HOPPER_FAMILIES else arch
 
 OPTIONS = ("--std=c++17",)
 HERE = Path(__file__).resolve().parent
@@ -85,10 +98,14 @@ class Backend:
                 setattr(self, op, types.MethodType(getattr(module, op), self))
 
     def module(self, family):
-        """The family's compiled module (RawModule), compiled on first use."""
+        """The family's compiled module (RawModule), compiled on first use: by CuPy, or by kernels.nvrtc for a
+        Hopper family on a GPU (ArchModule)."""
         if family not in self._modules:
-            self._modules[family] = self._raw_module(code=source(family), options=OPTIONS,
-                                                     name_expressions=launcher(family).KERNELS)
+            if family in HOPPER_FAMILIES and self.xp.__name__ == "cupy":   # CuPy's own, not the simulated GPUs'
+                self._modules[family] = ArchModule(family, source(family), OPTIONS, launcher(family).KERNELS)
+            else:
+                self._modules[family] = self._raw_module(code=source(family), options=OPTIONS,
+                                                         name_expressions=launcher(family).KERNELS)
         return self._modules[family]
 
     def function(self, family, name, shared_mem=0):
@@ -160,6 +177,42 @@ class Backend:
 
     def __repr__(self):
         return f"<kernels backend {self.name!r}>"
+
+
+class ArchModule:
+    """A family compiled for its architecture's own features (sm_90a: wgmma, setmaxnreg), which cupy.RawModule
+    cannot ask NVRTC for (it gives -arch=sm_XX of the device): NVRTC (kernels.nvrtc, with CuPy's options) makes
+    its CUBIN, kept in the cache folder by the source's hash, and CuPy loads it as a RawModule(path=...), whose
+    kernels get_function finds by the lowered names of the name expressions."""
+
+    def __init__(self, family, code, options, name_expressions):
+        self._family, self._code, self._options, self._names = family, code, tuple(options), tuple(name_expressions)
+        self._module, self._lowered = None, None
+
+    def compile(self):
+        if self._module is None:
+            from kernels import cupy_module, nvrtc
+            cupy = cupy_module()
+            arch = arch_of(self._family, f"sm_{cupy.cuda.Device().compute_capability}")
+            key = hashlib.sha256(json.dumps([self._code, self._options, self._names, arch,
+                                             list(nvrtc.version())]).encode()).hexdigest()[:32]
+            folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "resnet-cuda-from-scratch" / \
+                "cubin"
+            cubin, names = folder / f"{key}.cubin", folder / f"{key}.json"
+            if not (cubin.exists() and names.exists()):
+                compiled = nvrtc.compile(self._code, arch=arch, options=self._options, name_expressions=self._names)
+                folder.mkdir(parents=True, exist_ok=True)
+                for path, data in ((cubin, compiled.cubin), (names, json.dumps(compiled.lowered_names).encode())):
+                    part = path.with_suffix(f".{os.getpid()}.part")
+                    part.write_bytes(data)
+                    part.replace(path)   # whole or not at all, for the processes that compile it at once
+            self._lowered = json.loads(names.read_text())
+            self._module = cupy.RawModule(path=str(cubin))
+        return self._module
+
+    def get_function(self, name):
+        module = self.compile()
+        return module.get_function(self._lowered[name])
 
 
 def make_backend(name):

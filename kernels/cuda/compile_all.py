@@ -15,14 +15,18 @@ import os
 import sys
 import time
 
-from kernels.cuda import FAMILIES
+from kernels.cuda import FAMILIES, families_for
 
 
 def compile_family(family):
-    """Seconds the family's compile took in this process."""
+    """Seconds the family's compile took in this process; None for a family that this GPU does not run
+    (families_for: conv_sm90 on anything but a Hopper)."""
     import kernels
     began = time.monotonic()
-    kernels._device_backend("cuda").module(family).compile()
+    be = kernels._device_backend("cuda")
+    if family not in families_for(f"sm_{be.xp.cuda.Device().compute_capability}"):
+        return None
+    be.module(family).compile()
     return time.monotonic() - began
 
 
@@ -40,7 +44,9 @@ def main(argv=None):
         for future in concurrent.futures.as_completed(futures):
             family = futures[future]
             try:
-                print(f"{family}: compiled in {future.result():.1f} s", flush=True)
+                seconds = future.result()
+                print(f"{family}: " + ("not for this GPU" if seconds is None else f"compiled in {seconds:.1f} s"),
+                      flush=True)
             except Exception as e:   # the next families still compile; the error is the family's own
                 failed.append(family)
                 print(f"{family}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

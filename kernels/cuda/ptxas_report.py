@@ -14,7 +14,7 @@ import sys
 import threading
 
 from kernels import nvrtc
-from kernels.cuda import FAMILIES, OPTIONS, families_for, launcher, source
+from kernels.cuda import FAMILIES, HOPPER_FAMILIES, OPTIONS, arch_of, families_for, launcher, source
 
 ARCHS = ("sm_80", "sm_90")
 # NVRTC (13) writes one PTX for compute_80 to compute_90 from these sources, but for its .target line
@@ -47,7 +47,8 @@ def prefetch(families, archs=ARCHS):
     compile_family waits for them. What a test session that reads the SASS of several families
     calls at its start, so that NVRTC runs on a second core while the first runs the other tests."""
     with _lock:
-        pairs = [(family, arch) for family in families for arch in archs if (family, arch) not in _compiles]
+        pairs = [(family, arch) for family in families for arch in archs
+                 if family in families_for(arch) and (family, arch) not in _compiles]
     if pairs:
         threading.Thread(target=lambda: [_compile(*pair) for pair in pairs], daemon=True, name="nvrtc").start()
 
@@ -68,14 +69,17 @@ def _compile(family, arch):
 
 
 def _nvrtc(family, arch, verbose=False):
-    return nvrtc.compile(source(family), arch=arch, options=OPTIONS, name_expressions=launcher(family).KERNELS,
+    return nvrtc.compile(source(family), arch=arch_of(family, arch), options=OPTIONS,
+                         name_expressions=launcher(family).KERNELS,
                          filename=f"{family}.cu", verbose=verbose)
 
 
 def _assembled(family, arch):
     """The family for an architecture of PTX_SHARED from the PTX of SHARED_PTX, by the ptxas of NVRTC's
-    release (kernels.nvrtc.assemble), or None (another architecture, or no such ptxas here)."""
-    if arch not in PTX_SHARED or nvrtc.nvrtc_for(arch) is not nvrtc.nvrtc_for(SHARED_PTX.replace("compute", "sm")):
+    release (kernels.nvrtc.assemble), or None (another architecture, a Hopper family, whose sm_90a PTX no other
+    architecture shares, or no such ptxas here)."""
+    if arch not in PTX_SHARED or family in HOPPER_FAMILIES or \
+            nvrtc.nvrtc_for(arch) is not nvrtc.nvrtc_for(SHARED_PTX.replace("compute", "sm")):
         return None
     with _lock:
         future, mine = _ptx.get(family), family not in _ptx
@@ -90,10 +94,11 @@ def _assembled(family, arch):
 
 
 def report(families, archs):
-    """Rows (arch, family, kernel, Resources), kernels named by their name expressions."""
+    """Rows (arch, family, kernel, Resources), kernels named by their name expressions; of the families that
+    each architecture runs (families_for)."""
     rows = []
     for arch in archs:
-        for family in families:
+        for family in (f for f in families if f in families_for(arch)):
             compiled = compile_family(family, arch)
             for kernel, resources in compiled.named_resources().items():
                 rows.append((arch, family, kernel, resources))
