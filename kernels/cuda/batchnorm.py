@@ -30,12 +30,18 @@ def batch_norm_forward(be, x, gamma, beta, eps, *, running=None, momentum=0.1, r
     pair (running_mean, running_var), when given) and the normalisation with its relu or residual join."""
     op = "batch_norm_forward"
     x, (gamma, beta) = dense(be, op, x), float32(be, op, gamma, beta)
-    n, c, plane = _sizes(x, gamma)
-    mean, invstd = be.xp.empty((2, c), np.float32)
-    # no shifts: a sample of each channel (its first value of x) centres its sums
-    _stats(be, x, None, mean=mean, invstd=invstd, eps=eps, running=running_pair(be, op, running, c),
-           momentum=momentum)
+    _sizes(x, gamma)
+    mean, invstd = batch_statistics(be, x, eps, running_pair(be, op, running, x.shape[1]), momentum)
     return apply(be, x, gamma, beta, mean, invstd, relu, residual), mean, invstd
+
+
+def batch_statistics(be, x, eps, running, momentum):
+    """(mean, invstd), float32 (C,), of a training batch norm of the dense activations x (N, C, H, W), in one
+    launch, which also moves `running` (the checked pair of running_pair) with `momentum`: no shifts, a sample of
+    each channel (its first value of x) centres its sums."""
+    mean, invstd = be.xp.empty((2, x.shape[1]), np.float32)
+    _stats(be, x, None, mean=mean, invstd=invstd, eps=eps, running=running, momentum=momentum)
+    return mean, invstd
 
 
 def running_pair(be, op, running, c):
