@@ -1,6 +1,7 @@
 """What the tensor-core kernels launch for every convolution of ResNet-18 at batch 256, and how that
 fills an H200, for both tensor-core precisions side by side: conv_tc.cu's TF32 GEMMs (--precision
-tf32) and conv_bf16.cu's BF16 ones (bf16); no GPU needed.
+tf32) and conv_bf16.cu's BF16 ones (bf16), and on sm_90 the forwards of conv_sm90.cu (Hopper's warpgroup MMA
+fed by TMA); no GPU needed.
 
   PYTHONPATH=. python -m bench.tc_plan [--batch 256] [--arch sm_90] [--sms 132] [--precision tf32 bf16]
 
@@ -30,7 +31,7 @@ import statistics
 import sys
 
 from bench import layers
-from kernels.cuda import conv_tc
+from kernels.cuda import conv_sm90, conv_tc
 from kernels.cuda.ptxas_report import compile_family, report
 
 REGISTERS, REGISTER_UNIT, SHARED, SHARED_RESERVED, MAX_BLOCKS, MAX_WARPS = 65536, 256, 233472, 1024, 32, 64
@@ -237,6 +238,46 @@ def rows(batch, arch, sms, precision):
     return out, resources, fp32
 
 
+def hopper_rows(batch, sms):
+    """The forwards that conv_sm90.cu (Hopper's warpgroup MMA fed by TMA) takes under bf16 on an sm_90 GPU, one
+    dict per distinct convolution: its kernel, output box, grid, waves (one block an SM: the ring's shared memory),
+    and the FLOPs per L2 byte of its tile; with the kernel's ptxas Resources."""
+    resources = {kernel: r for _, _, kernel, r in report(["conv_sm90"], ["sm_90"])}
+    out = []
+    for layer, count in layers.distinct(layers.resnet18_layers(batch)):
+        if layer.op != "conv2d" or not conv_sm90.supports(geometry(layer)):
+            continue
+        kernel, grid, box = conv_sm90.plan(geometry(layer))
+        columns, stages = conv_sm90.TILES[kernel[len("conv_sm90_forward<"):-1]]
+        rows = conv_sm90.ROWS
+        blocks = math.prod(grid)
+        out.append({"layer": layer.label, "count": count, "kernel": kernel, "box": box, "grid": grid,
+                    "blocks": blocks, "waves": blocks / sms, "stages": stages,
+                    "padded": blocks // grid[1] * rows / (math.prod(layer.y) // layer.w[0]),
+                    "flops_per_byte": 2 * rows * columns / ((rows + columns) * ELEMENT_BYTES["bf16"])})
+    return out, resources
+
+
+def hopper_table(batch, sms):
+    table, resources = hopper_rows(batch, sms)
+    print("\n## bf16 on Hopper (conv_sm90.cu: forward, stride 1)\n")
+    for kernel, r in resources.items():
+        tile = kernel[len("conv_sm90_forward<"):-1]
+        columns, stages = conv_sm90.TILES[tile]
+        print(f"- `{kernel}`: {conv_sm90.THREADS} threads (a producer warpgroup, two consumer warpgroups of 64 rows "
+              f"each: m64n{columns}k16 wgmma), {r.registers} registers a thread at launch (setmaxnreg: 40 the "
+              f"producer's, 232 the consumers'), {stages} stages of {conv_sm90.ROWS}x{conv_sm90.BK} + "
+              f"{columns}x{conv_sm90.BK} bf16, {(r.shared_bytes + conv_sm90.shared_bytes(tile)) / 1024:.1f} KB of "
+              f"shared memory: 1 block (2 warpgroups of wgmma in flight) an SM; spills {r.spill_stores} bytes")
+    print(f"\n| layer (batch {batch}) | n | kernel | output box (images x rows x columns) | grid | waves on {sms} SMs "
+          f"| rows computed / rows | FLOPs per L2 byte |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in table:
+        print(f"| {row['layer']} | {row['count']} | `{row['kernel']}` | {'x'.join(map(str, row['box']))} | "
+              f"{'x'.join(map(str, row['grid']))} | {row['waves']:.2f} | {row['padded']:.2f} | "
+              f"{row['flops_per_byte']:.1f} |")
+
+
 def describe_loops(found, lean_hmma):
     """'instructions / HMMA' of each main loop, and the instructions per HMMA of the product (the lean
     loop's HMMA count: a bias loop's extra HMMA sum the bias)."""
@@ -330,6 +371,8 @@ def main(argv=None):
               f"per step: {partials / 1e6:.0f} MB; FLOPs per L2 byte: {min(f for f, _ in weighted):.1f} to "
               f"{max(f for f, _ in weighted):.1f}" + (f"; below {goal} at {', '.join(below)}" if below else ""))
         print(f"\non the FP32 kernels (conv.cu, linear.cu), not the tensor cores: {'; '.join(fp32)}")
+    if "bf16" in args.precision and args.arch == "sm_90":
+        hopper_table(args.batch, args.sms)
     return 0
 
 
