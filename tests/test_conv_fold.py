@@ -270,7 +270,7 @@ def test_resnet_step_on_the_halo_kernels(halo_everywhere):
         return loss.numpy().copy(), [p.grad.copy() for p in model.parameters()]
     (loss, grads), (other_loss, other_grads) = step("ascending"), step("descending")
     for kernel in (f"conv_tc_forward_halo<{conv_tc.TF32.halo}, true>", f"conv_tc_forward_halo<{conv_tc.TF32.halo}>",
-                   f"conv_tc_dgrad_halo<{conv_tc.TF32.halo}>", "mirrored_weights"):
+                   f"conv_tc_dgrad_halo<{conv_tc.TF32.halo}>", "mirrored_weights<float>"):
         assert kernel in halo_everywhere, (kernel, sorted(set(halo_everywhere)))
     np.testing.assert_array_equal(loss, other_loss)
     for i, (got, want) in enumerate(zip(grads, other_grads)):

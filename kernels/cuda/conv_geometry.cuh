@@ -1,5 +1,6 @@
 // conv_geometry.cuh: the sizes of one convolution and the stride phases of its backward-data,
-// which the FP32 kernels (conv.cu) and the tensor-core ones (conv_tc.cu) share.
+// which the FP32 kernels (conv.cu) and the tensor-core ones (conv_tc.cu, conv_sm90.cu) share; and the weights
+// of the forward convolution that a stride-1 backward-data is.
 #pragma once
 
 // Sizes of one convolution; the kernel size is a template constant when KH, KW are not 0.
@@ -67,4 +68,17 @@ __device__ Phase stride_phase(const Geometry<KH, KW>& g, int z) {
 template <int KH, int KW>
 __device__ Phase unit_stride_phase(const Geometry<KH, KW>& g) {
     return Phase{0, 0, 0, 0, g.h, g.w, g.ph, g.pw, g.kh(), g.kw()};
+}
+
+// w_mirrored (C, KH, KW, O) [ci][tap][co] = w_krsc (O, KH, KW, C) [co][taps - 1 - tap][ci]: the weights of the
+// forward convolution that backward-data of a stride-1 one is (dy convolved with them, padding KH - 1 - PH), so that
+// a backward-data kernel reads them as a forward reads its own, along k (TF32's halo kernel for 3x3 filters,
+// Hopper's forward GEMM). One thread an element.
+template <class T>
+__global__ void __launch_bounds__(256)
+mirrored_weights(const T* __restrict__ w_krsc, T* __restrict__ w_mirrored, int o, int taps, int c) {
+    const int i = blockIdx.x * 256 + int(threadIdx.x);   // the output element, (ci * taps + tap) * O + co
+    if (i >= taps * o * c) return;
+    const int co = i % o, tap = i / o % taps, ci = i / (taps * o);
+    w_mirrored[i] = w_krsc[(co * taps + taps - 1 - tap) * c + ci];
 }

@@ -847,16 +847,6 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, fl
                        tile_counters(counters, 0, split), 0, n0, nullptr, false, acc, bias);
 }
 
-// The weights of backward-data's halo kernel, w_mirrored (C, 3, 3, O) [ci][tap][co] = w_krsc (O, 3, 3, C)
-// [co][8 - tap][ci]: the weights of the forward convolution that backward-data of a 3x3, stride-1 one is, so
-// that its kernel reads them as the forward reads its own (along k, by ldmatrix). One thread an element.
-extern "C" __global__ void __launch_bounds__(256)
-mirrored_weights(const float* __restrict__ w_krsc, float* __restrict__ w_mirrored, int o, int c) {
-    const int i = blockIdx.x * 256 + int(threadIdx.x);   // the output element, (ci * 9 + tap) * O + co
-    if (i >= 9 * o * c) return;
-    const int co = i % o, tap = i / o % 9, ci = i / (9 * o);
-    w_mirrored[i] = w_krsc[(co * 9 + 8 - tap) * c + ci];
-}
 
 // y (N*H*W x O, NHWC) = the 3x3 convolution, stride 1, padding 1, of x + bias, from windows of x
 // (tc_halo_gemm) by w_krsc: block (x, y) computes output pixels [x * BM, ...) by channels

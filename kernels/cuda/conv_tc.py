@@ -144,7 +144,7 @@ PROJECTION_SHARED = (64 * 132 + 2 * 32 * (132 + 72) + 3 * PROJECTION_CELLS + 4 *
 # (TcPhaseShared::BYTES): two stages of a window and four taps' weights (64 rows of 20 floats).
 PHASE_KERNEL, PHASE_ROWS, PHASE_SLOTS = "conv_tc_dgrad_phases<TcPhase192x64>", 192, 304
 PHASE_SHARED = 2 * (PHASE_SLOTS * 20 + 4 * 64 * 20) * 4
-KERNELS += PROJECTION_KERNELS + (PHASE_KERNEL,)
+KERNELS += PROJECTION_KERNELS + (PHASE_KERNEL, "mirrored_weights<float>")
 BF16_KERNELS = BF16.kernels(("Bf128x128", "Bf128x64")) + tuple(
     f"conv_bf16_{gemm}_halo<{BF16.halo}>" for gemm in ("forward", "dgrad")) + (WGRAD_HALO["conv_bf16"].kernel,)
 BF16_GEMMS = BF16.gemms
@@ -461,9 +461,9 @@ def tf32_values(be, a, rounded):
 
 def mirrored_weights(be, w_krsc, o, c):
     """The weights (O, 3, 3, C) of a 3x3 convolution as TF32's halo backward-data reads them, (C, 3, 3, O)
-    [ci][tap][co] = w_krsc[co][8 - tap][ci] (conv_tc.cu's mirrored_weights)."""
+    [ci][tap][co] = w_krsc[co][8 - tap][ci] (conv_geometry.cuh's mirrored_weights)."""
     out = be.xp.empty((c, 3, 3, o), np.float32)
-    launch(be, "conv_tc", "mirrored_weights", (cdiv(out.size, 256),), (w_krsc, out, o, c), block=(256,))
+    launch(be, "conv_tc", "mirrored_weights<float>", (cdiv(out.size, 256),), (w_krsc, out, o, 9, c), block=(256,))
     return out
 
 
