@@ -239,41 +239,50 @@ def rows(batch, arch, sms, precision):
 
 
 def hopper_rows(batch, sms):
-    """The forwards that conv_sm90.cu (Hopper's warpgroup MMA fed by TMA) takes under bf16 on an sm_90 GPU, one
-    dict per distinct convolution: its kernel, output box, grid, waves (one block an SM: the ring's shared memory),
-    and the FLOPs per L2 byte of its tile; with the kernel's ptxas Resources."""
+    """The GEMMs that conv_sm90.cu (Hopper's warpgroup MMA fed by TMA) takes under bf16 on an sm_90 GPU, one dict per
+    GEMM of each distinct convolution: forwards, and backward-datas as the forward of dy by the mirrored weights; its
+    kernel, output box, grid, waves (one block an SM: the ring's shared memory), and the FLOPs per L2 byte of its
+    tile; with the kernels' ptxas Resources."""
     resources = {kernel: r for _, _, kernel, r in report(["conv_sm90"], ["sm_90"])}
     out = []
     for layer, count in layers.distinct(layers.resnet18_layers(batch)):
-        if layer.op != "conv2d" or not conv_sm90.supports(geometry(layer)):
+        if layer.op != "conv2d":
             continue
-        kernel, grid, box = conv_sm90.plan(geometry(layer))
-        columns, stages = conv_sm90.TILES[kernel[len("conv_sm90_forward<"):-1]]
-        rows = conv_sm90.ROWS
-        blocks = math.prod(grid)
-        out.append({"layer": layer.label, "count": count, "kernel": kernel, "box": box, "grid": grid,
-                    "blocks": blocks, "waves": blocks / sms, "stages": stages,
-                    "padded": blocks // grid[1] * rows / (math.prod(layer.y) // layer.w[0]),
-                    "flops_per_byte": 2 * rows * columns / ((rows + columns) * ELEMENT_BYTES["bf16"])})
+        for gemm, supported, of in (("forward", conv_sm90.supports, lambda g: g),
+                                    ("dgrad", conv_sm90.supports_dgrad, conv_sm90.dgrad_geometry)):
+            if not supported(geometry(layer)):
+                continue
+            g = of(geometry(layer))
+            tile, grid, box = conv_sm90.plan(g)
+            columns, stages = conv_sm90.TILES[tile]
+            rows = conv_sm90.ROWS
+            blocks = math.prod(grid)
+            out.append({"layer": layer.label, "count": count, "gemm": gemm,
+                        "kernel": f"conv_sm90_forward<{tile}, ADD>",   # ADD: backward-data into a gradient
+                        "box": box, "grid": grid, "blocks": blocks, "waves": blocks / sms, "stages": stages,
+                        "padded": grid[0] * rows / (g[0] * g[11] * g[12]),
+                        "flops_per_byte": 2 * rows * columns / ((rows + columns) * ELEMENT_BYTES["bf16"])})
     return out, resources
 
 
 def hopper_table(batch, sms):
     table, resources = hopper_rows(batch, sms)
-    print("\n## bf16 on Hopper (conv_sm90.cu: forward, stride 1)\n")
+    print("\n## bf16 on Hopper (conv_sm90.cu: forward and backward-data, stride 1)\n")
     for kernel, r in resources.items():
-        tile = kernel[len("conv_sm90_forward<"):-1]
+        if not kernel.startswith("conv_sm90_forward<") or kernel.endswith("true>"):
+            continue
+        tile = kernel.split("<")[1].split(",")[0]
         columns, stages = conv_sm90.TILES[tile]
         print(f"- `{kernel}`: {conv_sm90.THREADS} threads (a producer warpgroup, two consumer warpgroups of 64 rows "
               f"each: m64n{columns}k16 wgmma), {r.registers} registers a thread at launch (setmaxnreg: 40 the "
               f"producer's, 232 the consumers'), {stages} stages of {conv_sm90.ROWS}x{conv_sm90.BK} + "
               f"{columns}x{conv_sm90.BK} bf16, {(r.shared_bytes + conv_sm90.shared_bytes(tile)) / 1024:.1f} KB of "
               f"shared memory: 1 block (2 warpgroups of wgmma in flight) an SM; spills {r.spill_stores} bytes")
-    print(f"\n| layer (batch {batch}) | n | kernel | output box (images x rows x columns) | grid | waves on {sms} SMs "
-          f"| rows computed / rows | FLOPs per L2 byte |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n| layer (batch {batch}) | n | GEMM | kernel | output box (images x rows x columns) | grid | waves on "
+          f"{sms} SMs | rows computed / rows | FLOPs per L2 byte |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in table:
-        print(f"| {row['layer']} | {row['count']} | `{row['kernel']}` | {'x'.join(map(str, row['box']))} | "
+        print(f"| {row['layer']} | {row['count']} | {row['gemm']} | `{row['kernel']}` | {'x'.join(map(str, row['box']))} | "
               f"{'x'.join(map(str, row['grid']))} | {row['waves']:.2f} | {row['padded']:.2f} | "
               f"{row['flops_per_byte']:.1f} |")
 

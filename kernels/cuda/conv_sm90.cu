@@ -5,7 +5,9 @@
 // `pytest -m gpu`.
 //
 //   conv_sm90_forward   y (N*OH*OW x O) = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b, for
-//                       stride 1, C and O multiples of 64 (ResNet-18's 3x3 convolutions but the stride-2 ones)
+//                       stride 1, C and O multiples of 64 (ResNet-18's 3x3 convolutions but the stride-2 ones);
+//                       ADD: added to what y holds, rounded once. Backward-data of such a convolution is this
+//                       forward of dy by the weights mirrored (conv_geometry.cuh's mirrored_weights<bf16>).
 //
 // The implicit GEMM without an im2col: a block's 128 rows (output pixels) are a box of the output, box_i images
 // by box_h rows by box_w columns (box_i box_h box_w = 128, chosen per layer by the launcher to waste the fewest
@@ -25,12 +27,14 @@
 //                       and release the stage before (wgmma_wait<1>: one group in flight while the next lands)
 //   Sm90BoxRows         the epilogue's map from a tile row to its output pixel (the box)
 //   the epilogue        each consumer thread's accumulators (mma.sync's m16n8 layout, BN / 8 of them a warp) plus
-//                       the bias, rounded to bf16 once, stored as pairs of neighbouring channels
+//                       the bias (or what y holds: ADD), rounded to bf16 once, stored as pairs of neighbouring
+//                       channels
 //
 // Registers: 384 threads a block, one block an SM (the ring's shared memory); setmaxnreg gives the producer's
 // warpgroup 40 registers a thread and the consumers' 232 (a consumer holds BN / 2 accumulators).
 #include "sm90.cuh"
 #include "bf16.cuh"
+#include "conv_geometry.cuh"
 
 constexpr int SM90_THREADS = 384;   // a producer warpgroup and two consumer warpgroups
 constexpr int SM90_PRODUCER_REGISTERS = 40, SM90_CONSUMER_REGISTERS = 232;
@@ -122,7 +126,7 @@ struct Sm90Mainloop {
 
 // x_map: x (N, H, W, C) bf16, box (box_i, box_h, box_w, 64), swizzled; w_map: w (O, KH*KW*C) bf16, box (BN, 64),
 // swizzled. A block: the tile (blockIdx.x: its box of the output), BN filters from blockIdx.y * BN.
-template <class Tile>
+template <class Tile, bool ADD>
 __global__ void __launch_bounds__(SM90_THREADS, 1)
 conv_sm90_forward(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map,
                   const float* __restrict__ bias, bf16* __restrict__ y, int n, int c, int o, int kh, int kw, int ph,
@@ -157,11 +161,16 @@ conv_sm90_forward(const __grid_constant__ TensorMap x_map, const __grid_constant
         for (int j = 0; j < Tile::BN / 8; ++j) {
             const int column = 8 * j + 2 * (lane % 4);
             float lo = acc[4 * j + 2 * half], hi = acc[4 * j + 2 * half + 1];
+            unsigned* pair = reinterpret_cast<unsigned*>(row + column);
             if (bias) {
                 lo += bias[o0 + column];
                 hi += bias[o0 + column + 1];
             }
-            *reinterpret_cast<unsigned*>(row + column) = bf16x2_round(lo, hi);
+            if (ADD) {
+                lo += bf16x2_low(*pair);
+                hi += bf16x2_high(*pair);
+            }
+            *pair = bf16x2_round(lo, hi);
         }
     }
 }

@@ -1,5 +1,7 @@
 """Launchers of conv_sm90.cu: the bf16 convolutions of Hopper (compute capability 9.0), warpgroup MMA fed by TMA,
-which conv_tc.forward runs where `chosen` says so, and the mma.sync kernels of conv_bf16.cu elsewhere.
+which conv_tc.forward and conv.py's backward-data run where `chosen` and `chosen_dgrad` say so, and the mma.sync
+kernels of conv_bf16.cu elsewhere. Backward-data of a stride-1 convolution is the forward GEMM of dy by the weights
+mirrored (dgrad_geometry).
 
 The arrays are C-contiguous NHWC bfloat16, the geometry conv.py's tuple (N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH,
 OW). x and w reach the kernel as TMA tensor maps (launch.tensor_map): x as (N, H, W, C) in boxes of a tile's output
@@ -16,7 +18,8 @@ THREADS = 384   # a producer warpgroup and two consumer warpgroups (SM90_THREADS
 ROWS, BK = 128, 64   # the rows (output pixels) of a tile, and the k (channels) of a stage
 # tile: (columns BN, stages): 128 filters where the output channels are a multiple of 128, else 64
 TILES = {"Sm90x128": (128, 4), "Sm90x64": (64, 6)}
-KERNELS = tuple(f"conv_sm90_forward<{tile}>" for tile in TILES)
+KERNELS = tuple(f"conv_sm90_forward<{tile}, {add}>" for tile in TILES for add in ("false", "true")) + (
+    "mirrored_weights<bf16>",)
 
 
 def available(be):
@@ -35,6 +38,24 @@ def supports(geometry):
 
 def chosen(be, geometry):
     return available(be) and supports(geometry)
+
+
+def dgrad_geometry(geometry):
+    """The geometry of the forward convolution that backward-data of a stride-1 one is: dy (N, O, OH, OW) convolved
+    with the weights mirrored (C, KH, KW, O), padding KH - 1 - PH, to dx (N, C, H, W)."""
+    n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    return (n, o, oh, ow, c, kh, kw, 1, 1, kh - 1 - ph, kw - 1 - pw, h, w)
+
+
+def supports_dgrad(geometry):
+    """Whether the family computes this backward-data: a stride-1 convolution whose padding the filter covers (dy's
+    padding KH - 1 - PH is not negative), its forward GEMM one the family takes."""
+    kh, kw, sh, sw, ph, pw = geometry[5:11]
+    return sh == sw == 1 and ph < kh and pw < kw and supports(dgrad_geometry(geometry))
+
+
+def chosen_dgrad(be, geometry):
+    return available(be) and supports_dgrad(geometry)
 
 
 def choose_box(n, oh, ow):
@@ -57,26 +78,40 @@ def shared_bytes(tile):
 
 
 def plan(geometry):
-    """(kernel, grid, box) of the forward: the tile's kernel, a block per box of the output by BN filters."""
+    """(tile, grid, box) of the forward: the tile, a block per box of the output by BN filters."""
     n, o, oh, ow = geometry[0], geometry[4], geometry[11], geometry[12]
     box = choose_box(n, oh, ow)
     tile = choose_tile(o)
     tiles = cdiv(n, box[0]) * cdiv(oh, box[1]) * cdiv(ow, box[2])
-    return f"conv_sm90_forward<{tile}>", (tiles, o // TILES[tile][0]), box
+    return tile, (tiles, o // TILES[tile][0]), box
 
 
-def forward(be, x, w_krsc, b, geometry):
-    """y (N, OH, OW, O) bfloat16 = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (float32 (O,), or None)."""
+def forward(be, x, w_krsc, b, geometry, into=None):
+    """y (N, OH, OW, O) bfloat16 = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (float32 (O,), or None); added to
+    `into` (a C-contiguous (N, OH, OW, O) bfloat16 array), in place, rounded once, when given."""
     n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if not supports(geometry) or x.dtype != bfloat16 or w_krsc.dtype != bfloat16:
         raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 and channels multiples of 64, got "
                          f"{x.dtype} x, {w_krsc.dtype} w, geometry {geometry}")
-    kernel, grid, (box_i, box_h, box_w) = plan(geometry)
-    tile = kernel[len("conv_sm90_forward<"):-1]
+    tile, grid, (box_i, box_h, box_w) = plan(geometry)
     x, w_krsc = aligned(x), aligned(w_krsc)
     x_map = tensor_map(be, x, (box_i, box_h, box_w, BK))
     w_map = tensor_map(be, w_krsc.reshape(o, kh * kw * c), (TILES[tile][0], BK))
-    y = be.xp.empty((n, oh, ow, o), bfloat16)
-    launch(be, "conv_sm90", kernel, grid, (x_map, w_map, b, y, n, c, o, kh, kw, ph, pw, oh, ow, box_w, box_h, box_i),
-           block=(THREADS,), shared_mem=shared_bytes(tile))
+    y = be.xp.empty((n, oh, ow, o), bfloat16) if into is None else into
+    launch(be, "conv_sm90", f"conv_sm90_forward<{tile}, {'false' if into is None else 'true'}>", grid,
+           (x_map, w_map, b, y, n, c, o, kh, kw, ph, pw, oh, ow, box_w, box_h, box_i), block=(THREADS,),
+           shared_mem=shared_bytes(tile))
     return y
+
+
+def backward_data(be, dy, w_krsc, geometry, into=None):
+    """dx (N, H, W, C) bfloat16 from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C), bfloat16; added to `into` (as
+    forward's) when given: the forward of dy by the mirrored weights (mirrored_weights<bf16>, a launch)."""
+    n, c, h, w, o, kh, kw = geometry[:7]
+    if not supports_dgrad(geometry):
+        raise ValueError(f"conv_sm90: takes the backward-data of stride-1 convolutions whose filter covers the "
+                         f"padding, channels multiples of 64, got geometry {geometry}")
+    mirrored = be.xp.empty((c, kh, kw, o), bfloat16)
+    launch(be, "conv_sm90", "mirrored_weights<bf16>", (cdiv(mirrored.size, 256),), (aligned(w_krsc), mirrored, o,
+                                                                                     kh * kw, c), block=(256,))
+    return forward(be, dy, mirrored, None, dgrad_geometry(geometry), into)
