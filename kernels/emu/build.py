@@ -351,7 +351,7 @@ def _entries_source(source_path, expressions, extern_shared):
              "// extern __shared__ name (a name in assembly can alias it whatever its C++ type),",
              "// and the kernels' entry points.",
              'extern "C" {',
-             "alignas(128) thread_local unsigned char",
+             "alignas(kEmuDynamicSharedAlign) thread_local unsigned char",
              "    emu_dynamic_shared[kEmuDynamicSharedBytes + kEmuSharedTailBytes];",
              "void* emu_dynamic_shared_base() { return emu_dynamic_shared; }",
              "}"]

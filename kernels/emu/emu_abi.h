@@ -67,6 +67,24 @@ constexpr int kEmuAlignedBytes = 64;
 // asked for (a write past it shows). A launch fills only what it asked for.
 constexpr std::size_t kEmuDynamicSharedBytes = 227 * 1024;
 constexpr std::size_t kEmuSharedTailBytes = 256;
+// The dynamic shared memory starts at a 1024-byte aligned address, as on sm_90 (the period of the 128-byte
+// swizzle, a function of the address bits, that TMA writes and wgmma reads).
+constexpr std::size_t kEmuDynamicSharedAlign = 1024;
+
+// The emulator's record of a tensor map (sm90.cuh's TensorMap, CUtensorMap's 128 bytes), which the launcher
+// writes for an emu.TensorMap argument (arguments.py): the launch's copy of the tensor and its geometry, every
+// array innermost dimension first (CUDA's order).
+struct EmuTensorMap {
+    std::uint64_t magic;           // kEmuTensorMapMagic
+    std::uint64_t address;         // the launch's (guarded) copy of the tensor
+    std::uint32_t rank, element_bytes, swizzle, reserved;   // rank 1..5; swizzle 0 or 128 (bytes)
+    std::uint64_t dims[5];         // elements
+    std::uint64_t strides[5];      // bytes; strides[0] is the element's size
+    std::uint16_t box[5];          // elements, 1..256
+    std::uint16_t pad[3];
+};
+static_assert(sizeof(EmuTensorMap) == 128, "a tensor map is CUtensorMap's 128 bytes");
+constexpr std::uint64_t kEmuTensorMapMagic = 0x3170614d54756d45ull;   // "EmuTMap1"
 
 extern "C" {
 // A barrier called at file:line; how: 0 count, 1 and, 2 or.

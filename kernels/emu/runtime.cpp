@@ -58,7 +58,9 @@
 
 namespace {
 
-enum FiberState : unsigned char { RUNNABLE, AT_BARRIER, AT_WARP, RETURNED };
+// AT_MBARRIER: in an mbarrier_wait for a phase to complete; AT_WARPGROUP: in a warpgroup-wide .aligned
+// instruction (wgmma, setmaxnreg) for the other threads of its warpgroup (see Hopper).
+enum FiberState : unsigned char { RUNNABLE, AT_BARRIER, AT_WARP, RETURNED, AT_MBARRIER, AT_WARPGROUP };
 
 // What a thread's stack slot holds besides its stack (see emu_abi.h); `pub` must come first.
 struct Slot {
@@ -128,10 +130,16 @@ struct SharedVariable {
 struct ShadowWord {
     std::uint32_t w_phase, w_gen;      // the last write: its phase, and the warp's __syncwarp count then
     std::uint32_t r_phase, r_gen[2];   // the reads of the word in phase r_phase
-    std::uint32_t pending;             // the phase in which a cp.async to it was issued, 0 once it landed
-    std::uint16_t writer, reader[2];
-    std::uint8_t readers, pad_;
+    std::uint32_t pending;             // the phase in which a cp.async to it was issued, 0 once it landed; and
+                                       // kHopperMarked where `hopper` holds marks (one test finds both)
+    std::uint16_t writer, reader[2];   // threads, or the clock slot of an mbarrier's TMA loads (Hopper)
+    std::uint8_t readers;
+    std::uint8_t hopper;               // Hopper's marks (kMbarrierWord, kTmaWord, kWgmmaWord): see HopperWord
 };
+
+// The bit of ShadowWord::pending that says the word has Hopper's marks: one test on the path of every shared
+// access finds a word that needs a closer look (a cp.async in flight, or Hopper's marks).
+constexpr std::uint32_t kHopperMarked = 0x80000000u;
 
 // The canary after the dynamic shared memory a launch asked for.
 constexpr unsigned char kSharedTail = 0xa5;
@@ -209,6 +217,8 @@ struct RacingStore {
     const void* pc;
 };
 
+struct Hopper;   // the state of sm90.cuh's instructions in a launch that uses them
+
 struct Launch {
     void (*entry)(void**);
     void** args;
@@ -256,6 +266,13 @@ struct Launch {
     LoadTraffic* traffic;                             // the traffic counter, or null
     std::vector<UndefinedShuffle> undefined;          // the shuffles that gave undefined values, by tag
     UncheckedStore unchecked;                         // n = 0: none
+    // Shared addresses (sm90.cuh's smem_address, descriptors): a pointer into the module's thread-local block less
+    // `window`, and less `window_gap` too from `window_split` on: what lies after the dynamic shared memory's 227 KiB
+    // (static __shared__ variables, as the linker may place them) follows the bytes the launch asked for, as on a
+    // GPU every shared address is below 228 KiB (a descriptor holds 18 bits of one). Both multiples of 1024: a
+    // shared address has the pointer's low 10 bits, which the swizzles read.
+    std::uintptr_t window, window_split, window_gap;
+    Hopper* hopper;                                   // null until the launch uses sm90.cuh's instructions
 };
 
 Launch* g_launch = nullptr;
@@ -265,6 +282,27 @@ std::uint32_t g_phase = 0;          // of every stretch between barriers, over a
 std::uint32_t g_warp_gen = 0;       // of every completed __syncwarp()
 std::uintptr_t g_report_address = 0;  // an address the sanitizer refused, for the message's argument
 bool g_check_values = false;        // the launch is sanitized and has given undefined values (see poison)
+// Hopper's vector clocks (a launch under the full sanitizer that uses mbarriers): of each thread, for each clock
+// slot (a thread, or the TMA loads of an mbarrier), the time (g_warp_gen) of the latest release by that slot which
+// the thread has acquired; g_clock_slots a thread. Null when the launch keeps none.
+std::uint32_t* g_clocks = nullptr;
+int g_clock_slots = 0;
+
+// A pointer into shared memory as a shared address, and back (Launch::window).
+inline std::uintptr_t to_window(std::uintptr_t p) {
+    const Launch& g = *g_launch;
+    return p - g.window - (p >= g.window_split ? g.window_gap : 0);
+}
+inline std::uintptr_t from_window(std::uintptr_t a) {
+    const Launch& g = *g_launch;
+    return a + g.window + (a >= g.window_split - g.window - g.window_gap ? g.window_gap : 0);
+}
+
+// Whether an access made by `from` (a thread or a clock slot) at time `gen` is handed on to thread `to` through
+// mbarriers: `from` released after it (an arrival, a TMA load's complete_tx) in a phase that `to` acquired.
+inline bool handed_on(int from, int to, std::uint32_t gen) {
+    return g_clocks && g_clocks[std::size_t(to) * std::size_t(g_clock_slots) + std::size_t(from)] > gen;
+}
 
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string format(const char* fmt, ...) {
@@ -538,7 +576,9 @@ bool warp_synced(int a, int b, std::uint32_t g) {
 [[noreturn, gnu::cold, gnu::noinline]] void shadow_failure(int what, int t, std::uintptr_t a, int how,
                                                           const SharedVariable& v, const void* pc, int other) {
     const std::string place = format("byte %ld of `%s`", long(a - v.begin), v.name.c_str());
-    const char* warp = other / 32 == t / 32 ? " (nor a __syncwarp() of both lanes)" : "";
+    const char* warp = other / 32 == t / 32 ? (g_clocks ? " (nor a __syncwarp() of both lanes, nor an mbarrier hand-off)"
+                                                          : " (nor a __syncwarp() of both lanes)")
+                                            : (g_clocks ? " (nor an mbarrier hand-off)" : "");
     if (what == 0)
         fail_in_fiber(format("initcheck: %s %s while a cp.async to it is in flight: read it after the "
                              "cp.async.wait_group that covers it (and a barrier, for another thread)%s",
@@ -549,6 +589,17 @@ bool warp_synced(int a, int b, std::uint32_t g) {
     fail_in_fiber(format("racecheck: %s %s, which %s %s, with no __syncthreads() between them%s%s", verb(how),
                          place.c_str(), thread_name(other).c_str(), what == 2 ? "wrote" : "read", warp,
                          at(pc).c_str()));
+}
+
+// Hopper's checks of a plain access to a word that sm90.cuh's instructions marked (see HopperWord).
+void hopper_access(int t, ShadowWord* s, std::uintptr_t a, int how, const SharedVariable& v, const void* pc);
+
+// An access to a word whose `pending` says more is to be checked: a cp.async in flight, Hopper's marks.
+[[gnu::noinline]] void marked_access(int t, ShadowWord* s, std::uintptr_t a, int how, const SharedVariable& v,
+                                     const void* pc) {
+    const std::uint32_t copy = s->pending & ~kHopperMarked;
+    if (copy >= g_launch->block_start && copy) shadow_failure(0, t, a, how, v, pc, t);
+    if (s->pending & kHopperMarked) hopper_access(t, s, a, how, v, pc);
 }
 
 // racecheck and initcheck of thread t's access to shared [a, a + n) of variable v, word by word: an
@@ -565,15 +616,17 @@ void shared_shadow(int t, std::uintptr_t a, std::size_t n, int how, const Shared
     ShadowWord* s = &g_shadow[(a - tls) / 4];
     for (std::uintptr_t word = (a - tls) / 4 * 4 + tls; word < a + n; word += 4, ++s) {
         const std::uintptr_t at_ = word < a ? a : word;   // the access's first byte in this word
-        if (__builtin_expect(s->pending >= start && s->pending, 0)) shadow_failure(0, t, at_, how, v, pc, t);
+        if (__builtin_expect(s->pending >= start && s->pending, 0)) marked_access(t, s, at_, how, v, pc);
         const bool written = s->w_phase >= start && s->w_phase;
         if (__builtin_expect(how == READ && !written, 0)) shadow_failure(1, t, at_, how, v, pc, t);
-        if (whole && s->w_phase == phase && s->writer != t && !warp_synced(s->writer, t, s->w_gen))
+        if (whole && s->w_phase == phase && s->writer != t && !warp_synced(s->writer, t, s->w_gen) &&
+            !handed_on(s->writer, t, s->w_gen))
             shadow_failure(2, t, at_, how, v, pc, s->writer);
         const bool reads_now = s->r_phase == phase;
         if (how == WRITE) {
             for (int r = 0; whole && reads_now && r < s->readers; ++r)
-                if (s->reader[r] != t && !warp_synced(s->reader[r], t, s->r_gen[r]))
+                if (s->reader[r] != t && !warp_synced(s->reader[r], t, s->r_gen[r]) &&
+                    !handed_on(s->reader[r], t, s->r_gen[r]))
                     shadow_failure(3, t, at_, how, v, pc, s->reader[r]);
             s->w_phase = phase, s->w_gen = gen, s->writer = std::uint16_t(t);
             s->r_phase = 0;
@@ -926,6 +979,8 @@ std::uint64_t undefined_value(int wi, int lane, int src) {
     return poison(tag, w.bytes[lane]);
 }
 
+void join_warp_clocks(int wi, unsigned lanes);   // (Hopper) a __syncwarp() orders what its lanes acquired
+
 // Completes the group of lanes waiting with `mask` in warp `wi` if every lane the mask names
 // is there (same operation, same mask) or has returned; makes them runnable again.
 void try_complete_warp(int wi, unsigned mask) {
@@ -958,7 +1013,10 @@ void try_complete_warp(int wi, unsigned mask) {
         g.state[wi * 32 + lane] = RUNNABLE;
     }
     w.waiting &= ~group;
-    if (op == EMU_SYNCWARP) w.syncs.emplace_back(++g_warp_gen, group);
+    if (op == EMU_SYNCWARP) {
+        w.syncs.emplace_back(++g_warp_gen, group);
+        if (g_clocks) join_warp_clocks(wi, group);
+    }
 }
 
 // A warp-wide .aligned instruction completes when all 32 lanes wait in it, at one call site:
@@ -1047,6 +1105,884 @@ std::string lane_list(unsigned lanes) {
     return s;
 }
 
+// ---- Hopper: mbarrier, TMA, wgmma (kernels/cuda/sm90.cuh) --------------------------------------------
+// The emulation of sm90.cuh's wrappers (README.md, "Hopper"), and what the sanitizer makes of them:
+//   - An mbarrier is the runtime's record (MBarrier), found by its address in shared memory: its phase, the
+//     arrivals and transaction bytes pending. A thread in mbarrier_wait for a phase that has not completed yields
+//     to the scheduler (AT_MBARRIER) until the arrival or TMA load that completes it; a block whose threads are
+//     all blocked is a deadlock, reported with each barrier's state and who waits for it.
+//   - A TMA load happens when it is issued: the box is read from the launch's copy of the tensor, written to
+//     shared memory (swizzled) and its bytes completed on the barrier at once. When the bytes land on a GPU is
+//     open; so under the full sanitizer a thread may read them only once it observed the completion of the
+//     barrier's phase they count in.
+//   - A warpgroup-wide instruction (wgmma.*, setmaxnreg) is a rendezvous of the 128 threads of a warpgroup at one
+//     call instance, as an .aligned warp instruction is of the 32 lanes of a warp; the last thread to arrive
+//     executes it for all. A wgmma computes at once, from shared memory as it is then; its result stays pending
+//     in the runtime (the thread's accumulators hold a poison, see poison) until the wgmma_wait that retires its
+//     group writes it back.
+//   - Under the full sanitizer, vector clocks (g_clocks) order the threads' accesses through mbarriers: an arrival
+//     releases what the thread did and acquired before it; a TMA load's complete_tx releases its bytes (through a
+//     clock slot of the barrier's own, an agent); a wait that sees a phase complete acquires the releases of every
+//     phase completed so far; __syncthreads() and __syncwarp() join the clocks of the threads they order. Times
+//     are g_warp_gen, which every release ticks. racecheck asks them (handed_on) before it calls two accesses a
+//     race, and the shadow's Hopper marks (HopperWord) say what plain accesses, TMA loads and wgmmas must respect.
+constexpr int kWarpgroupThreads = 128;
+constexpr int kMaxWarpgroups = 1024 / kWarpgroupThreads;
+constexpr int kMaxTmaBarriers = 64;   // the mbarriers of a block that TMA loads complete on (a clock slot each)
+constexpr unsigned kMaxTxCount = (1u << 20) - 1;   // PTX's bound of an mbarrier's count and tx-count
+
+enum : std::uint8_t { kMbarrierWord = 1, kTmaWord = 2, kWgmmaWord = 4 };
+
+// What a word's Hopper marks (ShadowWord::hopper) mean, cleared at the start of every block (g_hopper_touched):
+// kMbarrierWord, it is part of an initialised mbarrier (`barrier`, index + 1), which only mbarrier_* may touch;
+// kTmaWord, a TMA load (`tma`, index + 1 in Hopper::tmas) wrote it, and a thread may read or overwrite it once it
+// observed the phase that load completed on; kWgmmaWord, the wgmmas of warpgroups read it (`wgmma`: of each
+// warpgroup, its last such wgmma by serial), and a write must wait until they are retired and that is handed on.
+struct HopperWord {
+    std::uint32_t tma, barrier;
+    std::uint32_t wgmma[kMaxWarpgroups];
+};
+std::vector<HopperWord> g_hopper_words;        // beside g_shadow, word by word
+std::vector<std::uint32_t> g_hopper_touched;   // the words marked since the block started
+
+struct MBarrier {
+    std::uintptr_t address = 0;
+    unsigned count = 0, pending = 0;   // arrivals a phase awaits, and those still pending in this one
+    long long tx = 0;                  // transaction bytes pending (negative: completed before they were expected)
+    std::uint32_t phase = 0;           // the phases completed
+    int init_thread = -1;
+    std::uint32_t init_time = 0, init_block_phase = 0;
+    const char* init_file = nullptr;
+    int init_line = 0;
+    int agent = -1;                    // the clock slot of the TMA loads that complete on it
+    std::vector<std::uint32_t> pending_clock, released;   // the releases of this phase; of those completed
+    std::vector<int> waiters;
+};
+
+struct TmaLoad {
+    const char* file;
+    int line, barrier, issuer;
+    std::uint32_t phase, time;   // the barrier's phase its bytes count in; when it wrote them
+};
+
+// A thread's accumulator array of wgmmas (its `d`), from its first wgmma on.
+struct Accumulator {
+    float* d;
+    int n;                  // the wgmma's N: d holds N / 2 floats
+    bool pending;           // a wgmma writes it: `values` is its result, d holds `poison`
+    std::uint32_t group;    // the group of its last wgmma, 0 while that is not committed
+    std::uint32_t poison;
+    std::uint32_t retired;  // when the wgmma_wait that retired it ran (not pending): `values` is what it wrote
+    const char* file;       // its last wgmma
+    int line;
+    float values[64];
+};
+
+struct HopperThread {
+    std::vector<Accumulator> acc;
+    std::uint32_t wgmma_fence = 0, last_wait = 0, proxy_fence = 0;   // when it last ran each
+    int wait_barrier = -1;   // AT_MBARRIER: the barrier (index), the parity and the call
+    unsigned wait_parity = 0;
+    const char* wait_file = nullptr;
+    int wait_line = 0;
+};
+
+enum WarpgroupOp : int { WG_FENCE, WG_COMMIT, WG_WAIT, WG_MMA, WG_SETMAXNREG };
+
+// A thread's part in a warpgroup-wide instruction: its call instance and operands.
+struct WarpgroupCall {
+    int op;
+    const char* file;
+    int line;
+    std::uint64_t path;
+    CallChain chain;
+    float* d;
+    int n, accumulate, arg;
+    std::uint64_t a, b;
+};
+
+struct WgmmaOp {
+    std::uint32_t group, retired;   // its group (0: not committed yet); when a wait retired it (0: not yet)
+    const char* file;
+    int line;
+};
+
+struct Warpgroup {
+    int arrived = 0, first = -1;   // the threads waiting in an instruction, and one of them
+    WarpgroupCall call[kWarpgroupThreads];
+    std::vector<WgmmaOp> ops;      // its wgmmas in this block, by serial - 1
+    std::uint32_t groups = 0;      // the groups committed
+};
+
+struct Hopper {
+    int threads = 0, slots = 0, first_agent = 0, agents = 0;
+    bool clocks = false;                     // the full sanitizer: vector clocks and the shadow's marks
+    std::vector<std::uint32_t> acquired;     // g_clocks
+    std::vector<MBarrier> barriers;
+    std::unordered_map<std::uintptr_t, int> barrier_at;
+    std::vector<TmaLoad> tmas;
+    std::vector<HopperThread> thread;
+    std::vector<Warpgroup> warpgroups;
+    std::map<std::pair<std::string, int>, std::size_t> poison_tags;   // of each wgmma call site, in the launch
+    std::vector<unsigned char> box;          // a TMA load's box
+    std::vector<double> a, b;                // a wgmma's operands
+};
+
+inline std::uint32_t tick() { return ++g_warp_gen; }
+
+std::uint32_t* clock_of(int thread) { return g_clocks + std::size_t(thread) * std::size_t(g_clock_slots); }
+
+void join_clock(std::uint32_t* into, const std::uint32_t* from) {
+    for (int k = 0; k < g_clock_slots; ++k) into[k] = std::max(into[k], from[k]);
+}
+
+void clear_hopper_words() {
+    for (const std::uint32_t w : g_hopper_touched) {
+        g_shadow[w].hopper = 0;
+        g_shadow[w].pending &= ~kHopperMarked;
+        g_hopper_words[w] = HopperWord{};
+    }
+    g_hopper_touched.clear();
+}
+
+void reset_hopper_block(Hopper& h) {
+    h.agents = 0;
+    h.barriers.clear();
+    h.barrier_at.clear();
+    h.tmas.clear();
+    for (HopperThread& t : h.thread) t = HopperThread{};
+    for (Warpgroup& w : h.warpgroups) {
+        w.arrived = 0;
+        w.first = -1;
+        w.ops.clear();
+        w.groups = 0;
+    }
+    std::fill(h.acquired.begin(), h.acquired.end(), 0u);
+    clear_hopper_words();
+}
+
+// The launch's Hopper state, made at its first use of sm90.cuh's instructions.
+Hopper& hopper() {
+    Launch& g = *g_launch;
+    if (!g.hopper) {
+        auto* h = new Hopper;
+        h->threads = g.threads;
+        h->first_agent = (g.threads + 31) / 32 * 32;
+        h->slots = h->first_agent + kMaxTmaBarriers;
+        h->clocks = g.sanitize > 1;
+        h->thread.resize(std::size_t(g.threads));
+        h->warpgroups.resize(std::size_t((g.threads + kWarpgroupThreads - 1) / kWarpgroupThreads));
+        if (h->clocks) {
+            h->acquired.assign(std::size_t(g.threads) * std::size_t(h->slots), 0u);
+            g_clocks = h->acquired.data();
+            g_clock_slots = h->slots;
+            if (g_hopper_words.size() < g_shadow.size()) g_hopper_words.resize(g_shadow.size());
+        }
+        g.hopper = h;
+    }
+    return *g.hopper;
+}
+
+// __syncthreads() (every thread) and __syncwarp() (its lanes) order what they join: each gets what all acquired.
+void join_block_clocks() {
+    Launch& g = *g_launch;
+    std::vector<std::uint32_t> all(std::size_t(g_clock_slots), 0u);
+    for (int t = 0; t < g.threads; ++t) join_clock(all.data(), clock_of(t));
+    for (int t = 0; t < g.threads; ++t) std::copy(all.begin(), all.end(), clock_of(t));
+}
+
+void join_warp_clocks(int wi, unsigned lanes) {
+    std::vector<std::uint32_t> all(std::size_t(g_clock_slots), 0u);
+    for (unsigned rest = lanes; rest; rest &= rest - 1) join_clock(all.data(), clock_of(wi * 32 + __builtin_ctz(rest)));
+    for (unsigned rest = lanes; rest; rest &= rest - 1)
+        std::copy(all.begin(), all.end(), clock_of(wi * 32 + __builtin_ctz(rest)));
+}
+
+// ---- messages
+std::string shared_place(std::uintptr_t a) {
+    if (const SharedVariable* v = shared_variable(a, 1))
+        return format("byte %ld of `%s`", long(a - v->begin), v->name.c_str());
+    return format("shared address 0x%lx", static_cast<unsigned long>(to_window(a)));
+}
+
+std::string barrier_name(const MBarrier& b) { return "the mbarrier at " + shared_place(b.address); }
+
+std::string barrier_state(const MBarrier& b) {
+    return format("phase %u: %u of %u arrivals and %lld transaction bytes pending", b.phase, b.pending, b.count, b.tx);
+}
+
+// Threads by their linear index in the block ("threads 128-255").
+std::string thread_list(const std::vector<int>& threads) {
+    std::vector<int> sorted(threads);
+    std::sort(sorted.begin(), sorted.end());
+    std::string s;
+    for (std::size_t k = 0; k < sorted.size();) {
+        std::size_t end = k;
+        while (end + 1 < sorted.size() && sorted[end + 1] == sorted[end] + 1) ++end;
+        s += s.empty() ? "" : ",";
+        s += end == k ? format("%d", sorted[k]) : format("%d-%d", sorted[k], sorted[end]);
+        k = end + 1;
+    }
+    return (sorted.size() == 1 ? "thread " : "threads ") + s;
+}
+
+std::string warpgroup_name(int wg) {
+    return format("warpgroup %d (threads %d-%d)", wg, wg * kWarpgroupThreads, wg * kWarpgroupThreads + kWarpgroupThreads - 1);
+}
+
+// An error of thread `thread`, found by the running thread (which ends its turn).
+[[noreturn]] void fail_for(int thread, const std::string& message) {
+    fail(describe_thread(thread) + ": " + message);
+    switch_to_scheduler(g_launch->current);
+    std::abort();
+}
+
+// The __shared__ variable (or dynamic shared memory) that holds [a, a + n) for `what` at file:line, or a memcheck
+// error naming the nearest one.
+const SharedVariable& shared_operand(std::uintptr_t a, std::size_t n, const std::string& what, const char* file,
+                                     int line) {
+    if (const SharedVariable* v = shared_variable(a, n)) return *v;
+    const SharedVariable* inside = shared_variable(a, 1);
+    const std::string where = inside ? format("byte %ld of `%s` (%zu bytes)", long(a - inside->begin),
+                                              inside->name.c_str(), std::size_t(inside->end - inside->begin))
+                                     : format("%p", reinterpret_cast<const void*>(a));
+    fail_in_fiber(format("memcheck: %s at %s:%d: %zu bytes at %s %s", what.c_str(), file, line, n, where.c_str(),
+                         inside ? "run past its end" : "are not in a __shared__ variable of the kernel nor in the "
+                                                       "dynamic shared memory the launch asked for"));
+}
+
+// ---- mbarriers
+int find_barrier(void* bar, const char* what, const char* file, int line, bool init) {
+    Hopper& h = hopper();
+    const auto a = reinterpret_cast<std::uintptr_t>(bar);
+    const auto found = h.barrier_at.find(a);
+    if (found != h.barrier_at.end()) return found->second;
+    shared_operand(a, 8, format("%s of an mbarrier", what), file, line);
+    if (a % 8)
+        fail_in_fiber(format("memcheck: %s at %s:%d: the mbarrier at %s is not 8-byte aligned", what, file, line,
+                             shared_place(a).c_str()));
+    if (!init)
+        fail_in_fiber(format("synccheck: %s at %s:%d uses the mbarrier at %s, which no mbarrier_init initialised", what,
+                             file, line, shared_place(a).c_str()));
+    h.barrier_at.emplace(a, int(h.barriers.size()));
+    h.barriers.emplace_back();
+    h.barriers.back().address = a;
+    return int(h.barriers.size()) - 1;
+}
+
+// A thread other than the one that initialised a barrier may use it once the init is ordered before: a
+// __syncthreads() since (after fence_barrier_init()), or an mbarrier hand-off.
+void check_init_visible(const MBarrier& b, const char* what, const char* file, int line) {
+    const Launch& g = *g_launch;
+    const int t = g.current;
+    if (t == b.init_thread || g.phase != b.init_block_phase || handed_on(b.init_thread, t, b.init_time)) return;
+    fail_in_fiber(format("synccheck: %s at %s:%d uses %s, which %s initialised at %s:%d with no __syncthreads() "
+                         "since: initialise the barriers, fence_barrier_init(), then __syncthreads() before any other "
+                         "thread uses them", what, file, line, barrier_name(b).c_str(), thread_name(b.init_thread).c_str(),
+                         b.init_file, b.init_line));
+}
+
+// Completes the barrier's phase if nothing is pending, and wakes the threads that waited for it.
+void complete_phase(MBarrier& b) {
+    if (b.pending != 0 || b.tx != 0) return;
+    Launch& g = *g_launch;
+    Hopper& h = *g.hopper;
+    ++b.phase;
+    b.pending = b.count;
+    if (h.clocks) {
+        join_clock(b.released.data(), b.pending_clock.data());
+        std::fill(b.pending_clock.begin(), b.pending_clock.end(), 0u);
+    }
+    std::vector<int> still;
+    for (const int w : b.waiters) {
+        HopperThread& t = h.thread[std::size_t(w)];
+        if ((b.phase & 1) == t.wait_parity) {
+            still.push_back(w);
+            continue;
+        }
+        if (h.clocks) join_clock(clock_of(w), b.released.data());
+        t.wait_barrier = -1;
+        g.state[std::size_t(w)] = RUNNABLE;
+    }
+    b.waiters.swap(still);
+}
+
+void check_tx_range(const MBarrier& b, const char* what, const char* file, int line) {
+    if (b.tx > kMaxTxCount || b.tx < -static_cast<long long>(kMaxTxCount))
+        fail_in_fiber(format("synccheck: %s at %s:%d leaves %s with a transaction count of %lld bytes, outside PTX's "
+                             "+-(2^20-1)", what, file, line, barrier_name(b).c_str(), b.tx));
+}
+
+// ---- the shadow's Hopper marks
+void mark_word(std::size_t idx, std::uint8_t mark) {
+    ShadowWord& s = g_shadow[idx];
+    if (!s.hopper) g_hopper_touched.push_back(std::uint32_t(idx));
+    s.hopper |= mark;
+    s.pending |= kHopperMarked;
+}
+
+void unmark_word(ShadowWord& s, std::uint8_t mark) {
+    s.hopper &= std::uint8_t(~mark);
+    if (!s.hopper) s.pending &= ~kHopperMarked;
+}
+
+std::size_t word_index(std::uintptr_t a) { return (a - reinterpret_cast<std::uintptr_t>(g_launch->tls)) / 4; }
+
+// What writes a word, for a message: the TMA load at file:line, or (no file) a plain store at pc.
+std::string writer_name(const char* file, int line, const void* pc) {
+    return file ? format("the TMA load at %s:%d", file, line) : format("a plain store%s", at(pc).c_str());
+}
+
+// A write by thread `writer` (its plain store at pc, or the TMA load at file:line it issued) to the word at a that
+// wgmmas read (kWgmmaWord): each must be retired, and its retirement handed on to the writer (a thread of its
+// warpgroup arriving on an mbarrier after its wgmma_wait, the writer waiting for that phase), else the write races
+// with it. `verified`: of each warpgroup, the serial of a wgmma already found ordered before this writer, or 0.
+void check_wgmma_readers(int writer, std::uintptr_t a, const char* file, int line, const void* pc,
+                         std::uint32_t* verified) {
+    Launch& g = *g_launch;
+    Hopper& h = *g.hopper;
+    const std::size_t idx = word_index(a);
+    HopperWord& hw = g_hopper_words[idx];
+    for (int wg = 0; wg < kMaxWarpgroups; ++wg) {
+        const std::uint32_t serial = hw.wgmma[wg];
+        if (!serial || (verified && verified[wg] == serial)) continue;
+        const WgmmaOp& op = h.warpgroups[std::size_t(wg)].ops[serial - 1];
+        if (!op.retired)
+            fail_in_fiber(format("racecheck: %s writes %s while the wgmma at %s:%d of %s reads it: that wgmma is not "
+                                 "retired yet (a stage released before the wgmma_wait that retires the wgmmas reading "
+                                 "it)", writer_name(file, line, pc).c_str(), shared_place(a).c_str(), op.file, op.line,
+                                 warpgroup_name(wg).c_str()));
+        bool ordered = writer / kWarpgroupThreads == wg;   // its own wgmma_wait came first
+        for (int u = wg * kWarpgroupThreads; !ordered && u < (wg + 1) * kWarpgroupThreads; ++u)
+            ordered = handed_on(u, writer, op.retired);
+        if (!ordered)
+            fail_in_fiber(format("racecheck: %s writes %s, which the wgmma at %s:%d of %s reads, with no mbarrier "
+                                 "hand-off from that warpgroup after the wgmma_wait that retired it (a stage released "
+                                 "before the wgmma_wait that retires the wgmmas reading it)",
+                                 writer_name(file, line, pc).c_str(),
+                                 shared_place(a).c_str(), op.file, op.line, warpgroup_name(wg).c_str()));
+        if (verified) verified[wg] = serial;
+    }
+    if (!verified) {
+        for (std::uint32_t& serial : hw.wgmma) serial = 0;
+        unmark_word(g_shadow[idx], kWgmmaWord);
+    }
+}
+
+// hopper_access (declared above shared_shadow): a plain access of thread t to a marked word.
+void hopper_access(int t, ShadowWord* s, std::uintptr_t a, int how, const SharedVariable& v, const void* pc) {
+    Launch& g = *g_launch;
+    Hopper& h = *g.hopper;
+    const std::size_t idx = std::size_t(s - g_shadow.data());
+    HopperWord& hw = g_hopper_words[idx];
+    const auto place = [&] { return format("byte %ld of `%s`", long(a - v.begin), v.name.c_str()); };
+    if (s->hopper & kMbarrierWord) {
+        const MBarrier& b = h.barriers[hw.barrier - 1];
+        fail_in_fiber(format("synccheck: %s %s, part of the mbarrier initialised at %s:%d: a plain %s of an "
+                             "mbarrier's bytes (only the mbarrier_* wrappers may touch them)%s", verb(how),
+                             place().c_str(), b.init_file, b.init_line, how == WRITE ? "store" : "load",
+                             at(pc).c_str()));
+    }
+    if (s->hopper & kTmaWord) {
+        const TmaLoad& load = h.tmas[hw.tma - 1];
+        if (!handed_on(s->writer, t, s->w_gen))
+            fail_in_fiber(format("initcheck: %s %s, which the TMA load at %s:%d writes, before this thread observed "
+                                 "the completion of phase %u of %s that its bytes complete (mbarrier_wait(bar, %u))%s",
+                                 verb(how), place().c_str(), load.file, load.line, load.phase,
+                                 barrier_name(h.barriers[std::size_t(load.barrier)]).c_str(), load.phase & 1,
+                                 at(pc).c_str()));
+        if (how == WRITE) {
+            hw.tma = 0;
+            unmark_word(*s, kTmaWord);
+        }
+    }
+    if ((s->hopper & kWgmmaWord) && how == WRITE)
+        check_wgmma_readers(t, a, nullptr, 0, pc, nullptr);
+}
+
+// ---- TMA
+// The write of the word at a by TMA load `load` (issued by thread p; the barrier's agent slot `agent`): checked
+// against what the word holds, as thread p's write, then marked as the load's.
+void tma_write_word(std::uintptr_t a, const TmaLoad& load, std::uint32_t index, int agent, std::uint32_t* verified) {
+    Launch& g = *g_launch;
+    Hopper& h = *g.hopper;
+    const int p = load.issuer;
+    const std::size_t idx = word_index(a);
+    ShadowWord& s = g_shadow[idx];
+    HopperWord& hw = g_hopper_words[idx];
+    const std::uint32_t start = g.block_start, phase = g.phase;
+    const auto what = [&] { return format("the TMA load at %s:%d", load.file, load.line); };
+    if ((s.pending & ~kHopperMarked) >= start && (s.pending & ~kHopperMarked))
+        fail_in_fiber(format("racecheck: %s writes %s while a cp.async to it is in flight", what().c_str(),
+                             shared_place(a).c_str()));
+    if (s.hopper & kMbarrierWord)
+        fail_in_fiber(format("synccheck: %s writes %s, part of %s (initialised at %s:%d)", what().c_str(),
+                             shared_place(a).c_str(), barrier_name(h.barriers[hw.barrier - 1]).c_str(),
+                             h.barriers[hw.barrier - 1].init_file, h.barriers[hw.barrier - 1].init_line));
+    if (s.hopper & kWgmmaWord) check_wgmma_readers(p, a, load.file, load.line, nullptr, verified);
+    const bool written = s.w_phase >= start && s.w_phase;
+    if ((s.hopper & kTmaWord) && written && !handed_on(s.writer, p, s.w_gen)) {
+        const TmaLoad& before = h.tmas[hw.tma - 1];
+        fail_in_fiber(format("racecheck: %s overwrites %s, which the TMA load at %s:%d wrote, before this thread "
+                             "observed phase %u of %s that those bytes complete: the stage is not free yet",
+                             what().c_str(), shared_place(a).c_str(), before.file, before.line, before.phase,
+                             barrier_name(h.barriers[std::size_t(before.barrier)]).c_str()));
+    }
+    if (!(s.hopper & kTmaWord) && written && s.w_phase == phase && s.writer != p && !warp_synced(s.writer, p, s.w_gen) &&
+        !handed_on(s.writer, p, s.w_gen))
+        fail_in_fiber(format("racecheck: %s overwrites %s, which %s wrote, with no __syncthreads() or mbarrier hand-off "
+                             "between them", what().c_str(), shared_place(a).c_str(), thread_name(s.writer).c_str()));
+    for (int r = 0; s.r_phase == phase && r < s.readers; ++r)
+        if (s.reader[r] != p && !warp_synced(s.reader[r], p, s.r_gen[r]) && !handed_on(s.reader[r], p, s.r_gen[r]))
+            fail_in_fiber(format("racecheck: %s overwrites %s, which %s read, with no __syncthreads() or mbarrier "
+                                 "hand-off between them", what().c_str(), shared_place(a).c_str(),
+                                 thread_name(s.reader[r]).c_str()));
+    for (std::uint32_t& serial : hw.wgmma) serial = 0;
+    unmark_word(s, kWgmmaWord);
+    s.w_phase = phase, s.w_gen = load.time, s.writer = std::uint16_t(agent);
+    s.r_phase = 0;
+    hw.tma = index;
+    mark_word(idx, kTmaWord);
+}
+
+// ---- warpgroups
+std::string warpgroup_op_name(const WarpgroupCall& c) {
+    switch (c.op) {
+        case WG_FENCE: return "wgmma_fence";
+        case WG_COMMIT: return "wgmma_commit";
+        case WG_WAIT: return format("wgmma_wait<%d>", c.arg);
+        case WG_MMA: return format("wgmma_bf16<%d>", c.n);
+        default: return format("setmaxnreg_%s<%d>", c.accumulate ? "inc" : "dec", c.arg);
+    }
+}
+
+std::string warpgroup_call_name(const WarpgroupCall& c) {
+    return format("%s at %s:%d", warpgroup_op_name(c).c_str(), c.file, c.line);
+}
+
+// Whether two threads' calls are one call instance: the same chain of return addresses or, where the compiler copied
+// the code (into the two sides of a branch, say), of the same places of the source; a module without the sanitizer
+// has no line table to tell, and the call's own source line has to do.
+bool same_instance(const WarpgroupCall& a, const WarpgroupCall& b) {
+    if (a.op != b.op) return false;
+    if (a.path == b.path) return true;
+    if (a.line != b.line || std::strcmp(a.file, b.file) != 0) return false;
+    return !g_launch->sanitize || same_source_calls(a.chain, b.chain);
+}
+
+Accumulator* accumulator_of(HopperThread& t, const float* d) {
+    for (Accumulator& acc : t.acc)
+        if (acc.d == d) return &acc;
+    return nullptr;
+}
+
+bool holds(const float* d, int count, const float* values) {
+    return std::memcmp(d, values, sizeof(float) * std::size_t(count)) == 0;
+}
+
+// The poison a wgmma's accumulators hold until their wait: one tag a call site (see poison).
+std::uint32_t wgmma_poison(const WarpgroupCall& c) {
+    Launch& g = *g_launch;
+    Hopper& h = *g.hopper;
+    const auto key = std::make_pair(std::string(c.file), c.line);
+    auto found = h.poison_tags.find(key);
+    if (found == h.poison_tags.end()) {
+        if (g.undefined.size() == std::size_t(1) << kPoisonTagBits)
+            fail_in_fiber(format("%s: more undefined values in this launch than the emulator tells apart (%zu)",
+                                 warpgroup_call_name(c).c_str(), g.undefined.size()));
+        g.undefined.push_back({nullptr, format("the accumulators of the %s, undefined until the wgmma_wait that "
+                                               "retires it (wgmma.mma_async is asynchronous: wgmma_commit(), then "
+                                               "wgmma_wait<N>(), before they are read or written)",
+                                               warpgroup_call_name(c).c_str())});
+        g_check_values = g.sanitize != 0;
+        found = h.poison_tags.emplace(key, g.undefined.size() - 1).first;
+    }
+    return std::uint32_t(poison(found->second, 4));
+}
+
+// The shared address a descriptor's element (row r, k) is at: K-major, the 16-byte chunks of each row swizzled
+// by the layout's pattern (sm90.cuh; CUTLASS's canonical GMMA K-major layouts).
+struct Descriptor {
+    std::uint32_t start, lbo, sbo, base;
+    int mode;   // 0 none (interleave), 1 128-byte swizzle, 2 64-byte, 3 32-byte
+    explicit Descriptor(std::uint64_t d)
+        : start(std::uint32_t(d & 0x3fff) << 4), lbo(std::uint32_t(d >> 16 & 0x3fff) << 4),
+          sbo(std::uint32_t(d >> 32 & 0x3fff) << 4), base(std::uint32_t(d >> 49 & 7)), mode(int(d >> 62)) {}
+    // the shared address of the 16-byte chunk `chunk` (k 8 chunk ..) of row r
+    std::uint32_t chunk(int r, int chunk_) const {
+        static const std::uint32_t pitch[4] = {16, 128, 64, 32}, bits[4] = {0, 3, 2, 1};
+        std::uint32_t a = start + std::uint32_t(r / 8) * sbo + std::uint32_t(r % 8) * pitch[mode] +
+                          std::uint32_t(chunk_) * (mode == 0 ? lbo : 16);
+        return a ^ ((a >> 7) & ((1u << bits[mode]) - 1)) << 4;
+    }
+};
+
+struct OrderMemo {   // the last writer whose word a wgmma found ordered before it
+    int writer = -1;
+    std::uint32_t gen = 0, phase = 0;
+};
+
+// Under the full sanitizer, the checks of warpgroup wg's wgmma `c` (serial `serial`) reading the shared word at a:
+// initialised, not a cp.async's in flight nor an mbarrier's; a TMA load's bytes observed by every thread of the
+// warpgroup; a plain store's followed by fence_proxy_async() in the thread that made it, and ordered before the
+// warpgroup's threads. Then marked as read by the wgmma (kWgmmaWord).
+void wgmma_read_word(std::uintptr_t a, int wg, std::uint32_t serial, const WarpgroupCall& c, OrderMemo& memo) {
+    Launch& g = *g_launch;
+    Hopper& h = *g.hopper;
+    const std::size_t idx = word_index(a);
+    ShadowWord& s = g_shadow[idx];
+    HopperWord& hw = g_hopper_words[idx];
+    const std::uint32_t start = g.block_start;
+    const int first = wg * kWarpgroupThreads;
+    if ((s.pending & ~kHopperMarked) >= start && (s.pending & ~kHopperMarked))
+        fail_for(first, format("initcheck: the %s reads %s while a cp.async to it is in flight",
+                               warpgroup_call_name(c).c_str(), shared_place(a).c_str()));
+    if (s.hopper & kMbarrierWord)
+        fail_for(first, format("synccheck: the %s reads %s, part of the mbarrier initialised at %s:%d",
+                               warpgroup_call_name(c).c_str(), shared_place(a).c_str(),
+                               h.barriers[hw.barrier - 1].init_file, h.barriers[hw.barrier - 1].init_line));
+    if (!(s.w_phase >= start && s.w_phase))
+        fail_for(first, format("initcheck: the %s reads %s, which no thread of the block (nor a TMA load) has written",
+                               warpgroup_call_name(c).c_str(), shared_place(a).c_str()));
+    if (!(memo.writer == s.writer && memo.gen == s.w_gen && memo.phase == s.w_phase)) {
+        const int w = s.writer;
+        if (w >= h.first_agent && hw.tma) {   // a TMA load's bytes
+            const TmaLoad& load = h.tmas[hw.tma - 1];
+            for (int u = first; u < first + kWarpgroupThreads; ++u)
+                if (!handed_on(w, u, s.w_gen))
+                    fail_for(u, format("initcheck: the %s reads %s, which the TMA load at %s:%d writes, before this "
+                                       "thread observed the completion of phase %u of %s that its bytes complete "
+                                       "(every thread of the warpgroup waits for it: mbarrier_wait(bar, %u))",
+                                       warpgroup_call_name(c).c_str(), shared_place(a).c_str(), load.file, load.line,
+                                       load.phase, barrier_name(h.barriers[std::size_t(load.barrier)]).c_str(),
+                                       load.phase & 1));
+        } else if (w < h.threads) {   // a plain store's, of thread w
+            if (h.thread[std::size_t(w)].proxy_fence <= s.w_gen)
+                fail_for(first, format("racecheck: the %s reads %s, which %s wrote with a plain store (the generic "
+                                       "proxy) and did not follow with fence_proxy_async() before the wgmma (the async "
+                                       "proxy) reads it", warpgroup_call_name(c).c_str(), shared_place(a).c_str(),
+                                       thread_name(w).c_str()));
+            if (s.w_phase == g.phase)
+                for (int u = first; u < first + kWarpgroupThreads; ++u)
+                    if (u != w && !warp_synced(w, u, s.w_gen) && !handed_on(w, u, s.w_gen))
+                        fail_for(u, format("racecheck: the %s reads %s, which %s wrote, with no __syncthreads() or "
+                                           "mbarrier hand-off between the store and this thread's wgmma",
+                                           warpgroup_call_name(c).c_str(), shared_place(a).c_str(),
+                                           thread_name(w).c_str()));
+        }
+        memo.writer = s.writer, memo.gen = s.w_gen, memo.phase = s.w_phase;
+    }
+    hw.wgmma[wg] = serial;
+    mark_word(idx, kWgmmaWord);
+}
+
+// Reads `rows` rows of 16 bf16 (k) of a wgmma operand through its descriptor into out (rows x 16 doubles).
+void read_operand(std::uint64_t desc, int rows, const char* which, int wg, std::uint32_t serial,
+                  const WarpgroupCall& c, double* out) {
+    Launch& g = *g_launch;
+    Hopper& h = *g.hopper;
+    const Descriptor d(desc);
+    const int first = wg * kWarpgroupThreads;
+    if (d.base)
+        fail_for(first, format("%s: its %s descriptor 0x%016llx has base offset %u, which the emulator does not "
+                               "model: keep the operands' swizzle patterns 1024-byte aligned (base offset 0)",
+                               warpgroup_call_name(c).c_str(), which, static_cast<unsigned long long>(desc), d.base));
+    OrderMemo memo;
+    for (int r = 0; r < rows; ++r)
+        for (int chunk = 0; chunk < 2; ++chunk) {
+            const std::uint32_t address = d.chunk(r, chunk);
+            const std::uintptr_t p = from_window(address);
+            if (!shared_variable(p, 16))
+                fail_for(first, format("memcheck: the %s reads row %d, k %d..%d of its %s operand (descriptor "
+                                       "0x%016llx) at shared address 0x%x: %s", warpgroup_call_name(c).c_str(), r,
+                                       8 * chunk, 8 * chunk + 7, which, static_cast<unsigned long long>(desc), address,
+                                       shared_variable(p, 1) ? ("16 bytes at " + shared_place(p) + " run past its end").c_str()
+                                                             : "not in a __shared__ variable of the kernel nor in the "
+                                                               "dynamic shared memory the launch asked for"));
+            if (h.clocks)
+                for (int k = 0; k < 16; k += 4) wgmma_read_word(p + std::uintptr_t(k), wg, serial, c, memo);
+            unsigned short bits[8];
+            std::memcpy(bits, reinterpret_cast<const void*>(p), 16);
+            for (int e = 0; e < 8; ++e) {
+                const std::uint32_t wide = std::uint32_t(bits[e]) << 16;
+                out[r * 16 + 8 * chunk + e] = double(emu::from_bits<float>(wide));
+            }
+        }
+}
+
+// wgmma.mma_async m64nNk16 f32.bf16.bf16 of warpgroup wg: d = A B (+ d), each element the exact sum of its 16
+// products and its accumulator, rounded once (as emu_mma); the result pending until the wait of its group.
+void execute_wgmma(int wg) {
+    Launch& g = *g_launch;
+    Hopper& h = *g.hopper;
+    Warpgroup& W = h.warpgroups[std::size_t(wg)];
+    const int first = wg * kWarpgroupThreads;
+    const WarpgroupCall& c = W.call[0];
+    const int n = c.n, count = n / 2;
+    for (int u = 1; u < kWarpgroupThreads; ++u) {
+        const WarpgroupCall& other = W.call[u];
+        if (other.n != n || other.a != c.a || other.b != c.b || (other.accumulate != 0) != (c.accumulate != 0))
+            fail_for(first + u, format("synccheck: %s with operands other than %s's (descriptors 0x%016llx and "
+                                       "0x%016llx, accumulate %d against 0x%016llx, 0x%016llx, %d): a wgmma's "
+                                       "descriptors and scale-d are the warpgroup's, the same in each thread",
+                                       warpgroup_call_name(other).c_str(), thread_name(first).c_str(),
+                                       static_cast<unsigned long long>(other.a), static_cast<unsigned long long>(other.b),
+                                       other.accumulate, static_cast<unsigned long long>(c.a),
+                                       static_cast<unsigned long long>(c.b), c.accumulate));
+    }
+    // each thread's accumulators: wgmma_fence since they were last written, and what they add
+    static thread_local std::vector<float> inputs;
+    inputs.assign(std::size_t(kWarpgroupThreads) * std::size_t(count), 0.0f);
+    for (int u = 0; u < kWarpgroupThreads; ++u) {
+        HopperThread& t = h.thread[std::size_t(first + u)];
+        const WarpgroupCall& call = W.call[u];
+        Accumulator* acc = accumulator_of(t, call.d);
+        if (acc && acc->pending) {
+            if (acc->n != n)
+                fail_for(first + u, format("synccheck: %s on accumulators that the pending wgmma_bf16<%d> at %s:%d "
+                                           "writes: chained wgmmas need one shape", warpgroup_call_name(call).c_str(),
+                                           acc->n, acc->file, acc->line));
+            for (int k = 0; k < count; ++k)
+                if (emu::to_bits(call.d[k]) != acc->poison)
+                    fail_for(first + u, format("racecheck: d[%d], an accumulator of the wgmma at %s:%d, written "
+                                               "before its wgmma.wait_group (the %s chains on it): a wgmma writes its "
+                                               "accumulators asynchronously until the wgmma_wait that retires it", k,
+                                               acc->file, acc->line, warpgroup_call_name(call).c_str()));
+        } else if (acc) {
+            if ((acc->n != n || !holds(call.d, count, acc->values)) && t.wgmma_fence <= acc->retired)
+                fail_for(first + u, format("synccheck: %s writes accumulators that the thread wrote after the "
+                                           "wgmma_wait that retired them, with no wgmma_fence() since (wgmma.fence "
+                                           "orders a thread's own accesses of the accumulators before the wgmma)",
+                                           warpgroup_call_name(call).c_str()));
+        } else if (t.wgmma_fence <= t.last_wait) {
+            fail_for(first + u, format("synccheck: %s writes accumulators with no wgmma_fence() by the thread before it "
+                                       "(since its last wgmma_wait, or its start): wgmma.fence comes before the first "
+                                       "wgmma, after the thread's own accesses of the accumulators",
+                                       warpgroup_call_name(call).c_str()));
+        }
+        if (!c.accumulate) continue;
+        float* in = inputs.data() + std::size_t(u) * std::size_t(count);
+        for (int k = 0; k < count; ++k) {
+            in[k] = acc && acc->pending ? acc->values[k] : call.d[k];
+            const int tag = poison_tag(emu::to_bits(in[k]), 4);
+            if (tag >= 0)
+                fail_for(first + u, format("initcheck: %s accumulates onto d[%d], an undefined value: %s",
+                                           warpgroup_call_name(call).c_str(), k,
+                                           g.undefined[std::size_t(tag)].what.c_str()));
+        }
+    }
+    W.ops.push_back({0, 0, c.file, c.line});
+    const auto serial = std::uint32_t(W.ops.size());
+    h.a.resize(64 * 16);
+    h.b.resize(std::size_t(n) * 16);
+    read_operand(c.a, 64, "A", wg, serial, c, h.a.data());
+    read_operand(c.b, n, "B", wg, serial, c, h.b.data());
+    const std::uint32_t poison_bits = wgmma_poison(c);
+    for (int u = 0; u < kWarpgroupThreads; ++u) {
+        HopperThread& t = h.thread[std::size_t(first + u)];
+        const WarpgroupCall& call = W.call[u];
+        Accumulator* acc = accumulator_of(t, call.d);
+        if (!acc) {
+            t.acc.push_back(Accumulator{});
+            acc = &t.acc.back();
+            acc->d = call.d;
+        }
+        const int w = u / 32, l = u % 32;
+        const float* in = inputs.data() + std::size_t(u) * std::size_t(count);
+        for (int j = 0; j < n / 8; ++j)
+            for (int i = 0; i < 4; ++i) {
+                const int row = 16 * w + l / 4 + 8 * (i / 2), col = 8 * j + 2 * (l % 4) + i % 2;
+                double sum = c.accumulate ? double(in[4 * j + i]) : 0.0;   // the products are exact
+                for (int k = 0; k < 16; ++k) sum += h.a[std::size_t(row) * 16 + k] * h.b[std::size_t(col) * 16 + k];
+                acc->values[4 * j + i] = float(sum);
+            }
+        acc->n = n;
+        acc->pending = true;
+        acc->group = 0;
+        acc->poison = poison_bits;
+        acc->file = c.file;
+        acc->line = c.line;
+        for (int k = 0; k < count; ++k) call.d[k] = emu::from_bits<float>(poison_bits);
+    }
+}
+
+void execute_commit(int wg) {
+    Hopper& h = *g_launch->hopper;
+    Warpgroup& W = h.warpgroups[std::size_t(wg)];
+    const std::uint32_t group = ++W.groups;
+    for (WgmmaOp& op : W.ops)
+        if (!op.group) op.group = group;
+    for (int u = 0; u < kWarpgroupThreads; ++u)
+        for (Accumulator& acc : h.thread[std::size_t(wg * kWarpgroupThreads + u)].acc)
+            if (acc.pending && !acc.group) acc.group = group;
+}
+
+void execute_wait(int wg) {
+    Hopper& h = *g_launch->hopper;
+    Warpgroup& W = h.warpgroups[std::size_t(wg)];
+    const int first = wg * kWarpgroupThreads;
+    const WarpgroupCall& c = W.call[0];
+    const std::uint32_t keep = std::uint32_t(std::max(0, c.arg));
+    const std::uint32_t last = W.groups > keep ? W.groups - keep : 0;   // the groups retired: 1..last
+    const std::uint32_t time = tick();
+    for (WgmmaOp& op : W.ops)
+        if (op.group && op.group <= last && !op.retired) op.retired = time;
+    for (int u = 0; u < kWarpgroupThreads; ++u) {
+        HopperThread& t = h.thread[std::size_t(first + u)];
+        t.last_wait = time;
+        for (Accumulator& acc : t.acc) {
+            if (!acc.pending || !acc.group || acc.group > last) continue;
+            const int count = acc.n / 2;
+            for (int k = 0; k < count; ++k)
+                if (emu::to_bits(acc.d[k]) != acc.poison)
+                    fail_for(first + u, format("racecheck: d[%d], an accumulator of the wgmma at %s:%d, written before "
+                                               "its wgmma.wait_group (the %s): a wgmma writes its accumulators "
+                                               "asynchronously until the wait that retires it", k, acc.file, acc.line,
+                                               warpgroup_call_name(W.call[u]).c_str()));
+            std::memcpy(acc.d, acc.values, sizeof(float) * std::size_t(count));
+            acc.pending = false;
+            acc.retired = time;
+        }
+    }
+}
+
+// Executes the instruction that every thread of warpgroup wg waits in (checked alike on arrival).
+void execute_warpgroup(int wg) {
+    Hopper& h = *g_launch->hopper;
+    Warpgroup& W = h.warpgroups[std::size_t(wg)];
+    const WarpgroupCall& c = W.call[0];
+    for (int u = 1; u < kWarpgroupThreads; ++u)
+        if (W.call[u].arg != c.arg || (c.op == WG_SETMAXNREG && W.call[u].accumulate != c.accumulate))
+            fail_for(wg * kWarpgroupThreads + u,
+                     format("synccheck: %s while %s executes %s: the operand of a warpgroup-wide instruction is the "
+                            "warpgroup's", warpgroup_call_name(W.call[u]).c_str(),
+                            thread_name(wg * kWarpgroupThreads).c_str(), warpgroup_op_name(c).c_str()));
+    switch (c.op) {
+        case WG_FENCE: {
+            const std::uint32_t time = tick();
+            for (int u = 0; u < kWarpgroupThreads; ++u) h.thread[std::size_t(wg * kWarpgroupThreads + u)].wgmma_fence = time;
+            break;
+        }
+        case WG_COMMIT: execute_commit(wg); break;
+        case WG_WAIT: execute_wait(wg); break;
+        case WG_MMA: execute_wgmma(wg); break;
+        default: break;   // setmaxnreg: the registers are not modelled
+    }
+}
+
+// Completes warpgroup wg's instruction once all its threads wait in it; threads that returned make it an error,
+// once every other thread has arrived (so that the message does not depend on the order the threads run in).
+void try_complete_warpgroup(int wg) {
+    Launch& g = *g_launch;
+    Hopper& h = *g.hopper;
+    Warpgroup& W = h.warpgroups[std::size_t(wg)];
+    const int first = wg * kWarpgroupThreads;
+    std::vector<int> returned;
+    for (int u = first; u < first + kWarpgroupThreads; ++u)
+        if (g.state[std::size_t(u)] == RETURNED) returned.push_back(u);
+    if (!W.arrived || W.arrived + int(returned.size()) < kWarpgroupThreads) return;
+    if (!returned.empty()) {
+        fail(describe_thread(W.first) +
+             format(": synccheck: %s with %s of its warpgroup returned: all 128 threads of %s must execute it",
+                    warpgroup_call_name(W.call[W.first - first]).c_str(), thread_list(returned).c_str(),
+                    warpgroup_name(wg).c_str()));
+        return;
+    }
+    execute_warpgroup(wg);   // W.call[u]: thread first + u's
+    W.arrived = 0;
+    W.first = -1;
+    for (int u = first; u < first + kWarpgroupThreads; ++u) g.state[std::size_t(u)] = RUNNABLE;
+}
+
+// The running thread arrives at a warpgroup-wide instruction (`call`, its path from the runtime's `frame`).
+void warpgroup_instruction(WarpgroupCall& call, void* frame) {
+    Launch& g = *g_launch;
+    Hopper& h = hopper();
+    const int i = g.current, wg = i / kWarpgroupThreads;
+    if ((wg + 1) * kWarpgroupThreads > g.threads)
+        fail_in_fiber(format("synccheck: %s needs the 128 threads of %s, and the block has %d",
+                             warpgroup_call_name(call).c_str(), warpgroup_name(wg).c_str(), g.threads));
+    const void* innermost;
+    call.chain.n = 0;
+    call.path = call_path(frame, &innermost, 0, nullptr, &call.chain);
+    Warpgroup& W = h.warpgroups[std::size_t(wg)];
+    if (W.arrived && !same_instance(call, W.call[W.first % kWarpgroupThreads]))
+        fail_in_fiber(format("synccheck: reached %s while %s of its warpgroup waits in %s: a warpgroup-wide .aligned "
+                             "instruction needs all 128 threads of %s at the same call",
+                             warpgroup_call_name(call).c_str(), thread_name(W.first).c_str(),
+                             warpgroup_call_name(W.call[W.first % kWarpgroupThreads]).c_str(),
+                             warpgroup_name(wg).c_str()));
+    W.call[i % kWarpgroupThreads] = call;
+    if (!W.arrived) W.first = i;
+    ++W.arrived;
+    g.state[std::size_t(i)] = AT_WARPGROUP;
+    try_complete_warpgroup(wg);
+    switch_to_scheduler(i);
+}
+
+// What a returning thread leaves behind: wgmmas not retired are an error; its warpgroup's threads waiting in an
+// instruction now wait for ever (try_complete_warpgroup says so).
+void hopper_thread_returns(int i) {
+    Hopper& h = *g_launch->hopper;
+    for (const Accumulator& acc : h.thread[std::size_t(i)].acc)
+        if (acc.pending)
+            fail_in_fiber(format("synccheck: returned with the wgmma at %s:%d %s: wgmma_commit(), then wgmma_wait<0>() "
+                                 "before the thread ends", acc.file, acc.line,
+                                 acc.group ? "committed but never retired (wgmma_wait)"
+                                           : "never committed (wgmma_commit) nor retired (wgmma_wait)"));
+}
+
+void hopper_after_return(int i) {
+    Hopper& h = *g_launch->hopper;
+    const int wg = i / kWarpgroupThreads;
+    if (std::size_t(wg) < h.warpgroups.size() && h.warpgroups[std::size_t(wg)].arrived) try_complete_warpgroup(wg);
+}
+
+// For a deadlock's message: the threads waiting for mbarriers and in warpgroup instructions.
+std::string describe_hopper_waits() {
+    const Launch& g = *g_launch;
+    const Hopper& h = *g.hopper;
+    std::string s;
+    for (const MBarrier& b : h.barriers) {
+        if (b.waiters.empty()) continue;
+        std::map<std::tuple<std::string, int, unsigned>, std::vector<int>> by_call;
+        for (const int w : b.waiters) {
+            const HopperThread& t = h.thread[std::size_t(w)];
+            by_call[{t.wait_file, t.wait_line, t.wait_parity}].push_back(w);
+        }
+        s += format("; %s (%s)", barrier_name(b).c_str(), barrier_state(b).c_str());
+        for (const auto& [call, threads] : by_call)
+            s += format(": %s wait at %s:%d for its phase of parity %u to complete", thread_list(threads).c_str(),
+                        std::get<0>(call).c_str(), std::get<1>(call), std::get<2>(call));
+    }
+    for (std::size_t wg = 0; wg < h.warpgroups.size(); ++wg) {
+        const Warpgroup& W = h.warpgroups[wg];
+        if (!W.arrived) continue;
+        std::vector<int> waiting, missing;
+        const int first = int(wg) * kWarpgroupThreads;
+        for (int u = first; u < std::min(g.threads, first + kWarpgroupThreads); ++u)
+            (g.state[std::size_t(u)] == AT_WARPGROUP ? waiting : missing).push_back(u);
+        s += format("; warpgroup %zu: %s wait in %s for %s", wg, thread_list(waiting).c_str(),
+                    warpgroup_call_name(W.call[W.first - first]).c_str(), thread_list(missing).c_str());
+    }
+    return s;
+}
+
+// At a block's end: no transactions pending on its barriers.
+bool hopper_block_ends() {
+    Launch& g = *g_launch;
+    for (const MBarrier& b : g.hopper->barriers)
+        if (b.tx != 0) {
+            fail(format("synccheck: block (%u,%u,%u) ended with %lld transaction bytes pending on %s (%s): %s",
+                        g.block_idx.x, g.block_idx.y, g.block_idx.z, b.tx, barrier_name(b).c_str(),
+                        barrier_state(b).c_str(),
+                        b.tx > 0 ? "mbarrier_arrive_expect_tx expected more bytes than the TMA loads on it delivered"
+                                 : "TMA loads delivered bytes that no mbarrier_arrive_expect_tx expected"));
+            return false;
+        }
+    return true;
+}
+
 // ---- the scheduler -----------------------------------------------------------------------------
 std::string describe_deadlock() {
     Launch& g = *g_launch;
@@ -1059,6 +1995,7 @@ std::string describe_deadlock() {
         s += format("; warp %zu: lanes %s wait in %s for lanes %s", wi, lane_list(w.waiting).c_str(),
                     waits_in(w, first).c_str(), lane_list(w.mask[first] & ~w.waiting & ~w.returned).c_str());
     }
+    if (g.hopper) s += describe_hopper_waits();
     return s;
 }
 
@@ -1090,6 +2027,7 @@ void release_barrier() {
     Launch& g = *g_launch;
     g.phase = ++g_phase;
     for (Warp& w : g.warps) w.syncs.clear();
+    if (g_clocks) join_block_clocks();
     const int results[] = {g.barrier_sum, g.barrier_and, g.barrier_or};
     for (int i = 0; i < g.threads; ++i) {
         if (g.state[i] != AT_BARRIER) continue;
@@ -1138,6 +2076,7 @@ void start_block(uint3 block_idx) {
     }
     g.block_start = g.phase = ++g_phase;
     g.block_fence = 0;
+    if (g.hopper) reset_hopper_block(*g.hopper);
     g.acquiring.clear();
     g.acquired.clear();
     const int last = g.threads - (int(g.warps.size()) - 1) * 32;
@@ -1182,6 +2121,7 @@ bool run_block(uint3 block_idx) {
             return false;
         }
     }
+    if (g.hopper && !hopper_block_ends()) return false;
     if (!dynamic_shared_tail_intact()) {
         fail(format("block (%u,%u,%u) wrote past the %zu bytes of dynamic shared memory the launch asked for",
                     block_idx.x, block_idx.y, block_idx.z, g.dynamic_bytes));
@@ -1264,10 +2204,12 @@ extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(std::uintpt
     if (const std::size_t n = g.async[i].pending())
         fail_in_fiber(format("returned with %zu cp.async cop%s not waited for (cp.async.wait_group)", n,
                              n == 1 ? "y" : "ies"));
+    if (g.hopper) hopper_thread_returns(i);
     g.state[i] = RETURNED;
     --g.live;
     g.warps[i / 32].returned |= 1u << (i % 32);
     release_warp_after_return(i / 32);
+    if (g.hopper) hopper_after_return(i);
     switch_to_scheduler(i);
     std::abort();  // a returned fiber is never resumed
 }
@@ -1417,7 +2359,10 @@ extern "C" void emu_cp_async(void* dst, const void* src, int bytes, int src_byte
     std::memcpy(copy.data, src, std::size_t(src_bytes));
     std::memset(dst, 0xff, std::size_t(bytes));  // NaN until the wait that covers it
     if (g_launch->sanitize > 1)   // dst is aligned to its size: whole words
-        for (int k = 0; k < bytes; k += 4) g_shadow[(static_cast<unsigned char*>(dst) + k - g_launch->tls) / 4].pending = g_launch->phase;
+        for (int k = 0; k < bytes; k += 4) {
+            std::uint32_t& pending = g_shadow[(static_cast<unsigned char*>(dst) + k - g_launch->tls) / 4].pending;
+            pending = g_launch->phase | (pending & kHopperMarked);
+        }
     g_launch->async[g_launch->current].open.push_back(copy);
 }
 
@@ -1435,7 +2380,7 @@ extern "C" void emu_cp_async_wait(int pending_groups) {
         for (const AsyncCopy& c : a.groups.front()) {
             if (g_launch->sanitize > 1) {   // it lands: a write by the thread that issued it
                 const auto dst = reinterpret_cast<std::uintptr_t>(c.dst);
-                for (int k = 0; k < c.bytes; k += 4) g_shadow[(c.dst + k - g_launch->tls) / 4].pending = 0;
+                for (int k = 0; k < c.bytes; k += 4) g_shadow[(c.dst + k - g_launch->tls) / 4].pending &= kHopperMarked;
                 shared_shadow(g_launch->current, dst, std::size_t(c.bytes), WRITE,
                               shared_or_fail(dst, std::size_t(c.bytes), WRITE, nullptr), __builtin_return_address(0));
             }
@@ -1447,6 +2392,221 @@ extern "C" void emu_cp_async_wait(int pending_groups) {
 }
 
 extern "C" void emu_trap(const char* what) { fail_in_fiber(what); }
+
+// ---- Hopper: what sm90.cuh's emulation calls (see Hopper above) ------------------------------------
+extern "C" unsigned emu_shared_address(const void* p, const char* file, int line) {
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    if (!shared_variable(a, 1))
+        fail_in_fiber(format("memcheck: smem_address at %s:%d: %p is not in a __shared__ variable of the kernel nor "
+                             "in the dynamic shared memory the launch asked for (%zu bytes)", file, line, p,
+                             g_launch->dynamic_bytes));
+    return unsigned(to_window(a));
+}
+
+extern "C" void emu_mbarrier_init(void* bar, unsigned count, const char* file, int line) {
+    settle_store();
+    Launch& g = *g_launch;
+    if (count < 1 || count > kMaxTxCount)
+        fail_in_fiber(format("synccheck: mbarrier_init at %s:%d with count %u, outside 1..2^20-1", file, line, count));
+    Hopper& h = hopper();
+    const int index = find_barrier(bar, "mbarrier_init", file, line, true);
+    MBarrier& b = h.barriers[std::size_t(index)];
+    if (b.count && (b.pending != b.count || b.tx != 0 || !b.waiters.empty()))
+        fail_in_fiber(format("synccheck: mbarrier_init at %s:%d of %s while its phase %u is in progress (%s%s)", file,
+                             line, barrier_name(b).c_str(), b.phase, barrier_state(b).c_str(),
+                             b.waiters.empty() ? "" : format(", %zu threads waiting", b.waiters.size()).c_str()));
+    b.count = b.pending = count;
+    b.tx = 0;
+    b.phase = 0;
+    b.init_thread = g.current;
+    b.init_time = tick();
+    b.init_block_phase = g.phase;
+    b.init_file = file;
+    b.init_line = line;
+    if (h.clocks) {
+        b.pending_clock.assign(std::size_t(h.slots), 0u);
+        b.released.assign(std::size_t(h.slots), 0u);
+        for (std::uintptr_t word = b.address; word < b.address + 8; word += 4) {
+            g_hopper_words[word_index(word)].barrier = std::uint32_t(index) + 1;
+            mark_word(word_index(word), kMbarrierWord);
+        }
+    }
+}
+
+extern "C" void emu_fence_barrier_init(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+extern "C" void emu_mbarrier_arrive(void* bar, unsigned tx_bytes, int expect_tx, const char* file, int line) {
+    settle_store();
+    const char* what = expect_tx ? "mbarrier_arrive_expect_tx" : "mbarrier_arrive";
+    Hopper& h = hopper();
+    MBarrier& b = h.barriers[std::size_t(find_barrier(bar, what, file, line, false))];
+    check_init_visible(b, what, file, line);
+    if (b.pending == 0)
+        fail_in_fiber(format("synccheck: %s at %s:%d on %s, whose phase %u has had all its %u arrivals (it awaits %lld "
+                             "transaction bytes): an arrival beyond the count", what, file, line,
+                             barrier_name(b).c_str(), b.phase, b.count, b.tx));
+    if (expect_tx) {
+        if (tx_bytes > kMaxTxCount)
+            fail_in_fiber(format("synccheck: %s at %s:%d expects %u bytes, more than 2^20-1", what, file, line, tx_bytes));
+        b.tx += tx_bytes;
+        check_tx_range(b, what, file, line);
+    }
+    if (h.clocks) {
+        const int t = g_launch->current;
+        join_clock(b.pending_clock.data(), clock_of(t));
+        b.pending_clock[std::size_t(t)] = tick();
+    }
+    --b.pending;
+    complete_phase(b);
+}
+
+extern "C" void emu_mbarrier_wait(void* bar, unsigned parity, const char* file, int line) {
+    settle_store();
+    Launch& g = *g_launch;
+    Hopper& h = hopper();
+    const int index = find_barrier(bar, "mbarrier_wait", file, line, false);
+    MBarrier& b = h.barriers[std::size_t(index)];
+    check_init_visible(b, "mbarrier_wait", file, line);
+    const int t = g.current;
+    parity &= 1;
+    if ((b.phase & 1) != parity) {   // the phase of that parity has completed
+        if (h.clocks) join_clock(clock_of(t), b.released.data());
+        return;
+    }
+    HopperThread& me = h.thread[std::size_t(t)];
+    me.wait_barrier = index;
+    me.wait_parity = parity;
+    me.wait_file = file;
+    me.wait_line = line;
+    b.waiters.push_back(t);
+    g.state[std::size_t(t)] = AT_MBARRIER;
+    switch_to_scheduler(t);   // complete_phase makes it runnable, its clock acquired
+}
+
+extern "C" void emu_tma_load(void* dst, const void* map, void* bar, int rank, const int* coords, const char* file,
+                             int line) {
+    settle_store();
+    Launch& g = *g_launch;
+    Hopper& h = hopper();
+    const std::string what = format("tma_load_%dd", rank);
+    EmuTensorMap m;
+    std::memcpy(&m, map, sizeof m);
+    if (m.magic != kEmuTensorMapMagic || m.rank < 1 || m.rank > 5 || !m.element_bytes)
+        fail_in_fiber(format("%s at %s:%d: the TensorMap is not one the launch was given (an emu.TensorMap passed for "
+                             "a `const __grid_constant__ TensorMap` parameter, handed to TMA as it is)", what.c_str(),
+                             file, line));
+    if (int(m.rank) != rank)
+        fail_in_fiber(format("%s at %s:%d with a tensor map of rank %u", what.c_str(), file, line, m.rank));
+    const int index = find_barrier(bar, what.c_str(), file, line, false);
+    check_init_visible(h.barriers[std::size_t(index)], what.c_str(), file, line);
+    // the box: where it goes, whether it fits
+    std::size_t box_bytes = m.element_bytes;
+    for (int i = 0; i < rank; ++i) box_bytes *= m.box[i];
+    const std::size_t extent = m.swizzle ? (box_bytes + 127) / 128 * 128 : box_bytes;
+    const auto d = reinterpret_cast<std::uintptr_t>(dst);
+    shared_operand(d, extent, format("%s's destination (a box of %zu bytes)", what.c_str(), box_bytes), file, line);
+    const std::size_t align = m.swizzle ? 1024 : 128;
+    if (to_window(d) % align)
+        fail_in_fiber(format("memcheck: %s at %s:%d: the destination %s (shared address 0x%lx) is not a multiple of "
+                             "%zu bytes%s", what.c_str(), file, line, shared_place(d).c_str(),
+                             static_cast<unsigned long>(to_window(d)), align,
+                             m.swizzle ? ", which the 128-byte swizzle needs (its pattern repeats every 1024 bytes)" : ""));
+    std::uint64_t reach = m.element_bytes;
+    for (int i = 0; i < rank; ++i) reach += (m.dims[i] - 1) * m.strides[i];
+    if (!in_argument(reinterpret_cast<const void*>(m.address), reach))
+        fail_in_fiber(format("%s at %s:%d: the tensor map's tensor (%llu bytes at 0x%llx) is not memory of this "
+                             "launch", what.c_str(), file, line, static_cast<unsigned long long>(reach),
+                             static_cast<unsigned long long>(m.address)));
+    // the box read, zeros outside the tensor (innermost first, the innermost fastest)
+    h.box.assign(box_bytes, 0);
+    const std::size_t esize = m.element_bytes, inner = m.box[0], rows = box_bytes / (inner * esize);
+    for (std::size_t row = 0; row < rows; ++row) {
+        std::size_t rest = row;
+        std::uint64_t offset = 0;
+        bool inside = true;
+        for (int i = 1; i < rank && inside; ++i) {
+            const long long c = (long long)coords[i] + (long long)(rest % m.box[i]);
+            rest /= m.box[i];
+            inside = c >= 0 && c < (long long)m.dims[i];
+            offset += std::uint64_t(c) * m.strides[i];
+        }
+        const long long c0 = coords[0], lo = std::max(c0, 0LL), hi = std::min(c0 + (long long)inner, (long long)m.dims[0]);
+        if (inside && lo < hi)
+            std::memcpy(h.box.data() + (row * inner + std::size_t(lo - c0)) * esize,
+                        reinterpret_cast<const unsigned char*>(m.address + offset + std::uint64_t(lo) * esize),
+                        std::size_t(hi - lo) * esize);
+    }
+    // written, chunk by chunk (swizzled: chunk j of each 128-byte row at j ^ (address >> 7 & 7))
+    MBarrier& b = h.barriers[std::size_t(index)];
+    if (h.clocks && b.agent < 0) {
+        if (h.agents == kMaxTmaBarriers)
+            fail_in_fiber(format("%s at %s:%d completes on a %dth mbarrier of the block: the emulator follows TMA loads "
+                                 "on %d", what.c_str(), file, line, kMaxTmaBarriers + 1, kMaxTmaBarriers));
+        b.agent = h.first_agent + h.agents++;
+    }
+    const TmaLoad load{file, line, index, g.current, b.phase, tick()};
+    h.tmas.push_back(load);
+    std::uint32_t verified[kMaxWarpgroups] = {};
+    for (std::size_t o = 0; o < box_bytes; o += 16) {
+        std::uintptr_t address = to_window(d + o);
+        if (m.swizzle) address ^= (address >> 7 & 7) << 4;
+        auto* p = reinterpret_cast<unsigned char*>(from_window(address));
+        if (h.clocks)
+            for (int k = 0; k < 16; k += 4)
+                tma_write_word(reinterpret_cast<std::uintptr_t>(p) + std::uintptr_t(k), load,
+                               std::uint32_t(h.tmas.size()), b.agent, verified);
+        std::memcpy(p, h.box.data() + o, 16);
+    }
+    // complete_tx
+    b.tx -= (long long)box_bytes;
+    check_tx_range(b, what.c_str(), file, line);
+    if (h.clocks) b.pending_clock[std::size_t(b.agent)] = tick();
+    complete_phase(b);
+}
+
+extern "C" void emu_fence_proxy_async(void) {
+    settle_store();
+    hopper().thread[std::size_t(g_launch->current)].proxy_fence = tick();
+}
+
+extern "C" void emu_wgmma_fence(const char* file, int line) {
+    settle_store();
+    WarpgroupCall call{};
+    call.op = WG_FENCE, call.file = file, call.line = line;
+    warpgroup_instruction(call, __builtin_frame_address(0));
+}
+
+extern "C" void emu_wgmma_commit(const char* file, int line) {
+    settle_store();
+    WarpgroupCall call{};
+    call.op = WG_COMMIT, call.file = file, call.line = line;
+    warpgroup_instruction(call, __builtin_frame_address(0));
+}
+
+extern "C" void emu_wgmma_wait(int pending, const char* file, int line) {
+    settle_store();
+    WarpgroupCall call{};
+    call.op = WG_WAIT, call.file = file, call.line = line, call.arg = pending;
+    warpgroup_instruction(call, __builtin_frame_address(0));
+}
+
+extern "C" void emu_wgmma_bf16(float* d, int n, unsigned long long a, unsigned long long b, int accumulate,
+                               const char* file, int line) {
+    settle_store();
+    if (n != 64 && n != 128)
+        fail_in_fiber(format("wgmma_bf16<%d> at %s:%d: the emulator runs N = 64 and 128", n, file, line));
+    WarpgroupCall call{};
+    call.op = WG_MMA, call.file = file, call.line = line;
+    call.d = d, call.n = n, call.a = a, call.b = b, call.accumulate = accumulate != 0;
+    warpgroup_instruction(call, __builtin_frame_address(0));
+}
+
+extern "C" void emu_setmaxnreg(int registers, int increase, const char* file, int line) {
+    settle_store();
+    WarpgroupCall call{};
+    call.op = WG_SETMAXNREG, call.file = file, call.line = line, call.arg = registers, call.accumulate = increase != 0;
+    warpgroup_instruction(call, __builtin_frame_address(0));
+}
 
 // What -fsanitize=thread makes a module call (see the sanitizer): every load and store, by its size
 // (aligned, or as the compiler knows it may not be), ranges, and function entries and exits; the
@@ -1664,7 +2824,8 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
     g.barrier_path.assign(g.threads, 0);
     g.barrier_calls.assign(g.threads, CallChain{});
     g.barrier_site.assign(g.threads, {nullptr, 0});
-    if (g.sanitize) {
+    // the shared variables: what the sanitizer checks accesses against, and what sm90.cuh's shared addresses name
+    {
         const auto tls = reinterpret_cast<std::uintptr_t>(g.tls);
         const char* name = shared_names;
         for (int v = 0; v < nshared; ++v) {
@@ -1676,6 +2837,19 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
         const auto dynamic = reinterpret_cast<std::uintptr_t>(g.dynamic);
         g.shared.push_back({dynamic, dynamic + dynamic_bytes,
                             format("the dynamic shared memory (extern __shared__, %zu bytes asked for)", dynamic_bytes)});
+        // shared address 0: the low bits of a shared address are the pointer's, as on a GPU (the swizzles)
+        g.window = tls & ~std::uintptr_t(kEmuDynamicSharedAlign - 1);
+        g.window_split = dynamic + kEmuDynamicSharedBytes + kEmuSharedTailBytes;
+        const std::uintptr_t after = (dynamic - g.window + dynamic_bytes + kEmuDynamicSharedAlign - 1) /
+                                     kEmuDynamicSharedAlign * kEmuDynamicSharedAlign;   // the bytes asked for, rounded up
+        g.window_gap = (g.window_split - g.window - after) / kEmuDynamicSharedAlign * kEmuDynamicSharedAlign;
+        if (dynamic % kEmuDynamicSharedAlign) {
+            set_error(err, errlen, format("emulator: the dynamic shared memory is not %zu-byte aligned",
+                                          kEmuDynamicSharedAlign));
+            return 1;
+        }
+    }
+    if (g.sanitize) {
         g.writers.assign(g.regions.size(), nullptr);
         if (g.sanitize > 1 && g_shadow.size() < g.tls_bytes / 4 + 1) g_shadow.resize(g.tls_bytes / 4 + 1);
     }
@@ -1701,6 +2875,9 @@ extern "C" int emu_launch(Module* m, void (*entry)(void**), void** args, const u
     }
     g_launch = nullptr;
     g_check_values = false;
+    g_clocks = nullptr;
+    clear_hopper_words();
+    delete g.hopper;
     for (std::size_t r = 0; r < g.writers.size(); ++r)
         if (g.writers[r])
             munmap(g.writers[r], 2 * (g.regions[r].second - g.regions[r].first) * sizeof(std::uint32_t));
