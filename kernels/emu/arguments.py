@@ -125,6 +125,9 @@ def convert_scalar(param, value):
     passed = f"{type(value).__name__} {value}" + (
         f", which CuPy passes as {scalar.dtype}" if not isinstance(value, np.generic) else "")
     declared = (p["kind"], p["size"])
+    if declared == ("s", 128):
+        raise LaunchError(f"{param.label()}: got {type(value).__name__} {value!r}; a tensor map parameter takes an "
+                          "emu.TensorMap")
     if declared not in _CTYPES or p["count"] != 1:
         raise LaunchError(f"{param.label()}: a parameter of this type cannot be passed from Python")
     kind = scalar.dtype.kind

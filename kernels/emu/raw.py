@@ -13,6 +13,7 @@ from . import build
 from .arguments import Parameter, StagedArguments, c_type_name, convert_array, convert_scalar
 from .errors import KernelError, LaunchError
 from .native import Module, runtime
+from .tensor_map import TensorMap
 
 # What a GPU of the project (sm_80, sm_90) accepts.
 MAX_THREADS_PER_BLOCK = 1024
@@ -195,6 +196,11 @@ class RawKernel:
             for i, value in enumerate(values):
                 if value is _ARRAY:
                     value = ctypes.c_void_p(staged.pointers[i])
+                elif isinstance(value, TensorMap):   # its record, where the kernel reads its parameter
+                    value = _MapRecord(value.record(staged.pointers[i]))
+                    values[i] = value
+                    pointers[i] = value.address
+                    continue
                 values[i] = value
                 pointers[i] = ctypes.cast(ctypes.pointer(value), ctypes.c_void_p)
             err = ctypes.create_string_buffer(4096)
@@ -261,7 +267,10 @@ class RawKernel:
                               f"got {len(args)}")
         arrays, values = [], []
         for param, arg in zip(self._parameters, args):
-            if isinstance(arg, np.ndarray):
+            if isinstance(arg, TensorMap):
+                arrays.append((_tensor_parameter(param), arg.array))
+                values.append(arg)
+            elif isinstance(arg, np.ndarray):
                 convert_array(param, arg)
                 arrays.append((param, arg))
                 values.append(_ARRAY)
@@ -275,8 +284,29 @@ class RawKernel:
 
 
 _ARRAY = object()  # placeholder for an array argument until its guarded copy exists
+
+
+def _tensor_parameter(param):
+    """The parameter that takes an emu.TensorMap (a 128-byte struct by value, sm90.cuh's TensorMap), checked, and a
+    read-only pointer parameter standing for its tensor among the launch's arrays (same index, as no array is
+    passed for the parameter itself)."""
+    spec = param.spec
+    if spec["pointer"] or spec["kind"] != "s" or spec["size"] * spec["count"] != 128:
+        raise LaunchError(f"{param.label()}: got an emu.TensorMap; the parameter is not a tensor map (sm90.cuh's "
+                          "TensorMap, 128 bytes by value: `const __grid_constant__ TensorMap map`)")
+    return Parameter(param.index, param.kernel, {**spec, "pointer": True, "const": True, "kind": "v", "align": 1},
+                     f"the tensor of {param.declaration}")
+
+
+class _MapRecord:
+    """A tensor map's 128 bytes for a launch, 64-byte aligned as CUtensorMap is."""
+
+    def __init__(self, record):
+        self.buffer = ctypes.create_string_buffer(len(record) + 64)
+        self.address = ctypes.addressof(self.buffer) + -ctypes.addressof(self.buffer) % 64
+        ctypes.memmove(self.address, record, len(record))
 _PC = re.compile(r" \{pc:([^:}]+):([0-9a-f]+)\}")
-_EMULATOR_HEADERS = ("cuda_emu.h", "tensor_core.cuh")   # the emulation's own lines: name the caller's
+_EMULATOR_HEADERS = ("cuda_emu.h", "tensor_core.cuh", "sm90.cuh")   # the emulation's own lines: name the caller's
 
 
 def source_lines(message):
