@@ -9,7 +9,8 @@ layer is simulated, and only the part of CuPy 14.2 that the project uses, with C
 signatures (tests/test_simulated_gpus.py checks them against the installed CuPy):
 
 - ``arrays``: device arrays, typed views of raw device memory that remember their device;
-  ``RawModule`` runs the kernels on the CPU emulator (kernels/emu).
+  ``RawModule`` runs the kernels on the CPU emulator (kernels/emu); ``tensor_map(array, box, swizzle=128)``
+  (not CuPy's) is the tensor map of a device array that a Hopper kernel's TMA loads read (kernels/cuda/sm90.cuh).
 - ``cuda``: devices, streams, events, stream capture and graphs, ``runtime``, ``nvtx``;
   ``CUDA_VISIBLE_DEVICES`` applies.
 - ``timeline``: the order CUDA guarantees between the work of streams, and what each piece of
@@ -38,10 +39,11 @@ transport, and the GPU's rounding (the emulator's is the CPU's, with subnormals 
 """
 from . import cuda, nccl
 from .arrays import (RawModule, __version__, arange, asarray, ascontiguousarray, asnumpy, empty, empty_like,
-                     ndarray, ones, ones_like, zeros, zeros_like)
+                     ndarray, ones, ones_like, tensor_map, zeros, zeros_like)
 
 cuda.nccl = nccl
 get_default_memory_pool = cuda.get_default_memory_pool
 
 __all__ = ["ndarray", "asarray", "ascontiguousarray", "asnumpy", "empty", "empty_like", "zeros", "zeros_like", "ones",
            "ones_like", "arange", "RawModule", "cuda", "get_default_memory_pool", "__version__"]
+# tensor_map is the simulated GPUs' own (CuPy has none): in the namespace, not in __all__, CuPy's names

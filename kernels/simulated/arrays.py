@@ -135,6 +135,17 @@ def _queue(name, function, inputs, out=None, order="K"):
 _SLOT = object()   # where an operand is an array: its view, when the work runs
 
 
+class _MapSlot:
+    """Where an operand is a tensor map: the map of the view of its array when the work runs (a captured launch
+    holds no array)."""
+
+    def __init__(self, box, swizzle):
+        self.box, self.swizzle = box, swizzle
+
+    def map(self, view):
+        return emu.TensorMap(view, self.box, self.swizzle)
+
+
 def sanitize_level():
     """The emulator's sanitizer for the kernels of whole networks that the simulated GPUs run: memcheck
     (bounds, alignment, divergent barriers), unless CUDA_EMU_SANITIZE says otherwise; each kernel's
@@ -479,6 +490,26 @@ def arange(start, stop=None, step=1, dtype=None):
 
 
 # ---- kernels ------------------------------------------------------------------------------------------
+class TensorMap(emu.TensorMap):
+    """A tensor map of a device array (``tensor_map``): the emulator's, made on the array's memory, and the
+    device array it describes, which a kernel that takes the map reads."""
+
+    def __init__(self, array, box, swizzle=128):
+        if not isinstance(array, ndarray):
+            raise _host_error("tensor_map", array)
+        super().__init__(array._array, box, swizzle)
+        self.device_array = array
+
+
+def tensor_map(array, box, swizzle=128):
+    """The tensor map (sm90.cuh's TensorMap, what cuTensorMapEncodeTiled makes on a GPU) of a device array of the
+    current device whose TMA loads bring ``box`` (NumPy's axis order) into shared memory, 128-byte swizzled or not
+    (``swizzle`` 0): the argument of a kernel's ``const __grid_constant__ TensorMap`` parameter, which reads the
+    array (kernels/emu's ``TensorMap``; not CuPy's: a launcher on a GPU encodes the map through the driver)."""
+    _operand("tensor_map", array)
+    return TensorMap(array, box, swizzle)
+
+
 class RawModule:
     """cupy.RawModule compiled for the CPU emulator; its kernels take device arrays of the current device."""
 
@@ -535,6 +566,17 @@ class RawKernel:
         kernel, device, parameters = self._kernel, cuda.getDevice(), self._kernel.parameters
         template, operands = [], []
         for index, value in enumerate(args):
+            if isinstance(value, emu.TensorMap):   # read by the kernel's TMA loads: the array its operand
+                label = (parameters[index].label() if index < len(parameters)
+                         else f"kernel '{kernel.name}' argument {index}")
+                if not isinstance(value, TensorMap):
+                    raise TypeError(f"{label}: an emu.TensorMap of a host array; on the simulated GPUs a tensor map "
+                                    "describes a device array: cupy.tensor_map(array, box, swizzle)")
+                view = _operand(label, value.device_array)
+                what = f"the tensor of {parameters[index].name()}" if index < len(parameters) else label
+                operands.append((timeline.Span(view), False, what))
+                template.append(_MapSlot(value.box, value.swizzle))
+                continue
             converted = self._argument(index, value)
             if isinstance(value, ndarray):
                 parameter = parameters[index] if index < len(parameters) else None
@@ -547,7 +589,8 @@ class RawKernel:
 
         def run(views):
             views = iter(views)
-            values = tuple(next(views) if v is _SLOT else v for v in template)
+            values = tuple(next(views) if v is _SLOT else v.map(next(views)) if isinstance(v, _MapSlot) else v
+                           for v in template)
             cuda.ledger["launches"][device] += 1
             with emu.sanitizer(sanitize_level()):
                 kernel(grid, block, values, **kwargs)
