@@ -27,6 +27,10 @@
 // warp-wide .aligned instruction, at one call instance: the same chain of return addresses, which is why
 // modules are compiled with frame pointers).
 //
+// Hopper's mbarriers, TMA loads and warpgroup instructions (kernels/cuda/sm90.cuh's wrappers) have a section of
+// their own below ("Hopper"): barriers that threads wait at until a phase completes, loads that land when issued,
+// rendezvous of a warpgroup's 128 threads, and the vector clocks through which racecheck follows mbarrier hand-offs.
+//
 // The traffic counter (a launch with `traffic`, emu.traffic() in Python) rides on the same hooks: it
 // groups the global loads of a warp into the requests a GPU's memory system sees and counts the 32-byte
 // sectors they touch (LoadTraffic). Off, it costs a test on the path of global accesses only.
