@@ -174,6 +174,47 @@ def test_wgmma_reads_each_layout_a_descriptor_can_name(order, mode, lbo, sbo):
     np.testing.assert_array_equal(out.reshape(128, 32), fragments(chained_product(a, b)))
 
 
+def mn_layout(m, lbo, sbo):
+    """The bytes of an MN-major operand m (rows, 16 k), 128-byte swizzled (CUTLASS's Layout_MN_SW128_Atom): element
+    (row, k) at (row / 64) LBO + (k / 8) SBO + (k % 8) 128 + (row % 64) 2, address bits 4-6 XOR bits 7-9."""
+    rows = m.shape[0]
+    row, k = np.meshgrid(np.arange(rows), np.arange(16), indexing="ij")
+    address = row // 64 * lbo + k // 8 * sbo + k % 8 * 128 + row % 64 * 2
+    address ^= (address >> 7 & 7) << 4
+    out = np.zeros(-(-(address.max() + 2) // 1024) * 1024, np.uint8)
+    source = np.ascontiguousarray(m).view(np.uint8).reshape(rows, 16, 2)
+    out[address[..., None] + np.arange(2)] = source
+    return out
+
+
+def wgmma_mn(a, b, lbo, sbo):
+    sa, sb = mn_layout(a, lbo, sbo), mn_layout(b, lbo, sbo)
+    out = np.full(128 * 64, np.nan, np.float32)
+    launch("wgmma_mn_major", (1,), (128,), sa.view(np.uint32), sb.view(np.uint32), out, np.int32(sa.size),
+           np.int32(sb.size), np.int32(lbo), np.int32(sbo), shared_mem=sa.size + sb.size)
+    return out.reshape(128, 64)
+
+
+@pytest.mark.parametrize("lbo, sbo", [(8192, 1024), (2048, 4096)])
+def test_wgmma_reads_mn_major_operands(order, lbo, sbo):
+    """Both operands transposed (lines of 64 rows at one k, the next 64 rows of B LBO further): conv_sm90's
+    backward-weight, whose stages hold a pixel's channels along the rows."""
+    a, b = bf16((64, 16)), bf16((128, 16))
+    np.testing.assert_array_equal(wgmma_mn(a, b, lbo, sbo), fragments(chained_product(a, b)))
+
+
+def test_the_mn_major_model_would_see_a_wrong_layout():
+    """Not blind: B's two halves of 64 rows exchanged, or its k read as rows, give other numbers."""
+    a, b = bf16((64, 16)), bf16((128, 16))
+    ours = wgmma_mn(a, b, 8192, 1024)
+    assert not np.array_equal(ours, fragments(chained_product(a, np.concatenate([b[64:], b[:64]]))))
+    sa, sb = mn_layout(a, 8192, 1024), layout(b, 1, 16, 1024)   # B laid out K-major, read as MN-major
+    out = np.full(128 * 64, np.nan, np.float32)
+    launch("wgmma_mn_major", (1,), (128,), sa.view(np.uint32), np.resize(sb, 16384).view(np.uint32), out,
+           np.int32(sa.size), np.int32(16384), np.int32(8192), np.int32(1024), shared_mem=sa.size + 16384)
+    assert not np.array_equal(out.reshape(128, 64), ours)
+
+
 @pytest.mark.parametrize("mode, message", [
     (1, r"initcheck: writes an undefined value to global memory at 0x[0-9a-f]+ at \S+{use}: the accumulators of the "
         r"wgmma_bf16<64> at \S+{wgmma}, undefined until the wgmma_wait that retires it"),

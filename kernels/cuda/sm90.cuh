@@ -23,22 +23,28 @@
 //   tma_prefetch(map)               prefetch.tensormap: the map's descriptor into the cache
 //   fence_proxy_async()             fence.proxy.async.shared::cta: this thread's generic-proxy accesses of
 //                                   shared memory ordered with the async proxy's (TMA, wgmma)
-//   wgmma_descriptor_sw128(p)       the matrix descriptor of a K-major bf16 operand in shared memory at p
-//                                   (1024-byte aligned rows of 64 elements, 128 bytes, 8-row groups 1024 bytes
-//                                   apart, swizzled by 16-byte chunks: chunk j of row r at j ^ (r % 8), TMA's
-//                                   CU_TENSOR_MAP_SWIZZLE_128B); advancing k by 16 adds 32 bytes to p
+//   wgmma_descriptor_sw128(p, lbo)  the matrix descriptor of a bf16 operand in shared memory at p, in lines of 64
+//                                   elements (128 bytes) swizzled by 16-byte chunks (chunk j of line l at
+//                                   j ^ (l % 8), TMA's CU_TENSOR_MAP_SWIZZLE_128B), 8-line groups 1024 bytes apart
+//                                   from a 1024-byte aligned address. K-major: a line a row, 64 k; advancing k by 16
+//                                   adds 32 bytes to p. MN-major: a line a k, 64 rows (m or n); advancing k by 16
+//                                   adds 2048 bytes; the next 64 rows are `lbo` bytes further.
 //   wgmma_fence()                   wgmma.fence.sync.aligned: before the first wgmma of a batch, after the
 //                                   accumulators were last touched by other instructions
-//   wgmma_bf16<N>(d, a, b, acc)     wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16: d = A B (+ d if acc)
-//                                   for the warpgroup's 64 x 16 A (rows K-major, descriptor a) and 16 x N B
-//                                   (N rows of k, K-major, descriptor b). Asynchronous: d may be neither read
+//   wgmma_bf16<N, MN>(d, a, b, acc)  wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16: d = A B (+ d if acc)
+//                                   for the warpgroup's 64 x 16 A (descriptor a) and 16 x N B (descriptor b), both
+//                                   K-major, or both MN-major (MN: imm-trans-a and -b). Asynchronous: d may be neither read
 //                                   nor written until a wgmma_wait retires its group. Thread t of the
 //                                   warpgroup (warp w = t / 32, lane l) holds in d[4j + i] the element
 //                                   row 16 w + l / 4 + 8 (i / 2), column 8 j + 2 (l % 4) + i % 2: each warp's
 //                                   16 rows as mma.sync's m16n8 accumulators, N / 8 of them side by side.
 //   wgmma_commit()                  wgmma.commit_group.sync.aligned: the wgmmas since the last commit, a group
 //   wgmma_wait<N>()                 wgmma.wait_group.sync.aligned N: all but the N most recent groups retired
-//   setmaxnreg_inc<R>(), _dec<R>()  setmaxnreg.{inc,dec}.sync.aligned.u32 R: the warpgroup's registers a thread
+//   wgmma_fence_operands(d)         an empty asm that reads and writes each accumulator register (CUTLASS's
+//                                   warpgroup_fence_operand): the compiler moves no access of them across it; around
+//                                   a batch of wgmmas, so that it neither reads them early nor serialises the wgmmas
+//   setmaxnreg_inc<R>(), _dec<R>()  setmaxnreg.{inc,dec}.sync.aligned.u32 R: the warpgroup's registers a thread (ptxas
+//                                   ignores it in a kernel without __launch_bounds__)
 //
 // Every thread of a warpgroup (128 consecutive threads, from a multiple of 128) must call the wgmma_* and
 // setmaxnreg wrappers together, at the same call.
@@ -66,7 +72,7 @@ extern "C" void emu_wgmma_fence(const char* file, int line);
 extern "C" void emu_wgmma_commit(const char* file, int line);
 extern "C" void emu_wgmma_wait(int pending, const char* file, int line);
 extern "C" void emu_wgmma_bf16(float* d, int n, unsigned long long a, unsigned long long b, int accumulate,
-                               const char* file, int line);
+                               int mn_major, const char* file, int line);
 extern "C" void emu_setmaxnreg(int registers, int increase, const char* file, int line);
 #define SM90_SITE call_file, call_line
 #endif
@@ -175,12 +181,14 @@ __device__ __forceinline__ void fence_proxy_async() {
 
 // ---- warpgroup MMA ----------------------------------------------------------------------------------
 
-// Bits 0-13: the address / 16; 16-29: the leading byte offset / 16 (unused by a swizzled K-major operand: 1);
-// 32-45: the stride byte offset / 16 (1024: from one group of 8 rows to the next); 49-51: the base offset (0: the
-// swizzle's pattern from 1024-byte aligned addresses); 62-63: the swizzle (1: 128 bytes).
-__device__ __forceinline__ unsigned long long wgmma_descriptor_sw128(const void* p TC_CALL_SITE) {
+// Bits 0-13: the address / 16; 16-29: the leading byte offset / 16 (unused by a swizzled K-major operand: 16 bytes;
+// an MN-major one's next 64 rows); 32-45: the stride byte offset / 16 (1024: from one group of 8 lines to the next);
+// 49-51: the base offset (0: the swizzle's pattern from 1024-byte aligned addresses); 62-63: the swizzle (1: 128
+// bytes).
+__device__ __forceinline__ unsigned long long wgmma_descriptor_sw128(const void* p, unsigned leading_bytes = 16
+                                                                      TC_CALL_SITE) {
     const unsigned long long address = smem_address(p SM90_PASS_SITE);
-    return (address & 0x3ffff) >> 4 | 1ull << 16 | (1024ull >> 4) << 32 | 1ull << 62;
+    return (address & 0x3ffff) >> 4 | (leading_bytes & 0x3ffffull) >> 4 << 16 | (1024ull >> 4) << 32 | 1ull << 62;
 }
 
 __device__ __forceinline__ void wgmma_fence(SM90_CALL_SITE) {
@@ -211,46 +219,56 @@ __device__ __forceinline__ void wgmma_wait(SM90_CALL_SITE) {
 #ifndef __CUDA_EMU__
 #define SM90_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                    "+f"(d[i + 6]), "+f"(d[i + 7])
-template <int N>
-__device__ __forceinline__ void wgmma_bf16_asm(float (&d)[N / 2], unsigned long long a, unsigned long long b,
-                                               int accumulate);
+// wgmma of N columns, A and B K-major (T = 0) or both MN-major (T = 1: imm-trans-a and imm-trans-b)
+template <int N, int T>
+struct WgmmaBf16Asm;
 
-template <>
-__device__ __forceinline__ void wgmma_bf16_asm<64>(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                   int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, %32, %33, p, 1, 1, 0, 0;\n}"
-                 : SM90_D8(0), SM90_D8(8), SM90_D8(16), SM90_D8(24)
-                 : "l"(a), "l"(b), "r"(accumulate));
-}
+template <int T>
+struct WgmmaBf16Asm<64, T> {
+    __device__ __forceinline__ static void run(float (&d)[32], unsigned long long a, unsigned long long b, int accumulate) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                     "}, %32, %33, p, 1, 1, %35, %35;\n}"
+                     : SM90_D8(0), SM90_D8(8), SM90_D8(16), SM90_D8(24)
+                     : "l"(a), "l"(b), "r"(accumulate), "n"(T));
+    }
+};
 
-template <>
-__device__ __forceinline__ void wgmma_bf16_asm<128>(float (&d)[64], unsigned long long a, unsigned long long b,
-                                                   int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-                 "}, %64, %65, p, 1, 1, 0, 0;\n}"
-                 : SM90_D8(0), SM90_D8(8), SM90_D8(16), SM90_D8(24), SM90_D8(32), SM90_D8(40), SM90_D8(48), SM90_D8(56)
-                 : "l"(a), "l"(b), "r"(accumulate));
-}
+template <int T>
+struct WgmmaBf16Asm<128, T> {
+    __device__ __forceinline__ static void run(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                     "}, %64, %65, p, 1, 1, %67, %67;\n}"
+                     : SM90_D8(0), SM90_D8(8), SM90_D8(16), SM90_D8(24), SM90_D8(32), SM90_D8(40), SM90_D8(48), SM90_D8(56)
+                     : "l"(a), "l"(b), "r"(accumulate), "n"(T));
+    }
+};
 #undef SM90_D8
 #endif
 
-template <int N>
+template <int N, bool MN_MAJOR = false>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], unsigned long long a, unsigned long long b,
                                            int accumulate TC_CALL_SITE) {
     static_assert(N == 64 || N == 128, "wgmma_bf16 is written for n64 and n128");
 #ifdef __CUDA_EMU__
-    emu_wgmma_bf16(d, N, a, b, accumulate, SM90_SITE);
+    emu_wgmma_bf16(d, N, a, b, accumulate, MN_MAJOR, SM90_SITE);
 #else
-    wgmma_bf16_asm<N>(d, a, b, accumulate);
+    WgmmaBf16Asm<N, MN_MAJOR>::run(d, a, b, accumulate);
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#ifndef __CUDA_EMU__
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 #endif
 }
 

@@ -1605,7 +1605,9 @@ std::uint32_t wgmma_poison(const WarpgroupCall& c) {
 }
 
 // The shared address a descriptor's element (row r, k) is at: K-major, the 16-byte chunks of each row swizzled
-// by the layout's pattern (sm90.cuh; CUTLASS's canonical GMMA K-major layouts).
+// by the layout's pattern (sm90.cuh; CUTLASS's canonical GMMA K-major layouts); MN-major (a transposed operand,
+// 128-byte swizzle), the 16-byte chunk of 8 rows at one k (mn_chunk; CUTLASS's Layout_MN_SW128_Atom: lines of 64
+// rows along m or n, 128 bytes, at consecutive k; groups of 8 k SBO apart; the next 64 rows LBO further).
 struct Descriptor {
     std::uint32_t start, lbo, sbo, base;
     int mode;   // 0 none (interleave), 1 128-byte swizzle, 2 64-byte, 3 32-byte
@@ -1618,6 +1620,12 @@ struct Descriptor {
         std::uint32_t a = start + std::uint32_t(r / 8) * sbo + std::uint32_t(r % 8) * pitch[mode] +
                           std::uint32_t(chunk_) * (mode == 0 ? lbo : 16);
         return a ^ ((a >> 7) & ((1u << bits[mode]) - 1)) << 4;
+    }
+    // the shared address of the 16-byte chunk of rows 8 row8 .. 8 row8 + 7 at k (128-byte swizzle)
+    std::uint32_t mn_chunk(int row8, int k) const {
+        const std::uint32_t a = start + std::uint32_t(row8 / 8) * lbo + std::uint32_t(k / 8) * sbo +
+                                std::uint32_t(k % 8) * 128 + std::uint32_t(row8 % 8) * 16;
+        return a ^ ((a >> 7) & 7) << 4;
     }
 };
 
@@ -1687,19 +1695,26 @@ void read_operand(std::uint64_t desc, int rows, const char* which, int wg, std::
     Hopper& h = *g.hopper;
     const Descriptor d(desc);
     const int first = wg * kWarpgroupThreads;
+    const bool mn_major = c.arg != 0;
     if (d.base)
         fail_for(first, format("%s: its %s descriptor 0x%016llx has base offset %u, which the emulator does not "
                                "model: keep the operands' swizzle patterns 1024-byte aligned (base offset 0)",
                                warpgroup_call_name(c).c_str(), which, static_cast<unsigned long long>(desc), d.base));
+    if (mn_major && d.mode != 1)
+        fail_for(first, format("%s: its %s operand is MN-major with descriptor 0x%016llx of swizzle mode %d: the "
+                               "emulator runs MN-major operands of the 128-byte swizzle (mode 1) only",
+                               warpgroup_call_name(c).c_str(), which, static_cast<unsigned long long>(desc), d.mode));
     OrderMemo memo;
-    for (int r = 0; r < rows; ++r)
-        for (int chunk = 0; chunk < 2; ++chunk) {
-            const std::uint32_t address = d.chunk(r, chunk);
+    // K-major: rows r, each two chunks of 8 k; MN-major: k (the first index), each rows / 8 chunks of 8 rows
+    for (int r = 0; r < (mn_major ? 16 : rows); ++r)
+        for (int chunk = 0; chunk < (mn_major ? rows / 8 : 2); ++chunk) {
+            const std::uint32_t address = mn_major ? d.mn_chunk(chunk, r) : d.chunk(r, chunk);
             const std::uintptr_t p = from_window(address);
             if (!shared_variable(p, 16))
-                fail_for(first, format("memcheck: the %s reads row %d, k %d..%d of its %s operand (descriptor "
-                                       "0x%016llx) at shared address 0x%x: %s", warpgroup_call_name(c).c_str(), r,
-                                       8 * chunk, 8 * chunk + 7, which, static_cast<unsigned long long>(desc), address,
+                fail_for(first, format("memcheck: the %s reads %s %d, %s %d..%d of its %s operand (descriptor "
+                                       "0x%016llx) at shared address 0x%x: %s", warpgroup_call_name(c).c_str(),
+                                       mn_major ? "k" : "row", r, mn_major ? "rows" : "k", 8 * chunk, 8 * chunk + 7,
+                                       which, static_cast<unsigned long long>(desc), address,
                                        shared_variable(p, 1) ? ("16 bytes at " + shared_place(p) + " run past its end").c_str()
                                                              : "not in a __shared__ variable of the kernel nor in the "
                                                                "dynamic shared memory the launch asked for"));
@@ -1707,9 +1722,9 @@ void read_operand(std::uint64_t desc, int rows, const char* which, int wg, std::
                 for (int k = 0; k < 16; k += 4) wgmma_read_word(p + std::uintptr_t(k), wg, serial, c, memo);
             unsigned short bits[8];
             std::memcpy(bits, reinterpret_cast<const void*>(p), 16);
-            for (int e = 0; e < 8; ++e) {
+            for (int e = 0; e < 8; ++e) {   // out: rows x 16 k
                 const std::uint32_t wide = std::uint32_t(bits[e]) << 16;
-                out[r * 16 + 8 * chunk + e] = double(emu::from_bits<float>(wide));
+                out[mn_major ? (8 * chunk + e) * 16 + r : r * 16 + 8 * chunk + e] = double(emu::from_bits<float>(wide));
             }
         }
 }
@@ -1725,10 +1740,12 @@ void execute_wgmma(int wg) {
     const int n = c.n, count = n / 2;
     for (int u = 1; u < kWarpgroupThreads; ++u) {
         const WarpgroupCall& other = W.call[u];
-        if (other.n != n || other.a != c.a || other.b != c.b || (other.accumulate != 0) != (c.accumulate != 0))
+        if (other.n != n || other.a != c.a || other.b != c.b || (other.accumulate != 0) != (c.accumulate != 0) ||
+            other.arg != c.arg)
             fail_for(first + u, format("synccheck: %s with operands other than %s's (descriptors 0x%016llx and "
-                                       "0x%016llx, accumulate %d against 0x%016llx, 0x%016llx, %d): a wgmma's "
-                                       "descriptors and scale-d are the warpgroup's, the same in each thread",
+                                       "0x%016llx, accumulate %d against 0x%016llx, 0x%016llx, %d; or its operands' "
+                                       "majors): a wgmma's descriptors, scale-d and transposes are the warpgroup's, the "
+                                       "same in each thread",
                                        warpgroup_call_name(other).c_str(), thread_name(first).c_str(),
                                        static_cast<unsigned long long>(other.a), static_cast<unsigned long long>(other.b),
                                        other.accumulate, static_cast<unsigned long long>(c.a),
@@ -2595,13 +2612,13 @@ extern "C" void emu_wgmma_wait(int pending, const char* file, int line) {
 }
 
 extern "C" void emu_wgmma_bf16(float* d, int n, unsigned long long a, unsigned long long b, int accumulate,
-                               const char* file, int line) {
+                               int mn_major, const char* file, int line) {
     settle_store();
     if (n != 64 && n != 128)
         fail_in_fiber(format("wgmma_bf16<%d> at %s:%d: the emulator runs N = 64 and 128", n, file, line));
     WarpgroupCall call{};
     call.op = WG_MMA, call.file = file, call.line = line;
-    call.d = d, call.n = n, call.a = a, call.b = b, call.accumulate = accumulate != 0;
+    call.d = d, call.n = n, call.a = a, call.b = b, call.accumulate = accumulate != 0, call.arg = mn_major != 0;
     warpgroup_instruction(call, __builtin_frame_address(0));
 }
 

@@ -69,6 +69,27 @@ extern "C" __global__ void wgmma_layout(const uint4* a, const uint4* b, float* o
     for (int i = 0; i < 32; ++i) out[t * 32 + i] = acc[i];
 }
 
+// One wgmma m64n128k16 of MN-major operands (wgmma_bf16<128, true>: both transposed) that the threads store as they
+// are given (a's a_bytes, then b's, 1024-byte aligned), read through 128-byte-swizzled descriptors with these leading
+// (from 64 rows to the next) and stride (from 8 k to the next) byte offsets.
+extern "C" __global__ void wgmma_mn_major(const uint4* a, const uint4* b, float* out, int a_bytes, int b_bytes,
+                                          int lbo, int sbo) {
+    const int t = threadIdx.x;
+    for (int i = t; i < a_bytes / 16; i += 128) reinterpret_cast<uint4*>(sm90_smem)[i] = a[i];
+    for (int i = t; i < b_bytes / 16; i += 128) reinterpret_cast<uint4*>(sm90_smem + a_bytes)[i] = b[i];
+    fence_proxy_async();
+    __syncthreads();
+    const unsigned long long layout = (unsigned long long)(lbo >> 4) << 16 | (unsigned long long)(sbo >> 4) << 32 |
+                                      1ull << 62;
+    float acc[64];
+    wgmma_fence();
+    wgmma_bf16<128, true>(acc, smem_address(sm90_smem) >> 4 | layout, smem_address(sm90_smem + a_bytes) >> 4 | layout,
+                          0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    for (int i = 0; i < 64; ++i) out[t * 64 + i] = acc[i];
+}
+
 // One warpgroup whose threads reach a wgmma: at one call (diverged 0), at two calls (warp 1 at another, 1),
 // or with thread 5 returned before it (2).
 extern "C" __global__ void wgmma_diverged(const uint4* a, const uint4* b, float* out, int diverged) {
