@@ -260,30 +260,49 @@ def hopper_rows(batch, sms):
             out.append({"layer": layer.label, "count": count, "gemm": gemm,
                         "kernel": f"conv_sm90_forward<{tile}, ADD>",   # ADD: backward-data into a gradient
                         "box": box, "grid": grid, "blocks": blocks, "waves": blocks / sms, "stages": stages,
-                        "padded": grid[0] * rows / (g[0] * g[11] * g[12]),
+                        "parts": 1, "padded": grid[0] * rows / (g[0] * g[11] * g[12]),
+                        "flops_per_byte": 2 * rows * columns / ((rows + columns) * ELEMENT_BYTES["bf16"])})
+        if conv_sm90.supports_wgrad(geometry(layer)):
+            g = geometry(layer)
+            p = conv_sm90.wgrad_plan(g)
+            rows, columns, stages, resident = conv_sm90.WGRAD_TILES[p.tile]
+            blocks = math.prod(p.grid)
+            out.append({"layer": layer.label, "count": count, "gemm": "wgrad", "kernel": f"conv_sm90_wgrad<{p.tile}>",
+                        "box": p.box, "grid": p.grid, "blocks": blocks, "waves": blocks / (resident * sms),
+                        "stages": stages, "parts": p.parts,
+                        "padded": math.prod(-(-size // side) for size, side in zip((g[0], g[11], g[12]), p.box)) *
+                        conv_sm90.WGRAD_PIXELS / (g[0] * g[11] * g[12]),
                         "flops_per_byte": 2 * rows * columns / ((rows + columns) * ELEMENT_BYTES["bf16"])})
     return out, resources
 
 
 def hopper_table(batch, sms):
     table, resources = hopper_rows(batch, sms)
-    print("\n## bf16 on Hopper (conv_sm90.cu: forward and backward-data, stride 1)\n")
+    print("\n## bf16 on Hopper (conv_sm90.cu: stride 1)\n")
     for kernel, r in resources.items():
-        if not kernel.startswith("conv_sm90_forward<") or kernel.endswith("true>"):
+        if kernel.startswith("conv_sm90_forward<") and kernel.endswith("false>"):
+            tile = kernel.split("<")[1].split(",")[0]
+            (columns, stages), rows, consumers, resident = conv_sm90.TILES[tile], conv_sm90.ROWS, 2, 1
+            shared = conv_sm90.shared_bytes(tile)
+        elif kernel.startswith("conv_sm90_wgrad<"):
+            tile = kernel.split("<")[1][:-1]
+            rows, columns, stages, resident = conv_sm90.WGRAD_TILES[tile]
+            consumers, shared = rows // 64, conv_sm90.wgrad_shared_bytes(tile)
+        else:
             continue
-        tile = kernel.split("<")[1].split(",")[0]
-        columns, stages = conv_sm90.TILES[tile]
-        print(f"- `{kernel}`: {conv_sm90.THREADS} threads (a producer warpgroup, two consumer warpgroups of 64 rows "
-              f"each: m64n{columns}k16 wgmma), {r.registers} registers a thread at launch (setmaxnreg: 40 the "
-              f"producer's, 232 the consumers'), {stages} stages of {conv_sm90.ROWS}x{conv_sm90.BK} + "
-              f"{columns}x{conv_sm90.BK} bf16, {(r.shared_bytes + conv_sm90.shared_bytes(tile)) / 1024:.1f} KB of "
-              f"shared memory: 1 block (2 warpgroups of wgmma in flight) an SM; spills {r.spill_stores} bytes")
-    print(f"\n| layer (batch {batch}) | n | GEMM | kernel | output box (images x rows x columns) | grid | waves on "
-          f"{sms} SMs | rows computed / rows | FLOPs per L2 byte |")
-    print("|---|---|---|---|---|---|---|---|---|")
+        left = 65536 // resident - 128 * 40
+        print(f"- `{kernel}`: {128 * (1 + consumers)} threads (a producer warpgroup, {consumers} consumer "
+              f"warpgroup{'s' if consumers > 1 else ''} of 64 rows: m64n{columns}k16 wgmma), {r.registers} registers a "
+              f"thread at launch (setmaxnreg: 40 the producer's, {left // (128 * consumers) // 8 * 8} the consumers'), "
+              f"{stages} stages of {rows}x64 + {columns}x64 bf16, {(r.shared_bytes + shared) / 1024:.1f} KB of shared "
+              f"memory: {resident} block{'s' if resident > 1 else ''} ({resident * consumers} warpgroups of wgmma in "
+              f"flight) an SM; spills {r.spill_stores} bytes")
+    print(f"\n| layer (batch {batch}) | n | GEMM | kernel | pixel box (images x rows x columns) | grid | split-K parts | "
+          f"waves on {sms} SMs | pixels computed / pixels | FLOPs per L2 byte |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         print(f"| {row['layer']} | {row['count']} | {row['gemm']} | `{row['kernel']}` | {'x'.join(map(str, row['box']))} | "
-              f"{'x'.join(map(str, row['grid']))} | {row['waves']:.2f} | {row['padded']:.2f} | "
+              f"{'x'.join(map(str, row['grid']))} | {row['parts']} | {row['waves']:.2f} | {row['padded']:.2f} | "
               f"{row['flops_per_byte']:.1f} |")
 
 

@@ -2,155 +2,196 @@
 // memory accelerator (TMA), for the bf16 precision. Launched by kernels/cuda/conv_sm90.py, chosen on GPUs of
 // compute capability 9.0; checked by tests/test_conv_sm90.py against float64 of the bfloat16 inputs, on the CPU
 // emulator (which runs sm90.cuh's instructions exactly and refuses their misuse) in CI and on a GPU under
-// `pytest -m gpu`.
+// `pytest -m gpu`. Stride 1, channel counts multiples of 64 (ResNet-18's 3x3 convolutions but the stride-2 ones):
 //
-//   conv_sm90_forward   y (N*OH*OW x O) = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b, for
-//                       stride 1, C and O multiples of 64 (ResNet-18's 3x3 convolutions but the stride-2 ones);
-//                       ADD: added to what y holds, rounded once. Backward-data of such a convolution is this
-//                       forward of dy by the weights mirrored (conv_geometry.cuh's mirrored_weights<bf16>).
+//   conv_sm90_forward   y (N*OH*OW x O) = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b; ADD: added
+//                       to what y holds, rounded once. Backward-data is this forward of dy by the weights mirrored
+//                       (conv_geometry.cuh's mirrored_weights<bf16>).
+//   conv_sm90_wgrad     dw (O x KH*KW*C), float32, a tap a block: dy^T (O x pixels) . x moved by the tap (pixels x
+//                       C), split over the pixels into parts whose partials sum_partials adds in order
 //
-// The implicit GEMM without an im2col: a block's 128 rows (output pixels) are a box of the output, box_i images
-// by box_h rows by box_w columns (box_i box_h box_w = 128, chosen per layer by the launcher to waste the fewest
-// rows past the image's edges), and for each filter tap (r, s) and 64 input channels c0.. the A operand of those
-// rows is the same box of x, moved by (r - ph, s - pw): one 4-D TMA load of x (N, H, W, C), whose coordinates
-// past the image give zeros, the padding, for free. B is 64 k by BN filters of w (O, KH*KW*C), a 2-D TMA
-// load. Both land 128-byte swizzled (a row of 64 bf16 = 128 bytes, chunk j of row r at j ^ (r % 8)), the layout
-// wgmma reads from a descriptor (sm90.cuh's wgmma_descriptor_sw128).
+// The implicit GEMMs without an im2col: the pixels a tile takes are a box of the image batch, box_i images by
+// box_h rows by box_w columns (128 pixels: the forward's rows; 64: backward-weight's k of a stage), chosen per
+// layer by the launcher to waste the fewest past the images' edges, and for each filter tap (r, s) the operand of
+// x is the same box moved by (r - ph, s - pw): one 4-D TMA load of x (N, H, W, C), whose coordinates past the
+// image give zeros, the padding, for free. The forward's B is 64 k by BN filters of w (O, KH*KW*C), a 2-D TMA load.
+// Everything lands 128-byte swizzled (a line of 64 bf16 = 128 bytes, chunk j of line l at j ^ (l % 8)), the layout
+// wgmma reads from a descriptor (sm90.cuh's wgmma_descriptor_sw128): K-major in the forward (a pixel's channels
+// along k), MN-major in backward-weight (a pixel's channels along m or n, the pixels along k).
 //
 // The pieces, named as CUTLASS 3 names them:
-//   Sm90Tile            the tile: BM = 128 rows, BN = 128 or 64 columns, BK = 64, STAGES deep
-//   Sm90Mainloop        the mainloop collective: a ring of STAGES stages of shared memory, each with a `full`
+//   Sm90Tile            the tile: CONSUMERS warpgroups of 64 rows (BM), BN columns, BK = 64, STAGES deep
+//   Sm90Pipeline        the mainloop collective: a ring of STAGES stages of shared memory, each with a `full`
 //                       mbarrier (the producer's arrive with the stage's expected bytes, completed by TMA) and an
 //                       `empty` one (one arrival per consumer warpgroup, once its wgmmas of the stage retired);
-//                       the producer (warpgroup 0, its first thread) issues the loads, the consumers (warpgroups 1
-//                       and 2, 64 rows of the tile each) wait for a stage, issue 4 wgmma m64nBNk16 on it, commit,
-//                       and release the stage before (wgmma_wait<1>: one group in flight while the next lands)
-//   Sm90BoxRows         the epilogue's map from a tile row to its output pixel (the box)
-//   the epilogue        each consumer thread's accumulators (mma.sync's m16n8 layout, BN / 8 of them a warp) plus
-//                       the bias (or what y holds: ADD), rounded to bf16 once, stored as pairs of neighbouring
-//                       channels
+//                       the producer (warpgroup 0, its first thread) issues the loads, the consumers (64 rows of
+//                       the tile each) wait for a stage, issue 4 wgmma m64nBNk16 on it, commit, and release the
+//                       stage before (wgmma_wait<1>: one group in flight while the next lands)
+//   Sm90Box             the tile scheduler's map from a box's index and a row of it to its pixel
+//   the epilogues       each consumer thread's accumulators (mma.sync's m16n8 layout, BN / 8 of them a warp):
+//                       the forward's plus the bias (or what y holds: ADD), rounded to bf16 once, stored as pairs
+//                       of neighbouring channels; backward-weight's float32 pairs into its part's slot
 //
-// Registers: 384 threads a block, one block an SM (the ring's shared memory); setmaxnreg gives the producer's
-// warpgroup 40 registers a thread and the consumers' 232 (a consumer holds BN / 2 accumulators).
+// Registers: 128 (1 + CONSUMERS) threads a block; setmaxnreg gives the producer's warpgroup 40 registers a thread
+// and the consumers the rest (a consumer holds BN / 2 accumulators): 232 a thread with one block an SM (the
+// forward's ring of 128-144 KB, backward-weight's 128 x 128 tile), 216 with two (backward-weight's 64 x 64, 97 KB).
+#include "common.cuh"
 #include "sm90.cuh"
 #include "bf16.cuh"
 #include "conv_geometry.cuh"
 
-constexpr int SM90_THREADS = 384;   // a producer warpgroup and two consumer warpgroups
-constexpr int SM90_PRODUCER_REGISTERS = 40, SM90_CONSUMER_REGISTERS = 232;
-
-template <int BN_, int STAGES_>
+// A tile: CONSUMERS warpgroups of 64 rows each (BM = 64 CONSUMERS) by BN columns, BK = 64 of k a stage, STAGES deep;
+// a block is its consumers and a producer warpgroup, MIN_BLOCKS of them an SM. A stage holds BM / 64 blocks of A and
+// BN / 64 of B, each 64 lines of 128 bytes (64 bf16), 8 KB: a TMA box apiece. Registers: the SM's 65536 shared by
+// the blocks, the producer's warpgroup keeping 40 a thread, the consumers the rest (setmaxnreg: multiples of 8).
+template <int CONSUMERS_, int BN_, int STAGES_, int MIN_BLOCKS_ = 1>
 struct Sm90Tile {
-    static constexpr int BM = 128, BN = BN_, BK = 64, STAGES = STAGES_;
+    static constexpr int CONSUMERS = CONSUMERS_, BM = 64 * CONSUMERS, BN = BN_, BK = 64, STAGES = STAGES_;
+    static constexpr int MIN_BLOCKS = MIN_BLOCKS_, THREADS = 128 * (1 + CONSUMERS), BLOCK_BYTES = 64 * 128;
+    static constexpr int PRODUCER_REGISTERS = 40;
+    static constexpr int CONSUMER_REGISTERS = (65536 / MIN_BLOCKS - 128 * PRODUCER_REGISTERS) / (128 * CONSUMERS) / 8 * 8;
     static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
     // the ring from the first 1024-byte aligned address of the dynamic shared memory (1024 bytes of slack), then
     // the full and empty barriers
     static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
-    static_assert(STAGE_BYTES % 1024 == 0, "every stage's operands 1024-byte aligned (the swizzle's pattern)");
+    static_assert(BN % 64 == 0 && STAGE_BYTES % 1024 == 0, "whole 8 KB blocks, 1024-byte aligned (the swizzle)");
 };
-struct Sm90x128 : Sm90Tile<128, 4> {};   // 128 KB of ring
-struct Sm90x64 : Sm90Tile<64, 6> {};     // 144 KB
+struct Sm90x128 : Sm90Tile<2, 128, 4> {};      // the forward's: 128 KB of ring
+struct Sm90x64 : Sm90Tile<2, 64, 6> {};        // 144 KB
+struct Sm90Wgrad128 : Sm90Tile<2, 128, 4> {};  // backward-weight's, 128 output channels by 128 input channels
+struct Sm90Wgrad64 : Sm90Tile<1, 64, 6, 2> {}; // 64 by 64 (97 KB: 2 blocks an SM)
 
-// The output box of a tile: rows t = (i box_h + h) box_w + w of the tile are the pixel (n0 + i, oh0 + h, ow0 + w).
-struct Sm90BoxRows {
-    int box_w, box_h, n0, oh0, ow0;
-    __device__ Sm90BoxRows(int tile, int box_w_, int box_h_, int box_i, int oh, int ow) : box_w(box_w_), box_h(box_h_) {
-        const int tiles_w = (ow + box_w - 1) / box_w, tiles_h = (oh + box_h - 1) / box_h;
-        ow0 = tile % tiles_w * box_w;
-        oh0 = tile / tiles_w % tiles_h * box_h;
-        n0 = tile / (tiles_w * tiles_h) * box_i;
+// The box of a tile's pixels: rows t = (i box_h + h) box_w + w of the box are the pixel (n0 + i, p0 + h, q0 + w) of an
+// (N, P, Q) image batch, the box the `index`-th in (N, P, Q) order.
+struct Sm90Box {
+    int box_w, box_h, n0, p0, q0;
+    __device__ Sm90Box(int index, int box_w_, int box_h_, int box_i, int p, int q) : box_w(box_w_), box_h(box_h_) {
+        const int boxes_w = (q + box_w - 1) / box_w, boxes_h = (p + box_h - 1) / box_h;
+        q0 = index % boxes_w * box_w;
+        p0 = index / boxes_w % boxes_h * box_h;
+        n0 = index / (boxes_w * boxes_h) * box_i;
     }
-    // the pixel's index in the output (N, OH, OW), or -1 past its edges
-    __device__ int pixel(int row, int n, int oh, int ow) const {
-        const int img = n0 + row / (box_h * box_w), p = oh0 + row / box_w % box_h, q = ow0 + row % box_w;
-        return img < n && p < oh && q < ow ? (img * oh + p) * ow + q : -1;
+    // the pixel's index in (N, P, Q), or -1 past its edges
+    __device__ int pixel(int row, int n, int p, int q) const {
+        const int img = n0 + row / (box_h * box_w), y = p0 + row / box_w % box_h, x = q0 + row % box_w;
+        return img < n && y < p && x < q ? (img * p + y) * q + x : -1;
     }
 };
 
+// The mainloop's pipeline: a ring of STAGES stages, each with a `full` mbarrier (the producer's arrival with the
+// stage's expected bytes, completed by its TMA loads) and an `empty` one (an arrival per consumer warpgroup, once
+// its wgmmas of the stage retired). The producer's thread acquires step k's stage once its previous use was released
+// (the empty barrier's phase of the pass before: a fresh barrier's parity-1 wait returns at once); the consumers
+// wait for it to land, issue their wgmmas on it (`mma`), commit, and release the stage of the step before
+// (wgmma_wait<1>: one group in flight while the next lands).
 template <class Tile>
-struct Sm90Mainloop {
+struct Sm90Pipeline {
     unsigned char* ring;
     unsigned long long *full, *empty;
 
-    __device__ explicit Sm90Mainloop(unsigned char* dynamic) {
+    __device__ explicit Sm90Pipeline(unsigned char* dynamic) {
         const unsigned misalign = smem_address(dynamic) & 1023;
         ring = dynamic + (misalign ? 1024 - misalign : 0);
         full = reinterpret_cast<unsigned long long*>(ring + Tile::STAGES * Tile::STAGE_BYTES);
         empty = full + Tile::STAGES;
     }
-    __device__ unsigned char* a(int stage) const { return ring + stage * Tile::STAGE_BYTES; }
-    __device__ unsigned char* b(int stage) const { return a(stage) + Tile::A_BYTES; }
+    __device__ unsigned char* a(int stage, int block = 0) const {
+        return ring + stage * Tile::STAGE_BYTES + block * Tile::BLOCK_BYTES;
+    }
+    __device__ unsigned char* b(int stage, int block = 0) const { return a(stage) + Tile::A_BYTES + block * Tile::BLOCK_BYTES; }
 
-    // by one thread, before the block's first barrier
-    __device__ void init() const {
+    // by one thread, before the block's first barrier: `releases` arrivals free a stage (one per consumer warpgroup,
+    // or one per consumer thread where each thread reads the stage with plain loads too)
+    __device__ void init(int releases) const {
         for (int s = 0; s < Tile::STAGES; ++s) {
             mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], 2);   // one arrival per consumer warpgroup
+            mbarrier_init(&empty[s], releases);
         }
         fence_barrier_init();
     }
 
-    // The producer's thread: k step `step` = tap (r, s) of kw, channels c0..c0+63, into stage step % STAGES once
-    // the consumers released it (its previous use: the empty barrier's phase of the pass before).
-    __device__ void load(const TensorMap& x_map, const TensorMap& w_map, int steps, int c, int kw, int ph, int pw,
-                         const Sm90BoxRows& box, int o0) const {
-        const int chunks = c / Tile::BK;
-        for (int step = 0; step < steps; ++step) {
-            const int stage = step % Tile::STAGES, pass = step / Tile::STAGES;
-            mbarrier_wait(&empty[stage], (pass & 1) ^ 1);
-            const int tap = step / chunks, c0 = step % chunks * Tile::BK;
-            mbarrier_arrive_expect_tx(&full[stage], Tile::STAGE_BYTES);
-            tma_load_4d(a(stage), x_map, &full[stage], c0, box.ow0 + tap % kw - pw, box.oh0 + tap / kw - ph, box.n0);
-            tma_load_2d(b(stage), w_map, &full[stage], tap * c + c0, o0);
-        }
+    // The producer's thread: the stage of step `step`, free, its full barrier expecting the stage's bytes.
+    __device__ int acquire(int step) const {
+        const int stage = step % Tile::STAGES;
+        mbarrier_wait(&empty[stage], (step / Tile::STAGES & 1) ^ 1);
+        mbarrier_arrive_expect_tx(&full[stage], Tile::STAGE_BYTES);
+        return stage;
     }
 
-    // A consumer warpgroup's GEMM of its 64 rows (`group` 0 or 1) into acc.
-    __device__ void mma(float (&acc)[Tile::BN / 2], int steps, int group, bool first_thread) const {
+    // A consumer warpgroup's `steps` steps into acc: mma(stage, first) issues the wgmmas of one (first: the
+    // accumulators' first, which they overwrite), the accumulators fenced around them (wgmma_fence_operands).
+    // `releases`: this thread arrives on the empty barriers (init's count says how many do).
+    template <int N, class Mma>
+    __device__ void consume(float (&acc)[N], int steps, bool releases, Mma mma) const {
         for (int step = 0; step < steps; ++step) {
             const int stage = step % Tile::STAGES;
-            mbarrier_wait(&full[stage], (step / Tile::STAGES) & 1);
+            mbarrier_wait(&full[stage], step / Tile::STAGES & 1);
+            wgmma_fence_operands(acc);
             wgmma_fence();
-            const unsigned char* a_rows = a(stage) + group * 64 * 128;
-#pragma unroll
-            for (int k = 0; k < Tile::BK / 16; ++k)
-                wgmma_bf16<Tile::BN>(acc, wgmma_descriptor_sw128(a_rows + 32 * k), wgmma_descriptor_sw128(b(stage) + 32 * k),
-                                     step > 0 || k > 0);
+            mma(stage, step == 0);
             wgmma_commit();
             wgmma_wait<1>();   // the step before retired: its stage is free
-            if (step > 0 && first_thread) mbarrier_arrive(&empty[(step - 1) % Tile::STAGES]);
+            wgmma_fence_operands(acc);
+            if (step > 0 && releases) mbarrier_arrive(&empty[(step - 1) % Tile::STAGES]);
         }
         wgmma_wait<0>();
+        wgmma_fence_operands(acc);
     }
 };
 
+// The start of a warp-specialised kernel: thread 0 prefetches the maps and makes the barriers (`releases` arrivals
+// free a stage); then the producer warpgroup gives its registers to the consumers. Returns whether this thread is a
+// consumer's.
+template <class Tile>
+__device__ __forceinline__ bool sm90_roles(const Sm90Pipeline<Tile>& pipeline, const TensorMap& a_map,
+                                           const TensorMap& b_map, int releases = Tile::CONSUMERS) {
+    if (threadIdx.x == 0) {
+        tma_prefetch(a_map);
+        tma_prefetch(b_map);
+        pipeline.init(releases);
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<Tile::PRODUCER_REGISTERS>();
+        return false;
+    }
+    setmaxnreg_inc<Tile::CONSUMER_REGISTERS>();
+    return true;
+}
+
+// ---- forward (and backward-data) ------------------------------------------------------------------------------
+
 // x_map: x (N, H, W, C) bf16, box (box_i, box_h, box_w, 64), swizzled; w_map: w (O, KH*KW*C) bf16, box (BN, 64),
-// swizzled. A block: the tile (blockIdx.x: its box of the output), BN filters from blockIdx.y * BN.
+// swizzled. A block: the tile (blockIdx.x: its box of the output), BN filters from blockIdx.y * BN. Step k: tap
+// (r, s), channels c0..c0+63: A is the output box moved by (r - ph, s - pw) in x (K-major: a pixel's 64 channels a
+// line), B those k of the BN filters (K-major).
 template <class Tile, bool ADD>
-__global__ void __launch_bounds__(SM90_THREADS, 1)
+__global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
 conv_sm90_forward(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map,
                   const float* __restrict__ bias, bf16* __restrict__ y, int n, int c, int o, int kh, int kw, int ph,
                   int pw, int oh, int ow, int box_w, int box_h, int box_i) {
     extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
-    const Sm90Mainloop<Tile> mainloop(sm90_dynamic);
-    const Sm90BoxRows box(blockIdx.x, box_w, box_h, box_i, oh, ow);
-    const int o0 = blockIdx.y * Tile::BN, steps = kh * kw * (c / Tile::BK);
-    const int t = threadIdx.x;
-    if (t == 0) {
-        tma_prefetch(x_map);
-        tma_prefetch(w_map);
-        mainloop.init();
-    }
-    __syncthreads();
-    if (t < 128) {   // the producer
-        setmaxnreg_dec<SM90_PRODUCER_REGISTERS>();
-        if (t == 0) mainloop.load(x_map, w_map, steps, c, kw, ph, pw, box, o0);
+    const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
+    const Sm90Box box(blockIdx.x, box_w, box_h, box_i, oh, ow);
+    const int o0 = blockIdx.y * Tile::BN, chunks = c / Tile::BK, steps = kh * kw * chunks, t = threadIdx.x;
+    if (!sm90_roles(pipeline, x_map, w_map)) {
+        if (t == 0)
+            for (int step = 0; step < steps; ++step) {
+                const int stage = pipeline.acquire(step), tap = step / chunks, c0 = step % chunks * Tile::BK;
+                tma_load_4d(pipeline.a(stage), x_map, &pipeline.full[stage], c0, box.q0 + tap % kw - pw,
+                            box.p0 + tap / kw - ph, box.n0);
+                tma_load_2d(pipeline.b(stage), w_map, &pipeline.full[stage], tap * c + c0, o0);
+            }
         return;
     }
-    setmaxnreg_inc<SM90_CONSUMER_REGISTERS>();
     const int group = t / 128 - 1, lane = t % 32, warp = t % 128 / 32;
     float acc[Tile::BN / 2];
-    mainloop.mma(acc, steps, group, t % 128 == 0);
+    pipeline.consume(acc, steps, t % 128 == 0, [&](int stage, bool first) {
+#pragma unroll
+        for (int k = 0; k < Tile::BK / 16; ++k)   // k16 a wgmma: 32 bytes along each K-major line
+            wgmma_bf16<Tile::BN>(acc, wgmma_descriptor_sw128(pipeline.a(stage, group) + 32 * k),
+                                 wgmma_descriptor_sw128(pipeline.b(stage) + 32 * k), !first || k > 0);
+    });
     // the epilogue: d[4j + i] is row 16 warp + lane / 4 + 8 (i / 2), column 8 j + 2 (lane % 4) + i % 2
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -171,6 +212,82 @@ conv_sm90_forward(const __grid_constant__ TensorMap x_map, const __grid_constant
                 hi += bf16x2_high(*pair);
             }
             *pair = bf16x2_round(lo, hi);
+        }
+    }
+}
+
+// ---- backward-weight ------------------------------------------------------------------------------------------
+
+// dw[o][tap][c] = the sum over the pixels (n, p, q) of dy[n, p, q, o] x[n, p + r - ph, q + s - pw, c], for one tap
+// (r, s) a block: M = the output channels o, N = the input channels c, k = the pixels, 64 a step: a box of dy's
+// pixels (dy_map: dy (N, OH, OW, O), box (box_i, box_h, box_w, 64)) and the same box moved by the tap in x (x_map:
+// x (N, H, W, C), the same box), each a line a pixel of 64 channels: MN-major operands (wgmma's transposed A and
+// B: 64 channels a 128-byte line, lines 8 pixels a 1024-byte swizzle atom, the next 64 channels an 8 KB block
+// further). Block (blockIdx.x, blockIdx.y): BN input channels by BM output channels; blockIdx.z = tap + taps part:
+// part `part` of the boxes of dy, `boxes` of them a part, its sums to slot `part` of `out` (float32 (parts, O, taps,
+// C)): with one part, dw ((O, KH, KW, C), float32). The bias gradient, dy summed per output channel, by the blocks
+// of the first tap and input channels when `bias_out` is not null (slot `part` of (parts, O); db with one part): a
+// consumer's first 64 threads each add up one output channel's column of the stage's A as it lands, in order.
+template <class Tile>
+__global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
+conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, const __grid_constant__ TensorMap x_map,
+                float* __restrict__ out, float* __restrict__ bias_out, int n, int c, int o, int kw, int taps, int ph,
+                int pw, int oh, int ow, int box_w, int box_h, int box_i, int boxes) {
+    extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
+    const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
+    const int c0 = blockIdx.x * Tile::BN, o0 = blockIdx.y * Tile::BM, tap = blockIdx.z % taps, part = blockIdx.z / taps;
+    const int all = ((n + box_i - 1) / box_i) * ((oh + box_h - 1) / box_h) * ((ow + box_w - 1) / box_w);
+    const int first = part * boxes, steps = min(boxes, all - first), t = threadIdx.x;
+    // the blocks that sum the bias read each stage with plain loads too: every consumer thread releases it
+    const bool bias_block = bias_out && tap == 0 && blockIdx.x == 0;
+    if (!sm90_roles(pipeline, dy_map, x_map, bias_block ? 128 * Tile::CONSUMERS : Tile::CONSUMERS)) {
+        if (t == 0)
+            for (int step = 0; step < steps; ++step) {
+                const int stage = pipeline.acquire(step);
+                const Sm90Box box(first + step, box_w, box_h, box_i, oh, ow);
+#pragma unroll
+                for (int j = 0; j < Tile::BM / 64; ++j)
+                    tma_load_4d(pipeline.a(stage, j), dy_map, &pipeline.full[stage], o0 + 64 * j, box.q0, box.p0,
+                                box.n0);
+#pragma unroll
+                for (int j = 0; j < Tile::BN / 64; ++j)
+                    tma_load_4d(pipeline.b(stage, j), x_map, &pipeline.full[stage], c0 + 64 * j,
+                                box.q0 + tap % kw - pw, box.p0 + tap / kw - ph, box.n0);
+            }
+        return;
+    }
+    const int group = t / 128 - 1, lane = t % 32, warp = t % 128 / 32;
+    const bool sums_bias = bias_block && t % 128 < 64;
+    float acc[Tile::BN / 2], bias = 0.f;
+    pipeline.consume(acc, steps, bias_block || t % 128 == 0, [&](int stage, bool first_step) {
+        const unsigned char* a = pipeline.a(stage, group);
+#pragma unroll
+        for (int k = 0; k < Tile::BK / 16; ++k)   // k16 a wgmma: 16 lines (pixels), 2048 bytes
+            wgmma_bf16<Tile::BN, true>(acc, wgmma_descriptor_sw128(a + 2048 * k, Tile::BLOCK_BYTES),
+                                       wgmma_descriptor_sw128(pipeline.b(stage) + 2048 * k, Tile::BLOCK_BYTES),
+                                       !first_step || k > 0);
+        if (sums_bias) {   // channel m = t % 64 of line l: chunk (m / 8) ^ (l % 8) of the line, element m % 8
+            const int m = t % 64;
+            for (int l = 0; l < Tile::BK; ++l)
+                bias += bf16_float(*reinterpret_cast<const bf16*>(a + 128 * l + 16 * ((m / 8) ^ (l % 8)) + 2 * (m % 8)));
+        }
+    });
+    if (sums_bias && o0 + 64 * group + t % 64 < o) bias_out[size_t(part) * o + o0 + 64 * group + t % 64] = bias;
+    if (steps <= 0)   // a part past the boxes (none, by the launcher's split): zeros
+        for (int i = 0; i < Tile::BN / 2; ++i) acc[i] = 0.f;
+    // the epilogue: row (output channel) 64 group + 16 warp + lane / 4 + 8 (i / 2), column (input channel)
+    // 8 j + 2 (lane % 4) + i % 2; the partials of a part in (O, taps, C) like dw
+    float* slot = out + size_t(part) * o * taps * c;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = o0 + 64 * group + 16 * warp + lane / 4 + 8 * half;
+        if (row >= o) continue;
+        float* line = slot + (size_t(row) * taps + tap) * c + c0;
+#pragma unroll
+        for (int j = 0; j < Tile::BN / 8; ++j) {
+            const int column = 8 * j + 2 * (lane % 4);
+            if (c0 + column < c)
+                *reinterpret_cast<float2*>(line + column) = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
         }
     }
 }

@@ -1,25 +1,32 @@
 """Launchers of conv_sm90.cu: the bf16 convolutions of Hopper (compute capability 9.0), warpgroup MMA fed by TMA,
-which conv_tc.forward and conv.py's backward-data run where `chosen` and `chosen_dgrad` say so, and the mma.sync
-kernels of conv_bf16.cu elsewhere. Backward-data of a stride-1 convolution is the forward GEMM of dy by the weights
-mirrored (dgrad_geometry).
+which conv_tc.forward and conv.py's backward run where `chosen`, `chosen_dgrad` and `chosen_wgrad` say so, and the
+mma.sync kernels of conv_bf16.cu elsewhere. Backward-data of a stride-1 convolution is the forward GEMM of dy by the
+weights mirrored (dgrad_geometry); backward-weight a GEMM a filter tap, split over the pixels (wgrad_plan).
 
 The arrays are C-contiguous NHWC bfloat16, the geometry conv.py's tuple (N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH,
 OW). x and w reach the kernel as TMA tensor maps (launch.tensor_map): x as (N, H, W, C) in boxes of a tile's output
 box of pixels by 64 channels, w as (O, KH*KW*C) in boxes of BN filters by 64.
 """
+import typing
+
 import numpy as np
 
 from kernels import bfloat16
 
-from .launch import aligned, cdiv, launch, tensor_map
+from .launch import aligned, cdiv, launch, sum_partials, tensor_map
 
 OPS = ()   # the contract's op is conv.py's conv2d_forward, through conv_tc.forward
 THREADS = 384   # a producer warpgroup and two consumer warpgroups (SM90_THREADS)
 ROWS, BK = 128, 64   # the rows (output pixels) of a tile, and the k (channels) of a stage
 # tile: (columns BN, stages): 128 filters where the output channels are a multiple of 128, else 64
 TILES = {"Sm90x128": (128, 4), "Sm90x64": (64, 6)}
-KERNELS = tuple(f"conv_sm90_forward<{tile}, {add}>" for tile in TILES for add in ("false", "true")) + (
-    "mirrored_weights<bf16>",)
+# backward-weight's tiles: (output channels BM, input channels BN, stages, blocks an SM); a stage's k is a box of
+# WGRAD_PIXELS pixels. Its grid (a block a tap and tile) splits the pixels into parts until it has WGRAD_SPLIT_TARGET
+# blocks (two waves of an H200's 132 SMs at one block an SM), at least WGRAD_MIN_BOXES boxes a part.
+WGRAD_TILES = {"Sm90Wgrad128": (128, 128, 4, 1), "Sm90Wgrad64": (64, 64, 6, 2)}
+WGRAD_PIXELS, WGRAD_SPLIT_TARGET, WGRAD_MIN_BOXES = 64, 2 * 132, 8
+KERNELS = tuple(f"conv_sm90_forward<{tile}, {add}>" for tile in TILES for add in ("false", "true")) + tuple(
+    f"conv_sm90_wgrad<{tile}>" for tile in WGRAD_TILES) + ("mirrored_weights<bf16>", "sum_partials")
 
 
 def available(be):
@@ -58,11 +65,12 @@ def chosen_dgrad(be, geometry):
     return available(be) and supports_dgrad(geometry)
 
 
-def choose_box(n, oh, ow):
-    """(box_i, box_h, box_w) of a tile's 128 output pixels: powers of two whose tiles cover the output (N, OH, OW)
-    with the fewest rows past its edges, the widest rows among equals (rows of x and of y contiguous in memory)."""
-    boxes = [(ROWS // (bh * bw), bh, bw) for bw in (2**i for i in range(8)) for bh in (2**i for i in range(8))
-             if bh * bw <= ROWS]
+def choose_box(n, oh, ow, pixels=ROWS):
+    """(box_i, box_h, box_w) of `pixels` output pixels (a forward tile's 128 rows, backward-weight's 64 k): powers of
+    two whose boxes cover the output (N, OH, OW) with the fewest pixels past its edges, the widest rows among equals
+    (rows of x and of y contiguous in memory)."""
+    boxes = [(pixels // (bh * bw), bh, bw) for bw in (2**i for i in range(8)) for bh in (2**i for i in range(8))
+             if bh * bw <= pixels]
     return min(boxes, key=lambda b: (cdiv(n, b[0]) * cdiv(oh, b[1]) * cdiv(ow, b[2]), -b[2], -b[1]))
 
 
@@ -75,6 +83,14 @@ def shared_bytes(tile):
     A (128 rows of 64 bf16) and B (BN rows), and a full and an empty barrier a stage."""
     columns, stages = TILES[tile]
     return 1024 + stages * (ROWS + columns) * BK * 2 + 2 * stages * 8
+
+
+def dynamic_shared(kernel):
+    """The bytes of dynamic shared memory a block of `kernel` (a name expression) asks for: its tile's ring and
+    barriers; 0 for the others (no shared memory)."""
+    name, _, arguments = kernel.partition("<")
+    tile = arguments.split(",")[0].rstrip(">")
+    return {"conv_sm90_forward": shared_bytes, "conv_sm90_wgrad": wgrad_shared_bytes}.get(name, lambda _: 0)(tile)
 
 
 def plan(geometry):
@@ -115,3 +131,66 @@ def backward_data(be, dy, w_krsc, geometry, into=None):
     launch(be, "conv_sm90", "mirrored_weights<bf16>", (cdiv(mirrored.size, 256),), (aligned(w_krsc), mirrored, o,
                                                                                      kh * kw, c), block=(256,))
     return forward(be, dy, mirrored, None, dgrad_geometry(geometry), into)
+
+
+def supports_wgrad(geometry):
+    """Whether the family computes this backward-weight: as the forward's (stride 1, channels multiples of 64)."""
+    return supports(geometry)
+
+
+def chosen_wgrad(be, geometry):
+    return available(be) and supports_wgrad(geometry)
+
+
+class WgradPlan(typing.NamedTuple):
+    tile: str
+    box: tuple      # (box_i, box_h, box_w) of a stage's pixels
+    boxes: int      # the boxes of a part
+    parts: int
+    grid: tuple
+
+
+def wgrad_plan(geometry):
+    """The tile (128 x 128 where both channel counts are multiples of 128, else 64 x 64), the box of a stage's pixels,
+    and the split of the boxes into parts: a block a tap, tile and part."""
+    n, c, h, w, o, kh, kw = geometry[:7]
+    oh, ow = geometry[11:]
+    tile = "Sm90Wgrad128" if c % 128 == 0 and o % 128 == 0 else "Sm90Wgrad64"
+    rows, columns = WGRAD_TILES[tile][:2]
+    box = choose_box(n, oh, ow, WGRAD_PIXELS)
+    total = cdiv(n, box[0]) * cdiv(oh, box[1]) * cdiv(ow, box[2])
+    tiles = (c // columns) * (o // rows) * kh * kw
+    parts = max(1, min(cdiv(WGRAD_SPLIT_TARGET, tiles), total // WGRAD_MIN_BOXES))
+    boxes = cdiv(total, parts)
+    parts = cdiv(total, boxes)   # no part without boxes
+    return WgradPlan(tile, box, boxes, parts, (c // columns, o // rows, kh * kw * parts))
+
+
+def wgrad_shared_bytes(tile):
+    rows, columns, stages, _ = WGRAD_TILES[tile]
+    return 1024 + stages * (rows + columns) * BK * 2 + 2 * stages * 8
+
+
+def backward_weight(be, dy, x, geometry, dw, db):
+    """dw (O, KH, KW, C), float32, C-contiguous (channels-last weights), from dy (N, OH, OW, O) and x (N, H, W, C),
+    bfloat16; and the bias gradient, dy summed per output channel, into db (O,) float32 unless it is None. Split over
+    the pixels, the parts' partials added in order by sum_partials."""
+    n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    if not supports_wgrad(geometry) or dy.dtype != bfloat16 or x.dtype != bfloat16:
+        raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 and channels multiples of 64, got "
+                         f"{dy.dtype} dy, {x.dtype} x, geometry {geometry}")
+    p = wgrad_plan(geometry)
+    rows, columns = WGRAD_TILES[p.tile][:2]
+    dy, x = aligned(dy), aligned(x)
+    dy_map = tensor_map(be, dy, (*p.box, BK))
+    x_map = tensor_map(be, x, (*p.box, BK))
+    out = dw if p.parts == 1 else be.xp.empty((p.parts, o, kh, kw, c), np.float32)
+    bias_out = db if p.parts == 1 or db is None else be.xp.empty((p.parts, o), np.float32)
+    launch(be, "conv_sm90", f"conv_sm90_wgrad<{p.tile}>", p.grid,
+           (dy_map, x_map, out, bias_out, n, c, o, kw, kh * kw, ph, pw, oh, ow, p.box[2], p.box[1], p.box[0], p.boxes),
+           block=(128 * (1 + rows // 64),), shared_mem=wgrad_shared_bytes(p.tile))
+    if p.parts > 1:
+        sum_partials(be, "conv_sm90", out, p.parts, dw)
+        if db is not None:
+            sum_partials(be, "conv_sm90", bias_out, p.parts, db)
+    return dw, db
