@@ -581,27 +581,31 @@ def launch_paths_net():
 
 # (precision, windows wherever the convolution allows them (conftest's halo_everywhere: the phase and halo
 # kernels' grid conditions dropped, as at batch 256), kernels the step must launch (the beginnings of their
-# name expressions: a folded twin's ends ", true>"), GEMMs that must split k)
+# name expressions: a folded twin's ends ", true>"), GEMMs that must split k, the simulated GPU's compute
+# capability: 8.0 for the mma.sync kernels of bf16, which a Hopper's (9.0) conv_sm90.cu replaces at 64 channels)
 LAUNCH_PATHS = [
     ("tf32", True, {conv_tc.PHASE_KERNEL, conv_tc.PROJECTION_KERNELS[0], f"conv_tc_forward_halo<{conv_tc.TF32.halo}",
                     f"conv_tc_dgrad_halo<{conv_tc.TF32.halo}", conv_tc.WGRAD_HALO["conv_tc"].kernel[:-1],
-                    "conv2d_forward<Tile64, 3, 3>"}, {"wgrad"}),
+                    "conv2d_forward<Tile64, 3, 3>"}, {"wgrad"}, "90"),
     ("bf16", True, {f"conv_bf16_forward_halo<{conv_tc.BF16.halo}", f"conv_bf16_dgrad_halo<{conv_tc.BF16.halo}",
-                    conv_tc.WGRAD_HALO["conv_bf16"].kernel[:-1], "conv2d_forward<Tile64, 3, 3, bf16>"}, {"wgrad"}),
-    ("bf16", False, {"conv2d_wgrad<Tile64, 3, 3, bf16>"}, {"forward", "dgrad", "wgrad"}),
+                    conv_tc.WGRAD_HALO["conv_bf16"].kernel[:-1], "conv2d_forward<Tile64, 3, 3, bf16>"}, {"wgrad"}, "80"),
+    ("bf16", False, {"conv2d_wgrad<Tile64, 3, 3, bf16>"}, {"forward", "dgrad", "wgrad"}, "80"),
+    ("bf16", False, {"conv_sm90_forward<Sm90x64, ", "conv_sm90_forward<Sm90x128, ", "conv_sm90_wgrad<Sm90Wgrad64>",
+                     "conv_sm90_wgrad<Sm90Wgrad128>", "mirrored_weights<bf16>"}, set(), "90"),
     ("fp32", False, {"conv2d_forward<Tile64, 3, 3>", "conv2d_dgrad_strided<Tile64>", "conv2d_forward<Tile64, 1, 1>",
-                     "conv2d_wgrad<Tile64, 1, 1>"}, set()),
+                     "conv2d_wgrad<Tile64, 1, 1>"}, set(), "90"),
 ]
 
 
-@pytest.mark.parametrize("precision, windows, launched, split", LAUNCH_PATHS,
-                         ids=["tf32 windows", "bf16 windows", "bf16", "fp32"])
+@pytest.mark.parametrize("precision, windows, launched, split, capability", LAUNCH_PATHS,
+                         ids=["tf32 windows", "bf16 windows", "bf16", "bf16 hopper", "fp32"])
 def test_every_kernel_a_step_launches_is_named_on_a_simulated_gpu(simulated_gpu, request, monkeypatch, precision,
-                                                                    windows, launched, split):
+                                                                    windows, launched, split, capability):
     """profile() on a simulated GPU through every kind of launch (LAUNCH_PATHS): the kernels the report names are
     all those the step looked up (a backend.function of the class's, counted beneath the recorder), none lost
     to a launch the recorder mishandles, each in a row of the layer that ran it."""
     from kernels.cuda import Backend
+    monkeypatch.setenv("KERNELS_SIMULATED_COMPUTE_CAPABILITY", capability)
     if windows:
         request.getfixturevalue("halo_everywhere")
     looked_up, split_gemms = set(), set()

@@ -1,7 +1,9 @@
 """The convolution ops. Under the tf32 and bf16 precisions (kernels.precision(); tf32 the default)
 the network's activations are channels-last (NCHW views of NHWC memory): the convolutions whose
 channel counts the tensor cores take (conv_tc.supports) run the GEMMs of conv_tc.cu (TF32) or
-conv_bf16.cu (BF16), the others (ResNet-18's stem) conv.cu's FP32 kernels, which read x, dy and w in
+conv_bf16.cu (BF16; on a GPU of compute capability 9.0, those of stride 1 whose channel counts are multiples of
+64 conv_sm90.cu's, backward-weight where the weights are channels-last), the others (ResNet-18's stem) conv.cu's FP32
+kernels, which read x, dy and w in
 whichever layout they come, write dw in its own and y and dx channels-last alike, so that nothing
 copies. Under bf16 the activations, their gradients and the weights the products read are bfloat16
 (kernels.storage_dtype(); a float32 one is rounded first, as autocast casts a convolution's inputs),
@@ -15,10 +17,10 @@ import numpy as np
 import kernels
 from kernels.cpu._util import output_size, pair
 
-from . import conv_tc
+from . import conv_sm90, conv_tc
 from .batchnorm import apply, backward_sums, relu_output, running_pair, sums_outputs
-from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, split, \
-    storage_argument
+from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, memory, \
+    split, storage_argument
 
 OPS = ("conv2d_forward", "conv2d_backward", "conv2d_folds", "conv2d_tf32")
 
@@ -154,7 +156,11 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
         raw, dy = dy, conv_tc.tf32_values(be, dy, dy_tf32)   # TF32's GEMMs read it rounded: once for both
         dx = None
         if need_dx:
-            if into is None or into.flags.c_contiguous:
+            if kind is conv_tc.BF16 and conv_sm90.chosen_dgrad(be, geometry) and \
+                    (into is None or into.flags.c_contiguous):   # Hopper's: a norm's sums by batchnorm.py's pass
+                dx = conv_sm90.backward_data(be, dy, nhwc(be, w), geometry, into).transpose(0, 3, 1, 2)
+                dx = dx if into is None else add_dx_to
+            elif into is None or into.flags.c_contiguous:
                 epilogue = _epilogue_norm(be, norm, dy.dtype)
                 dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into, norm=epilogue, sums=sums,
                                            w_tf32=w_tf32, dy_tf32=True).transpose(0, 3, 1, 2)
@@ -162,7 +168,11 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
             else:   # an NCHW add_dx_to: added by a kernel of its own
                 dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry, w_tf32=w_tf32,
                                                                  dy_tf32=True).transpose(0, 3, 1, 2))
-        grads = (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db, fold, dy_tf32=True, raw=raw))
+        if kind is conv_tc.BF16 and fold is None and conv_sm90.chosen_wgrad(be, geometry) and is_channels_last(dw):
+            conv_sm90.backward_weight(be, dy, x, geometry, memory(dw), db)   # the model's channels-last weights
+            grads = (dx, dw, db)
+        else:
+            grads = (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db, fold, dy_tf32=True, raw=raw))
     else:
         dx = _added(be, add_dx_to, _backward_data(be, dy, w, geometry)) if need_dx else None
         grads = (dx, *_backward_weight(be, dy, x, geometry, dw, db))

@@ -18,6 +18,8 @@ import numpy as np
 
 from kernels import bfloat16
 
+from . import conv_sm90
+from .batchnorm import batch_statistics
 from .elementwise import round_tf32
 from .launch import aligned, cdiv, is_channels_last, launch, memory
 
@@ -382,6 +384,12 @@ def forward(be, x, w_krsc, b, geometry, statistics=None, fold=None, w_tf32=False
     holds TF32 values already (see tf32_values)."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     kind = kind_of(x.dtype)
+    if kind is BF16 and conv_sm90.chosen(be, geometry):   # Hopper's: the statistics in a launch of their own
+        y = conv_sm90.forward(be, x, w_krsc, b, geometry)
+        if statistics is None:
+            return y
+        return (y, *batch_statistics(be, y.transpose(0, 3, 1, 2), statistics.eps, statistics.running,
+                                     statistics.momentum))
     p = plan("forward", geometry, kind, fold=fold is not None)
     x, w_krsc = aligned(x), aligned(tf32_values(be, w_krsc, w_tf32))
     y = be.xp.empty((n, oh, ow, o), x.dtype)

@@ -1,0 +1,315 @@
+"""Hopper's bf16 convolutions (conv_sm90.cu: warpgroup MMA fed by TMA, mbarrier rings).
+
+- On the CPU emulator, which runs sm90.cuh's instructions exactly and refuses their misuse (kernels/emu/README.md,
+  "Hopper"): the forward of every stride-1 convolution of ResNet-18 (width 64) at batch 2, and odd shapes (7x7 and
+  4x4 images, 1x1 filters, channels not a power of two, boxes past the images' edges, batches that do not fill a
+  box), against float64 of the bfloat16 inputs within float32's rounding of the sum and one bfloat16 rounding
+  (test_conv_bf16's check_products); new arrays start as NaN, so an output no one wrote fails; both thread orders.
+- The plan: every box is 128 pixels, and at batch 256 no tile of ResNet-18's layers holds a row past the images.
+- NVRTC compiles the family for sm_90a: its SASS holds HGMMA (warpgroup MMA) and UTMALDG (TMA loads), no spills,
+  its shared memory fits a block of an H200.
+- On a simulated GPU of compute capability 9.0, the bf16 forward of such a layer runs this family (and the
+  statistics that follow it); on one of 8.0, conv_bf16.cu's.
+- Marked gpu: the same references on a GPU.
+"""
+import numpy as np
+import pytest
+
+import kernels
+import reference as R
+from helpers import rng
+from kernels import bfloat16, nvrtc
+from kernels.cuda import conv_sm90
+from test_conv_bf16 import check_products, draw
+from test_conv_tc import emu, gpu_backend  # noqa: F401  (fixtures: the emu backend in each thread order, the GPU's)
+
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
+# (x (N, C, H, W), w (O, C, KH, KW), padding): ResNet-18's stride-1 convolutions at width 64, batch 2
+RESNET_LAYERS = [((2, 64, 28, 28), (64, 64, 3, 3), 1), ((2, 128, 14, 14), (128, 128, 3, 3), 1),
+                 ((2, 256, 7, 7), (256, 256, 3, 3), 1), ((2, 512, 4, 4), (512, 512, 3, 3), 1)]
+ODD = [((3, 64, 5, 9), (64, 64, 3, 3), 1),      # a batch and images no box fits
+       ((1, 192, 7, 7), (128, 192, 3, 3), 1),   # channels not a power of two, the 7x7 stage
+       ((5, 64, 4, 4), (192, 64, 1, 1), 0),     # a 1x1 filter, output channels 3 x 64 (the 64-column tile)
+       ((2, 128, 6, 6), (64, 128, 3, 3), 0),    # no padding: the boxes start inside the image
+       ((1, 64, 3, 3), (128, 64, 3, 3), 2)]     # padding beyond the filter's reach: zeros around
+
+
+def geometry(x_shape, w_shape, padding):
+    n, c, h, w = x_shape
+    o, _, kh, kw = w_shape
+    oh, ow = h + 2 * padding - kh + 1, w + 2 * padding - kw + 1
+    return (n, c, h, w, o, kh, kw, 1, 1, padding, padding, oh, ow)
+
+
+def on(be):
+    """(put, get): a host array as `be`'s array, and back (the emulator's are the host's)."""
+    return ((lambda a: a), np.asarray) if be.xp is np else (be.xp.asarray, be.xp.asnumpy)
+
+
+def nhwc(a):
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
+
+
+def check_forward(be, x_shape, w_shape, padding, bias=True):
+    put, get = on(be)
+    x, w = draw(x_shape, w_shape)
+    b = rng().standard_normal(w_shape[0]).astype(np.float32) if bias else None
+    y = conv_sm90.forward(be, put(nhwc(x)), put(nhwc(w)), None if b is None else put(b),
+                          geometry(x_shape, w_shape, padding))
+    name = f"conv_sm90 {x_shape} * {w_shape} padding {padding}"
+    check_products(name, (get(y).transpose(0, 3, 1, 2),), [x, w],
+                   lambda x, w, b: (R.conv2d_forward(x, w, b, 1, padding),), (np.prod(w_shape[1:]),), (True,), b)
+
+
+@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
+@pytest.mark.parametrize("x_shape, w_shape, padding", RESNET_LAYERS + ODD)
+def test_forward_against_float64(emu, x_shape, w_shape, padding):
+    check_forward(emu, x_shape, w_shape, padding, bias=x_shape[0] != 1)
+
+
+def check_backward_data(be, x_shape, w_shape, padding, add):
+    """dx of the stride-1 convolution, from conv_sm90.backward_data, against float64; `add`: into a bfloat16
+    gradient, in place, rounded once after the addition."""
+    put, get = on(be)
+    g = geometry(x_shape, w_shape, padding)
+    (w,) = draw(w_shape)
+    (dy,) = draw((x_shape[0], w_shape[0], g[11], g[12]))
+    into = draw(x_shape)[0] if add else None
+    into_device = None if into is None else put(nhwc(into))
+    dx = conv_sm90.backward_data(be, put(nhwc(dy)), put(nhwc(w)), g, into_device)
+    if add:
+        assert dx is into_device
+    x = np.zeros(x_shape)
+    name = f"conv_sm90 backward-data {x_shape} * {w_shape} padding {padding}" + (" into a gradient" if add else "")
+    check_products(name, (get(dx).transpose(0, 3, 1, 2),), [dy, w],
+                   lambda dy, w, added: (R.conv2d_backward(dy, x, w, 1, padding)[0] +
+                                         (0 if added is None else added),),
+                   (w_shape[0] * w_shape[2] * w_shape[3],), (True,), None if into is None else into.astype(np.float32))
+
+
+@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
+@pytest.mark.parametrize("x_shape, w_shape, padding", [RESNET_LAYERS[0], RESNET_LAYERS[2], ODD[1], ODD[2], ODD[3]])
+def test_backward_data_against_float64(emu, x_shape, w_shape, padding):
+    check_backward_data(emu, x_shape, w_shape, padding, add=False)
+    if x_shape == RESNET_LAYERS[0][0]:
+        check_backward_data(emu, x_shape, w_shape, padding, add=True)
+
+
+def check_backward_weight(be, x_shape, w_shape, padding, bias=True):
+    """dw (float32, channels-last weights) and the bias gradient from conv_sm90.backward_weight against float64; every
+    element written (the outputs start as NaN)."""
+    put, get = on(be)
+    g = geometry(x_shape, w_shape, padding)
+    x, w = draw(x_shape, w_shape)
+    (dy,) = draw((x_shape[0], w_shape[0], g[11], g[12]))
+    o, c, kh, kw = w_shape
+    dw = put(np.full((o, kh, kw, c), np.nan, np.float32))
+    db = put(np.full(o, np.nan, np.float32)) if bias else None
+    conv_sm90.backward_weight(be, put(nhwc(dy)), put(nhwc(x)), g, dw, db)
+    name = f"conv_sm90 backward-weight {x_shape} * {w_shape} padding {padding}"
+    check_products(name, (get(dw).transpose(0, 3, 1, 2),), [dy, x, w],
+                   lambda dy, x, w, _: (R.conv2d_backward(dy, x, w, 1, padding)[1],), (x_shape[0] * g[11] * g[12],),
+                   (False,))
+    if bias:
+        check_products(name + " bias", (get(db),), [dy], lambda dy, _: (dy.sum(axis=(0, 2, 3)),),
+                       (x_shape[0] * g[11] * g[12],), (False,))
+
+
+@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
+@pytest.mark.parametrize("x_shape, w_shape, padding", [RESNET_LAYERS[0], RESNET_LAYERS[3], ODD[0], ODD[1], ODD[2]])
+def test_backward_weight_against_float64(emu, x_shape, w_shape, padding):
+    check_backward_weight(emu, x_shape, w_shape, padding, bias=x_shape != ODD[1][0])
+
+
+def test_backward_weight_in_parts_adds_them_in_order(monkeypatch):
+    """Many parts of few boxes (forced): the same references, the parts' partials added by sum_partials."""
+    monkeypatch.setattr(conv_sm90, "WGRAD_MIN_BOXES", 1)
+    assert conv_sm90.wgrad_plan(geometry(*ODD[0][:2], 1)).parts > 2
+    check_backward_weight(kernels._device_backend("emu"), *ODD[0])
+
+
+def test_backward_data_needs_a_filter_that_covers_the_padding():
+    assert conv_sm90.supports_dgrad(geometry((2, 64, 8, 8), (64, 64, 3, 3), 2))
+    assert not conv_sm90.supports_dgrad(geometry((2, 64, 8, 8), (64, 64, 3, 3), 3))
+    assert not conv_sm90.supports_dgrad(geometry((2, 64, 8, 8), (64, 64, 1, 1), 1))
+
+
+def test_every_box_is_a_tile_and_resnet_wastes_no_row_at_batch_256():
+    for n, size in ((256, 28), (256, 14), (256, 7), (256, 4), (2, 28), (3, 5)):
+        box_i, box_h, box_w = conv_sm90.choose_box(n, size, size)
+        assert box_i * box_h * box_w == conv_sm90.ROWS
+        if n == 256:
+            tiles = -(-n // box_i) * -(-size // box_h) * -(-size // box_w)
+            assert tiles * conv_sm90.ROWS == n * size * size, (n, size, (box_i, box_h, box_w))
+
+
+def test_only_what_the_family_computes_is_given_to_it():
+    assert conv_sm90.supports(geometry((2, 64, 8, 8), (64, 64, 3, 3), 1))
+    assert not conv_sm90.supports((2, 64, 8, 8, 64, 3, 3, 2, 2, 1, 1, 4, 4))      # stride 2
+    assert not conv_sm90.supports(geometry((2, 32, 8, 8), (64, 32, 3, 3), 1))     # C not a multiple of 64
+    assert not conv_sm90.supports(geometry((2, 64, 8, 8), (32, 64, 3, 3), 1))     # O not a multiple of 64
+    with pytest.raises(ValueError, match="stride 1 and channels multiples of 64"):
+        conv_sm90.forward(kernels._device_backend("emu"), np.zeros((1, 8, 8, 32), bfloat16),
+                          np.zeros((64, 3, 3, 32), bfloat16), None, geometry((1, 32, 8, 8), (64, 32, 3, 3), 1))
+
+
+@pytest.mark.nvrtc("conv_sm90")
+def test_sass_holds_warpgroup_mma_and_tma_loads():
+    reason = nvrtc.unavailable_reason() or nvrtc.unsupported_reason("sm_90a")
+    if reason:
+        pytest.skip(reason)
+    try:
+        nvrtc.cuobjdump() or pytest.skip("cuobjdump is not installed")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    from kernels.cuda.ptxas_report import compile_family
+    compiled = compile_family("conv_sm90", "sm_90")
+    sass, lowered = compiled.sass(), compiled.lowered_names
+    resources = compiled.named_resources()
+    for kernel in (k for k in conv_sm90.KERNELS if k.startswith("conv_sm90_")):   # the GEMMs
+        opcodes = {line.split()[1 if line.startswith("@") else 0].split(".")[0] for line in sass[lowered[kernel]]}
+        assert {"HGMMA", "UTMALDG", "SYNCS"} <= opcodes, f"{kernel}: {sorted(opcodes)}"
+        assert "HMMA" not in opcodes, kernel
+        r = resources[kernel]
+        assert r.spill_stores == r.spill_loads == 0, f"{kernel} spills"
+        assert r.shared_bytes + conv_sm90.dynamic_shared(kernel) <= 227 * 1024, kernel
+
+
+def test_a_simulated_hopper_runs_the_family_and_an_ampere_does_not(monkeypatch):
+    """conv2d_forward with the statistics of the norm that follows, and conv2d_backward, of a stride-1 convolution of
+    64 channels under bf16: on a simulated GPU of compute capability 9.0 through this family (forward, backward-data
+    as a forward of the mirrored weights, backward-weight into the channels-last weights' gradient), on one of 8.0
+    through conv_bf16.cu's; the numbers the same references either way."""
+    monkeypatch.setenv("KERNELS_SIMULATED_GPUS", "1")
+    monkeypatch.setenv("CUDA_EMU_SANITIZE", "memcheck")
+    x, w, dy = draw((2, 64, 6, 6), (64, 64, 3, 3), (2, 64, 6, 6))
+    b = rng().standard_normal(64).astype(np.float32)
+    wide = [a.astype(np.float64) for a in (x, w, b, dy)]
+    y_ref = R.conv2d_forward(*wide[:3], 1, 1)
+    dx_ref, dw_ref, db_ref = R.conv2d_backward(wide[3], wide[0], wide[1], 1, 1)
+    for capability, hopper in (("90", True), ("80", False)):
+        monkeypatch.setenv("KERNELS_SIMULATED_COMPUTE_CAPABILITY", capability)
+        be = kernels._device_backend("cuda")
+        xp = be.xp
+        names = []
+        device = [xp.asarray(np.ascontiguousarray(a.transpose(0, 2, 3, 1))).transpose(0, 3, 1, 2) for a in (x, w, dy)]
+        with kernels.use_precision("bf16"), be.observing_launches(lambda family, name: names.append(name)):
+            y, mean, invstd = be.conv2d_forward(device[0], device[1], xp.asarray(b), 1, 1,
+                                                statistics=(1e-5, None, 0.1))
+            dx, dw, db = be.conv2d_backward(device[2], device[0], device[1], 1, 1)
+        used = {name for name in names if name.startswith(("conv_sm90", "mirrored_weights<bf16>", "conv_bf16"))}
+        expected = {"conv_sm90_forward<Sm90x64, false>", "mirrored_weights<bf16>", "conv_sm90_wgrad<Sm90Wgrad64>"} \
+            if hopper else set()
+        assert expected <= used and (hopper or not any(n.startswith("conv_sm90") for n in used)), (capability, used)
+        for got, ref, what in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (dw, dw_ref, "dw"), (db, db_ref, "db")):
+            got = xp.asnumpy(got).astype(np.float64)
+            assert np.abs(got - ref).max() <= 2**-7 * np.abs(ref).max(), (capability, what)
+        assert np.allclose(xp.asnumpy(mean), xp.asnumpy(y).astype(np.float64).mean(axis=(0, 2, 3)), rtol=1e-4,
+                           atol=1e-5), capability
+
+
+def test_a_bf16_step_on_hoppers_kernels_replayed_as_a_graph_equals_eager_steps(monkeypatch):
+    """On one simulated GPU of compute capability 9.0, under bf16 and the sanitizer's memcheck: a network whose
+    stride-1 convolutions of 64 and 128 channels run this family (forward, backward-data, backward-weight; the
+    stride-2 ones and the stem conv_bf16.cu's and conv.cu's), trained for steps whose learning rate changes, eagerly
+    and as a CUDA graph captured once and replayed: the same losses, parameters, momenta and statistics, bit for
+    bit (the tensor maps are kernel arguments the capture keeps, by value)."""
+    import nn
+    from nn.resnet import Residual
+    from parallel.comm import SingleProcess
+    from parallel.ddp import DataParallel
+    from test_graph import assert_same, host
+    from training.step import GraphedStep, train_step
+    monkeypatch.setenv(kernels.SIMULATED_GPUS, "1")
+    monkeypatch.setenv("CUDA_EMU_SANITIZE", "memcheck")
+    xp = kernels.cupy_module()
+    g, steps, batch = np.random.default_rng(7), 3, 2
+    images = xp.asarray(g.integers(0, 256, (steps * batch, 12, 12)).astype(np.uint8))
+    labels = xp.asarray(g.integers(0, 10, steps * batch).astype(np.int32))
+    order = xp.asarray(g.permutation(steps * batch))
+    launched = []
+    results = []
+    with kernels.use_precision("bf16"):
+        be = kernels._device_backend("cuda")
+        for graphed in (False, True):
+            nn.manual_seed(5)
+            model = nn.Sequential(nn.Conv2d(1, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), Residual(64, 64),
+                                  Residual(64, 128, use_1x1conv=True, stride=2), nn.AdaptiveAvgPool2d((1, 1)),
+                                  nn.Flatten(), nn.Linear(128, 10)).to("cuda")
+            opt = nn.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+            ddp, schedule = DataParallel(model, SingleProcess()), nn.CosineAnnealingLR(opt, steps)
+            step = GraphedStep(model, opt, ddp, images, labels, batch, warn=pytest.fail) if graphed else \
+                (lambda idx: train_step(model, opt, ddp, images, labels, idx))
+            outputs = []
+            with be.observing_launches(lambda family, name: launched.append(family)):
+                for i in range(steps):
+                    opt.lr = schedule.lr_at(i)
+                    outputs.append(tuple(float(host(v)) for v in step(ddp.scatter(order[i * batch:(i + 1) * batch]))))
+            state = [host(opt.flat.data), host(opt.velocity)] + [host(b) for _, b in model.named_buffers()]
+            results.append((outputs, state, step))
+    assert launched.count("conv_sm90") >= 2 * 3 * 2, "the 64- and 128-channel convolutions ran Hopper's kernels"
+    assert_same(*results)
+
+
+@pytest.fixture
+def hopper(gpu_backend):
+    """The cuda backend of a GPU of compute capability 9.0 (the backend, not the tests' OnDevice wrapper)."""
+    if not conv_sm90.available(gpu_backend.backend):
+        pytest.skip("conv_sm90 runs on GPUs of compute capability 9.0")
+    return gpu_backend.backend
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_shape, w_shape, padding", RESNET_LAYERS + ODD)
+def test_the_gemms_on_the_gpu(hopper, x_shape, w_shape, padding):
+    check_forward(hopper, x_shape, w_shape, padding)
+    if conv_sm90.supports_dgrad(geometry(x_shape, w_shape, padding)):
+        for add in (False, True):
+            check_backward_data(hopper, x_shape, w_shape, padding, add)
+    check_backward_weight(hopper, x_shape, w_shape, padding)
+
+
+def test_a_gpus_tensor_map_is_encoded_as_cuda_h_orders_it(monkeypatch):
+    """launch.tensor_map on a GPU: cuTensorMapEncodeTiled (here a stand-in that records its arguments) gets the
+    dims and box innermost first, the byte strides of all but the innermost dimension, CUDA's enums of bfloat16
+    and of the 128-byte swizzle, and a 64-byte aligned place for the map; the 128 bytes it writes come back as one
+    element that CuPy passes by value, holding on to the tensor."""
+    from types import SimpleNamespace
+
+    from kernels.cuda import launch
+    calls = []
+
+    def encode(out, dtype, rank, address, dims, strides, box, element_strides, interleave, swizzle, l2, fill):
+        calls.append((out % 64, dtype, rank, address, list(dims[:rank]), list(strides[:rank - 1]), list(box[:rank]),
+                      list(element_strides[:rank]), interleave, swizzle, fill))
+        import ctypes
+        ctypes.memmove(out, bytes(range(128)), 128)
+        return 0
+    monkeypatch.setattr(launch, "_cu_tensor_map_encode_tiled", lambda: encode)
+    host = np.zeros((3, 5, 7, 64), bfloat16)
+    device = SimpleNamespace(dtype=host.dtype, ndim=4, shape=host.shape, strides=host.strides, flags=host.flags,
+                             data=SimpleNamespace(ptr=0x7000))
+    be = SimpleNamespace(xp=SimpleNamespace(cuda=None))   # CuPy's module: no tensor_map of the simulated GPUs
+    encoded = launch.tensor_map(be, device, (2, 4, 4, 64))
+    assert calls == [(0, 9, 4, 0x7000, [64, 7, 5, 3], [64 * 2, 7 * 64 * 2, 5 * 7 * 64 * 2], [64, 4, 4, 2], [1, 1, 1, 1], 0, 3, 0)]
+    assert encoded.shape == (1,) and encoded.dtype.itemsize == 128 and encoded.tobytes() == bytes(range(128))
+    assert encoded.tensor is device
+    with pytest.raises(ValueError, match="rank 2 to 5"):
+        launch.tensor_map(be, SimpleNamespace(dtype=np.dtype(np.int32), ndim=2, shape=(4, 4), strides=(16, 4),
+                                              flags=host.flags), (4, 4))
+
+
+@pytest.mark.nvrtc("conv_sm90")
+def test_bench_tc_plan_reports_the_structure_of_hoppers_launches():
+    """bench/tc_plan.py's Hopper table: ResNet-18's four stride-1 convolutions, each a grid of whole boxes at batch
+    256 (no row computed past the images), the two kernels' resources from ptxas."""
+    reason = nvrtc.unavailable_reason() or nvrtc.unsupported_reason("sm_90a")
+    if reason:
+        pytest.skip(reason)
+    from bench import tc_plan
+    rows, resources = tc_plan.hopper_rows(256, 132)
+    assert [(row["count"], row["gemm"]) for row in rows] == [(n, gemm) for n in (4, 3, 3, 3)
+                                                             for gemm in ("forward", "dgrad", "wgrad")]
+    assert all(row["padded"] == 1.0 and row["blocks"] == np.prod(row["grid"]) for row in rows)
+    assert set(resources) == set(conv_sm90.KERNELS)
