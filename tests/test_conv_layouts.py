@@ -108,7 +108,11 @@ def test_odd_channel_counts_run_the_fp32_kernels_on_channels_last_memory_under_t
         assert nhwc_memory(array), f"{name}: {what} is not channels-last: strides {array.strides}"
     assert is_channels_last(dw) == is_channels_last(as_layout(w, layout)), f"{name}: dw strides {dw.strides}"
     assert families(launched) == {"conv"}, launched
-    assert {"conv2d_forward", "conv2d_wgrad"} <= gemms(launched) and "bias_grad" not in gemms(launched), launched
+    # a 3x3 of one input channel on channels-last dy (the stem's) as a reduction over the pixels, its blocks'
+    # partials added by sum_partials; every other by the GEMM
+    one_channel = x_shape[1] == 1 and w_shape[2:] == (3, 3) and layout == "channels-last"
+    wgrad = "conv2d_wgrad_one_channel" if one_channel else "conv2d_wgrad"
+    assert {"conv2d_forward", wgrad} <= gemms(launched) and "bias_grad" not in gemms(launched), launched
     assert gemms(launched) & {"conv2d_dgrad", "conv2d_dgrad_strided"}, launched
 
 
@@ -226,3 +230,26 @@ def test_fp32_takes_any_layout_and_gives_nchw(launched, layout):
         validate(got, ref, what)
     assert y.flags.c_contiguous and dx.flags.c_contiguous and dw.flags.c_contiguous, (y.strides, dx.strides)
     assert families(launched) == {"conv"}, launched
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
+def test_the_stems_backward_weight_adds_its_blocks_in_order(emu, launched, monkeypatch, precision):
+    """A 3x3 of one input channel on channels-last dy, 64 output channels (four groups of a block's threads a
+    channel), in blocks of 16 pixels (forced: 21 of them, the last short): dw and db (NaN-filled: every element
+    written) against float64 of the inputs as stored (bfloat16 under bf16), within float32's rounding of the sums."""
+    monkeypatch.setattr(cuda_conv, "ONE_CHANNEL_PIXELS", 16)
+    storage = kernels.bfloat16 if precision == "bf16" else np.float32
+    x, dy = (a.astype(storage) for a in draw((3, 1, 9, 12), (3, 64, 9, 12)))
+    w = draw((64, 1, 3, 3))[0]
+    dw, db = np.full((64, 1, 3, 3), np.nan, np.float32), np.full(64, np.nan, np.float32)
+    with kernels.use_precision(precision):
+        emu.conv2d_backward(as_layout(dy, "channels-last"), x, w, 1, 1, need_dx=False, out=(dw, db))
+    wide = [a.astype(np.float64) for a in (dy, x, w)]
+    _, dw_ref, db_ref = R.conv2d_backward(*wide, 1, 1)
+    _, dw_mag, db_mag = R.conv2d_backward(*(np.abs(a) for a in wide), 1, 1)
+    for got, ref, magnitude, what in ((dw, dw_ref, dw_mag, "dw"), (db, db_ref, db_mag, "db")):
+        excess = np.abs(got - ref) - (3 * 9 * 12 + 16) * 2.0**-24 * magnitude
+        assert np.isfinite(got).all() and excess.max() <= 0, (what, float(excess.max()))
+    assert ("conv", "conv2d_wgrad_one_channel<3, 3" + (", bf16>" if precision == "bf16" else ">")) in launched
+    assert [name for _, name in launched].count("sum_partials") == 2

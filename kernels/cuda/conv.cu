@@ -21,6 +21,9 @@
 //                                        to finish adds in split order (last_block), in the launch,
 //                    and the bias gradient db (O), the per-channel sums of dy, from the dy that the
 //                    blocks of the first column tile load for the product
+//   conv2d_wgrad_one_channel  the same for one input channel (ResNet-18's stem) and channels-last dy, as a
+//                    reduction over the pixels rather than a GEMM of KH*KW columns: a thread an output channel
+//                    and a group of a block's pixels, every partial added in order by sum_partials
 //
 // Each GEMM is templated on the tile (Tile64, Tile128 in common.cuh), on the kernel size (KH, KW),
 // but for the strided backward-data, 0 meaning "given at run time": the 3x3 and 1x1 instantiations
@@ -413,3 +416,49 @@ conv2d_wgrad(const S* __restrict__ dy, const S* __restrict__ x, float* partial, 
     if (bias_block && int(threadIdx.x) < T::BM && m < g.o) db[m] = added_partials(db_partial + m, gridDim.z, g.o);
 }
 
+
+// Backward-weight of a convolution of one input channel (C = 1: dw (O x KH*KW), both weight layouts the same
+// memory) whose dy is channels-last, and its bias gradient: a reduction over the N*OH*OW pixels of each output
+// channel's KH*KW products and of dy itself, bandwidth-bound on dy (the GEMM of conv2d_wgrad would run KH*KW
+// columns of a 64-wide tile in a grid of few blocks). Block b takes pixels [b * pixels, (b + 1) * pixels); its
+// thread t the output channel t % O and every (256 / O)-th of them from the group t / O (O divides 256): dy read a
+// pixel's O channels at a time (contiguous), x's taps from the image, zero in the padding. The groups' sums are
+// added in order in shared memory, and the block's go to slot b of partial_w ((blocks, O, KH*KW)) and of
+// partial_b ((blocks, O)), which sum_partials adds in block order.
+template <int KH, int KW, class S = float>
+__global__ void __launch_bounds__(256)
+conv2d_wgrad_one_channel(const S* __restrict__ dy, const S* __restrict__ x, float* __restrict__ partial_w,
+                         float* __restrict__ partial_b, CONV_PARAMS, int pixels) {
+    const Geometry<KH, KW> g CONV_GEOMETRY;
+    constexpr int SUMS = KH * KW + 1;
+    __shared__ float block_sums[256 * SUMS];
+    const int t = threadIdx.x, channel = t % g.o, group = t / g.o, groups = 256 / g.o;
+    const int first = blockIdx.x * pixels, end = min(first + pixels, g.n * g.out_plane());
+    float sums[SUMS];
+#pragma unroll
+    for (int i = 0; i < SUMS; ++i) sums[i] = 0.f;
+    for (int p = first + group; p < end; p += groups) {
+        const int img = p / g.out_plane(), hw = p - img * g.out_plane(), q = hw % g.ow;
+        const int h0 = hw / g.ow * g.sh - g.ph, w0 = q * g.sw - g.pw;
+        const float d = to_float(dy[size_t(p) * g.o + channel]);
+        const S* image = x + size_t(img) * g.h * g.w;
+#pragma unroll
+        for (int r = 0; r < KH; ++r)
+#pragma unroll
+            for (int s = 0; s < KW; ++s) {
+                const int y = h0 + r, xq = w0 + s;
+                if (y >= 0 && y < g.h && xq >= 0 && xq < g.w) sums[r * KW + s] += d * to_float(image[y * g.w + xq]);
+            }
+        sums[KH * KW] += d;
+    }
+#pragma unroll
+    for (int i = 0; i < SUMS; ++i) block_sums[t * SUMS + i] = sums[i];
+    __syncthreads();
+    if (group != 0) return;
+    for (int i = 0; i < SUMS; ++i) {
+        float total = 0.f;
+        for (int k = 0; k < groups; ++k) total += block_sums[(k * g.o + channel) * SUMS + i];
+        if (i < KH * KW) partial_w[(size_t(blockIdx.x) * g.o + channel) * (KH * KW) + i] = total;
+        else partial_b[size_t(blockIdx.x) * g.o + channel] = total;
+    }
+}

@@ -20,7 +20,7 @@ from kernels.cpu._util import output_size, pair
 from . import conv_sm90, conv_tc
 from .batchnorm import apply, backward_sums, relu_output, running_pair, sums_outputs
 from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, memory, \
-    split, storage_argument
+    split, storage_argument, sum_partials
 
 OPS = ("conv2d_forward", "conv2d_backward", "conv2d_folds", "conv2d_tf32")
 
@@ -43,7 +43,12 @@ def _gemm(kernel, tile, kh, kw, storage="float"):
 KERNELS = tuple(_gemm(k, t, *s, storage) for storage, tiles, sizes in (("float", TILES, SIZES),
                                                                       ("bf16", ("Tile64",), BF16_SIZES))
                 for k in GEMMS for t in tiles for s in sizes) + tuple(
-    f"conv2d_dgrad_strided<{t}>" for t in TILES) + ("conv2d_dgrad_strided<Tile64, bf16>",)
+    f"conv2d_dgrad_strided<{t}>" for t in TILES) + ("conv2d_dgrad_strided<Tile64, bf16>",) + tuple(
+    f"conv2d_wgrad_one_channel<3, 3{storage_argument(storage)}>" for storage in STORAGE_TYPES.values())
+# Backward-weight of a 3x3 convolution of one input channel (the stem) on channels-last dy, as a reduction
+# (conv2d_wgrad_one_channel): blocks of ONE_CHANNEL_PIXELS pixels (392 at batch 256, three waves of an H200's 132
+# SMs, each reading 64 KB of dy), for output channels that divide 256 (the block's threads).
+ONE_CHANNEL_PIXELS = 512
 
 
 def choose_tile(rows, columns, dtype):
@@ -268,8 +273,17 @@ def _backward_data(be, dy, w, geometry):
 def _backward_weight(be, dy, x, geometry, dw, db):
     """(dw, db): dw into `dw` (C-contiguous or channels-last) and the bias gradient into `db`, in
     one launch, split over the N*OH*OW sum into partials (dw's in its layout) when the
-    (O x C*KH*KW) grid is small, added in the same launch."""
+    (O x C*KH*KW) grid is small, added in the same launch; a 3x3 of one input channel on channels-last dy
+    (the stem under tf32 and bf16) by conv2d_wgrad_one_channel, its blocks' partials added by sum_partials."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    if c == 1 and (kh, kw) == (3, 3) and 256 % o == 0 and is_channels_last(dy):
+        blocks = cdiv(n * oh * ow, ONE_CHANNEL_PIXELS)
+        partial_w, partial_b = be.xp.empty((blocks, o * kh * kw), np.float32), be.xp.empty((blocks, o), np.float32)
+        launch(be, "conv", f"conv2d_wgrad_one_channel<3, 3{storage_argument(STORAGE_TYPES[dy.dtype])}>", (blocks,),
+               (dy, x, partial_w, partial_b, *geometry, ONE_CHANNEL_PIXELS))
+        sum_partials(be, "conv", partial_w, blocks, dw)
+        sum_partials(be, "conv", partial_b, blocks, db)
+        return dw, db
     columns = c * kh * kw
     tile = choose_tile(o, columns, dy.dtype)
     grid = (cdiv(columns, TILES[tile]), cdiv(o, TILES[tile]))
