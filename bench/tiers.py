@@ -7,7 +7,9 @@ kernel family included, in tiers run in this order, most valuable first, each ti
      (pytest -m gpu tests/test_tensor_core.py: it proves the PTX strings mean what the emulator runs),
      then the tensor-core convolutions against float64 of their TF32-rounded inputs and beside
      cuDNN (tests/test_conv_tc.py), and the BF16 ones against float64 of their bfloat16 inputs and
-     beside cuDNN on the same inputs (tests/test_conv_bf16.py), then a CUDA graph of a training step
+     beside cuDNN on the same inputs (tests/test_conv_bf16.py), then Hopper's (conv_sm90.cu: forward,
+     backward-data, backward-weight) against float64 where the GPU is one (tests/test_conv_sm90.py), then a CUDA
+     graph of a training step
      replayed against eager steps (tests/test_graph.py), then the GPU tests on small shapes of the fp32
      kernels and all the others (pytest -m gpu tests/test_kernels_cuda.py), then compute-sanitizer
      memcheck and racecheck over one small training step (bench/sanitizer_step.py), where
@@ -213,6 +215,7 @@ def small_tests(run):
                "wrappers": pytest_gpu(run, "wrappers", "tests/test_tensor_core.py", limit=30),
                "tensor_cores": pytest_gpu(run, "tensor_cores", "tests/test_conv_tc.py", limit=40),
                "tensor_cores_bf16": pytest_gpu(run, "tensor_cores_bf16", "tests/test_conv_bf16.py", limit=50),
+               "hopper": pytest_gpu(run, "hopper", "tests/test_conv_sm90.py", limit=30),
                "graph": pytest_gpu(run, "graph", "tests/test_graph.py", limit=30),
                "pytest": pytest_gpu(run, "pytest", "tests/test_kernels_cuda.py", limit=90)}
     sanitizer = report.cuda_tool("compute-sanitizer")
@@ -405,10 +408,10 @@ def against_kernels(profile, measured, chosen, tolerance=PROFILE_TOLERANCE):
 # from an empty cache) and its process's imports, ncu over one bf16 step (some 90 launches of the functions of its
 # ten slowest kernels) 25, a guess: that run did not record ncu's time; f, the profiler's GPU test and two
 # profiles of 43 steps at batch 256, each process with its imports and chart; e, two processes that train an
-# epoch of 4.3 s (2.7 in bf16) and evaluate it. The default leaves out c and e: a, b, d, k, f and g add up to
-# 355 s, within the 360 s budget.
+# epoch of 4.3 s (2.7 in bf16) and evaluate it; tier a's Hopper tests (new, a guess: 9 small shapes' three GEMMs) 5 s.
+# The default leaves out c and e: a, b, d, k, f and g add up to 360 s, the budget.
 TIERS = (
-    Tier("a", "GPU tests on small shapes; compute-sanitizer memcheck and racecheck", 125, 190, small_tests, False),
+    Tier("a", "GPU tests on small shapes; compute-sanitizer memcheck and racecheck", 130, 220, small_tests, False),
     Tier("b", "full-shape GPU tests against PyTorch float64", 35, 90, full_tests, False),
     Tier("d", "100 training steps at batch 256, eager and as a CUDA graph, tf32 and bf16, beside PyTorch tuned",
          35, 90, train_times, True),
