@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 
-from kernels.cuda import conv_tc
+from kernels.cuda import conv_sm90, conv_tc
 
 # the GEMMs that multiply on the tensor cores, by the precision they multiply in: conv_tc.cu's (the tf32
-# precision's convolutions) and conv_bf16.cu's (the bf16 precision's)
-TENSOR_CORE_GEMMS = {"TF32": conv_tc.GEMMS, "BF16": conv_tc.BF16_GEMMS}
+# precision's convolutions) and conv_bf16.cu's and, on a Hopper, conv_sm90.cu's (the bf16 precision's)
+TENSOR_CORE_GEMMS = {"TF32": conv_tc.GEMMS, "BF16": conv_tc.BF16_GEMMS + conv_sm90.GEMMS}
 
 
 def on_tensor_cores(kernel_names):

@@ -339,7 +339,8 @@ def test_rows_whose_kernels_multiply_on_the_tensor_cores_sit_under_their_roof():
     assert h200.of(["conv_tc_forward<Tc128x64, 16>", "bn_stats_rows"]).tflops == h200.tensor_tflops == 494.7
     assert h200.of(["conv_tc_wgrad<Tc128x64, 4>"]).tflops == 494.7
     assert h200.of(["conv_tc_dgrad<Tc128x64, 16>"]).compute == "TF32 tensor cores" and h200.compute == "FP32"
-    for gemm in ("conv_bf16_forward", "conv_bf16_dgrad", "conv_bf16_wgrad"):   # the bf16 precision's
+    for gemm in ("conv_bf16_forward", "conv_bf16_dgrad", "conv_bf16_wgrad", "conv_sm90_forward",
+                 "conv_sm90_wgrad"):   # the bf16 precision's, Hopper's too
         bf16 = h200.of([f"{gemm}<Tc128x64, 16>", "bn_stats_rows"])
         assert bf16.tflops == h200.bf16_tflops == 989.4 and bf16.compute == "BF16 tensor cores", gemm
         assert bf16.gbs == h200.gbs and bf16.ridge == 2 * h200.of(["conv_tc_forward<Tc64x64, 4>"]).ridge
@@ -589,7 +590,7 @@ LAUNCH_PATHS = [
                     "conv2d_forward<Tile64, 3, 3>"}, {"wgrad"}, "90"),
     ("bf16", True, {f"conv_bf16_forward_halo<{conv_tc.BF16.halo}", f"conv_bf16_dgrad_halo<{conv_tc.BF16.halo}",
                     conv_tc.WGRAD_HALO["conv_bf16"].kernel[:-1], "conv2d_forward<Tile64, 3, 3, bf16>"}, {"wgrad"}, "80"),
-    ("bf16", False, {"conv2d_wgrad<Tile64, 3, 3, bf16>"}, {"forward", "dgrad", "wgrad"}, "80"),
+    ("bf16", False, {"conv2d_wgrad_one_channel<3, 3, bf16>"}, {"forward", "dgrad", "wgrad"}, "80"),
     ("bf16", False, {"conv_sm90_forward<Sm90x64, ", "conv_sm90_forward<Sm90x128, ", "conv_sm90_wgrad<Sm90Wgrad64>",
                      "conv_sm90_wgrad<Sm90Wgrad128>", "mirrored_weights<bf16>"}, set(), "90"),
     ("fp32", False, {"conv2d_forward<Tile64, 3, 3>", "conv2d_dgrad_strided<Tile64>", "conv2d_forward<Tile64, 1, 1>",

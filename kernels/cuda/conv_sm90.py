@@ -25,6 +25,7 @@ TILES = {"Sm90x128": (128, 4), "Sm90x64": (64, 6)}
 # blocks (two waves of an H200's 132 SMs at one block an SM), at least WGRAD_MIN_BOXES boxes a part.
 WGRAD_TILES = {"Sm90Wgrad128": (128, 128, 4, 1), "Sm90Wgrad64": (64, 64, 6, 2)}
 WGRAD_PIXELS, WGRAD_SPLIT_TARGET, WGRAD_MIN_BOXES = 64, 2 * 132, 8
+GEMMS = ("conv_sm90_forward", "conv_sm90_wgrad")   # the kernels that multiply (forward and backward-data; weight)
 KERNELS = tuple(f"conv_sm90_forward<{tile}, {add}>" for tile in TILES for add in ("false", "true")) + tuple(
     f"conv_sm90_wgrad<{tile}>" for tile in WGRAD_TILES) + ("mirrored_weights<bf16>", "sum_partials")
 
