@@ -80,9 +80,11 @@ extern "C" void emu_setmaxnreg(int registers, int increase, const char* file, in
 #ifdef __CUDA_EMU__
 #define SM90_CALL_SITE const char *call_file = __builtin_FILE(), int call_line = __builtin_LINE()
 #define SM90_PASS_SITE , call_file, call_line
+#define SM90_SITE_ONLY call_file, call_line
 #else
 #define SM90_CALL_SITE
 #define SM90_PASS_SITE
+#define SM90_SITE_ONLY
 #endif
 
 __device__ __forceinline__ unsigned smem_address(const void* p TC_CALL_SITE) {
@@ -272,22 +274,26 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #endif
 }
 
-template <int R>
-__device__ __forceinline__ void setmaxnreg_inc(SM90_CALL_SITE) {
+// setmaxnreg.inc (INCREASE) or .dec to R registers a thread
+template <int R, bool INCREASE>
+__device__ __forceinline__ void setmaxnreg(SM90_CALL_SITE) {
     static_assert(R % 8 == 0 && R >= 24 && R <= 256, "setmaxnreg takes a multiple of 8 in [24, 256]");
 #ifdef __CUDA_EMU__
-    emu_setmaxnreg(R, 1, SM90_SITE);
+    emu_setmaxnreg(R, INCREASE, SM90_SITE);
 #else
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(R));
+    if constexpr (INCREASE)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(R));
+    else
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R));
 #endif
 }
 
 template <int R>
+__device__ __forceinline__ void setmaxnreg_inc(SM90_CALL_SITE) {
+    setmaxnreg<R, true>(SM90_SITE_ONLY);
+}
+
+template <int R>
 __device__ __forceinline__ void setmaxnreg_dec(SM90_CALL_SITE) {
-    static_assert(R % 8 == 0 && R >= 24 && R <= 256, "setmaxnreg takes a multiple of 8 in [24, 256]");
-#ifdef __CUDA_EMU__
-    emu_setmaxnreg(R, 0, SM90_SITE);
-#else
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R));
-#endif
+    setmaxnreg<R, false>(SM90_SITE_ONLY);
 }
