@@ -7,9 +7,9 @@ kernel family included, in tiers run in this order, most valuable first, each ti
      (pytest -m gpu tests/test_tensor_core.py: it proves the PTX strings mean what the emulator runs),
      then the tensor-core convolutions against float64 of their TF32-rounded inputs and beside
      cuDNN (tests/test_conv_tc.py), and the BF16 ones against float64 of their bfloat16 inputs and
-     beside cuDNN on the same inputs (tests/test_conv_bf16.py), then Hopper's (conv_sm90.cu: forward,
-     backward-data, backward-weight) against float64 where the GPU is one (tests/test_conv_sm90.py), then a CUDA
-     graph of a training step
+     beside cuDNN on the same inputs (tests/test_conv_bf16.py), then, where the GPU is a Hopper, sm90.cuh's
+     instructions against the NumPy models the emulator is held to (tests/test_sm90_emu.py) and Hopper's
+     convolutions against float64 (tests/test_conv_sm90.py), then a CUDA graph of a training step
      replayed against eager steps (tests/test_graph.py), then the GPU tests on small shapes of the fp32
      kernels and all the others (pytest -m gpu tests/test_kernels_cuda.py), then compute-sanitizer
      memcheck and racecheck over one small training step (bench/sanitizer_step.py), where
@@ -187,9 +187,10 @@ def _stop(process):
 # ---- the tiers ---------------------------------------------------------------------------------
 
 def pytest_gpu(run, name, path, limit=None, simulated_gpus=0):
-    """pytest -m gpu on one file, with its junit XML; the counts read back from it."""
+    """pytest -m gpu on one file (or a tuple of them), with its junit XML; the counts read back from it."""
     xml = run.path(f"{name}.xml")
-    result = run.command(name, [PYTHON, "-m", "pytest", path, "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
+    paths = list(path) if isinstance(path, tuple) else [path]
+    result = run.command(name, [PYTHON, "-m", "pytest", *paths, "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
                                 f"--junitxml={xml}"], limit, simulated_gpus)
     result["tests"] = junit_counts(xml)
     return result
@@ -215,7 +216,7 @@ def small_tests(run):
                "wrappers": pytest_gpu(run, "wrappers", "tests/test_tensor_core.py", limit=30),
                "tensor_cores": pytest_gpu(run, "tensor_cores", "tests/test_conv_tc.py", limit=40),
                "tensor_cores_bf16": pytest_gpu(run, "tensor_cores_bf16", "tests/test_conv_bf16.py", limit=50),
-               "hopper": pytest_gpu(run, "hopper", "tests/test_conv_sm90.py", limit=30),
+               "hopper": pytest_gpu(run, "hopper", ("tests/test_sm90_emu.py", "tests/test_conv_sm90.py"), limit=30),
                "graph": pytest_gpu(run, "graph", "tests/test_graph.py", limit=30),
                "pytest": pytest_gpu(run, "pytest", "tests/test_kernels_cuda.py", limit=90)}
     sanitizer = report.cuda_tool("compute-sanitizer")

@@ -552,3 +552,114 @@ def test_a_tensor_map_passes_through_a_simulated_gpus_launch(monkeypatch):
         function((1,), (64,), (emu.TensorMap(host, (16, 64)), out, *tail), shared_mem=2048)
     with pytest.raises(TypeError, match="tensor_map takes device arrays"):
         cupy.tensor_map(host, (16, 64))
+
+
+# ---- the same models on a GPU of compute capability 9.0 (pytest -m gpu) ------------------------------------------
+# What the emulator runs, held to the hardware: the PTX of sm90.cuh's wrappers (wgmma's fragments and descriptors,
+# K-major and MN-major; TMA's boxes, zeros and swizzle; the warp-specialised pipeline) must give the numbers the
+# NumPy models above give, as the emulator does.
+
+@pytest.mark.nvrtc("conv_sm90")
+def test_the_kernels_compile_for_sm_90a_as_the_gpu_tests_compile_them():
+    """NVRTC compiles this file's kernels for sm_90a, kernels/cuda on the include path (what `hopper` loads), every
+    one of them there and no warning."""
+    from kernels import nvrtc
+    from kernels.cuda import OPTIONS as CUDA_OPTIONS
+    reason = nvrtc.unavailable_reason() or nvrtc.unsupported_reason("sm_90a")
+    if reason:
+        pytest.skip(reason)
+    compiled = nvrtc.compile(SOURCE.read_text(), arch="sm_90a", options=CUDA_OPTIONS + OPTIONS, verbose=True)
+    defined = set(re.findall(r'extern "C" __global__ void (\w+)\(', SOURCE.read_text()))
+    assert set(compiled.named_resources()) == defined and "warning" not in compiled.log.lower(), compiled.log
+
+
+@pytest.fixture(scope="module")
+def hopper():
+    """(the cuda backend, this file's kernels compiled for sm_90a: kernels.cuda.ArchModule), on a GPU of 9.0."""
+    from test_kernels_cuda import gpu_unavailable_reason
+    reason = gpu_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    import kernels
+    from kernels.cuda import OPTIONS as CUDA_OPTIONS, ArchModule
+    be = kernels._device_backend("cuda")
+    if be.xp.cuda.Device().compute_capability != "90":
+        pytest.skip("sm90.cuh's instructions are sm_90a's: a GPU of compute capability 9.0")
+    return be, ArchModule(SOURCE.read_text(), CUDA_OPTIONS + OPTIONS, ())
+
+
+def on_gpu(hopper, name, grid, block, *args, shared_mem=0):
+    """`launch`, on the GPU: each host array copied there and, after the kernel, back into itself; an emu.TensorMap
+    made again as the driver encodes it (launch.tensor_map) over the array's device copy."""
+    from kernels.cuda.launch import tensor_map
+    be, module = hopper
+    given, copies = [], []
+    for a in args:
+        if isinstance(a, emu.TensorMap):
+            given.append(tensor_map(be, be.xp.asarray(a.array), a.box, a.swizzle))
+        elif isinstance(a, np.ndarray) and a.ndim:
+            copies.append((a, be.xp.asarray(a)))
+            given.append(copies[-1][1])
+        else:
+            given.append(a)
+    function = module.get_function(name)
+    function.max_dynamic_shared_size_bytes = 160 * 1024
+    function(grid, block, tuple(given), shared_mem=shared_mem)
+    for host, device in copies:
+        host[...] = be.xp.asnumpy(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [64, 128])
+def test_wgmma_on_the_gpu_matches_the_model(hopper, n):
+    a, b = bf16((64, 128)), bf16((n, 128))
+    out = np.full(128 * n // 2, np.nan, np.float32)
+    on_gpu(hopper, f"wgmma_n{n}", (1,), (128,), operand_tiles(a), operand_tiles(b), out, np.int32(2), np.int32(0),
+           shared_mem=2 * (64 + n) * 128)
+    np.testing.assert_array_equal(out.reshape(128, n // 2), fragments(chained_product(a, b)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, lbo, sbo", [(0, 128, 256), (1, 16, 1024), (2, 16, 512), (3, 16, 256)])
+def test_wgmma_on_the_gpu_reads_each_layout_as_the_model(hopper, mode, lbo, sbo):
+    a, b = bf16((64, 16)), bf16((64, 16))
+    sa, sb = layout(a, mode, lbo, sbo), layout(b, mode, lbo, sbo)
+    out = np.full(128 * 32, np.nan, np.float32)
+    on_gpu(hopper, "wgmma_layout", (1,), (128,), sa.view(np.uint32), sb.view(np.uint32), out, np.int32(sa.size),
+           np.int32(sb.size), np.int32(mode), np.int32(lbo), np.int32(sbo), shared_mem=sa.size + sb.size)
+    np.testing.assert_array_equal(out.reshape(128, 32), fragments(chained_product(a, b)))
+
+
+@pytest.mark.gpu
+def test_wgmma_on_the_gpu_reads_mn_major_operands_as_the_model(hopper):
+    a, b = bf16((64, 16)), bf16((128, 16))
+    sa, sb = mn_layout(a, 8192, 1024), mn_layout(b, 8192, 1024)
+    out = np.full(128 * 64, np.nan, np.float32)
+    on_gpu(hopper, "wgmma_mn_major", (1,), (128,), sa.view(np.uint32), sb.view(np.uint32), out, np.int32(sa.size),
+           np.int32(sb.size), np.int32(8192), np.int32(1024), shared_mem=sa.size + sb.size)
+    np.testing.assert_array_equal(out.reshape(128, 64), fragments(chained_product(a, b)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, shape, box, start, swizzle", [
+    ("tma_2d", (40, 96), (16, 64), (-4, 64), 128), ("tma_2d", (40, 96), (32, 32), (3, 72), 128),
+    ("tma_2d", (40, 96), (16, 48), (-2, 60), 0), ("tma_4d", (2, 5, 6, 64), (1, 4, 4, 64), (1, 3, -1, 0), 128),
+    ("tma_4d", (2, 5, 6, 64), (2, 2, 8, 64), (-1, -1, 2, 0), 128)])
+def test_tma_loads_on_the_gpu_land_as_the_model(hopper, name, shape, box, start, swizzle):
+    array = rng().standard_normal(shape).astype(bfloat16)
+    box_bytes = int(np.prod(box)) * 2
+    out = np.zeros(box_bytes, np.uint8)
+    tail = (np.int32(1), np.int32(0)) if name == "tma_2d" else ()
+    on_gpu(hopper, name, (1,), (64,), emu.TensorMap(array, box, swizzle), out, np.int32(box_bytes),
+           np.int32(box_bytes), *(np.int32(c) for c in reversed(start)), *tail, shared_mem=box_bytes)
+    np.testing.assert_array_equal(out, shared_bytes(array, box, start, swizzle))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [64, 128])
+def test_the_warp_specialised_gemm_on_the_gpu_matches_the_model(hopper, n):
+    a, b = bf16((128, 384)), bf16((n, 384))
+    c = np.full((128, n), np.nan, np.float32)
+    on_gpu(hopper, f"gemm_n{n}", (1,), (384,), emu.TensorMap(a, (128, 64)), emu.TensorMap(b, (n, 64)), c,
+           np.int32(6), np.int32(1), shared_mem=4 * (128 + n) * 128)
+    np.testing.assert_array_equal(c, chained_product(a, b))

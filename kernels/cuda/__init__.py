@@ -102,7 +102,7 @@ class Backend:
         Hopper family on a GPU (ArchModule)."""
         if family not in self._modules:
             if family in HOPPER_FAMILIES and self.xp.__name__ == "cupy":   # CuPy's own, not the simulated GPUs'
-                self._modules[family] = ArchModule(family, source(family), OPTIONS, launcher(family).KERNELS)
+                self._modules[family] = ArchModule(source(family), OPTIONS, launcher(family).KERNELS)
             else:
                 self._modules[family] = self._raw_module(code=source(family), options=OPTIONS,
                                                          name_expressions=launcher(family).KERNELS)
@@ -180,20 +180,21 @@ class Backend:
 
 
 class ArchModule:
-    """A family compiled for its architecture's own features (sm_90a: wgmma, setmaxnreg), which cupy.RawModule
-    cannot ask NVRTC for (it gives -arch=sm_XX of the device): NVRTC (kernels.nvrtc, with CuPy's options) makes
-    its CUBIN, kept in the cache folder by the source's hash, and CuPy loads it as a RawModule(path=...), whose
-    kernels get_function finds by the lowered names of the name expressions."""
+    """A source compiled for the current GPU's architecture-specific features (sm_90a: wgmma, setmaxnreg), which
+    cupy.RawModule cannot ask NVRTC for (it gives -arch=sm_XX of the device): NVRTC (kernels.nvrtc, with CuPy's
+    options) makes its CUBIN, kept in the cache folder by the source's hash, and CuPy loads it as a
+    RawModule(path=...), whose kernels get_function finds by the lowered names of the name expressions (an extern "C"
+    kernel by its own). The Hopper families' modules on a GPU, and the GPU tests of sm90.cuh's wrappers."""
 
-    def __init__(self, family, code, options, name_expressions):
-        self._family, self._code, self._options, self._names = family, code, tuple(options), tuple(name_expressions)
+    def __init__(self, code, options, name_expressions):
+        self._code, self._options, self._names = code, tuple(options), tuple(name_expressions)
         self._module, self._lowered = None, None
 
     def compile(self):
         if self._module is None:
             from kernels import cupy_module, nvrtc
             cupy = cupy_module()
-            arch = arch_of(self._family, f"sm_{cupy.cuda.Device().compute_capability}")
+            arch = f"sm_{cupy.cuda.Device().compute_capability}a"
             key = hashlib.sha256(json.dumps([self._code, self._options, self._names, arch,
                                              list(nvrtc.version())]).encode()).hexdigest()[:32]
             folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "resnet-cuda-from-scratch" / \
@@ -212,7 +213,7 @@ class ArchModule:
 
     def get_function(self, name):
         module = self.compile()
-        return module.get_function(self._lowered[name])
+        return module.get_function(self._lowered.get(name, name))
 
 
 def make_backend(name):
