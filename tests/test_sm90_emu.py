@@ -15,6 +15,9 @@ kernels/emu (README.md there, "Hopper"), through the kernels of tests/emu_kernel
   that retires the wgmmas reading it, the mbarrier's own misuses, a TMA destination misaligned or too small, and
   tensor maps cuTensorMapEncodeTiled refuses.
 - A tensor map through a simulated GPU's launch (cupy.tensor_map of kernels/simulated).
+- NVRTC compiles the kernels for sm_90a; marked gpu, on a GPU of compute capability 9.0, the numbers above (wgmma's
+  fragments and descriptor layouts, K-major and MN-major, TMA's boxes, the warp-specialised GEMM) from the real
+  instructions, held to the same NumPy models.
 """
 import functools
 import re
