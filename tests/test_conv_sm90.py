@@ -179,8 +179,8 @@ def test_sass_holds_warpgroup_mma_and_tma_loads():
 def test_a_simulated_hopper_runs_the_family_and_an_ampere_does_not(monkeypatch):
     """conv2d_forward with the statistics of the norm that follows, and conv2d_backward, of a stride-1 convolution of
     64 channels under bf16: on a simulated GPU of compute capability 9.0 through this family (forward, backward-data
-    as a forward of the mirrored weights, backward-weight into the channels-last weights' gradient), on one of 8.0
-    through conv_bf16.cu's; the numbers the same references either way."""
+    as a forward of the mirrored weights, backward-weight into the channels-last weights' gradient), on one of 8.0,
+    or of 9.0 under KERNELS_HOPPER=0, through conv_bf16.cu's; the numbers the same references either way."""
     monkeypatch.setenv("KERNELS_SIMULATED_GPUS", "1")
     monkeypatch.setenv("CUDA_EMU_SANITIZE", "memcheck")
     x, w, dy = draw((2, 64, 6, 6), (64, 64, 3, 3), (2, 64, 6, 6))
@@ -188,8 +188,9 @@ def test_a_simulated_hopper_runs_the_family_and_an_ampere_does_not(monkeypatch):
     wide = [a.astype(np.float64) for a in (x, w, b, dy)]
     y_ref = R.conv2d_forward(*wide[:3], 1, 1)
     dx_ref, dw_ref, db_ref = R.conv2d_backward(wide[3], wide[0], wide[1], 1, 1)
-    for capability, hopper in (("90", True), ("80", False)):
+    for capability, hopper, disabled in (("90", True, "1"), ("80", False, "1"), ("90", False, "0")):
         monkeypatch.setenv("KERNELS_SIMULATED_COMPUTE_CAPABILITY", capability)
+        monkeypatch.setenv(conv_sm90.DISABLE, disabled)
         be = kernels._device_backend("cuda")
         xp = be.xp
         names = []
