@@ -211,6 +211,36 @@ def test_sigterm_keeps_the_last_finished_epoch(data_dir, tmp_path):
     assert "Traceback" not in err
 
 
+def test_a_sigterm_swallowed_where_it_landed_still_stops_training(data_dir, tmp_path, monkeypatch):
+    """SIGTERM's Terminated raised where Python only prints an exception (here a __del__; in CI's run, an import's
+    module-lock callback, after which training went on for its 500 epochs): the loop raises it again before its
+    next batch. The twin: no SIGTERM, every batch trained."""
+    batches = []
+    real = loop.train_step
+
+    def step(*args, swallowed=True):
+        batches.append(len(batches))
+        if swallowed and len(batches) == 2:
+            class Lands:
+                def __del__(self):
+                    loop.terminate(signal.SIGTERM, None)
+            Lands()   # collected here: Python prints the Terminated its __del__ raises, and goes on
+        return real(*args)
+    flags = {"data_dir": str(data_dir), "width": 2, "batch_size": 8, "limit": 40, "test_limit": 8, "epochs": 1}
+    loop.TERMINATIONS.clear()
+    monkeypatch.setattr(loop, "train_step", step)
+    swallowed = []   # what Python would print as "Exception ignored in ..."
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: swallowed.append(unraisable.exc_type))
+    with pytest.raises(loop.Terminated):
+        loop.run({**flags, "out": str(tmp_path / "terminated")})
+    assert batches == [0, 1] and swallowed == [loop.Terminated]
+    loop.TERMINATIONS.clear()
+    batches.clear()
+    monkeypatch.setattr(loop, "train_step", lambda *args: step(*args, swallowed=False))
+    loop.run({**flags, "out": str(tmp_path / "whole")})
+    assert batches == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.slow
 def test_ctrl_c_before_the_first_epoch_says_nothing_was_saved(tmp_path):
     data_dir = write_fashion_mnist(tmp_path / "data", 2000, 8)   # an epoch of about 15 s, one image a step

@@ -204,12 +204,7 @@ def _check_ranks_agree(parser, comm, flags):
                                    f"every rank with the same flags")
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, what schedulers and kill send: treated as Ctrl-C is."""
-
-
-def _terminate(signum, frame):
-    raise Terminated
+Terminated, _terminate = loop.Terminated, loop.terminate   # SIGTERM's exception and handler (the loop's: see there)
 
 
 def _stopped_by(interrupt):
@@ -226,6 +221,7 @@ def main(argv=None):
     failed, reaching a rank that is failing too, before it has said so) ends the command quietly
     with SIGTERM's code: the failure is reported by the rank that ended the job."""
     launch.forgiving_streams()
+    loop.TERMINATIONS.clear()
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return _main(argv)
@@ -234,6 +230,7 @@ def main(argv=None):
         return _exit_code(e)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        loop.TERMINATIONS.clear()
 
 
 def _main(argv):

@@ -127,6 +127,22 @@ def evaluate(model, images, labels, batch_size, comm=SingleProcess()):
     return loss_sum / len(images), correct / len(images)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, what schedulers and kill send: treated as Ctrl-C is."""
+
+
+# The SIGTERMs the command's handler received. Its Terminated is raised wherever the signal lands, and where that is
+# a weakref callback or a __del__ (an import's module lock has one) Python prints it and goes on: the training loop
+# raises it again before its next batch, so that no SIGTERM is lost.
+TERMINATIONS = []
+
+
+def terminate(signum, frame):
+    """SIGTERM's handler (training/cli.py installs it)."""
+    TERMINATIONS.append(signum)
+    raise Terminated
+
+
 def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, step, log_seconds=1.0, show=True):
     """One pass over the shuffled training split, each global batch shared by the ranks
     of ``ddp``, each shard trained by ``step(idx)`` (training/step.py: eager, or a GraphedStep);
@@ -137,6 +153,8 @@ def train_epoch(model, opt, schedule, images, labels, cfg, epoch, ddp, step, log
     progress = Progress(len(images), f"epoch {epoch + 1}/{cfg.epochs}") if show else None
     window, last_read, trained = _Window(), time.perf_counter(), 0
     for number, idx in enumerate(batches):
+        if TERMINATIONS:   # a SIGTERM whose Terminated was swallowed where it landed
+            raise Terminated
         local = ddp.scatter(idx)
         if local is None:  # a last batch with fewer images than ranks
             continue
