@@ -262,7 +262,7 @@ def hopper_rows(batch, sms):
                         "box": box, "grid": grid, "blocks": blocks, "waves": blocks / sms, "stages": stages,
                         "parts": 1, "padded": grid[0] * rows / (g[0] * g[11] * g[12]),
                         "flops_per_byte": 2 * rows * columns / ((rows + columns) * ELEMENT_BYTES["bf16"])})
-        if conv_sm90.supports_wgrad(geometry(layer)):
+        if conv_sm90.supports(geometry(layer)):   # backward-weight takes what the forward does
             g = geometry(layer)
             p = conv_sm90.wgrad_plan(g)
             rows, columns, stages, resident = conv_sm90.WGRAD_TILES[p.tile]
@@ -283,11 +283,11 @@ def hopper_table(batch, sms):
         if kernel.startswith("conv_sm90_forward<") and kernel.endswith("false>"):
             tile = kernel.split("<")[1].split(",")[0]
             (columns, stages), rows, consumers, resident = conv_sm90.TILES[tile], conv_sm90.ROWS, 2, 1
-            shared = conv_sm90.shared_bytes(tile)
+            shared = conv_sm90.dynamic_shared(kernel)
         elif kernel.startswith("conv_sm90_wgrad<"):
             tile = kernel.split("<")[1][:-1]
             rows, columns, stages, resident = conv_sm90.WGRAD_TILES[tile]
-            consumers, shared = rows // 64, conv_sm90.wgrad_shared_bytes(tile)
+            consumers, shared = rows // 64, conv_sm90.dynamic_shared(kernel)
         else:
             continue
         left = 65536 // resident - 128 * 40

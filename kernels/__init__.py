@@ -14,6 +14,7 @@ current GPU as it is, and ``local_gpu`` says which GPU a rank takes.
 import contextlib
 import os
 import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +23,12 @@ from . import cpu
 
 _emulating = False
 _device_backends = {}
+
+
+def cache_folder(name):
+    """The project's cache `name` ("emu": the emulator's builds; "cubin": NVRTC's CUBINs of the Hopper families) under
+    $XDG_CACHE_HOME, else ~/.cache: resnet-cuda-from-scratch/<name>. Delete it freely."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "resnet-cuda-from-scratch" / name
 
 
 def get_array_module(x):

@@ -192,13 +192,12 @@ class ArchModule:
 
     def compile(self):
         if self._module is None:
-            from kernels import cupy_module, nvrtc
+            from kernels import cache_folder, cupy_module, nvrtc
             cupy = cupy_module()
             arch = f"sm_{cupy.cuda.Device().compute_capability}a"
             key = hashlib.sha256(json.dumps([self._code, self._options, self._names, arch,
                                              list(nvrtc.version())]).encode()).hexdigest()[:32]
-            folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "resnet-cuda-from-scratch" / \
-                "cubin"
+            folder = cache_folder("cubin")
             cubin, names = folder / f"{key}.cubin", folder / f"{key}.json"
             if not (cubin.exists() and names.exists()):
                 compiled = nvrtc.compile(self._code, arch=arch, options=self._options, name_expressions=self._names)

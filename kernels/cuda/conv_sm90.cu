@@ -273,8 +273,6 @@ conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, const __grid_constant_
         }
     });
     if (sums_bias && o0 + 64 * group + t % 64 < o) bias_out[size_t(part) * o + o0 + 64 * group + t % 64] = bias;
-    if (steps <= 0)   // a part past the boxes (none, by the launcher's split): zeros
-        for (int i = 0; i < Tile::BN / 2; ++i) acc[i] = 0.f;
     // the epilogue: row (output channel) 64 group + 16 warp + lane / 4 + 8 (i / 2), column (input channel)
     // 8 j + 2 (lane % 4) + i % 2; the partials of a part in (O, taps, C) like dw
     float* slot = out + size_t(part) * o * taps * c;

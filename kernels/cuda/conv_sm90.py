@@ -17,7 +17,7 @@ from kernels import bfloat16
 from .launch import aligned, cdiv, launch, sum_partials, tensor_map
 
 OPS = ()   # the contract's op is conv.py's conv2d_forward, through conv_tc.forward
-THREADS = 384   # a producer warpgroup and two consumer warpgroups (SM90_THREADS)
+THREADS = 384   # the forward's: a producer warpgroup and two consumer warpgroups (Sm90Tile::THREADS)
 ROWS, BK = 128, 64   # the rows (output pixels) of a tile, and the k (channels) of a stage
 # tile: (columns BN, stages): 128 filters where the output channels are a multiple of 128, else 64
 TILES = {"Sm90x128": (128, 4), "Sm90x64": (64, 6)}
@@ -85,19 +85,19 @@ def choose_tile(o):
     return "Sm90x128" if o % 128 == 0 else "Sm90x64"
 
 
-def shared_bytes(tile):
-    """The dynamic shared memory of a block (Sm90Tile::SHARED_BYTES): 1024 bytes to align the ring, its stages of
-    A (128 rows of 64 bf16) and B (BN rows), and a full and an empty barrier a stage."""
-    columns, stages = TILES[tile]
-    return 1024 + stages * (ROWS + columns) * BK * 2 + 2 * stages * 8
-
-
 def dynamic_shared(kernel):
-    """The bytes of dynamic shared memory a block of `kernel` (a name expression) asks for: its tile's ring and
-    barriers; 0 for the others (no shared memory)."""
+    """The bytes of dynamic shared memory a block of `kernel` (a name expression) asks for, its tile's
+    (Sm90Tile::SHARED_BYTES): 1024 bytes to align the ring, its stages of A (BM rows of 64 bf16) and B (BN rows),
+    and a full and an empty barrier a stage; 0 for the others (no shared memory)."""
     name, _, arguments = kernel.partition("<")
     tile = arguments.split(",")[0].rstrip(">")
-    return {"conv_sm90_forward": shared_bytes, "conv_sm90_wgrad": wgrad_shared_bytes}.get(name, lambda _: 0)(tile)
+    if name == "conv_sm90_forward":
+        rows, (columns, stages) = ROWS, TILES[tile]
+    elif name == "conv_sm90_wgrad":
+        rows, columns, stages, _ = WGRAD_TILES[tile]
+    else:
+        return 0
+    return 1024 + stages * (rows + columns) * BK * 2 + 2 * stages * 8
 
 
 def plan(geometry):
@@ -121,9 +121,9 @@ def forward(be, x, w_krsc, b, geometry, into=None):
     x_map = tensor_map(be, x, (box_i, box_h, box_w, BK))
     w_map = tensor_map(be, w_krsc.reshape(o, kh * kw * c), (TILES[tile][0], BK))
     y = be.xp.empty((n, oh, ow, o), bfloat16) if into is None else into
-    launch(be, "conv_sm90", f"conv_sm90_forward<{tile}, {'false' if into is None else 'true'}>", grid,
-           (x_map, w_map, b, y, n, c, o, kh, kw, ph, pw, oh, ow, box_w, box_h, box_i), block=(THREADS,),
-           shared_mem=shared_bytes(tile))
+    kernel = f"conv_sm90_forward<{tile}, {'false' if into is None else 'true'}>"
+    launch(be, "conv_sm90", kernel, grid, (x_map, w_map, b, y, n, c, o, kh, kw, ph, pw, oh, ow, box_w, box_h, box_i),
+           block=(THREADS,), shared_mem=dynamic_shared(kernel))
     return y
 
 
@@ -140,13 +140,9 @@ def backward_data(be, dy, w_krsc, geometry, into=None):
     return forward(be, dy, mirrored, None, dgrad_geometry(geometry), into)
 
 
-def supports_wgrad(geometry):
-    """Whether the family computes this backward-weight: as the forward's (stride 1, channels multiples of 64)."""
-    return supports(geometry)
-
-
 def chosen_wgrad(be, geometry):
-    return available(be) and supports_wgrad(geometry)
+    """Backward-weight takes what the forward does (supports)."""
+    return available(be) and supports(geometry)
 
 
 class WgradPlan(typing.NamedTuple):
@@ -169,13 +165,8 @@ def wgrad_plan(geometry):
     tiles = (c // columns) * (o // rows) * kh * kw
     parts = max(1, min(cdiv(WGRAD_SPLIT_TARGET, tiles), total // WGRAD_MIN_BOXES))
     boxes = cdiv(total, parts)
-    parts = cdiv(total, boxes)   # no part without boxes
+    parts = cdiv(total, boxes)   # no part without boxes: conv_sm90_wgrad's blocks each have at least one
     return WgradPlan(tile, box, boxes, parts, (c // columns, o // rows, kh * kw * parts))
-
-
-def wgrad_shared_bytes(tile):
-    rows, columns, stages, _ = WGRAD_TILES[tile]
-    return 1024 + stages * (rows + columns) * BK * 2 + 2 * stages * 8
 
 
 def backward_weight(be, dy, x, geometry, dw, db):
@@ -183,7 +174,7 @@ def backward_weight(be, dy, x, geometry, dw, db):
     bfloat16; and the bias gradient, dy summed per output channel, into db (O,) float32 unless it is None. Split over
     the pixels, the parts' partials added in order by sum_partials."""
     n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    if not supports_wgrad(geometry) or dy.dtype != bfloat16 or x.dtype != bfloat16:
+    if not supports(geometry) or dy.dtype != bfloat16 or x.dtype != bfloat16:
         raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 and channels multiples of 64, got "
                          f"{dy.dtype} dy, {x.dtype} x, geometry {geometry}")
     p = wgrad_plan(geometry)
@@ -193,9 +184,10 @@ def backward_weight(be, dy, x, geometry, dw, db):
     x_map = tensor_map(be, x, (*p.box, BK))
     out = dw if p.parts == 1 else be.xp.empty((p.parts, o, kh, kw, c), np.float32)
     bias_out = db if p.parts == 1 or db is None else be.xp.empty((p.parts, o), np.float32)
-    launch(be, "conv_sm90", f"conv_sm90_wgrad<{p.tile}>", p.grid,
+    kernel = f"conv_sm90_wgrad<{p.tile}>"
+    launch(be, "conv_sm90", kernel, p.grid,
            (dy_map, x_map, out, bias_out, n, c, o, kw, kh * kw, ph, pw, oh, ow, p.box[2], p.box[1], p.box[0], p.boxes),
-           block=(128 * (1 + rows // 64),), shared_mem=wgrad_shared_bytes(p.tile))
+           block=(128 * (1 + rows // 64),), shared_mem=dynamic_shared(kernel))
     if p.parts > 1:
         sum_partials(be, "conv_sm90", out, p.parts, dw)
         if db is not None:

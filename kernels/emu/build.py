@@ -117,8 +117,8 @@ def cache_dir():
     explicit = os.environ.get("CUDA_EMU_CACHE_DIR")
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "resnet-cuda-from-scratch" / "emu"
+    from kernels import cache_folder   # the package's, imported before this module
+    return cache_folder("emu")
 
 
 def _extra_flags():
