@@ -8,8 +8,12 @@
 - The plan: every box is 128 pixels, and at batch 256 no tile of ResNet-18's layers holds a row past the images.
 - NVRTC compiles the family for sm_90a: its SASS holds HGMMA (warpgroup MMA) and UTMALDG (TMA loads), no spills,
   its shared memory fits a block of an H200.
-- On a simulated GPU of compute capability 9.0, the bf16 forward of such a layer runs this family (and the
-  statistics that follow it); on one of 8.0, conv_bf16.cu's.
+- The epilogues, through conv2d's launchers (the emulator's backend taking the family where a Hopper would): the
+  statistics of the batch norm that follows the forward, and the backward sums of the norm whose dy backward-data's
+  dx is (after an add into a gradient, with the relu's mask recomputed), held to test_conv_statistics's checks:
+  float64 of the stored output, bit for bit the launches without them, the same bits in both thread orders.
+- On a simulated GPU of compute capability 9.0, the bf16 forward of such a layer runs this family (the statistics
+  that follow it from its epilogue); on one of 8.0, conv_bf16.cu's.
 - Marked gpu: the same references on a GPU.
 """
 import numpy as np
@@ -134,6 +138,50 @@ def test_backward_weight_in_parts_adds_them_in_order(monkeypatch):
     check_backward_weight(kernels._device_backend("emu"), *ODD[0])
 
 
+@pytest.fixture
+def emulated_hopper(monkeypatch):
+    """The emulator's backend takes this family where a Hopper would (conv_sm90.available), through conv2d's
+    launchers; returns the names of the family's launches."""
+    names, launch = [], conv_sm90.launch
+    monkeypatch.setattr(conv_sm90, "available", lambda be: True)
+    monkeypatch.setattr(conv_sm90, "launch", lambda be, family, kernel, *a, **k: names.append(kernel) or
+                        launch(be, family, kernel, *a, **k))
+    return names
+
+
+# (x, w, padding): the forward's statistics and backward-data's sums merged across boxes, some past the images
+# (their pixels counted by the boxes' own), in two levels where there are many (3 x 28 x 28: 19 boxes)
+EPILOGUE_SHAPES = [((2, 64, 28, 28), (64, 64, 3, 3), 1), ((3, 64, 5, 9), (128, 64, 3, 3), 1),
+                   ((3, 64, 28, 28), (64, 64, 1, 1), 0)]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, padding", EPILOGUE_SHAPES)
+def test_batch_statistics_from_the_forwards_epilogue(emulated_hopper, x_shape, w_shape, padding):
+    """conv2d_forward(..., statistics=...) through this family: mean, invstd and the moved running pair against
+    float64 of the stored y, y bit for bit the forward's without them, the same bits in both thread orders
+    (test_conv_statistics's checks)."""
+    from test_conv_statistics import check_statistics, forward_with_statistics
+    from test_conv_statistics import draw as draw_far_from_zero
+    with kernels.use_precision("bf16"):
+        x, w, b, running = draw_far_from_zero(x_shape, w_shape)
+        runs = [forward_with_statistics(order, x, w, b, running, 1, padding) for order in ("ascending", "descending")]
+    assert emulated_hopper and all(name.startswith("conv_sm90_forward") for name in emulated_hopper), emulated_hopper
+    check_statistics(f"conv_sm90 {x_shape} * {w_shape}", runs, running)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, padding", EPILOGUE_SHAPES)
+@pytest.mark.parametrize("add, relu", [(False, False), (True, False), (False, True)])
+def test_batch_norm_sums_from_backward_datas_epilogue(emulated_hopper, x_shape, w_shape, padding, add, relu):
+    """conv2d_backward(..., norm=..., norm_out=...) through this family: the sums of the batch norm whose dy dx is,
+    of dx after an add into a channels-last gradient in the epilogue (add), the relu's mask recomputed from x (relu),
+    against float64; dx, dw and db bit for bit the backward's without them, the same bits in both orders
+    (test_conv_statistics's checks)."""
+    from test_conv_statistics import check_backward_sums
+    check_backward_sums(f"conv_sm90 {x_shape} * {w_shape}" + " add" * add + " relu" * relu, "bf16", x_shape, w_shape,
+                        1, padding, add, relu, add_order="K")
+    assert f"conv_sm90_forward<{conv_sm90.choose_tile(x_shape[1])}, {str(add).lower()}>" in emulated_hopper
+
+
 def test_backward_data_needs_a_filter_that_covers_the_padding():
     assert conv_sm90.supports_dgrad(geometry((2, 64, 8, 8), (64, 64, 3, 3), 2))
     assert not conv_sm90.supports_dgrad(geometry((2, 64, 8, 8), (64, 64, 3, 3), 3))
@@ -206,6 +254,7 @@ def test_a_simulated_hopper_runs_the_family_and_an_ampere_does_not(monkeypatch):
         expected = {"conv_sm90_forward<Sm90x64, false>", "mirrored_weights<bf16>", "conv_sm90_wgrad<Sm90Wgrad64>"} \
             if hopper else set()
         assert expected <= used and (hopper or not any(n.startswith("conv_sm90") for n in used)), (capability, used)
+        assert not any(name.startswith("bn_stats") for name in names), f"{capability}: the statistics from the epilogue"
         for got, ref, what in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (dw, dw_ref, "dw"), (db, db_ref, "db")):
             got = xp.asnumpy(got).astype(np.float64)
             assert np.abs(got - ref).max() <= 2**-7 * np.abs(ref).max(), (capability, what)

@@ -85,7 +85,6 @@ def test_batch_statistics_from_the_forward(monkeypatch, precision, variant, x_sh
                     for order in ("ascending", "descending")]
     finally:
         conv_tc.plan.cache_clear()
-    (y, plain, mean, invstd, moved), other = runs[0], runs[1]
     name = f"{precision} {variant} conv {x_shape} * {w_shape}"
     tensor_cores = x_shape[1] % 4 == 0
     assert bool(launched) == tensor_cores, launched
@@ -93,6 +92,14 @@ def test_batch_statistics_from_the_forward(monkeypatch, precision, variant, x_sh
         assert all(grid[2] > 1 for _, grid in launched), launched
     if variant == "halo" and x_shape[2:] == (28, 28):
         assert all("forward_halo" in kernel for kernel, _ in launched), launched
+    check_statistics(name, runs, running)
+
+
+def check_statistics(name, runs, running):
+    """The statistics of forward_with_statistics's `runs` in the two thread orders: y bit for bit the forward's
+    without them, the same bits in both orders, and against float64 of the stored y (from `running`, the pair
+    before)."""
+    (y, plain, mean, invstd, moved), other = runs[0], runs[1]
     assert np.asarray(y).tobytes() == np.asarray(plain).tobytes(), f"{name}: y differs with the statistics"
     for ours, theirs, what in zip(runs[0][2:], other[2:], ("mean", "invstd", "running")):
         assert np.asarray(ours).tobytes() == np.asarray(theirs).tobytes(), f"{name}: {what} differs between orders"
@@ -153,13 +160,16 @@ BACKWARD_SHAPES = SHAPES[:3] + [
 WINDOWS = BACKWARD_SHAPES[-1]   # TF32's halo variants alone (tf32_skips; BF16 has no such kernel)
 
 
-def backward_with_sums(order, dy, x, w, norm, stride, padding, out, add):
-    """The backward with the norm's sums and without, each adding dx to a copy of `add` (None: no add)."""
+def backward_with_sums(order, dy, x, w, norm, stride, padding, out, add, add_order="C"):
+    """The backward with the norm's sums and without, each adding dx to a copy of `add` (None: no add) in
+    `add_order` (numpy's: "C", an NCHW gradient, added by a launch of its own; "K", channels-last as `add` is,
+    added in the epilogue)."""
     with thread_order(order):
         be = kernels._device_backend("emu")
         grads = be.conv2d_backward(dy, x, w, stride, padding, norm=norm, norm_out=out,
-                                   add_dx_to=None if add is None else add.copy())
-        plain = be.conv2d_backward(dy, x, w, stride, padding, add_dx_to=None if add is None else add.copy())
+                                   add_dx_to=None if add is None else add.copy(order=add_order))
+        plain = be.conv2d_backward(dy, x, w, stride, padding,
+                                   add_dx_to=None if add is None else add.copy(order=add_order))
     return grads, plain
 
 
@@ -209,37 +219,44 @@ def test_batch_norm_sums_from_backward_data(monkeypatch, precision, variant, x_s
     launched = force(variant, monkeypatch)
     conv_tc.plan.cache_clear()
     try:
-        with kernels.use_precision(precision):
-            x, w, _, _ = draw(x_shape, w_shape)
-            g = rng()
-            storage = kernels.storage_dtype()
-            channels_last = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)  # noqa: E731
-            y = channels_last(np.maximum(g.standard_normal(x_shape), 0).astype(np.float32)).astype(storage)
-            x_norm = channels_last((g.standard_normal(x_shape) + 2).astype(np.float32)).astype(storage)
-            mean = g.standard_normal(x_shape[1]).astype(np.float32)
-            invstd = g.uniform(0.5, 2, x_shape[1]).astype(np.float32)
-            affine, handed_y = (None, None), y
-            if variant.endswith("relu"):   # y as the forward made it; the convolution is handed NaN
-                affine = tuple(g.standard_normal(x_shape[1]).astype(np.float32) for _ in range(2))
-                y = kernels._device_backend("emu").batch_norm_apply(x_norm, *affine, mean, invstd, relu=True)
-                handed_y = np.full_like(y, np.nan)
-            out_shape = kernels._device_backend("emu").conv2d_forward(x, w, None, stride, padding).shape
-            dy = channels_last(g.standard_normal(out_shape).astype(np.float32)).astype(storage)
-            add = channels_last(g.standard_normal(x_shape).astype(np.float32)).astype(storage) \
-                if variant.endswith("add") else None
-            runs = []
-            for order in ("ascending", "descending"):
-                out = tuple(np.full(x_shape[1], np.nan, np.float32) for _ in range(2))
-                runs.append(backward_with_sums(order, dy, x, w, (handed_y, x_norm, mean, invstd, *affine), stride,
-                                               padding, out, add) + (out,))
+        name = f"{precision} {variant} conv {x_shape} * {w_shape} stride {stride}"
+        check_backward_sums(name, precision, x_shape, w_shape, stride, padding, variant.endswith("add"),
+                            variant.endswith("relu"))
     finally:
         conv_tc.plan.cache_clear()
-    (grads, plain, out), other = runs[0], runs[1]
-    name = f"{precision} {variant} conv {x_shape} * {w_shape} stride {stride}"
     if stride == 1 and x_shape[1] % 4 == 0 and variant.startswith("halo") and x_shape[2:] == (28, 28):
         assert any("dgrad_halo" in kernel for kernel, _ in launched), launched
     if stride == 2 and w_shape[2:] == (3, 3) and precision == "tf32" and variant.startswith("halo"):
         assert any(kernel == conv_tc.PHASE_KERNEL for kernel, _ in launched), launched
+
+
+def check_backward_sums(name, precision, x_shape, w_shape, stride, padding, add, relu, add_order="C"):
+    """conv2d_backward on the emulator with a batch norm's sums, in `precision`, in both thread orders, as
+    test_batch_norm_sums_from_backward_data says: `add`, dx added to a gradient (in add_order, see
+    backward_with_sums); `relu`, a relu alone whose mask the epilogue recomputes from x_norm."""
+    with kernels.use_precision(precision):
+        x, w, _, _ = draw(x_shape, w_shape)
+        g = rng()
+        storage = kernels.storage_dtype()
+        channels_last = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)  # noqa: E731
+        y = channels_last(np.maximum(g.standard_normal(x_shape), 0).astype(np.float32)).astype(storage)
+        x_norm = channels_last((g.standard_normal(x_shape) + 2).astype(np.float32)).astype(storage)
+        mean = g.standard_normal(x_shape[1]).astype(np.float32)
+        invstd = g.uniform(0.5, 2, x_shape[1]).astype(np.float32)
+        affine, handed_y = (None, None), y
+        if relu:   # y as the forward made it; the convolution is handed NaN
+            affine = tuple(g.standard_normal(x_shape[1]).astype(np.float32) for _ in range(2))
+            y = kernels._device_backend("emu").batch_norm_apply(x_norm, *affine, mean, invstd, relu=True)
+            handed_y = np.full_like(y, np.nan)
+        out_shape = kernels._device_backend("emu").conv2d_forward(x, w, None, stride, padding).shape
+        dy = channels_last(g.standard_normal(out_shape).astype(np.float32)).astype(storage)
+        add = channels_last(g.standard_normal(x_shape).astype(np.float32)).astype(storage) if add else None
+        runs = []
+        for order in ("ascending", "descending"):
+            out = tuple(np.full(x_shape[1], np.nan, np.float32) for _ in range(2))
+            runs.append(backward_with_sums(order, dy, x, w, (handed_y, x_norm, mean, invstd, *affine), stride,
+                                           padding, out, add, add_order) + (out,))
+    (grads, plain, out), other = runs[0], runs[1]
     assert len(grads) == 5 and grads[3] is out[0] and grads[4] is out[1], f"{name}: the sums go to norm_out"
     for ours, theirs, what in zip(grads[:3], plain, ("dx", "dw", "db")):
         assert np.asarray(ours).tobytes() == np.asarray(theirs).tobytes(), f"{name}: {what} differs with the sums"

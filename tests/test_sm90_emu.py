@@ -464,10 +464,12 @@ def gemm(n, a, b, mode, level="full"):
 
 
 @pytest.mark.parametrize("n", [64, 128])
-@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("mode", [0, 1, 3])
 def test_a_warp_specialised_gemm_of_tma_loads_and_wgmmas(order, n, mode):
     """6 k steps through 4 stages (the barriers' phases flip), the stage released after wgmma_wait<0>() (mode 0)
-    or, one group kept in flight, the stage before after wgmma_wait<1>() (mode 1, conv_sm90's)."""
+    or, one group kept in flight, the stage before after wgmma_wait<1>() (mode 1, conv_sm90's); mode 3, then the
+    ring the consumers' scratch after a __syncthreads() (the wgmmas every warpgroup's wait retired before it are
+    ordered before what any thread does after it)."""
     a, b = bf16((128, 384)), bf16((n, 384))
     np.testing.assert_array_equal(gemm(n, a, b, mode), chained_product(a, b))
 
@@ -481,6 +483,16 @@ def test_a_stage_released_before_the_wgmma_wait_that_retires_its_wgmmas_is_refus
                                               r"\d+-\d+\) reads.*a stage released before the wgmma_wait that retires "
                                               r"the wgmmas reading it"):
         gemm(128, a, b, mode=2)
+
+
+def test_a_ring_reused_with_no_barrier_after_the_last_wgmma_wait_is_refused(order):
+    """mode 4: the consumers store to the ring as soon as their own warpgroup's wgmmas retired, where the other
+    warpgroup's wgmmas read it (the B operand both read), with no __syncthreads() between."""
+    a, b, store = bf16((128, 384)), bf16((64, 384)), line_of("the scratch's store")
+    with pytest.raises(emu.KernelError, match=rf"racecheck: a plain store at \S+{store} writes "
+                                              r"byte \d+ of `the dynamic shared memory .*`(,)? (which|while) the wgmma "
+                                              r"at \S+ of warpgroup \d \(threads \d+-\d+\) reads"):
+        gemm(64, a, b, mode=4)
 
 
 @pytest.mark.parametrize("level", ["memcheck", "off"])

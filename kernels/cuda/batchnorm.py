@@ -23,6 +23,10 @@ KERNELS = ("bn_stats_finish", "bn_invstd", "bn_update_running") + \
           for t in STORAGE_TYPES.values())
 APPLY_MODES = {(False, False): 0, (True, False): 1, (True, True): 2}   # (relu, residual) -> bn_apply's MODE
 GROUP = 32   # channels per block of the _rows reductions: one per lane of a warp
+# A convolution's BN_STATS_PARAMS and BN_SUMS_PARAMS (bn_stats.cuh: the norm's statistics in a forward's epilogue,
+# its backward sums in a backward-data's) when none are wanted: the partials null.
+NO_STATISTICS = (None, None, 0, None, None, None, None, 0.0, 0.0, 0.0)
+NO_SUMS = (None, None, None, None, None, None, None, None, 0, None, None)
 
 
 def batch_norm_forward(be, x, gamma, beta, eps, *, running=None, momentum=0.1, relu=False, residual=None):

@@ -113,21 +113,27 @@ __device__ __forceinline__ V load_slot(const float* partial, int slot, int chann
     else return {p[0], p[channels]};
 }
 
+// The values of the tiles along the reduced dimension where they are consecutive runs of `per_tile` of the
+// `values` in all (the last tile may hold fewer): values_of(first, count) those of `count` tiles from tile
+// `first`. A tiling of another shape (conv_sm90.cu's boxes of pixels) brings its own such callable.
+struct TileRuns {
+    int per_tile, values;
+    __device__ float operator()(int first, int count) const {
+        return float(min(values, (first + count) * per_tile) - first * per_tile);
+    }
+};
+
 // Merges this block's `v` of channel c (`mine`: the thread holds a channel, c < channels), over tile
-// `tile` of the `tiles` along the reduced dimension, each `per_tile` values of the `values` in all (the
-// last tile may hold fewer), with the other tiles' of the channels of tile `channel_tile`, as the header
+// `tile` of the `tiles` along the reduced dimension (values_of(first, count): the values of `count` tiles
+// from `first`, as TileRuns), with the other tiles' of the channels of tile `channel_tile`, as the header
 // says: slots of `partial`, `counters` (groups + 1 per tile of channels), groups of `group` tiles.
 // Returns true in the threads of the last block that hold the total of their channel, in v. Every
 // thread of the block must call it.
-template <class V>
+template <class V, class Values>
 __device__ __forceinline__ bool bn_tile_merge(float* partial, unsigned* counters, int group, V& v, bool mine, int c,
-                                              int channels, int tile, int tiles, int per_tile, int values,
+                                              int channels, int tile, int tiles, const Values& values_of,
                                               int channel_tile) {
     if (mine) store_slot(partial, tile, channels, c, v);
-    // the values of `count` tiles from tile `first`
-    const auto values_of = [&](int first, int count) {
-        return float(min(values, (first + count) * per_tile) - first * per_tile);
-    };
     const int groups = (tiles + group - 1) / group;
     counters += channel_tile * (groups + 1);
     int first_slot = 0, terms = tiles, tiles_per_slot = 1;   // the slots the last block merges
@@ -154,15 +160,34 @@ __device__ __forceinline__ bool bn_tile_merge(float* partial, unsigned* counters
 
 // The statistics of channel c from this block's moments `m` of it, merged across the tiles
 // (bn_tile_merge's arguments): mean, invstd and the running pair.
+template <class Values>
 __device__ __forceinline__ void bn_tile_statistics(const BnStats& s, Moments m, bool mine, int c, int channels,
-                                                   int tile, int tiles, int per_tile, int values, int channel_tile) {
-    if (!bn_tile_merge(s.partial, s.counters, s.group, m, mine, c, channels, tile, tiles, per_tile, values,
-                       channel_tile))
+                                                   int tile, int tiles, const Values& values_of, int channel_tile) {
+    if (!bn_tile_merge(s.partial, s.counters, s.group, m, mine, c, channels, tile, tiles, values_of, channel_tile))
         return;
     s.mean[c] = m.mean;
     s.invstd[c] = 1.0f / sqrtf(m.m2 / m.n + s.eps);
     if (s.running_mean) bn_move_running(c, s.running_mean, s.running_var, s.mean, s.invstd, s.momentum, s.eps,
                                         s.correction);
+}
+
+// The statistics of a block's tile of channels n0.. (bn_tile_statistics's arguments), from its values' moments per
+// column in `parts` parts, part[q * columns + j] in shared memory (columns: the tile's), which the block's
+// threads wrote before this: each column's parts merged in order by thread j of the block (`thread`, counted
+// from the first thread that has not returned). Every thread that has not returned must call it.
+template <class Values>
+__device__ __forceinline__ void bn_block_statistics(const BnStats& s, const Moments* part, int parts, int columns,
+                                                    int thread, int n0, int channels, int tile, int tiles,
+                                                    const Values& values_of, int channel_tile) {
+    __syncthreads();
+    const int c = n0 + thread;
+    const bool mine = thread < columns && c < channels;
+    Moments m{0.0f, 0.0f, 0.0f};
+    if (mine) {   // the tile's moments: its parts merged in order
+        m = part[thread];
+        for (int q = 1; q < parts; ++q) m = merged(m, part[q * columns + thread]);
+    }
+    bn_tile_statistics(s, m, mine, c, channels, tile, tiles, values_of, channel_tile);
 }
 
 // ---- the normalisation ---------------------------------------------------------------------------------
@@ -183,7 +208,7 @@ __device__ __forceinline__ float bn_affine(float x, float mean, float invstd, fl
 // A batch norm with a fused relu or residual join whose output a convolution reads gets its backward's
 // sums, dgamma = sum(g * xhat) and dbeta = sum(g), g = dy where its output y > 0 (else 0) and xhat = (x -
 // mean) * invstd, from the backward-data of the reader that runs last, whose dx is the norm's dy: in its
-// epilogue (tc_conv.cuh's tc_norm_sums), merged across tiles as the statistics are. The norm's backward
+// epilogue (bn_tile_sums, below), merged across tiles as the statistics are. The norm's backward
 // then runs bn_backward_dx alone. With a relu alone, y > 0 is bn_affine(x) > 0, recomputed from x (gamma
 // and beta given) rather than read.
 
@@ -208,3 +233,48 @@ struct BnSums {
         norm_y, norm_x, norm_mean, norm_invstd, norm_gamma, norm_beta, sums_partial, sums_counters, sums_group, \
             norm_dgamma, norm_dbeta                                                                            \
     }
+
+// The backward sums of the batch norm whose dy is a backward-data's dx, from the tile T::BM x T::BN as
+// the block that finished it stored it (in `dx`, read back: dx, and the norm's x, and y unless the mask
+// is recomputed from x, at each element; out.row(m0 + r) and out.column(n0 + j): where row r and column
+// j of the tile lie, -1 past dx), by the THREADS threads of the block from thread FIRST (the others
+// have returned): each thread every READERS-th row of a column (channel), in order, then the threads of a
+// column in order, then the `tiles` tiles of rows, this one `tile` (bn_tile_merge): with several
+// stride phases (conv_tc.cu's), the tiles of every phase, each phase's rows its own cells of dx. A tile
+// with no rows (past its phase's cells) merges zeros. smem: 2 * THREADS floats the block is done with.
+// Every thread that has not returned must call it.
+template <class T, int THREADS, int FIRST = 0, class Out, class E>
+__device__ __forceinline__ void bn_tile_sums(const BnSums<E>& s, const Out& out, int columns, const E* dx,
+                                             float* smem, int m0, int n0, int tile, int tiles) {
+    constexpr int READERS = THREADS / T::BN;
+    static_assert(THREADS % T::BN == 0, "whole threads to a column");
+    BackwardSums* part = reinterpret_cast<BackwardSums*>(smem);   // [READERS][BN]
+    __syncthreads();   // every warp is done with the main loop's shared memory, and dx's tile is stored
+    const int thread = int(threadIdx.x) - FIRST, column = thread % T::BN, c = n0 + column;
+    BackwardSums sums{0.0f, 0.0f};
+    if (out.column(c) >= 0) {
+        const float mean = s.mean[c], invstd = s.invstd[c];
+        const float gamma = s.beta ? s.gamma[c] : 0.0f, beta = s.beta ? s.beta[c] : 0.0f;
+        for (int r = thread / T::BN; r < T::BM; r += READERS) {
+            const int row = out.row(m0 + r);
+            if (row < 0) continue;
+            const int at = row + out.column(c);
+            const float d = to_float(dx[at]), xv = to_float(s.x[at]);   // loaded whatever the mask: one load a warp
+            const bool passed = s.beta ? bn_affine(xv, mean, invstd, gamma, beta) > 0.0f : to_float(s.y[at]) > 0.0f;
+            const float g = passed ? d : 0.0f;
+            sums.dgamma = fmaf(g, (xv - mean) * invstd, sums.dgamma);
+            sums.dbeta += g;
+        }
+    }
+    part[thread] = sums;
+    __syncthreads();
+    const bool mine = thread < T::BN && c < columns;
+    if (mine)
+        for (int q = 1; q < READERS; ++q) sums = merged(sums, part[q * T::BN + thread]);
+    // (the sums carry no count: the tiles' sizes are the merge's bookkeeping alone)
+    if (bn_tile_merge(s.partial, s.counters, s.group, sums, mine, c, columns, tile, tiles,
+                      TileRuns{T::BM, tiles * T::BM}, int(blockIdx.y))) {
+        s.dgamma[c] = sums.dgamma;
+        s.dbeta[c] = sums.dbeta;
+    }
+}

@@ -45,12 +45,13 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // the block that comes last, whichever it is, gets true and adds the group's partials in a fixed
 // order (added_partials), so the result does not depend on which block that was. The counter is
 // one of the backend's zeroed counters (Backend.counters) and is zero again when the launch ends.
-// Every thread of the block must call it.
+// Every thread of the block that has not returned must call it, the block's last thread (which counts
+// the block) among them: a warp-specialised kernel's producers, its first threads, may have returned.
 __device__ __forceinline__ bool last_block(unsigned* counter, unsigned blocks) {
     __threadfence();   // this block's partials reach the device before it counts itself
     __syncthreads();
     int last = 0;
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == blockDim.x - 1) {
         last = atomicAdd(counter, 1u) == blocks - 1;
         if (last) *counter = 0u;   // every other block has counted: ready for the next launch
     }

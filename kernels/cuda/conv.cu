@@ -149,7 +149,7 @@ __device__ __forceinline__ void batch_stats(const BnStats& s, const Geometry<KH,
     const int c = m0 + int(threadIdx.x);
     const bool mine = int(threadIdx.x) < T::BM && c < g.o;
     bn_tile_statistics(s, mine ? rows[threadIdx.x] : Moments{0.0f, 0.0f, 0.0f}, mine, c, g.o, int(blockIdx.x),
-                       int(gridDim.x), T::BN, pixels, int(blockIdx.y));
+                       int(gridDim.x), TileRuns{T::BN, pixels}, int(blockIdx.y));
 }
 
 // y = conv(x, w) + b (bias may be null): one block per Tile::BM output channels x Tile::BN output pixels

@@ -161,11 +161,7 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
         raw, dy = dy, conv_tc.tf32_values(be, dy, dy_tf32)   # TF32's GEMMs read it rounded: once for both
         dx = None
         if need_dx:
-            if kind is conv_tc.BF16 and conv_sm90.chosen_dgrad(be, geometry) and \
-                    (into is None or into.flags.c_contiguous):   # Hopper's: a norm's sums by batchnorm.py's pass
-                dx = conv_sm90.backward_data(be, dy, nhwc(be, w), geometry, into).transpose(0, 3, 1, 2)
-                dx = dx if into is None else add_dx_to
-            elif into is None or into.flags.c_contiguous:
+            if into is None or into.flags.c_contiguous:
                 epilogue = _epilogue_norm(be, norm, dy.dtype)
                 dx = conv_tc.backward_data(be, dy, nhwc(be, w), geometry, into, norm=epilogue, sums=sums,
                                            w_tf32=w_tf32, dy_tf32=True).transpose(0, 3, 1, 2)

@@ -428,7 +428,7 @@ conv_bf16_forward(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, c
 // of `group`, see tc_finish), added to what dx holds when `add` is set. Blocks past the phase's
 // cells (phases differ in size by a row or column) leave at once; a phase, or a part of one, that
 // no tap reaches gets zeros. Unless sums_partial is null, the backward sums of the batch norm whose
-// dy dx is (tc_norm_sums, over the tiles of every phase: a block past its phase's cells merges zeros).
+// dy dx is (bn_tile_sums, over the tiles of every phase: a block past its phase's cells merges zeros).
 template <class T, int ALIGN>
 __global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
 conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf16* __restrict__ dx, int add,
@@ -442,8 +442,8 @@ conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf
     __shared__ __align__(128) bf16 smem[BfShared<T>::SIZE];
     if (m0 >= g.n * f.cells()) {   // the same for the whole block
         if (sums_partial && part == 0)
-            tc_norm_sums<T>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, reinterpret_cast<float*>(smem), m0, n0,
-                            tile, sums_tiles);
+            bn_tile_sums<T, TC_THREADS>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx,
+                                        reinterpret_cast<float*>(smem), m0, n0, tile, sums_tiles);
         return;
     }
     const int k_begin = part * k_chunk, k_end = min(k_begin + k_chunk, f.taps() * g.o);
@@ -461,8 +461,8 @@ conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf
     const bool finished = tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
                                               tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
     if (finished && sums_partial)
-        tc_norm_sums<T>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, reinterpret_cast<float*>(smem), m0, n0, tile,
-                        sums_tiles);
+        bn_tile_sums<T, TC_THREADS>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, reinterpret_cast<float*>(smem),
+                                    m0, n0, tile, sums_tiles);
 }
 
 // The bias gradient (tc_conv.cuh's BiasTotals) on the tensor cores: the warps of the first row of the
@@ -580,8 +580,8 @@ conv_bf16_dgrad_halo(const bf16* __restrict__ dy, const bf16* __restrict__ w_krs
     tc_finish<T, false>(RowsOut{pixels, g.c}, dx, partial, pixels * g.c, SplitK{1, 1, 0}, counters, m0, n0, nullptr,
                         add, acc);
     if (sums_partial)
-        tc_norm_sums<T>(BnSums<bf16> BN_SUMS, RowsOut{pixels, g.c}, g.c, dx, reinterpret_cast<float*>(smem), m0, n0,
-                        int(blockIdx.x), int(gridDim.x));
+        bn_tile_sums<T, TC_THREADS>(BnSums<bf16> BN_SUMS, RowsOut{pixels, g.c}, g.c, dx, reinterpret_cast<float*>(smem),
+                                    m0, n0, int(blockIdx.x), int(gridDim.x));
 }
 
 

@@ -30,7 +30,11 @@
 //   Sm90Box             the tile scheduler's map from a box's index and a row of it to its pixel
 //   the epilogues       each consumer thread's accumulators (mma.sync's m16n8 layout, BN / 8 of them a warp):
 //                       the forward's plus the bias (or what y holds: ADD), rounded to bf16 once, stored as pairs
-//                       of neighbouring channels; backward-weight's float32 pairs into its part's slot
+//                       of neighbouring channels; backward-weight's float32 pairs into its part's slot. Then, in the
+//                       forward, the batch norm's statistics of y (sm90_batch_stats), or in backward-data the sums
+//                       of the norm whose dy dx is (bn_tile_sums), merged across the grid's boxes as the mma.sync
+//                       kernels merge their tiles' (bn_stats.cuh), the ring the consumers' scratch once the
+//                       producer has returned (__syncthreads waits for the threads that have not)
 //
 // Registers: 128 (1 + CONSUMERS) threads a block; setmaxnreg gives the producer's warpgroup 40 registers a thread
 // and the consumers the rest (a consumer holds BN / 2 accumulators): 232 a thread with one block an SM (the
@@ -39,6 +43,7 @@
 #include "sm90.cuh"
 #include "bf16.cuh"
 #include "conv_geometry.cuh"
+#include "bn_stats.cuh"
 
 // A tile: CONSUMERS warpgroups of 64 rows each (BM = 64 CONSUMERS) by BN columns, BK = 64 of k a stage, STAGES deep;
 // a block is its consumers and a producer warpgroup, MIN_BLOCKS of them an SM. A stage holds BM / 64 blocks of A and
@@ -64,8 +69,9 @@ struct Sm90Wgrad64 : Sm90Tile<1, 64, 6, 2> {}; // 64 by 64 (97 KB: 2 blocks an S
 // The box of a tile's pixels: rows t = (i box_h + h) box_w + w of the box are the pixel (n0 + i, p0 + h, q0 + w) of an
 // (N, P, Q) image batch, the box the `index`-th in (N, P, Q) order.
 struct Sm90Box {
-    int box_w, box_h, n0, p0, q0;
-    __device__ Sm90Box(int index, int box_w_, int box_h_, int box_i, int p, int q) : box_w(box_w_), box_h(box_h_) {
+    int box_w, box_h, box_i, n0, p0, q0;
+    __device__ Sm90Box(int index, int box_w_, int box_h_, int box_i_, int p, int q)
+        : box_w(box_w_), box_h(box_h_), box_i(box_i_) {
         const int boxes_w = (q + box_w - 1) / box_w, boxes_h = (p + box_h - 1) / box_h;
         q0 = index % boxes_w * box_w;
         p0 = index / boxes_w % boxes_h * box_h;
@@ -76,6 +82,34 @@ struct Sm90Box {
         const int img = n0 + row / (box_h * box_w), y = p0 + row / box_w % box_h, x = q0 + row % box_w;
         return img < n && y < p && x < q ? (img * p + y) * q + x : -1;
     }
+    // how many of its pixels lie inside the batch
+    __device__ int pixels(int n, int p, int q) const {
+        return (min(n, n0 + box_i) - n0) * (min(p, p0 + box_h) - p0) * (min(q, q0 + box_w) - q0);
+    }
+};
+
+// The epilogue's view of the boxes for the batch norm's sums across tiles (bn_stats.cuh): the pixels of `count`
+// boxes from `first` (bn_tile_merge's values_of), of the `boxes` of the (N, P, Q) batch.
+struct Sm90BoxValues {
+    int box_w, box_h, box_i, n, p, q, boxes;
+    __device__ float operator()(int first, int count) const {
+        float values = 0.0f;
+        for (int index = first; index < min(first + count, boxes); ++index)
+            values += float(Sm90Box(index, box_w, box_h, box_i, p, q).pixels(n, p, q));
+        return values;
+    }
+};
+
+// Where row r of a tile and channel c lie in an NHWC output of `channels` channels (bn_tile_sums's Out): the
+// box's pixel r, -1 past the batch.
+struct Sm90BoxRows {
+    Sm90Box box;
+    int n, p, q, channels;
+    __device__ int row(int r) const {
+        const int pixel = box.pixel(r, n, p, q);
+        return pixel < 0 ? -1 : pixel * channels;
+    }
+    __device__ int column(int c) const { return c < channels ? c : -1; }
 };
 
 // The mainloop's pipeline: a ring of STAGES stages, each with a `full` mbarrier (the producer's arrival with the
@@ -161,15 +195,53 @@ __device__ __forceinline__ bool sm90_roles(const Sm90Pipeline<Tile>& pipeline, c
 
 // ---- forward (and backward-data) ------------------------------------------------------------------------------
 
+// The batch norm's statistics of the forward's output channels o0.. (bn_stats.cuh) from the consumers' accumulators,
+// as the epilogue stored them (plus the bias, rounded to bf16): each thread's two rows of a column (ShiftedSums),
+// merged across the 8 lanes that share the column (shuffles), then the block's 4 CONSUMERS warps in order
+// (bn_block_statistics), then the boxes of the grid (Sm90BoxValues counts their pixels). smem: 12 * 4 CONSUMERS *
+// BN bytes the block is done with. Every consumer thread must call it, the producer's having returned.
+template <class Tile>
+__device__ __forceinline__ void sm90_batch_stats(const BnStats& s, const Sm90Box& box, const Sm90BoxValues& boxes,
+                                                 int o, int o0, const float* bias, const float (&acc)[Tile::BN / 2],
+                                                 unsigned char* smem) {
+    Moments* part = reinterpret_cast<Moments*>(smem);   // [4 CONSUMERS warps][BN]
+    const int thread = int(threadIdx.x) - 128, lane = thread % 32, warp = thread / 32;
+    bool inside[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+        inside[half] = box.pixel(16 * warp + lane / 4 + 8 * half, boxes.n, boxes.p, boxes.q) >= 0;
+    __syncthreads();   // every consumer is done with the ring
+#pragma unroll
+    for (int j = 0; j < Tile::BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int column = 8 * j + 2 * (lane % 4) + e;
+            const float b = bias ? bias[o0 + column] : 0.0f;
+            ShiftedSums sums;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                if (inside[half]) sums.add(to_float(stored<bf16>(acc[4 * j + 2 * half + e] + b)));
+            Moments m = sums.moments();
+#pragma unroll
+            for (int x = 4; x < 32; x <<= 1) m = merged(m, shuffled_xor(m, x));
+            if (lane < 4) part[warp * Tile::BN + column] = m;
+        }
+    bn_block_statistics(s, part, 4 * Tile::CONSUMERS, Tile::BN, thread, o0, o, int(blockIdx.x), int(gridDim.x), boxes,
+                        int(blockIdx.y));
+}
+
 // x_map: x (N, H, W, C) bf16, box (box_i, box_h, box_w, 64), swizzled; w_map: w (O, KH*KW*C) bf16, box (BN, 64),
 // swizzled. A block: the tile (blockIdx.x: its box of the output), BN filters from blockIdx.y * BN. Step k: tap
 // (r, s), channels c0..c0+63: A is the output box moved by (r - ph, s - pw) in x (K-major: a pixel's 64 channels a
-// line), B those k of the BN filters (K-major).
+// line), B those k of the BN filters (K-major). After the tile is stored, the consumers compute from it, unless
+// the pointer that asks is null: the statistics of the batch norm that follows the forward (stats_partial,
+// sm90_batch_stats), or the backward sums of the norm whose dy this backward-data's dx is (sums_partial,
+// bn_tile_sums: of y as stored, after the add).
 template <class Tile, bool ADD>
 __global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
 conv_sm90_forward(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map,
                   const float* __restrict__ bias, bf16* __restrict__ y, int n, int c, int o, int kh, int kw, int ph,
-                  int pw, int oh, int ow, int box_w, int box_h, int box_i) {
+                  int pw, int oh, int ow, int box_w, int box_h, int box_i, BN_STATS_PARAMS, BN_SUMS_PARAMS(bf16)) {
     extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
     const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
     const Sm90Box box(blockIdx.x, box_w, box_h, box_i, oh, ow);
@@ -214,6 +286,13 @@ conv_sm90_forward(const __grid_constant__ TensorMap x_map, const __grid_constant
             *pair = bf16x2_round(lo, hi);
         }
     }
+    const Sm90BoxValues boxes{box_w, box_h, box_i, n, oh, ow, int(gridDim.x)};
+    if (stats_partial)
+        sm90_batch_stats<Tile>(BnStats BN_STATS, box, boxes, o, o0, bias, acc, pipeline.ring);
+    if (sums_partial)
+        bn_tile_sums<Tile, 128 * Tile::CONSUMERS, 128>(BnSums<bf16> BN_SUMS, Sm90BoxRows{box, n, oh, ow, o}, o, y,
+                                                       reinterpret_cast<float*>(pipeline.ring), 0, o0,
+                                                       int(blockIdx.x), int(gridDim.x));
 }
 
 // ---- backward-weight ------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 
 from kernels import bfloat16
 
+from .batchnorm import NO_STATISTICS, NO_SUMS
 from .launch import aligned, cdiv, launch, sum_partials, tensor_map
 
 OPS = ()   # the contract's op is conv.py's conv2d_forward, through conv_tc.forward
@@ -100,18 +101,27 @@ def dynamic_shared(kernel):
     return 1024 + stages * (rows + columns) * BK * 2 + 2 * stages * 8
 
 
+class Plan(typing.NamedTuple):
+    tile: str
+    grid: tuple   # (boxes of the output, tiles of BN filters)
+    box: tuple    # (box_i, box_h, box_w) of a tile's pixels
+
+
 def plan(geometry):
-    """(tile, grid, box) of the forward: the tile, a block per box of the output by BN filters."""
+    """The forward's Plan: the tile, a block per box of the output by BN filters."""
     n, o, oh, ow = geometry[0], geometry[4], geometry[11], geometry[12]
     box = choose_box(n, oh, ow)
     tile = choose_tile(o)
     tiles = cdiv(n, box[0]) * cdiv(oh, box[1]) * cdiv(ow, box[2])
-    return tile, (tiles, o // TILES[tile][0]), box
+    return Plan(tile, (tiles, o // TILES[tile][0]), box)
 
 
-def forward(be, x, w_krsc, b, geometry, into=None):
+def forward(be, x, w_krsc, b, geometry, into=None, stats=NO_STATISTICS, sums=NO_SUMS):
     """y (N, OH, OW, O) bfloat16 = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (float32 (O,), or None); added to
-    `into` (a C-contiguous (N, OH, OW, O) bfloat16 array), in place, rounded once, when given."""
+    `into` (a C-contiguous (N, OH, OW, O) bfloat16 array), in place, rounded once, when given. From the epilogue, as
+    the mma.sync kernels': `stats`, the BN_STATS_PARAMS of the batch norm that follows, whose statistics of y it
+    computes (conv_tc.statistics_arguments over the plan's grid), or `sums`, the BN_SUMS_PARAMS of the norm whose
+    backward sums of y (after the add) it computes (backward_data); NO_STATISTICS, NO_SUMS: none."""
     n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if not supports(geometry) or x.dtype != bfloat16 or w_krsc.dtype != bfloat16:
         raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 and channels multiples of 64, got "
@@ -122,14 +132,16 @@ def forward(be, x, w_krsc, b, geometry, into=None):
     w_map = tensor_map(be, w_krsc.reshape(o, kh * kw * c), (TILES[tile][0], BK))
     y = be.xp.empty((n, oh, ow, o), bfloat16) if into is None else into
     kernel = f"conv_sm90_forward<{tile}, {'false' if into is None else 'true'}>"
-    launch(be, "conv_sm90", kernel, grid, (x_map, w_map, b, y, n, c, o, kh, kw, ph, pw, oh, ow, box_w, box_h, box_i),
+    launch(be, "conv_sm90", kernel, grid,
+           (x_map, w_map, b, y, n, c, o, kh, kw, ph, pw, oh, ow, box_w, box_h, box_i, *stats, *sums),
            block=(THREADS,), shared_mem=dynamic_shared(kernel))
     return y
 
 
-def backward_data(be, dy, w_krsc, geometry, into=None):
+def backward_data(be, dy, w_krsc, geometry, into=None, sums=NO_SUMS):
     """dx (N, H, W, C) bfloat16 from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C), bfloat16; added to `into` (as
-    forward's) when given: the forward of dy by the mirrored weights (mirrored_weights<bf16>, a launch)."""
+    forward's) when given: the forward of dy by the mirrored weights (mirrored_weights<bf16>, a launch), with the
+    sums of a batch norm (forward's `sums`, over the grid of plan(dgrad_geometry(geometry)))."""
     n, c, h, w, o, kh, kw = geometry[:7]
     if not supports_dgrad(geometry):
         raise ValueError(f"conv_sm90: takes the backward-data of stride-1 convolutions whose filter covers the "
@@ -137,7 +149,7 @@ def backward_data(be, dy, w_krsc, geometry, into=None):
     mirrored = be.xp.empty((c, kh, kw, o), bfloat16)
     launch(be, "conv_sm90", "mirrored_weights<bf16>", (cdiv(mirrored.size, 256),), (aligned(w_krsc), mirrored, o,
                                                                                      kh * kw, c), block=(256,))
-    return forward(be, dy, mirrored, None, dgrad_geometry(geometry), into)
+    return forward(be, dy, mirrored, None, dgrad_geometry(geometry), into, sums=sums)
 
 
 def chosen_wgrad(be, geometry):

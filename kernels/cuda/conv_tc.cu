@@ -520,7 +520,7 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
 // of `group`, see tc_finish), added to what dx holds when `add` is set; dy and w_krsc hold TF32 values (see
 // the header). Blocks past the phase's cells (phases differ in size by a row or column) leave at once; a
 // phase, or a part of one, that no tap reaches gets zeros. Unless sums_partial is null, the backward sums
-// of the batch norm whose dy dx is (tc_norm_sums, over the tiles of every phase: a block past its phase's
+// of the batch norm whose dy dx is (bn_tile_sums, over the tiles of every phase: a block past its phase's
 // cells merges zeros).
 template <class T, int ALIGN>
 __global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
@@ -535,7 +535,8 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
     __shared__ float sums_smem[2 * TC_THREADS];
     if (m0 >= g.n * f.cells()) {   // the same for the whole block
         if (sums_partial && part == 0)
-            tc_norm_sums<T>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile, sums_tiles);
+            bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile,
+                                        sums_tiles);
         return;
     }
     const int k_begin = part * k_chunk, k_end = min(k_begin + k_chunk, f.taps() * g.o);
@@ -553,7 +554,8 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
     const bool finished = tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
                                               tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
     if (finished && sums_partial)
-        tc_norm_sums<T>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile, sums_tiles);
+        bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile,
+                                    sums_tiles);
 }
 
 // The bias gradient (tc_conv.cuh's BiasTotals) summed from the raw values of this thread's chunks of
@@ -890,8 +892,8 @@ conv_tc_dgrad_halo(const float* __restrict__ dy, const float* __restrict__ w_mir
                         add, acc);
     __shared__ float sums_smem[2 * TC_THREADS];
     if (sums_partial)
-        tc_norm_sums<T>(BnSums<float> BN_SUMS, RowsOut{pixels, g.c}, g.c, dx, sums_smem, m0, n0, int(blockIdx.x),
-                        int(gridDim.x));
+        bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, RowsOut{pixels, g.c}, g.c, dx, sums_smem, m0, n0,
+                                    int(blockIdx.x), int(gridDim.x));
 }
 
 // ---- the backward of a 1x1 projection in one pass over dy -------------------------------------------
@@ -1242,6 +1244,6 @@ conv_tc_dgrad_phases(const float* __restrict__ dy, const float* __restrict__ w_m
     tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, SplitK{1, 1, 0}, counters, m0, 0,
                         nullptr, add, acc);
     if (sums_partial)
-        tc_norm_sums<T>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, smem, m0, 0, tile,
-                        int(g.sh * g.sw * gridDim.x));
+        bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, smem, m0, 0, tile,
+                                    int(g.sh * g.sw * gridDim.x));
 }

@@ -19,7 +19,7 @@ import numpy as np
 from kernels import bfloat16
 
 from . import conv_sm90
-from .batchnorm import batch_statistics
+from .batchnorm import NO_STATISTICS, NO_SUMS
 from .elementwise import round_tf32
 from .launch import aligned, cdiv, is_channels_last, launch, memory
 
@@ -384,12 +384,10 @@ def forward(be, x, w_krsc, b, geometry, statistics=None, fold=None, w_tf32=False
     holds TF32 values already (see tf32_values)."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     kind = kind_of(x.dtype)
-    if kind is BF16 and conv_sm90.chosen(be, geometry):   # Hopper's: the statistics in a launch of their own
-        y = conv_sm90.forward(be, x, w_krsc, b, geometry)
-        if statistics is None:
-            return y
-        return (y, *batch_statistics(be, y.transpose(0, 3, 1, 2), statistics.eps, statistics.running,
-                                     statistics.momentum))
+    if kind is BF16 and conv_sm90.chosen(be, geometry):   # Hopper's, the statistics over its grid of boxes
+        stats, mean, invstd = statistics_arguments(be, statistics, *conv_sm90.plan(geometry).grid, o, n * oh * ow)
+        y = conv_sm90.forward(be, x, w_krsc, b, geometry, stats=stats)
+        return y if statistics is None else (y, mean, invstd)
     p = plan("forward", geometry, kind, fold=fold is not None)
     x, w_krsc = aligned(x), aligned(tf32_values(be, w_krsc, w_tf32))
     y = be.xp.empty((n, oh, ow, o), x.dtype)
@@ -445,6 +443,10 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None, w_t
     y > 0, from the kernel's epilogue, over the tiles of every stride phase. w_tf32: as forward's; dy_tf32:
     float32 dy holds TF32 values already (see tf32_values)."""
     n, c, h, wd = geometry[:4]
+    if kind_of(dy.dtype) is BF16 and conv_sm90.chosen_dgrad(be, geometry):   # Hopper's, the sums over its boxes
+        tiles, channel_tiles = conv_sm90.plan(conv_sm90.dgrad_geometry(geometry)).grid
+        tail = NO_SUMS if norm is None else (*norm, *tile_merge_arguments(be, tiles, channel_tiles, c, 0), *sums)
+        return conv_sm90.backward_data(be, dy, w_krsc, geometry, into, sums=tail)
     p = plan("dgrad", geometry, kind_of(dy.dtype))
     dy, w_krsc = aligned(tf32_values(be, dy, dy_tf32)), aligned(tf32_values(be, w_krsc, w_tf32))
     if p.kernel in (f"conv_tc_dgrad_halo<{TF32.halo}>", PHASE_KERNEL):
@@ -520,12 +522,6 @@ def fast_divmod(d):
         raise ValueError(f"FastDivmod takes divisors in [1, 2^31), not {d}")
     shift = (d - 1).bit_length()
     return np.uint32((2**32 * (2**shift - d)) // d + 1), np.uint32(shift)
-
-
-# A forward's BN_STATS_PARAMS and a backward-data's BN_SUMS_PARAMS (bn_stats.cuh) when none are wanted:
-# the partials null.
-NO_STATISTICS = (None, None, 0, None, None, None, None, 0.0, 0.0, 0.0)
-NO_SUMS = (None, None, None, None, None, None, None, None, 0, None, None)
 
 
 def _counters(p):

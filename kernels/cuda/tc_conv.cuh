@@ -237,7 +237,7 @@ struct RowsOut {
 // The statistics of the columns (channels) of the output rows (M x columns, row-major y) of a forward
 // whose block finished its tile (tc_finish returned true), for the batch norm that follows: each
 // thread's values of a column (ShiftedSums), merged across the 8 lanes that share it (shuffles), the
-// block's two rows of warps, then the row tiles (bn_tile_statistics). from_registers: the tile's values
+// block's two rows of warps, then the row tiles (bn_block_statistics). from_registers: the tile's values
 // are acc (+ bias) as tc_store stored them (one part of k); else (split-K) the block reads them back
 // from y, each thread every READERS-th row of a column. smem: 3 * max(2, TC_THREADS / BN) * BN
 // floats the block is done with. Every thread of the block must call it.
@@ -284,59 +284,8 @@ __device__ __forceinline__ void tc_batch_stats(const BnStats& s, const RowsOut& 
             }
         part[first * T::BN + column] = sums.moments();
     }
-    __syncthreads();
-    const int c = n0 + int(threadIdx.x);
-    const bool mine = int(threadIdx.x) < T::BN && c < out.columns;
-    Moments m{0.0f, 0.0f, 0.0f};
-    if (mine) {   // the tile's moments: its parts merged in order
-        m = part[threadIdx.x];
-        for (int q = 1; q < parts; ++q) m = merged(m, part[q * T::BN + threadIdx.x]);
-    }
-    bn_tile_statistics(s, m, mine, c, out.columns, int(blockIdx.x), int(gridDim.x), T::BM, out.rows, int(blockIdx.y));
-}
-
-// The backward sums (bn_stats.cuh) of the batch norm whose dy is a backward-data's dx, from the tile as
-// the block that finished it stored it (in `dx`, read back: dx, and the norm's x, and y unless the mask
-// is recomputed from x, at each element):
-// each thread every READERS-th row of a column (channel), in order, then the block's threads of a
-// column in order, then the `tiles` tiles of rows, this one `tile` (bn_tile_merge): with several
-// stride phases, the tiles of every phase, each phase's rows its own cells of dx. A tile with no rows
-// (past its phase's cells) merges zeros. smem: 2 * (TC_THREADS / BN) * BN floats the block is done
-// with. Every thread of the block must call it.
-template <class T, class Out, class E>
-__device__ __forceinline__ void tc_norm_sums(const BnSums<E>& s, const Out& out, int columns, const E* dx,
-                                             float* smem, int m0, int n0, int tile, int tiles) {
-    constexpr int READERS = TC_THREADS / T::BN;
-    static_assert(TC_THREADS % T::BN == 0, "whole threads to a column");
-    BackwardSums* part = reinterpret_cast<BackwardSums*>(smem);   // [READERS][BN]
-    __syncthreads();   // every warp is done with the main loop's shared memory, and dx's tile is stored
-    const int column = int(threadIdx.x) % T::BN, c = n0 + column;
-    BackwardSums sums{0.0f, 0.0f};
-    if (out.column(c) >= 0) {
-        const float mean = s.mean[c], invstd = s.invstd[c];
-        const float gamma = s.beta ? s.gamma[c] : 0.0f, beta = s.beta ? s.beta[c] : 0.0f;
-        for (int r = int(threadIdx.x) / T::BN; r < T::BM; r += READERS) {
-            const int row = out.row(m0 + r);
-            if (row < 0) continue;
-            const int at = row + out.column(c);
-            const float d = to_float(dx[at]), xv = to_float(s.x[at]);   // loaded whatever the mask: one load a warp
-            const bool passed = s.beta ? bn_affine(xv, mean, invstd, gamma, beta) > 0.0f : to_float(s.y[at]) > 0.0f;
-            const float g = passed ? d : 0.0f;
-            sums.dgamma = fmaf(g, (xv - mean) * invstd, sums.dgamma);
-            sums.dbeta += g;
-        }
-    }
-    part[threadIdx.x] = sums;
-    __syncthreads();
-    const bool mine = int(threadIdx.x) < T::BN && c < columns;
-    if (mine)
-        for (int q = 1; q < READERS; ++q) sums = merged(sums, part[q * T::BN + threadIdx.x]);
-    // (the sums carry no count: the tiles' sizes are the merge's bookkeeping alone)
-    if (bn_tile_merge(s.partial, s.counters, s.group, sums, mine, c, columns, tile, tiles, T::BM, tiles * T::BM,
-                      int(blockIdx.y))) {
-        s.dgamma[c] = sums.dgamma;
-        s.dbeta[c] = sums.dbeta;
-    }
+    bn_block_statistics(s, part, parts, T::BN, int(threadIdx.x), n0, out.columns, int(blockIdx.x), int(gridDim.x),
+                        TileRuns{T::BM, out.rows}, int(blockIdx.y));
 }
 
 // The dx rows (NHWC) of the phase's cells.

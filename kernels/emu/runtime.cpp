@@ -1287,16 +1287,27 @@ Hopper& hopper() {
     return *g.hopper;
 }
 
-// __syncthreads() (every thread) and __syncwarp() (its lanes) order what they join: each gets what all acquired.
+// __syncthreads() (every thread) and __syncwarp() (its lanes) order what they join: each releases what it did
+// before (its own slot, now: a wgmma its warpgroup's wait retired before the barrier is then ordered before what
+// the others do after it), and each gets what all released and acquired.
 void join_block_clocks() {
     Launch& g = *g_launch;
+    const std::uint32_t now = tick();
     std::vector<std::uint32_t> all(std::size_t(g_clock_slots), 0u);
-    for (int t = 0; t < g.threads; ++t) join_clock(all.data(), clock_of(t));
+    for (int t = 0; t < g.threads; ++t) {
+        if (g.state[t] == AT_BARRIER) clock_of(t)[t] = now;
+        join_clock(all.data(), clock_of(t));
+    }
     for (int t = 0; t < g.threads; ++t) std::copy(all.begin(), all.end(), clock_of(t));
 }
 
 void join_warp_clocks(int wi, unsigned lanes) {
+    const std::uint32_t now = tick();
     std::vector<std::uint32_t> all(std::size_t(g_clock_slots), 0u);
+    for (unsigned rest = lanes; rest; rest &= rest - 1) {
+        const int t = wi * 32 + __builtin_ctz(rest);
+        clock_of(t)[t] = now;
+    }
     for (unsigned rest = lanes; rest; rest &= rest - 1) join_clock(all.data(), clock_of(wi * 32 + __builtin_ctz(rest)));
     for (unsigned rest = lanes; rest; rest &= rest - 1)
         std::copy(all.begin(), all.end(), clock_of(wi * 32 + __builtin_ctz(rest)));

@@ -225,7 +225,10 @@ extern "C" __global__ void pipeline_sum(const __grid_constant__ TensorMap x, flo
 // and b's N x 64 into a ring of 4 stages (swizzled; full barriers: the bytes, empty: one arrival per consumer
 // warpgroup); warpgroups 1 and 2 each multiply 64 rows by 4 wgmma m64nNk16 a step. mode: 0 retire the step
 // (wgmma_wait<0>), then release its stage; 1 keep one group in flight (wgmma_wait<1>) and release the stage before;
-// 2 release the stage, then retire (planted: the producer's next load into the stage races with the wgmmas).
+// 2 release the stage, then retire (planted: the producer's next load into the stage races with the wgmmas); 3 as 1,
+// then the ring the consumers' scratch (conv_sm90's epilogues): each thread's accumulators stored to it and loaded
+// back, once a __syncthreads() follows every consumer's last wgmma_wait; 4 as 3 with no __syncthreads() (planted:
+// the stores race with the other warpgroup's wgmmas).
 template <int N>
 __device__ void gemm_pipeline(const TensorMap& a_map, const TensorMap& b_map, float* c, int steps, int mode) {
     constexpr int STAGES = 4, A_BYTES = 128 * 64 * 2, STAGE_BYTES = A_BYTES + N * 64 * 2;
@@ -267,15 +270,21 @@ __device__ void gemm_pipeline(const TensorMap& a_map, const TensorMap& b_map, fl
         if (mode == 0) {
             wgmma_wait<0>();
             if (u == 0) mbarrier_arrive(&empty[stage]);
-        } else if (mode == 1) {
-            wgmma_wait<1>();
-            if (u == 0 && step > 0) mbarrier_arrive(&empty[(step - 1) % STAGES]);
-        } else {
+        } else if (mode == 2) {
             if (u == 0) mbarrier_arrive(&empty[stage]);   // released before its wgmmas retired
             wgmma_wait<0>();
+        } else {
+            wgmma_wait<1>();
+            if (u == 0 && step > 0) mbarrier_arrive(&empty[(step - 1) % STAGES]);
         }
     }
     wgmma_wait<0>();
+    if (mode >= 3) {
+        if (mode == 3) __syncthreads();   // the producer has returned: the consumers' threads
+        float* scratch = reinterpret_cast<float*>(sm90_smem) + (t - 128) * (N / 2);
+        for (int i = 0; i < N / 2; ++i) scratch[i] = acc[i];   // the scratch's store
+        for (int i = 0; i < N / 2; ++i) acc[i] = scratch[i];
+    }
     const int w = u / 32, l = u % 32;
     for (int j = 0; j < N / 8; ++j)
         for (int i = 0; i < 4; ++i)
