@@ -278,7 +278,7 @@ def hopper_rows(batch, sms):
 
 def hopper_table(batch, sms):
     table, resources = hopper_rows(batch, sms)
-    print("\n## bf16 on Hopper (conv_sm90.cu: stride 1)\n")
+    print("\n## bf16 on Hopper (conv_sm90.cu: stride 1 and 2, backward-data stride 1)\n")
     for kernel, r in resources.items():
         if kernel.startswith("conv_sm90_forward<") and kernel.endswith("false>"):
             tile = kernel.split("<")[1].split(",")[0]

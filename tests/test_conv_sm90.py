@@ -39,11 +39,11 @@ ODD = [((3, 64, 5, 9), (64, 64, 3, 3), 1),      # a batch and images no box fits
        ((1, 64, 3, 3), (128, 64, 3, 3), 2)]     # padding beyond the filter's reach: zeros around
 
 
-def geometry(x_shape, w_shape, padding):
+def geometry(x_shape, w_shape, padding, stride=1):
     n, c, h, w = x_shape
     o, _, kh, kw = w_shape
-    oh, ow = h + 2 * padding - kh + 1, w + 2 * padding - kw + 1
-    return (n, c, h, w, o, kh, kw, 1, 1, padding, padding, oh, ow)
+    oh, ow = (h + 2 * padding - kh) // stride + 1, (w + 2 * padding - kw) // stride + 1
+    return (n, c, h, w, o, kh, kw, stride, stride, padding, padding, oh, ow)
 
 
 def on(be):
@@ -55,15 +55,15 @@ def nhwc(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
 
 
-def check_forward(be, x_shape, w_shape, padding, bias=True):
+def check_forward(be, x_shape, w_shape, padding, bias=True, stride=1):
     put, get = on(be)
     x, w = draw(x_shape, w_shape)
     b = rng().standard_normal(w_shape[0]).astype(np.float32) if bias else None
     y = conv_sm90.forward(be, put(nhwc(x)), put(nhwc(w)), None if b is None else put(b),
-                          geometry(x_shape, w_shape, padding))
-    name = f"conv_sm90 {x_shape} * {w_shape} padding {padding}"
+                          geometry(x_shape, w_shape, padding, stride))
+    name = f"conv_sm90 {x_shape} * {w_shape} padding {padding} stride {stride}"
     check_products(name, (get(y).transpose(0, 3, 1, 2),), [x, w],
-                   lambda x, w, b: (R.conv2d_forward(x, w, b, 1, padding),), (np.prod(w_shape[1:]),), (True,), b)
+                   lambda x, w, b: (R.conv2d_forward(x, w, b, stride, padding),), (np.prod(w_shape[1:]),), (True,), b)
 
 
 @pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
@@ -100,20 +100,20 @@ def test_backward_data_against_float64(emu, x_shape, w_shape, padding):
         check_backward_data(emu, x_shape, w_shape, padding, add=True)
 
 
-def check_backward_weight(be, x_shape, w_shape, padding, bias=True):
+def check_backward_weight(be, x_shape, w_shape, padding, bias=True, stride=1):
     """dw (float32, channels-last weights) and the bias gradient from conv_sm90.backward_weight against float64; every
     element written (the outputs start as NaN)."""
     put, get = on(be)
-    g = geometry(x_shape, w_shape, padding)
+    g = geometry(x_shape, w_shape, padding, stride)
     x, w = draw(x_shape, w_shape)
     (dy,) = draw((x_shape[0], w_shape[0], g[11], g[12]))
     o, c, kh, kw = w_shape
     dw = put(np.full((o, kh, kw, c), np.nan, np.float32))
     db = put(np.full(o, np.nan, np.float32)) if bias else None
     conv_sm90.backward_weight(be, put(nhwc(dy)), put(nhwc(x)), g, dw, db)
-    name = f"conv_sm90 backward-weight {x_shape} * {w_shape} padding {padding}"
+    name = f"conv_sm90 backward-weight {x_shape} * {w_shape} padding {padding} stride {stride}"
     check_products(name, (get(dw).transpose(0, 3, 1, 2),), [dy, x, w],
-                   lambda dy, x, w, _: (R.conv2d_backward(dy, x, w, 1, padding)[1],), (x_shape[0] * g[11] * g[12],),
+                   lambda dy, x, w, _: (R.conv2d_backward(dy, x, w, stride, padding)[1],), (x_shape[0] * g[11] * g[12],),
                    (False,))
     if bias:
         check_products(name + " bias", (get(db),), [dy], lambda dy, _: (dy.sum(axis=(0, 2, 3)),),
@@ -124,6 +124,20 @@ def check_backward_weight(be, x_shape, w_shape, padding, bias=True):
 @pytest.mark.parametrize("x_shape, w_shape, padding", [RESNET_LAYERS[0], RESNET_LAYERS[3], ODD[0], ODD[1], ODD[2]])
 def test_backward_weight_against_float64(emu, x_shape, w_shape, padding):
     check_backward_weight(emu, x_shape, w_shape, padding, bias=x_shape != ODD[1][0])
+
+
+# (x, w, padding) of stride-2 convolutions: ResNet-18's first of a stage and its projection (width 64, batch 2), odd
+# images (x's pixels of the two parities unequal in number), no padding, and an image of two rows and columns
+STRIDED = [((2, 64, 28, 28), (128, 64, 3, 3), 1), ((2, 64, 28, 28), (128, 64, 1, 1), 0),
+           ((3, 64, 7, 9), (64, 64, 3, 3), 1), ((1, 128, 8, 8), (64, 128, 3, 3), 0), ((2, 64, 2, 2), (64, 64, 3, 3), 1)]
+
+
+@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
+@pytest.mark.parametrize("x_shape, w_shape, padding", STRIDED)
+def test_stride_2_forward_and_backward_weight_against_float64(emu, x_shape, w_shape, padding):
+    """x's pixels of each parity a tensor map of a strided view, the taps' boxes moved in them (Sm90Tap)."""
+    check_forward(emu, x_shape, w_shape, padding, bias=x_shape[0] != 1, stride=2)
+    check_backward_weight(emu, x_shape, w_shape, padding, bias=x_shape[0] != 1, stride=2)
 
 
 def test_backward_weight_in_parts_adds_them_in_order(monkeypatch):
@@ -199,10 +213,14 @@ def test_every_box_is_a_tile_and_resnet_wastes_no_row_at_batch_256():
 
 def test_only_what_the_family_computes_is_given_to_it():
     assert conv_sm90.supports(geometry((2, 64, 8, 8), (64, 64, 3, 3), 1))
-    assert not conv_sm90.supports((2, 64, 8, 8, 64, 3, 3, 2, 2, 1, 1, 4, 4))      # stride 2
+    assert conv_sm90.supports(geometry((2, 64, 8, 8), (64, 64, 3, 3), 1, 2))
+    assert not conv_sm90.supports(geometry((2, 64, 9, 9), (64, 64, 3, 3), 1, 3))   # stride 3
+    assert not conv_sm90.supports((2, 64, 8, 8, 64, 3, 3, 1, 2, 1, 1, 8, 4))      # strides unequal
+    assert not conv_sm90.supports(geometry((2, 64, 1, 8), (64, 64, 1, 1), 0, 2))   # no row of the odd parity
+    assert not conv_sm90.supports_dgrad(geometry((2, 64, 8, 8), (64, 64, 3, 3), 1, 2))
     assert not conv_sm90.supports(geometry((2, 32, 8, 8), (64, 32, 3, 3), 1))     # C not a multiple of 64
     assert not conv_sm90.supports(geometry((2, 64, 8, 8), (32, 64, 3, 3), 1))     # O not a multiple of 64
-    with pytest.raises(ValueError, match="stride 1 and channels multiples of 64"):
+    with pytest.raises(ValueError, match="stride 1 or 2 and channels multiples of 64"):
         conv_sm90.forward(kernels._device_backend("emu"), np.zeros((1, 8, 8, 32), bfloat16),
                           np.zeros((64, 3, 3, 32), bfloat16), None, geometry((1, 32, 8, 8), (64, 32, 3, 3), 1))
 
@@ -348,6 +366,12 @@ def test_a_gpus_tensor_map_is_encoded_as_cuda_h_orders_it(monkeypatch):
     assert calls == [(0, 9, 4, 0x7000, [64, 7, 5, 3], [64 * 2, 7 * 64 * 2, 5 * 7 * 64 * 2], [64, 4, 4, 2], [1, 1, 1, 1], 0, 3, 0)]
     assert encoded.shape == (1,) and encoded.dtype.itemsize == 128 and encoded.tobytes() == bytes(range(128))
     assert encoded.tensor is device
+    calls.clear()   # a view of every other row and column (stride 2's x_maps), and a dimension of one element, whose
+    view = host[:, 1::2, ::2][:, :, :1]   # stride NumPy leaves as it was: the one a dense layout would have
+    strided = SimpleNamespace(dtype=view.dtype, ndim=4, shape=view.shape, strides=view.strides, flags=view.flags,
+                              data=SimpleNamespace(ptr=0x7000 + 7 * 64 * 2))
+    launch.tensor_map(be, strided, (1, 2, 1, 64))
+    assert calls[0][4:6] == ([64, 1, 2, 3], [64 * 2, 2 * 7 * 64 * 2, 5 * 7 * 64 * 2]), calls
     with pytest.raises(ValueError, match="rank 2 to 5"):
         launch.tensor_map(be, SimpleNamespace(dtype=np.dtype(np.int32), ndim=2, shape=(4, 4), strides=(16, 4),
                                               flags=host.flags), (4, 4))
@@ -355,14 +379,16 @@ def test_a_gpus_tensor_map_is_encoded_as_cuda_h_orders_it(monkeypatch):
 
 @pytest.mark.nvrtc("conv_sm90")
 def test_bench_tc_plan_reports_the_structure_of_hoppers_launches():
-    """bench/tc_plan.py's Hopper table: ResNet-18's four stride-1 convolutions, each a grid of whole boxes at batch
-    256 (no row computed past the images), the two kernels' resources from ptxas."""
+    """bench/tc_plan.py's Hopper table: ResNet-18's convolutions but the stem, forward and backward-weight of each,
+    backward-data of the stride-1 ones, each a grid of whole boxes at batch 256 (no row computed past the images),
+    the kernels' resources from ptxas."""
     reason = nvrtc.unavailable_reason() or nvrtc.unsupported_reason("sm_90a")
     if reason:
         pytest.skip(reason)
     from bench import tc_plan
     rows, resources = tc_plan.hopper_rows(256, 132)
-    assert [(row["count"], row["gemm"]) for row in rows] == [(n, gemm) for n in (4, 3, 3, 3)
-                                                             for gemm in ("forward", "dgrad", "wgrad")]
+    every, strided = ("forward", "dgrad", "wgrad"), ("forward", "wgrad")
+    assert [(row["count"], row["gemm"]) for row in rows] == [
+        (n, gemm) for n, gemms in [(4, every)] + [(1, strided), (3, every), (1, strided)] * 3 for gemm in gemms]
     assert all(row["padded"] == 1.0 and row["blocks"] == np.prod(row["grid"]) for row in rows)
     assert set(resources) == set(conv_sm90.KERNELS)

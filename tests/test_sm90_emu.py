@@ -342,6 +342,28 @@ def test_a_4d_tma_load_brings_its_box_zeros_outside_swizzled_or_not(order, dtype
     np.testing.assert_array_equal(got, shared_bytes(array, box, start, swizzle))
 
 
+@pytest.mark.parametrize("rows, columns", [(slice(None, None, 2), slice(1, None, 2)), (slice(1, None, 2), slice(None))])
+def test_a_tma_load_of_a_strided_view_brings_its_box(order, rows, columns):
+    """A map of every other row (and column) of an (N, H, W, C) image, conv_sm90's stride-2 operand of x: the view's
+    strides are the map's, its box the view's elements, zeros past the view (not the image)."""
+    image = rng().standard_normal((2, 7, 9, 64)).astype(bfloat16)
+    view = image[:, rows, columns]
+    assert not view.flags.c_contiguous
+    for start in ((1, 2, -1, 0), (0, -1, 3, 0)):
+        got = tma("tma_4d", view, (1, 4, 4, 64), start, 128)
+        np.testing.assert_array_equal(got, shared_bytes(view, (1, 4, 4, 64), start, 128))
+
+
+def test_a_dimension_of_one_element_takes_any_stride_numpy_gives_it():
+    """NumPy leaves a contiguous array's stride along a dimension of one element arbitrary (here 2 bytes): the map
+    takes the stride a dense layout would have, as launch.tensor_map gives the driver."""
+    array = np.ascontiguousarray(rng().standard_normal((2, 64, 1, 1)).astype(bfloat16).transpose(0, 2, 3, 1))
+    array = np.lib.stride_tricks.as_strided(array, strides=(128, 2, 2, 2))
+    assert emu.tensor_map.byte_strides(array) == (128, 128, 128, 2)
+    got = tma("tma_4d", array, (2, 1, 1, 64), (0, 0, 0, 0), 128)
+    np.testing.assert_array_equal(got, shared_bytes(array, (2, 1, 1, 64), (0, 0, 0, 0), 128))
+
+
 def test_the_tma_model_would_see_a_wrong_box():
     array = rng().standard_normal((40, 96)).astype(bfloat16)
     got = tma("tma_2d", array, (16, 64), (-4, 64), 128)
@@ -383,7 +405,8 @@ def test_a_tma_destination_needs_128_bytes_without_swizzle():
 
 @pytest.mark.parametrize("make, message", [
     (lambda: emu.TensorMap(np.zeros((2,) * 6, np.float32), (1,) * 6), "a tensor of rank 6; a tensor map's rank is 1 to 5"),
-    (lambda: emu.TensorMap(np.zeros((64, 64), np.float32)[:, ::2], (8, 8)), "is not C-contiguous"),
+    (lambda: emu.TensorMap(np.zeros((64, 64), np.float32)[:, ::2], (8, 8)), "innermost dimension is dense"),
+    (lambda: emu.TensorMap(np.zeros((64, 64), np.float32)[::-1], (8, 8)), "other strides positive"),
     (lambda: emu.TensorMap([1.0, 2.0], (2,)), "the tensor must be a NumPy array, not list"),
     (lambda: emu.TensorMap(np.zeros((64, 64), np.float32), (8,)), r"box \(8,\) has 1 dimensions, the tensor 2"),
     (lambda: emu.TensorMap(np.zeros((300, 64), bfloat16), (257, 64)), r"each box dimension is 1 to 256"),

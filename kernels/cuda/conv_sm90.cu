@@ -2,7 +2,7 @@
 // memory accelerator (TMA), for the bf16 precision. Launched by kernels/cuda/conv_sm90.py, chosen on GPUs of
 // compute capability 9.0; checked by tests/test_conv_sm90.py against float64 of the bfloat16 inputs, on the CPU
 // emulator (which runs sm90.cuh's instructions exactly and refuses their misuse) in CI and on a GPU under
-// `pytest -m gpu`. Stride 1, channel counts multiples of 64 (ResNet-18's 3x3 convolutions but the stride-2 ones):
+// `pytest -m gpu`. Channel counts multiples of 64; stride 1 or 2 (the forward and backward-weight), 1 (backward-data):
 //
 //   conv_sm90_forward   y (N*OH*OW x O) = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b; ADD: added
 //                       to what y holds, rounded once. Backward-data is this forward of dy by the weights mirrored
@@ -14,7 +14,8 @@
 // box_h rows by box_w columns (128 pixels: the forward's rows; 64: backward-weight's k of a stage), chosen per
 // layer by the launcher to waste the fewest past the images' edges, and for each filter tap (r, s) the operand of
 // x is the same box moved by (r - ph, s - pw): one 4-D TMA load of x (N, H, W, C), whose coordinates past the
-// image give zeros, the padding, for free. The forward's B is 64 k by BN filters of w (O, KH*KW*C), a 2-D TMA load.
+// image give zeros, the padding, for free. At stride 2, x's pixels of each parity of row and column are a tensor
+// map of their own (a strided view of x), where the tap's box is a box again (Sm90Tap). The forward's B is 64 k by BN filters of w (O, KH*KW*C), a 2-D TMA load.
 // Everything lands 128-byte swizzled (a line of 64 bf16 = 128 bytes, chunk j of line l at j ^ (l % 8)), the layout
 // wgmma reads from a descriptor (sm90.cuh's wgmma_descriptor_sw128): K-major in the forward (a pixel's channels
 // along k), MN-major in backward-weight (a pixel's channels along m or n, the pixels along k).
@@ -111,6 +112,31 @@ struct Sm90BoxRows {
     }
     __device__ int column(int c) const { return c < channels ? c : -1; }
 };
+
+// Where a filter tap finds its operand of x, in a convolution of stride S (1 or 2): x's pixels of row parity a and
+// column parity b (modulo S), x[:, a::S, b::S, :], are the tensor map x_maps[S a + b] (with S = 1, x itself); the tap
+// (r, s) moves a box of output pixels (p, q) to x's (S p + r - ph, S q + s - pw): in the map of the parities of
+// r - ph and s - pw, the box moved by floor((r - ph) / S) rows and floor((s - pw) / S) columns. TMA's zeros past the
+// map are the padding, whichever it is.
+struct Sm90Tap {
+    int map, rows, columns;
+    __device__ Sm90Tap(int tap, int kw, int ph, int pw, int stride) {
+        const int dr = tap / kw - ph, ds = tap % kw - pw;
+        const int a = (dr % stride + stride) % stride, b = (ds % stride + stride) % stride;
+        map = stride * a + b;
+        rows = (dr - a) / stride;
+        columns = (ds - b) / stride;
+    }
+};
+
+// The four tensor maps of x (Sm90Tap), kernel parameters; sm90_x_map(i, ...) the i-th.
+#define SM90_X_MAPS                                                                                             \
+    const __grid_constant__ TensorMap x_map0, const __grid_constant__ TensorMap x_map1,                       \
+        const __grid_constant__ TensorMap x_map2, const __grid_constant__ TensorMap x_map3
+__device__ __forceinline__ const TensorMap& sm90_x_map(int i, const TensorMap& m0, const TensorMap& m1,
+                                                       const TensorMap& m2, const TensorMap& m3) {
+    return i == 0 ? m0 : i == 1 ? m1 : i == 2 ? m2 : m3;
+}
 
 // The mainloop's pipeline: a ring of STAGES stages, each with a `full` mbarrier (the producer's arrival with the
 // stage's expected bytes, completed by its TMA loads) and an `empty` one (an arrival per consumer warpgroup, once
@@ -230,28 +256,29 @@ __device__ __forceinline__ void sm90_batch_stats(const BnStats& s, const Sm90Box
                         int(blockIdx.y));
 }
 
-// x_map: x (N, H, W, C) bf16, box (box_i, box_h, box_w, 64), swizzled; w_map: w (O, KH*KW*C) bf16, box (BN, 64),
-// swizzled. A block: the tile (blockIdx.x: its box of the output), BN filters from blockIdx.y * BN. Step k: tap
-// (r, s), channels c0..c0+63: A is the output box moved by (r - ph, s - pw) in x (K-major: a pixel's 64 channels a
-// line), B those k of the BN filters (K-major). After the tile is stored, the consumers compute from it, unless
+// x_map0..3: x (N, H, W, C) bf16 by parities (Sm90Tap), box (box_i, box_h, box_w, 64), swizzled; w_map: w (O,
+// KH*KW*C) bf16, box (BN, 64), swizzled. A block: the tile (blockIdx.x: its box of the output), BN filters from
+// blockIdx.y * BN. Step k: tap (r, s), channels c0..c0+63: A is the output box moved by the tap in x (Sm90Tap;
+// K-major: a pixel's 64 channels a line), B those k of the BN filters (K-major). After the tile is stored, the consumers compute from it, unless
 // the pointer that asks is null: the statistics of the batch norm that follows the forward (stats_partial,
 // sm90_batch_stats), or the backward sums of the norm whose dy this backward-data's dx is (sums_partial,
 // bn_tile_sums: of y as stored, after the add).
 template <class Tile, bool ADD>
 __global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
-conv_sm90_forward(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map,
-                  const float* __restrict__ bias, bf16* __restrict__ y, int n, int c, int o, int kh, int kw, int ph,
-                  int pw, int oh, int ow, int box_w, int box_h, int box_i, BN_STATS_PARAMS, BN_SUMS_PARAMS(bf16)) {
+conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const float* __restrict__ bias,
+                  bf16* __restrict__ y, int n, int c, int o, int kh, int kw, int ph, int pw, int stride, int oh, int ow,
+                  int box_w, int box_h, int box_i, BN_STATS_PARAMS, BN_SUMS_PARAMS(bf16)) {
     extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
     const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
     const Sm90Box box(blockIdx.x, box_w, box_h, box_i, oh, ow);
     const int o0 = blockIdx.y * Tile::BN, chunks = c / Tile::BK, steps = kh * kw * chunks, t = threadIdx.x;
-    if (!sm90_roles(pipeline, x_map, w_map)) {
+    if (!sm90_roles(pipeline, x_map0, w_map)) {
         if (t == 0)
             for (int step = 0; step < steps; ++step) {
                 const int stage = pipeline.acquire(step), tap = step / chunks, c0 = step % chunks * Tile::BK;
-                tma_load_4d(pipeline.a(stage), x_map, &pipeline.full[stage], c0, box.q0 + tap % kw - pw,
-                            box.p0 + tap / kw - ph, box.n0);
+                const Sm90Tap move(tap, kw, ph, pw, stride);
+                tma_load_4d(pipeline.a(stage), sm90_x_map(move.map, x_map0, x_map1, x_map2, x_map3),
+                            &pipeline.full[stage], c0, box.q0 + move.columns, box.p0 + move.rows, box.n0);
                 tma_load_2d(pipeline.b(stage), w_map, &pipeline.full[stage], tap * c + c0, o0);
             }
         return;
@@ -297,10 +324,10 @@ conv_sm90_forward(const __grid_constant__ TensorMap x_map, const __grid_constant
 
 // ---- backward-weight ------------------------------------------------------------------------------------------
 
-// dw[o][tap][c] = the sum over the pixels (n, p, q) of dy[n, p, q, o] x[n, p + r - ph, q + s - pw, c], for one tap
-// (r, s) a block: M = the output channels o, N = the input channels c, k = the pixels, 64 a step: a box of dy's
-// pixels (dy_map: dy (N, OH, OW, O), box (box_i, box_h, box_w, 64)) and the same box moved by the tap in x (x_map:
-// x (N, H, W, C), the same box), each a line a pixel of 64 channels: MN-major operands (wgmma's transposed A and
+// dw[o][tap][c] = the sum over the pixels (n, p, q) of dy[n, p, q, o] x[n, S p + r - ph, S q + s - pw, c], for one
+// tap (r, s) a block: M = the output channels o, N = the input channels c, k = the pixels, 64 a step: a box of dy's
+// pixels (dy_map: dy (N, OH, OW, O), box (box_i, box_h, box_w, 64)) and the same box moved by the tap in x (Sm90Tap:
+// x_map0..3, the same box), each a line a pixel of 64 channels: MN-major operands (wgmma's transposed A and
 // B: 64 channels a 128-byte line, lines 8 pixels a 1024-byte swizzle atom, the next 64 channels an 8 KB block
 // further). Block (blockIdx.x, blockIdx.y): BN input channels by BM output channels; blockIdx.z = tap + taps part:
 // part `part` of the boxes of dy, `boxes` of them a part, its sums to slot `part` of `out` (float32 (parts, O, taps,
@@ -309,9 +336,9 @@ conv_sm90_forward(const __grid_constant__ TensorMap x_map, const __grid_constant
 // consumer's first 64 threads each add up one output channel's column of the stage's A as it lands, in order.
 template <class Tile>
 __global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
-conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, const __grid_constant__ TensorMap x_map,
-                float* __restrict__ out, float* __restrict__ bias_out, int n, int c, int o, int kw, int taps, int ph,
-                int pw, int oh, int ow, int box_w, int box_h, int box_i, int boxes) {
+conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, SM90_X_MAPS, float* __restrict__ out,
+                float* __restrict__ bias_out, int n, int c, int o, int kw, int taps, int ph, int pw, int stride, int oh,
+                int ow, int box_w, int box_h, int box_i, int boxes) {
     extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
     const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
     const int c0 = blockIdx.x * Tile::BN, o0 = blockIdx.y * Tile::BM, tap = blockIdx.z % taps, part = blockIdx.z / taps;
@@ -319,7 +346,9 @@ conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, const __grid_constant_
     const int first = part * boxes, steps = min(boxes, all - first), t = threadIdx.x;
     // the blocks that sum the bias read each stage with plain loads too: every consumer thread releases it
     const bool bias_block = bias_out && tap == 0 && blockIdx.x == 0;
-    if (!sm90_roles(pipeline, dy_map, x_map, bias_block ? 128 * Tile::CONSUMERS : Tile::CONSUMERS)) {
+    if (!sm90_roles(pipeline, dy_map, x_map0, bias_block ? 128 * Tile::CONSUMERS : Tile::CONSUMERS)) {
+        const Sm90Tap move(tap, kw, ph, pw, stride);
+        const TensorMap& x_map = sm90_x_map(move.map, x_map0, x_map1, x_map2, x_map3);
         if (t == 0)
             for (int step = 0; step < steps; ++step) {
                 const int stage = pipeline.acquire(step);
@@ -331,7 +360,7 @@ conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, const __grid_constant_
 #pragma unroll
                 for (int j = 0; j < Tile::BN / 64; ++j)
                     tma_load_4d(pipeline.b(stage, j), x_map, &pipeline.full[stage], c0 + 64 * j,
-                                box.q0 + tap % kw - pw, box.p0 + tap / kw - ph, box.n0);
+                                box.q0 + move.columns, box.p0 + move.rows, box.n0);
             }
         return;
     }

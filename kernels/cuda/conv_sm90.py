@@ -5,7 +5,8 @@ weights mirrored (dgrad_geometry); backward-weight a GEMM a filter tap, split ov
 
 The arrays are C-contiguous NHWC bfloat16, the geometry conv.py's tuple (N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH,
 OW). x and w reach the kernel as TMA tensor maps (launch.tensor_map): x as (N, H, W, C) in boxes of a tile's output
-box of pixels by 64 channels, w as (O, KH*KW*C) in boxes of BN filters by 64.
+box of pixels by 64 channels (at stride 2, its pixels of each parity of row and column a map apiece: x_maps), w as
+(O, KH*KW*C) in boxes of BN filters by 64.
 """
 import os
 import typing
@@ -45,10 +46,19 @@ def available(be):
 
 
 def supports(geometry):
-    """Whether the family computes this forward: stride 1 (the box of the output is a box of x), and input and
+    """Whether the family computes this forward (and backward-weight): stride 1, or 2 of an image of two rows and
+    columns at least (the box of the output is a box of x, or of its pixels of one parity: x_maps), and input and
     output channels multiples of 64 (a stage's k, the 128-byte rows of the swizzle; the tiles' columns)."""
     n, c, h, w, o, kh, kw, sh, sw = geometry[:9]
-    return sh == sw == 1 and c % BK == 0 and o % 64 == 0
+    return sh == sw and (sh == 1 or sh == 2 and h >= 2 and w >= 2) and c % BK == 0 and o % 64 == 0
+
+
+def x_maps(be, x, stride, box):
+    """The four tensor maps of x (N, H, W, C) that conv_sm90.cu's Sm90Tap reads, boxes of `box`: those of its pixels
+    of each parity of row a and column b, x[:, a::2, b::2], map 2a + b, at stride 2; x's own, four times, at 1."""
+    if stride == 1:
+        return (tensor_map(be, x, box),) * 4
+    return tuple(tensor_map(be, x[:, a::2, b::2], box) for a in (0, 1) for b in (0, 1))
 
 
 def chosen(be, geometry):
@@ -124,17 +134,16 @@ def forward(be, x, w_krsc, b, geometry, into=None, stats=NO_STATISTICS, sums=NO_
     backward sums of y (after the add) it computes (backward_data); NO_STATISTICS, NO_SUMS: none."""
     n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if not supports(geometry) or x.dtype != bfloat16 or w_krsc.dtype != bfloat16:
-        raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 and channels multiples of 64, got "
-                         f"{x.dtype} x, {w_krsc.dtype} w, geometry {geometry}")
+        raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 or 2 and channels multiples of 64, "
+                         f"got {x.dtype} x, {w_krsc.dtype} w, geometry {geometry}")
     tile, grid, (box_i, box_h, box_w) = plan(geometry)
     x, w_krsc = aligned(x), aligned(w_krsc)
-    x_map = tensor_map(be, x, (box_i, box_h, box_w, BK))
     w_map = tensor_map(be, w_krsc.reshape(o, kh * kw * c), (TILES[tile][0], BK))
     y = be.xp.empty((n, oh, ow, o), bfloat16) if into is None else into
     kernel = f"conv_sm90_forward<{tile}, {'false' if into is None else 'true'}>"
     launch(be, "conv_sm90", kernel, grid,
-           (x_map, w_map, b, y, n, c, o, kh, kw, ph, pw, oh, ow, box_w, box_h, box_i, *stats, *sums),
-           block=(THREADS,), shared_mem=dynamic_shared(kernel))
+           (*x_maps(be, x, sh, (box_i, box_h, box_w, BK)), w_map, b, y, n, c, o, kh, kw, ph, pw, sh, oh, ow, box_w,
+            box_h, box_i, *stats, *sums), block=(THREADS,), shared_mem=dynamic_shared(kernel))
     return y
 
 
@@ -187,19 +196,18 @@ def backward_weight(be, dy, x, geometry, dw, db):
     the pixels, the parts' partials added in order by sum_partials."""
     n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     if not supports(geometry) or dy.dtype != bfloat16 or x.dtype != bfloat16:
-        raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 and channels multiples of 64, got "
-                         f"{dy.dtype} dy, {x.dtype} x, geometry {geometry}")
+        raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 or 2 and channels multiples of 64, "
+                         f"got {dy.dtype} dy, {x.dtype} x, geometry {geometry}")
     p = wgrad_plan(geometry)
     rows, columns = WGRAD_TILES[p.tile][:2]
     dy, x = aligned(dy), aligned(x)
     dy_map = tensor_map(be, dy, (*p.box, BK))
-    x_map = tensor_map(be, x, (*p.box, BK))
     out = dw if p.parts == 1 else be.xp.empty((p.parts, o, kh, kw, c), np.float32)
     bias_out = db if p.parts == 1 or db is None else be.xp.empty((p.parts, o), np.float32)
     kernel = f"conv_sm90_wgrad<{p.tile}>"
     launch(be, "conv_sm90", kernel, p.grid,
-           (dy_map, x_map, out, bias_out, n, c, o, kw, kh * kw, ph, pw, oh, ow, p.box[2], p.box[1], p.box[0], p.boxes),
-           block=(128 * (1 + rows // 64),), shared_mem=dynamic_shared(kernel))
+           (dy_map, *x_maps(be, x, sh, (*p.box, BK)), out, bias_out, n, c, o, kw, kh * kw, ph, pw, sh, oh, ow,
+            p.box[2], p.box[1], p.box[0], p.boxes), block=(128 * (1 + rows // 64),), shared_mem=dynamic_shared(kernel))
     if p.parts > 1:
         sum_partials(be, "conv_sm90", out, p.parts, dw)
         if db is not None:

@@ -272,7 +272,8 @@ _L2_PROMOTION_128B = 2
 
 
 def tensor_map(be, array, box, swizzle=128):
-    """The tensor map of a C-contiguous device array (rank 2 to 5, float32 or bfloat16) for a kernel's
+    """The tensor map of a device array (rank 2 to 5, float32 or bfloat16; C-contiguous, or a view whose innermost
+    dimension is dense and whose other strides are positive multiples of 16 bytes) for a kernel's
     `const __grid_constant__ TensorMap` parameter (sm90.cuh): TMA copies boxes of `box` elements (in the array's
     axis order, outermost first) at a time, `swizzle` 128 (bytes: 16-byte chunk j of each 128-byte row at
     j ^ (row % 8)) or 0. On a GPU, the 128 bytes that the driver's cuTensorMapEncodeTiled writes, as a NumPy
@@ -299,15 +300,19 @@ def _cu_tensor_map_encode_tiled():
 
 
 def _encode_tiled(array, box, swizzle):
-    if array.dtype not in _TENSOR_MAP_TYPES or not 2 <= array.ndim <= 5 or not array.flags.c_contiguous or \
-            len(box) != array.ndim or swizzle not in _SWIZZLES:
-        raise ValueError(f"tensor_map: takes a C-contiguous float32 or bfloat16 array of rank 2 to 5, a box of its "
-                         f"rank and a swizzle of 0 or 128 bytes, got {array.dtype} {array.shape}, box {box}, "
+    from kernels.emu.tensor_map import byte_strides   # (the emulator's map: the same rules for the strides)
+    strides = byte_strides(array)
+    if array.dtype not in _TENSOR_MAP_TYPES or not 2 <= array.ndim <= 5 or len(box) != array.ndim or \
+            swizzle not in _SWIZZLES or strides[-1] != array.dtype.itemsize or \
+            any(stride <= 0 or stride % 16 for stride in strides[:-1]):
+        raise ValueError(f"tensor_map: takes a float32 or bfloat16 array of rank 2 to 5 whose innermost dimension is "
+                         f"dense and other strides positive multiples of 16 bytes, a box of its rank and a swizzle "
+                         f"of 0 or 128 bytes, got {array.dtype} {array.shape} of strides {array.strides}, box {box}, "
                          f"swizzle {swizzle}")
     rank = array.ndim
     # cuda.h's order: innermost first; the strides of all but the innermost dimension, in bytes
     dims = (ctypes.c_uint64 * rank)(*reversed(array.shape))
-    strides = (ctypes.c_uint64 * (rank - 1))(*reversed(array.strides[:-1]))
+    strides = (ctypes.c_uint64 * (rank - 1))(*reversed(strides[:-1]))
     boxes = (ctypes.c_uint32 * rank)(*reversed(box))
     element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
     # CUtensorMap is 64-byte aligned: written into an aligned place of a larger buffer, passed as a view of it

@@ -268,7 +268,7 @@ class RawKernel:
         arrays, values = [], []
         for param, arg in zip(self._parameters, args):
             if isinstance(arg, TensorMap):
-                arrays.append((_tensor_parameter(param), arg.array))
+                arrays.append((_tensor_parameter(param), arg.span()))
                 values.append(arg)
             elif isinstance(arg, np.ndarray):
                 convert_array(param, arg)
