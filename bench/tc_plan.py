@@ -248,19 +248,20 @@ def hopper_rows(batch, sms):
     for layer, count in layers.distinct(layers.resnet18_layers(batch)):
         if layer.op != "conv2d":
             continue
-        for gemm, supported, of in (("forward", conv_sm90.supports, lambda g: g),
-                                    ("dgrad", conv_sm90.supports_dgrad, conv_sm90.dgrad_geometry)):
-            if not supported(geometry(layer)):
+        g = geometry(layer)
+        for gemm, supported, planned, pixels in (("forward", conv_sm90.supports, conv_sm90.plan, g[0] * g[11] * g[12]),
+                                                 ("dgrad", conv_sm90.supports_dgrad, conv_sm90.dgrad_plan,
+                                                  g[0] * g[2] * g[3])):
+            if not supported(g):
                 continue
-            g = of(geometry(layer))
-            tile, grid, box = conv_sm90.plan(g)
+            tile, grid, box = planned(g)   # backward-data of stride 2: a GEMM a phase of dx (grid's z)
             columns, stages = conv_sm90.TILES[tile]
             rows = conv_sm90.ROWS
             blocks = math.prod(grid)
             out.append({"layer": layer.label, "count": count, "gemm": gemm,
                         "kernel": f"conv_sm90_forward<{tile}, ADD>",   # ADD: backward-data into a gradient
                         "box": box, "grid": grid, "blocks": blocks, "waves": blocks / sms, "stages": stages,
-                        "parts": 1, "padded": grid[0] * rows / (g[0] * g[11] * g[12]),
+                        "parts": 1, "padded": grid[0] * grid[2] * rows / pixels,
                         "flops_per_byte": 2 * rows * columns / ((rows + columns) * ELEMENT_BYTES["bf16"])})
         if conv_sm90.supports(geometry(layer)):   # backward-weight takes what the forward does
             g = geometry(layer)
@@ -278,7 +279,7 @@ def hopper_rows(batch, sms):
 
 def hopper_table(batch, sms):
     table, resources = hopper_rows(batch, sms)
-    print("\n## bf16 on Hopper (conv_sm90.cu: stride 1 and 2, backward-data stride 1)\n")
+    print("\n## bf16 on Hopper (conv_sm90.cu: stride 1 and 2)\n")
     for kernel, r in resources.items():
         if kernel.startswith("conv_sm90_forward<") and kernel.endswith("false>"):
             tile = kernel.split("<")[1].split(",")[0]

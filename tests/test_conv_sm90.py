@@ -72,11 +72,11 @@ def test_forward_against_float64(emu, x_shape, w_shape, padding):
     check_forward(emu, x_shape, w_shape, padding, bias=x_shape[0] != 1)
 
 
-def check_backward_data(be, x_shape, w_shape, padding, add):
-    """dx of the stride-1 convolution, from conv_sm90.backward_data, against float64; `add`: into a bfloat16
-    gradient, in place, rounded once after the addition."""
+def check_backward_data(be, x_shape, w_shape, padding, add, stride=1):
+    """dx of the convolution, from conv_sm90.backward_data, against float64; `add`: into a bfloat16 gradient, in
+    place, rounded once after the addition."""
     put, get = on(be)
-    g = geometry(x_shape, w_shape, padding)
+    g = geometry(x_shape, w_shape, padding, stride)
     (w,) = draw(w_shape)
     (dy,) = draw((x_shape[0], w_shape[0], g[11], g[12]))
     into = draw(x_shape)[0] if add else None
@@ -85,9 +85,10 @@ def check_backward_data(be, x_shape, w_shape, padding, add):
     if add:
         assert dx is into_device
     x = np.zeros(x_shape)
-    name = f"conv_sm90 backward-data {x_shape} * {w_shape} padding {padding}" + (" into a gradient" if add else "")
+    name = f"conv_sm90 backward-data {x_shape} * {w_shape} padding {padding} stride {stride}" + \
+        (" into a gradient" if add else "")
     check_products(name, (get(dx).transpose(0, 3, 1, 2),), [dy, w],
-                   lambda dy, w, added: (R.conv2d_backward(dy, x, w, 1, padding)[0] +
+                   lambda dy, w, added: (R.conv2d_backward(dy, x, w, stride, padding)[0] +
                                          (0 if added is None else added),),
                    (w_shape[0] * w_shape[2] * w_shape[3],), (True,), None if into is None else into.astype(np.float32))
 
@@ -134,10 +135,14 @@ STRIDED = [((2, 64, 28, 28), (128, 64, 3, 3), 1), ((2, 64, 28, 28), (128, 64, 1,
 
 @pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
 @pytest.mark.parametrize("x_shape, w_shape, padding", STRIDED)
-def test_stride_2_forward_and_backward_weight_against_float64(emu, x_shape, w_shape, padding):
-    """x's pixels of each parity a tensor map of a strided view, the taps' boxes moved in them (Sm90Tap)."""
+def test_stride_2_against_float64(emu, x_shape, w_shape, padding):
+    """Forward and backward-weight: x's pixels of each parity a tensor map of a strided view, the taps' boxes moved in
+    them (Sm90Tap). Backward-data: a GEMM a phase of dx (Sm90Phase, Sm90Taps), also added into a gradient (a phase no
+    tap reaches, the projection's three, adds zeros)."""
     check_forward(emu, x_shape, w_shape, padding, bias=x_shape[0] != 1, stride=2)
     check_backward_weight(emu, x_shape, w_shape, padding, bias=x_shape[0] != 1, stride=2)
+    for add in (False, True):
+        check_backward_data(emu, x_shape, w_shape, padding, add, stride=2)
 
 
 def test_backward_weight_in_parts_adds_them_in_order(monkeypatch):
@@ -163,14 +168,16 @@ def emulated_hopper(monkeypatch):
     return names
 
 
-# (x, w, padding): the forward's statistics and backward-data's sums merged across boxes, some past the images
-# (their pixels counted by the boxes' own), in two levels where there are many (3 x 28 x 28: 19 boxes)
-EPILOGUE_SHAPES = [((2, 64, 28, 28), (64, 64, 3, 3), 1), ((3, 64, 5, 9), (128, 64, 3, 3), 1),
-                   ((3, 64, 28, 28), (64, 64, 1, 1), 0)]
+# (x, w, padding, stride): the forward's statistics and backward-data's sums merged across boxes, some past the images
+# (their pixels counted by the boxes' own), in two levels where there are many (3 x 28 x 28: 19 boxes); at stride 2,
+# backward-data's over the boxes of dx's four phases (the projection's: three no tap reaches)
+EPILOGUE_SHAPES = [((2, 64, 28, 28), (64, 64, 3, 3), 1, 1), ((3, 64, 5, 9), (128, 64, 3, 3), 1, 1),
+                   ((3, 64, 28, 28), (64, 64, 1, 1), 0, 1), ((3, 64, 9, 7), (64, 64, 3, 3), 1, 2),
+                   ((2, 64, 8, 8), (128, 64, 1, 1), 0, 2)]
 
 
-@pytest.mark.parametrize("x_shape, w_shape, padding", EPILOGUE_SHAPES)
-def test_batch_statistics_from_the_forwards_epilogue(emulated_hopper, x_shape, w_shape, padding):
+@pytest.mark.parametrize("x_shape, w_shape, padding, stride", EPILOGUE_SHAPES)
+def test_batch_statistics_from_the_forwards_epilogue(emulated_hopper, x_shape, w_shape, padding, stride):
     """conv2d_forward(..., statistics=...) through this family: mean, invstd and the moved running pair against
     float64 of the stored y, y bit for bit the forward's without them, the same bits in both thread orders
     (test_conv_statistics's checks)."""
@@ -178,21 +185,22 @@ def test_batch_statistics_from_the_forwards_epilogue(emulated_hopper, x_shape, w
     from test_conv_statistics import draw as draw_far_from_zero
     with kernels.use_precision("bf16"):
         x, w, b, running = draw_far_from_zero(x_shape, w_shape)
-        runs = [forward_with_statistics(order, x, w, b, running, 1, padding) for order in ("ascending", "descending")]
+        runs = [forward_with_statistics(order, x, w, b, running, stride, padding)
+                for order in ("ascending", "descending")]
     assert emulated_hopper and all(name.startswith("conv_sm90_forward") for name in emulated_hopper), emulated_hopper
     check_statistics(f"conv_sm90 {x_shape} * {w_shape}", runs, running)
 
 
-@pytest.mark.parametrize("x_shape, w_shape, padding", EPILOGUE_SHAPES)
+@pytest.mark.parametrize("x_shape, w_shape, padding, stride", EPILOGUE_SHAPES)
 @pytest.mark.parametrize("add, relu", [(False, False), (True, False), (False, True)])
-def test_batch_norm_sums_from_backward_datas_epilogue(emulated_hopper, x_shape, w_shape, padding, add, relu):
+def test_batch_norm_sums_from_backward_datas_epilogue(emulated_hopper, x_shape, w_shape, padding, stride, add, relu):
     """conv2d_backward(..., norm=..., norm_out=...) through this family: the sums of the batch norm whose dy dx is,
     of dx after an add into a channels-last gradient in the epilogue (add), the relu's mask recomputed from x (relu),
     against float64; dx, dw and db bit for bit the backward's without them, the same bits in both orders
     (test_conv_statistics's checks)."""
     from test_conv_statistics import check_backward_sums
-    check_backward_sums(f"conv_sm90 {x_shape} * {w_shape}" + " add" * add + " relu" * relu, "bf16", x_shape, w_shape,
-                        1, padding, add, relu, add_order="K")
+    check_backward_sums(f"conv_sm90 {x_shape} * {w_shape} stride {stride}" + " add" * add + " relu" * relu, "bf16",
+                        x_shape, w_shape, stride, padding, add, relu, add_order="K")
     assert f"conv_sm90_forward<{conv_sm90.choose_tile(x_shape[1])}, {str(add).lower()}>" in emulated_hopper
 
 
@@ -217,7 +225,10 @@ def test_only_what_the_family_computes_is_given_to_it():
     assert not conv_sm90.supports(geometry((2, 64, 9, 9), (64, 64, 3, 3), 1, 3))   # stride 3
     assert not conv_sm90.supports((2, 64, 8, 8, 64, 3, 3, 1, 2, 1, 1, 8, 4))      # strides unequal
     assert not conv_sm90.supports(geometry((2, 64, 1, 8), (64, 64, 1, 1), 0, 2))   # no row of the odd parity
-    assert not conv_sm90.supports_dgrad(geometry((2, 64, 8, 8), (64, 64, 3, 3), 1, 2))
+    assert conv_sm90.supports_dgrad(geometry((2, 64, 8, 8), (64, 64, 3, 3), 1, 2))
+    assert conv_sm90.dgrad_plan(geometry((2, 64, 9, 7), (64, 64, 3, 3), 1, 2)).grid == (1, 1, 4)   # 2 x 5 x 4: a box
+    assert conv_sm90.dgrad_plan(geometry((4, 64, 33, 15), (64, 64, 3, 3), 1, 2)).grid == (5, 1, 4)   # 4 x 17 x 8
+    assert conv_sm90.dgrad_plan(geometry((4, 64, 33, 15), (64, 64, 3, 3), 1, 1)).grid[2] == 1
     assert not conv_sm90.supports(geometry((2, 32, 8, 8), (64, 32, 3, 3), 1))     # C not a multiple of 64
     assert not conv_sm90.supports(geometry((2, 64, 8, 8), (32, 64, 3, 3), 1))     # O not a multiple of 64
     with pytest.raises(ValueError, match="stride 1 or 2 and channels multiples of 64"):
@@ -379,16 +390,16 @@ def test_a_gpus_tensor_map_is_encoded_as_cuda_h_orders_it(monkeypatch):
 
 @pytest.mark.nvrtc("conv_sm90")
 def test_bench_tc_plan_reports_the_structure_of_hoppers_launches():
-    """bench/tc_plan.py's Hopper table: ResNet-18's convolutions but the stem, forward and backward-weight of each,
-    backward-data of the stride-1 ones, each a grid of whole boxes at batch 256 (no row computed past the images),
-    the kernels' resources from ptxas."""
+    """bench/tc_plan.py's Hopper table: ResNet-18's convolutions but the stem, their three GEMMs each, a grid of whole
+    boxes at batch 256 (no row computed past the images; backward-data of stride 2 by phases of dx, where the 7 x 7
+    phases' boxes are not whole), the kernels' resources from ptxas."""
     reason = nvrtc.unavailable_reason() or nvrtc.unsupported_reason("sm_90a")
     if reason:
         pytest.skip(reason)
     from bench import tc_plan
     rows, resources = tc_plan.hopper_rows(256, 132)
-    every, strided = ("forward", "dgrad", "wgrad"), ("forward", "wgrad")
     assert [(row["count"], row["gemm"]) for row in rows] == [
-        (n, gemm) for n, gemms in [(4, every)] + [(1, strided), (3, every), (1, strided)] * 3 for gemm in gemms]
-    assert all(row["padded"] == 1.0 and row["blocks"] == np.prod(row["grid"]) for row in rows)
+        (n, gemm) for n in [4] + [1, 3, 1] * 3 for gemm in ("forward", "dgrad", "wgrad")]
+    assert all(row["blocks"] == np.prod(row["grid"]) for row in rows)
+    assert all(row["padded"] == 1.0 for row in rows if row["gemm"] != "dgrad" or "/1 " in row["layer"]), rows
     assert set(resources) == set(conv_sm90.KERNELS)

@@ -2,11 +2,12 @@
 // memory accelerator (TMA), for the bf16 precision. Launched by kernels/cuda/conv_sm90.py, chosen on GPUs of
 // compute capability 9.0; checked by tests/test_conv_sm90.py against float64 of the bfloat16 inputs, on the CPU
 // emulator (which runs sm90.cuh's instructions exactly and refuses their misuse) in CI and on a GPU under
-// `pytest -m gpu`. Channel counts multiples of 64; stride 1 or 2 (the forward and backward-weight), 1 (backward-data):
+// `pytest -m gpu`. Channel counts multiples of 64, stride 1 or 2:
 //
 //   conv_sm90_forward   y (N*OH*OW x O) = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b; ADD: added
 //                       to what y holds, rounded once. Backward-data is this forward of dy by the weights mirrored
-//                       (conv_geometry.cuh's mirrored_weights<bf16>).
+//                       (conv_geometry.cuh's mirrored_weights<bf16>); at stride 2, a GEMM a phase of dx (its pixels
+//                       of one parity of row and column, blockIdx.z) over the taps that reach it (Sm90Taps).
 //   conv_sm90_wgrad     dw (O x KH*KW*C), float32, a tap a block: dy^T (O x pixels) . x moved by the tap (pixels x
 //                       C), split over the pixels into parts whose partials sum_partials adds in order
 //
@@ -67,6 +68,22 @@ struct Sm90x64 : Sm90Tile<2, 64, 6> {};        // 144 KB
 struct Sm90Wgrad128 : Sm90Tile<2, 128, 4> {};  // backward-weight's, 128 output channels by 128 input channels
 struct Sm90Wgrad64 : Sm90Tile<1, 64, 6, 2> {}; // 64 by 64 (97 KB: 2 blocks an SM)
 
+// The output pixels of a forward block: the GEMM's rows are the pixels (i, u, v) of an (N, P, Q) grid, pixel (i, S u +
+// a, S v + b) of the (N, H, W) output: the forward's y (S 1, P x Q = H x W), or, in backward-data of a stride-2
+// convolution (`phases` 4), phase (a, b) = blockIdx.z / 2, blockIdx.z % 2 of dx: its pixels of row parity a and
+// column parity b.
+struct Sm90Phase {
+    int a, b, step, p, q, height, width;
+    __device__ Sm90Phase(int phases, int height_, int width_) : height(height_), width(width_) {
+        step = phases == 4 ? 2 : 1;
+        a = phases == 4 ? int(blockIdx.z) / 2 : 0;
+        b = phases == 4 ? int(blockIdx.z) % 2 : 0;
+        p = (height - a + step - 1) / step;
+        q = (width - b + step - 1) / step;
+    }
+    __device__ int pixel(int i, int u, int v) const { return (i * height + step * u + a) * width + step * v + b; }
+};
+
 // The box of a tile's pixels: rows t = (i box_h + h) box_w + w of the box are the pixel (n0 + i, p0 + h, q0 + w) of an
 // (N, P, Q) image batch, the box the `index`-th in (N, P, Q) order.
 struct Sm90Box {
@@ -78,10 +95,11 @@ struct Sm90Box {
         p0 = index / boxes_w % boxes_h * box_h;
         n0 = index / (boxes_w * boxes_h) * box_i;
     }
-    // the pixel's index in (N, P, Q), or -1 past its edges
-    __device__ int pixel(int row, int n, int p, int q) const {
+    // the index of the output's pixel of row `row` (`out`: the batch of n images a phase of the output), or -1 past
+    // the batch's edges
+    __device__ int pixel(int row, int n, const Sm90Phase& out) const {
         const int img = n0 + row / (box_h * box_w), y = p0 + row / box_w % box_h, x = q0 + row % box_w;
-        return img < n && y < p && x < q ? (img * p + y) * q + x : -1;
+        return img < n && y < out.p && x < out.q ? out.pixel(img, y, x) : -1;
     }
     // how many of its pixels lie inside the batch
     __device__ int pixels(int n, int p, int q) const {
@@ -105,9 +123,11 @@ struct Sm90BoxValues {
 // box's pixel r, -1 past the batch.
 struct Sm90BoxRows {
     Sm90Box box;
-    int n, p, q, channels;
+    int n;
+    Sm90Phase out;
+    int channels;
     __device__ int row(int r) const {
-        const int pixel = box.pixel(r, n, p, q);
+        const int pixel = box.pixel(r, n, out);
         return pixel < 0 ? -1 : pixel * channels;
     }
     __device__ int column(int c) const { return c < channels ? c : -1; }
@@ -126,6 +146,35 @@ struct Sm90Tap {
         map = stride * a + b;
         rows = (dr - a) / stride;
         columns = (ds - b) / stride;
+    }
+};
+
+// The filter taps a forward block steps through (count), and for the i-th (move) where A finds its operand (map, box
+// offsets) and B's column of filters. The forward (`phased` false): every tap (r, s) in order, Sm90Tap's move.
+// Backward-data of a stride-2 convolution (phased; the GEMM's input dy, its weights mirrored, (C, KH, KW, O)): phase
+// (a, b) of dx takes the taps with r = a + ph and s = b + pw modulo 2, dy's row u + (a + ph - r) / 2 for dx's 2u + a
+// (and so the columns), B's column the tap mirrored (mirrored_weights). A phase no tap reaches has none.
+struct Sm90Taps {
+    struct Move {
+        int map, rows, columns, filter;
+    };
+    int kh, kw, ph, pw, stride, a, b, r0, s0, rows, columns;
+    bool phased;
+    __device__ Sm90Taps(int kh_, int kw_, int ph_, int pw_, int stride_, const Sm90Phase& out, bool phased_)
+        : kh(kh_), kw(kw_), ph(ph_), pw(pw_), stride(stride_), a(out.a), b(out.b), phased(phased_) {
+        r0 = phased ? (a + ph) % 2 : 0;
+        s0 = phased ? (b + pw) % 2 : 0;
+        rows = phased ? (kh - r0 + 1) / 2 : kh;
+        columns = phased ? (kw - s0 + 1) / 2 : kw;
+    }
+    __device__ int count() const { return rows * columns; }
+    __device__ Move move(int i) const {
+        const int r = r0 + (phased ? 2 : 1) * (i / columns), s = s0 + (phased ? 2 : 1) * (i % columns);
+        if (!phased) {
+            const Sm90Tap tap(r * kw + s, kw, ph, pw, stride);
+            return {tap.map, tap.rows, tap.columns, r * kw + s};
+        }
+        return {0, (a + ph - r) / 2, (b + pw - s) / 2, (kh - 1 - r) * kw + kw - 1 - s};
     }
 };
 
@@ -228,14 +277,14 @@ __device__ __forceinline__ bool sm90_roles(const Sm90Pipeline<Tile>& pipeline, c
 // BN bytes the block is done with. Every consumer thread must call it, the producer's having returned.
 template <class Tile>
 __device__ __forceinline__ void sm90_batch_stats(const BnStats& s, const Sm90Box& box, const Sm90BoxValues& boxes,
-                                                 int o, int o0, const float* bias, const float (&acc)[Tile::BN / 2],
-                                                 unsigned char* smem) {
+                                                 const Sm90Phase& out, int o, int o0, const float* bias,
+                                                 const float (&acc)[Tile::BN / 2], unsigned char* smem) {
     Moments* part = reinterpret_cast<Moments*>(smem);   // [4 CONSUMERS warps][BN]
     const int thread = int(threadIdx.x) - 128, lane = thread % 32, warp = thread / 32;
     bool inside[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half)
-        inside[half] = box.pixel(16 * warp + lane / 4 + 8 * half, boxes.n, boxes.p, boxes.q) >= 0;
+        inside[half] = box.pixel(16 * warp + lane / 4 + 8 * half, boxes.n, out) >= 0;
     __syncthreads();   // every consumer is done with the ring
 #pragma unroll
     for (int j = 0; j < Tile::BN / 8; ++j)
@@ -266,25 +315,33 @@ __device__ __forceinline__ void sm90_batch_stats(const BnStats& s, const Sm90Box
 template <class Tile, bool ADD>
 __global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
 conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const float* __restrict__ bias,
-                  bf16* __restrict__ y, int n, int c, int o, int kh, int kw, int ph, int pw, int stride, int oh, int ow,
-                  int box_w, int box_h, int box_i, BN_STATS_PARAMS, BN_SUMS_PARAMS(bf16)) {
+                  bf16* __restrict__ y, int n, int c, int o, int kh, int kw, int ph, int pw, int stride, int phases,
+                  int oh, int ow, int box_w, int box_h, int box_i, BN_STATS_PARAMS, BN_SUMS_PARAMS(bf16)) {
     extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
     const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
-    const Sm90Box box(blockIdx.x, box_w, box_h, box_i, oh, ow);
-    const int o0 = blockIdx.y * Tile::BN, chunks = c / Tile::BK, steps = kh * kw * chunks, t = threadIdx.x;
+    const Sm90Phase out(phases, oh, ow);
+    const Sm90Box box(blockIdx.x, box_w, box_h, box_i, out.p, out.q);
+    const Sm90Taps taps(kh, kw, ph, pw, stride, out, phases == 4);
+    // a phase's boxes may be fewer than the grid's (blocks past them, and a phase no tap reaches, store nothing or
+    // zeros, and merge zeros into the norm's sums)
+    const int o0 = blockIdx.y * Tile::BN, chunks = c / Tile::BK, t = threadIdx.x;
+    const int steps = box.n0 < n ? taps.count() * chunks : 0;
     if (!sm90_roles(pipeline, x_map0, w_map)) {
         if (t == 0)
             for (int step = 0; step < steps; ++step) {
-                const int stage = pipeline.acquire(step), tap = step / chunks, c0 = step % chunks * Tile::BK;
-                const Sm90Tap move(tap, kw, ph, pw, stride);
+                const int stage = pipeline.acquire(step), c0 = step % chunks * Tile::BK;
+                const Sm90Taps::Move move = taps.move(step / chunks);
                 tma_load_4d(pipeline.a(stage), sm90_x_map(move.map, x_map0, x_map1, x_map2, x_map3),
                             &pipeline.full[stage], c0, box.q0 + move.columns, box.p0 + move.rows, box.n0);
-                tma_load_2d(pipeline.b(stage), w_map, &pipeline.full[stage], tap * c + c0, o0);
+                tma_load_2d(pipeline.b(stage), w_map, &pipeline.full[stage], move.filter * c + c0, o0);
             }
         return;
     }
     const int group = t / 128 - 1, lane = t % 32, warp = t % 128 / 32;
     float acc[Tile::BN / 2];
+    if (steps == 0)   // no product: the sum of no terms
+#pragma unroll
+        for (int i = 0; i < Tile::BN / 2; ++i) acc[i] = 0.0f;
     pipeline.consume(acc, steps, t % 128 == 0, [&](int stage, bool first) {
 #pragma unroll
         for (int k = 0; k < Tile::BK / 16; ++k)   // k16 a wgmma: 32 bytes along each K-major line
@@ -294,7 +351,7 @@ conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const fl
     // the epilogue: d[4j + i] is row 16 warp + lane / 4 + 8 (i / 2), column 8 j + 2 (lane % 4) + i % 2
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int pixel = box.pixel(group * 64 + warp * 16 + lane / 4 + 8 * half, n, oh, ow);
+        const int pixel = box.pixel(group * 64 + warp * 16 + lane / 4 + 8 * half, n, out);
         if (pixel < 0) continue;
         bf16* row = y + size_t(pixel) * o + o0;
 #pragma unroll
@@ -313,13 +370,14 @@ conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const fl
             *pair = bf16x2_round(lo, hi);
         }
     }
-    const Sm90BoxValues boxes{box_w, box_h, box_i, n, oh, ow, int(gridDim.x)};
-    if (stats_partial)
-        sm90_batch_stats<Tile>(BnStats BN_STATS, box, boxes, o, o0, bias, acc, pipeline.ring);
-    if (sums_partial)
-        bn_tile_sums<Tile, 128 * Tile::CONSUMERS, 128>(BnSums<bf16> BN_SUMS, Sm90BoxRows{box, n, oh, ow, o}, o, y,
+    if (stats_partial)   // (the forward: one phase)
+        sm90_batch_stats<Tile>(BnStats BN_STATS, box, Sm90BoxValues{box_w, box_h, box_i, n, oh, ow, int(gridDim.x)},
+                               out, o, o0, bias, acc, pipeline.ring);
+    if (sums_partial)   // over the boxes of every phase
+        bn_tile_sums<Tile, 128 * Tile::CONSUMERS, 128>(BnSums<bf16> BN_SUMS, Sm90BoxRows{box, n, out, o}, o, y,
                                                        reinterpret_cast<float*>(pipeline.ring), 0, o0,
-                                                       int(blockIdx.x), int(gridDim.x));
+                                                       int(blockIdx.z * gridDim.x + blockIdx.x),
+                                                       int(gridDim.z * gridDim.x));
 }
 
 // ---- backward-weight ------------------------------------------------------------------------------------------

@@ -74,8 +74,11 @@ def dgrad_geometry(geometry):
 
 def supports_dgrad(geometry):
     """Whether the family computes this backward-data: a stride-1 convolution whose padding the filter covers (dy's
-    padding KH - 1 - PH is not negative), its forward GEMM one the family takes."""
+    padding KH - 1 - PH is not negative), its forward GEMM one the family takes; or one of stride 2 the forward takes
+    (dgrad_plan: a GEMM a phase of dx)."""
     kh, kw, sh, sw, ph, pw = geometry[5:11]
+    if sh == sw == 2:
+        return supports(geometry)
     return sh == sw == 1 and ph < kh and pw < kw and supports(dgrad_geometry(geometry))
 
 
@@ -113,17 +116,28 @@ def dynamic_shared(kernel):
 
 class Plan(typing.NamedTuple):
     tile: str
-    grid: tuple   # (boxes of the output, tiles of BN filters)
+    grid: tuple   # (boxes of the output (of its largest phase), tiles of BN filters, phases)
     box: tuple    # (box_i, box_h, box_w) of a tile's pixels
 
 
-def plan(geometry):
-    """The forward's Plan: the tile, a block per box of the output by BN filters."""
+def plan(geometry, phases=1):
+    """The forward's Plan: the tile, a block per box of the output by BN filters; with `phases` 4 (backward-data of a
+    stride-2 convolution, whose output is the geometry's x), the boxes of dx's largest phase, (0, 0), for each."""
     n, o, oh, ow = geometry[0], geometry[4], geometry[11], geometry[12]
+    if phases == 4:
+        n, o, oh, ow = n, geometry[1], cdiv(geometry[2], 2), cdiv(geometry[3], 2)
     box = choose_box(n, oh, ow)
     tile = choose_tile(o)
     tiles = cdiv(n, box[0]) * cdiv(oh, box[1]) * cdiv(ow, box[2])
-    return Plan(tile, (tiles, o // TILES[tile][0]), box)
+    return Plan(tile, (tiles, o // TILES[tile][0], phases), box)
+
+
+def dgrad_plan(geometry):
+    """Backward-data's Plan: the forward's of dgrad_geometry at stride 1; at stride 2, a GEMM a phase of dx (its
+    pixels of row parity a and column parity b, conv_sm90.cu's Sm90Phase and Sm90Taps), blockIdx.z = 2a + b."""
+    if geometry[7] == 1:
+        return plan(dgrad_geometry(geometry))
+    return plan(geometry, phases=4)
 
 
 def forward(be, x, w_krsc, b, geometry, into=None, stats=NO_STATISTICS, sums=NO_SUMS):
@@ -136,29 +150,44 @@ def forward(be, x, w_krsc, b, geometry, into=None, stats=NO_STATISTICS, sums=NO_
     if not supports(geometry) or x.dtype != bfloat16 or w_krsc.dtype != bfloat16:
         raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 or 2 and channels multiples of 64, "
                          f"got {x.dtype} x, {w_krsc.dtype} w, geometry {geometry}")
-    tile, grid, (box_i, box_h, box_w) = plan(geometry)
-    x, w_krsc = aligned(x), aligned(w_krsc)
-    w_map = tensor_map(be, w_krsc.reshape(o, kh * kw * c), (TILES[tile][0], BK))
+    p = plan(geometry)
     y = be.xp.empty((n, oh, ow, o), bfloat16) if into is None else into
-    kernel = f"conv_sm90_forward<{tile}, {'false' if into is None else 'true'}>"
-    launch(be, "conv_sm90", kernel, grid,
-           (*x_maps(be, x, sh, (box_i, box_h, box_w, BK)), w_map, b, y, n, c, o, kh, kw, ph, pw, sh, oh, ow, box_w,
-            box_h, box_i, *stats, *sums), block=(THREADS,), shared_mem=dynamic_shared(kernel))
+    _launch_forward(be, p, x_maps(be, aligned(x), sh, (*p.box, BK)), w_krsc.reshape(o, kh * kw * c), b, y, into,
+                    (n, c, o, kh, kw, ph, pw, sh, 1, oh, ow), stats, sums)
     return y
+
+
+def _launch_forward(be, p, maps, w, b, out, into, sizes, stats, sums):
+    """conv_sm90_forward of Plan p: A from the four `maps` (x_maps), B from w (the GEMM's columns by its k, C-contiguous
+    bfloat16), the bias b, into `out`, added to what it holds where `into` is given; `sizes`: the kernel's (n, c, o,
+    kh, kw, ph, pw, stride, phases, oh, ow)."""
+    kernel = f"conv_sm90_forward<{p.tile}, {'false' if into is None else 'true'}>"
+    w_map = tensor_map(be, aligned(w), (TILES[p.tile][0], BK))
+    box_i, box_h, box_w = p.box
+    launch(be, "conv_sm90", kernel, p.grid, (*maps, w_map, b, out, *sizes, box_w, box_h, box_i, *stats, *sums),
+           block=(THREADS,), shared_mem=dynamic_shared(kernel))
 
 
 def backward_data(be, dy, w_krsc, geometry, into=None, sums=NO_SUMS):
     """dx (N, H, W, C) bfloat16 from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C), bfloat16; added to `into` (as
-    forward's) when given: the forward of dy by the mirrored weights (mirrored_weights<bf16>, a launch), with the
-    sums of a batch norm (forward's `sums`, over the grid of plan(dgrad_geometry(geometry)))."""
-    n, c, h, w, o, kh, kw = geometry[:7]
-    if not supports_dgrad(geometry):
-        raise ValueError(f"conv_sm90: takes the backward-data of stride-1 convolutions whose filter covers the "
-                         f"padding, channels multiples of 64, got geometry {geometry}")
+    forward's) when given, with the sums of a batch norm (forward's `sums`, over the tiles of dgrad_plan's grid, every
+    phase's): at stride 1, the forward of dy by the mirrored weights (mirrored_weights<bf16>, a launch); at stride 2,
+    the GEMMs of dx's four phases, each of the filter's taps that reach it, in one launch."""
+    n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
+    if not supports_dgrad(geometry) or dy.dtype != bfloat16 or w_krsc.dtype != bfloat16:
+        raise ValueError(f"conv_sm90: takes the backward-data of bfloat16 convolutions of stride 1 whose filter covers "
+                         f"the padding, or of stride 2, channels multiples of 64, got {dy.dtype} dy, {w_krsc.dtype} w, "
+                         f"geometry {geometry}")
     mirrored = be.xp.empty((c, kh, kw, o), bfloat16)
     launch(be, "conv_sm90", "mirrored_weights<bf16>", (cdiv(mirrored.size, 256),), (aligned(w_krsc), mirrored, o,
                                                                                      kh * kw, c), block=(256,))
-    return forward(be, dy, mirrored, None, dgrad_geometry(geometry), into, sums=sums)
+    if sh == 1:
+        return forward(be, dy, mirrored, None, dgrad_geometry(geometry), into, sums=sums)
+    p = dgrad_plan(geometry)
+    dx = be.xp.empty((n, h, w, c), bfloat16) if into is None else into
+    _launch_forward(be, p, x_maps(be, aligned(dy), 1, (*p.box, BK)), mirrored.reshape(c, kh * kw * o), None, dx, into,
+                    (n, o, c, kh, kw, ph, pw, 2, 4, h, w), NO_STATISTICS, sums)
+    return dx
 
 
 def chosen_wgrad(be, geometry):
