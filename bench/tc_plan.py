@@ -240,8 +240,9 @@ def rows(batch, arch, sms, precision):
 
 def hopper_rows(batch, sms):
     """The GEMMs that conv_sm90.cu (Hopper's warpgroup MMA fed by TMA) takes under bf16 on an sm_90 GPU, one dict per
-    GEMM of each distinct convolution: forwards, and backward-datas as the forward of dy by the mirrored weights; its
-    kernel, output box, grid, waves (one block an SM: the ring's shared memory), and the FLOPs per L2 byte of its
+    GEMM of each distinct convolution: forwards; backward-datas as the forward of dy by the mirrored weights (at
+    stride 2, by phases of dx); backward-weights: its kernel, output box, tiles, grid (the forward's persistent, a
+    block an SM: the ring's shared memory), waves (the forward's: tiles a block), and the FLOPs per L2 byte of its
     tile; with the kernels' ptxas Resources."""
     resources = {kernel: r for _, _, kernel, r in report(["conv_sm90"], ["sm_90"])}
     out = []
@@ -254,14 +255,14 @@ def hopper_rows(batch, sms):
                                                   g[0] * g[2] * g[3])):
             if not supported(g):
                 continue
-            tile, grid, box = planned(g)   # backward-data of stride 2: a GEMM a phase of dx (grid's z)
-            columns, stages = conv_sm90.TILES[tile]
+            p = planned(g)   # backward-data of stride 2: a GEMM a phase of dx
+            columns, stages = conv_sm90.TILES[p.tile]
             rows = conv_sm90.ROWS
-            blocks = math.prod(grid)
+            blocks = min(p.tiles, sms)   # persistent: a block an SM takes the tiles in turn
             out.append({"layer": layer.label, "count": count, "gemm": gemm,
-                        "kernel": f"conv_sm90_forward<{tile}, ADD>",   # ADD: backward-data into a gradient
-                        "box": box, "grid": grid, "blocks": blocks, "waves": blocks / sms, "stages": stages,
-                        "parts": 1, "padded": grid[0] * grid[2] * rows / pixels,
+                        "kernel": f"conv_sm90_forward<{p.tile}, ADD>",   # ADD: backward-data into a gradient
+                        "box": p.box, "grid": (blocks,), "tiles": p.tiles, "blocks": blocks, "waves": p.tiles / sms,
+                        "stages": stages, "parts": 1, "padded": p.boxes * p.phases * rows / pixels,
                         "flops_per_byte": 2 * rows * columns / ((rows + columns) * ELEMENT_BYTES["bf16"])})
         if conv_sm90.supports(geometry(layer)):   # backward-weight takes what the forward does
             g = geometry(layer)
@@ -269,7 +270,7 @@ def hopper_rows(batch, sms):
             rows, columns, stages, resident = conv_sm90.WGRAD_TILES[p.tile]
             blocks = math.prod(p.grid)
             out.append({"layer": layer.label, "count": count, "gemm": "wgrad", "kernel": f"conv_sm90_wgrad<{p.tile}>",
-                        "box": p.box, "grid": p.grid, "blocks": blocks, "waves": blocks / (resident * sms),
+                        "box": p.box, "grid": p.grid, "tiles": blocks, "blocks": blocks, "waves": blocks / (resident * sms),
                         "stages": stages, "parts": p.parts,
                         "padded": math.prod(-(-size // side) for size, side in zip((g[0], g[11], g[12]), p.box)) *
                         conv_sm90.WGRAD_PIXELS / (g[0] * g[11] * g[12]),
@@ -298,13 +299,14 @@ def hopper_table(batch, sms):
               f"{stages} stages of {rows}x64 + {columns}x64 bf16, {(r.shared_bytes + shared) / 1024:.1f} KB of shared "
               f"memory: {resident} block{'s' if resident > 1 else ''} ({resident * consumers} warpgroups of wgmma in "
               f"flight) an SM; spills {r.spill_stores} bytes")
-    print(f"\n| layer (batch {batch}) | n | GEMM | kernel | pixel box (images x rows x columns) | grid | split-K parts | "
-          f"waves on {sms} SMs | pixels computed / pixels | FLOPs per L2 byte |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| layer (batch {batch}) | n | GEMM | kernel | pixel box (images x rows x columns) | tiles | grid | "
+          f"split-K parts | waves on {sms} SMs (tiles a block, persistent) | pixels computed / pixels | "
+          f"FLOPs per L2 byte |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         print(f"| {row['layer']} | {row['count']} | {row['gemm']} | `{row['kernel']}` | {'x'.join(map(str, row['box']))} | "
-              f"{'x'.join(map(str, row['grid']))} | {row['parts']} | {row['waves']:.2f} | {row['padded']:.2f} | "
-              f"{row['flops_per_byte']:.1f} |")
+              f"{row['tiles']} | {'x'.join(map(str, row['grid']))} | {row['parts']} | {row['waves']:.2f} | "
+              f"{row['padded']:.2f} | {row['flops_per_byte']:.1f} |")
 
 
 def describe_loops(found, lean_hmma):

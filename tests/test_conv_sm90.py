@@ -226,9 +226,10 @@ def test_only_what_the_family_computes_is_given_to_it():
     assert not conv_sm90.supports((2, 64, 8, 8, 64, 3, 3, 1, 2, 1, 1, 8, 4))      # strides unequal
     assert not conv_sm90.supports(geometry((2, 64, 1, 8), (64, 64, 1, 1), 0, 2))   # no row of the odd parity
     assert conv_sm90.supports_dgrad(geometry((2, 64, 8, 8), (64, 64, 3, 3), 1, 2))
-    assert conv_sm90.dgrad_plan(geometry((2, 64, 9, 7), (64, 64, 3, 3), 1, 2)).grid == (1, 1, 4)   # 2 x 5 x 4: a box
-    assert conv_sm90.dgrad_plan(geometry((4, 64, 33, 15), (64, 64, 3, 3), 1, 2)).grid == (5, 1, 4)   # 4 x 17 x 8
-    assert conv_sm90.dgrad_plan(geometry((4, 64, 33, 15), (64, 64, 3, 3), 1, 1)).grid[2] == 1
+    tiles = lambda p: (p.boxes, p.filter_tiles, p.phases)   # noqa: E731
+    assert tiles(conv_sm90.dgrad_plan(geometry((2, 64, 9, 7), (64, 64, 3, 3), 1, 2))) == (1, 1, 4)   # 2 x 5 x 4: a box
+    assert tiles(conv_sm90.dgrad_plan(geometry((4, 64, 33, 15), (64, 64, 3, 3), 1, 2))) == (5, 1, 4)   # 4 x 17 x 8
+    assert tiles(conv_sm90.dgrad_plan(geometry((4, 64, 33, 15), (64, 64, 3, 3), 1, 1)))[2] == 1
     assert not conv_sm90.supports(geometry((2, 32, 8, 8), (64, 32, 3, 3), 1))     # C not a multiple of 64
     assert not conv_sm90.supports(geometry((2, 64, 8, 8), (32, 64, 3, 3), 1))     # O not a multiple of 64
     with pytest.raises(ValueError, match="stride 1 or 2 and channels multiples of 64"):

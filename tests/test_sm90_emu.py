@@ -527,6 +527,33 @@ def test_the_emulation_is_the_same_without_the_full_sanitizer(level):
     np.testing.assert_array_equal(got, shared_bytes(array, (1, 4, 4, 64), (1, 3, -1, 0), 128))
 
 
+# ---- named barriers ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [0, 5])
+def test_a_named_barrier_orders_the_warps_that_meet_at_it(order, mode):
+    """Warps 1-3 meet at named barrier 1 for 96 threads while warp 0 waits elsewhere (a producer that takes no part in
+    the consumers' epilogue): each reads what another warp wrote before it, which racecheck finds ordered (the
+    barrier's threads' clocks); named_barrier_any tells them all that one passed a true predicate."""
+    out = np.zeros(128, np.int32)
+    launch("named_barrier", (1,), (128,), out, np.int32(mode))
+    t = np.arange(32, 128)
+    np.testing.assert_array_equal(out[32:], 1 if mode == 5 else 7 * (32 + (t - 32 + 32) % 96))
+
+
+@pytest.mark.parametrize("mode, message", [
+    (1, r"synccheck: named barrier 1 at \S+ for (96|128) threads, while \d+ threads wait at it for (96|128)"),
+    (2, r"synccheck: named barrier [12] \(\S+\) has its (64|32) threads, lanes (0-15|16-31) of warp [23] among them, "
+        r"while lanes (16-31|0-15) of that warp are elsewhere"),
+    (3, r"deadlock in block \(0,0,0\): .*named barrier 1 \(\S+\): threads 32-127 wait for 128 threads, 96 of them "
+        r"arrived"),
+    (4, r"(racecheck|initcheck): .*exchange"),
+])
+def test_the_misuses_of_a_named_barrier_are_refused(order, mode, message):
+    """Counts that disagree; a warp split across it (bar.sync is .aligned); a count that never comes (not a hang); and
+    without it, the race it prevents."""
+    assert re.search(message, refused("named_barrier", (1,), (128,), np.zeros(128, np.int32), np.int32(mode)))
+
+
 # ---- mbarrier ---------------------------------------------------------------------------------------------------
 
 def test_a_wait_for_a_phase_that_never_completes_is_a_deadlock(order):

@@ -128,18 +128,18 @@ struct TileRuns {
 // from `first`, as TileRuns), with the other tiles' of the channels of tile `channel_tile`, as the header
 // says: slots of `partial`, `counters` (groups + 1 per tile of channels), groups of `group` tiles.
 // Returns true in the threads of the last block that hold the total of their channel, in v. Every
-// thread of the block must call it.
-template <class V, class Values>
+// thread that `sync` waits for (last_block) must call it.
+template <class V, class Values, class Sync = BlockSync>
 __device__ __forceinline__ bool bn_tile_merge(float* partial, unsigned* counters, int group, V& v, bool mine, int c,
                                               int channels, int tile, int tiles, const Values& values_of,
-                                              int channel_tile) {
+                                              int channel_tile, const Sync& sync = Sync()) {
     if (mine) store_slot(partial, tile, channels, c, v);
     const int groups = (tiles + group - 1) / group;
     counters += channel_tile * (groups + 1);
     int first_slot = 0, terms = tiles, tiles_per_slot = 1;   // the slots the last block merges
     if (groups > 1) {
         const int own = tile / group, first = own * group, members = min(group, tiles - first);
-        if (!last_block(counters + 1 + own, members)) return false;
+        if (!last_block(counters + 1 + own, members, sync)) return false;
         if (mine) {
             V sum = load_slot<V>(partial, first, channels, c, values_of(first, 1));
             for (int k = 1; k < members; ++k)
@@ -150,7 +150,7 @@ __device__ __forceinline__ bool bn_tile_merge(float* partial, unsigned* counters
         terms = groups;
         tiles_per_slot = group;
     }
-    if (!last_block(counters, terms) || !mine) return false;
+    if (!last_block(counters, terms, sync) || !mine) return false;
     v = load_slot<V>(partial, first_slot, channels, c, values_of(0, tiles_per_slot));
     for (int k = 1; k < terms; ++k)
         v = merged(v, load_slot<V>(partial, first_slot + k, channels, c,
@@ -160,10 +160,12 @@ __device__ __forceinline__ bool bn_tile_merge(float* partial, unsigned* counters
 
 // The statistics of channel c from this block's moments `m` of it, merged across the tiles
 // (bn_tile_merge's arguments): mean, invstd and the running pair.
-template <class Values>
+template <class Values, class Sync = BlockSync>
 __device__ __forceinline__ void bn_tile_statistics(const BnStats& s, Moments m, bool mine, int c, int channels,
-                                                   int tile, int tiles, const Values& values_of, int channel_tile) {
-    if (!bn_tile_merge(s.partial, s.counters, s.group, m, mine, c, channels, tile, tiles, values_of, channel_tile))
+                                                   int tile, int tiles, const Values& values_of, int channel_tile,
+                                                   const Sync& sync = Sync()) {
+    if (!bn_tile_merge(s.partial, s.counters, s.group, m, mine, c, channels, tile, tiles, values_of, channel_tile,
+                       sync))
         return;
     s.mean[c] = m.mean;
     s.invstd[c] = 1.0f / sqrtf(m.m2 / m.n + s.eps);
@@ -173,13 +175,14 @@ __device__ __forceinline__ void bn_tile_statistics(const BnStats& s, Moments m, 
 
 // The statistics of a block's tile of channels n0.. (bn_tile_statistics's arguments), from its values' moments per
 // column in `parts` parts, part[q * columns + j] in shared memory (columns: the tile's), which the block's
-// threads wrote before this: each column's parts merged in order by thread j of the block (`thread`, counted
-// from the first thread that has not returned). Every thread that has not returned must call it.
-template <class Values>
+// threads wrote before this: each column's parts merged in order by thread j of those `sync` waits for (`thread`,
+// counted from the first of them), each of which must call it.
+template <class Values, class Sync = BlockSync>
 __device__ __forceinline__ void bn_block_statistics(const BnStats& s, const Moments* part, int parts, int columns,
                                                     int thread, int n0, int channels, int tile, int tiles,
-                                                    const Values& values_of, int channel_tile) {
-    __syncthreads();
+                                                    const Values& values_of, int channel_tile,
+                                                    const Sync& sync = Sync()) {
+    sync.sync();
     const int c = n0 + thread;
     const bool mine = thread < columns && c < channels;
     Moments m{0.0f, 0.0f, 0.0f};
@@ -187,7 +190,7 @@ __device__ __forceinline__ void bn_block_statistics(const BnStats& s, const Mome
         m = part[thread];
         for (int q = 1; q < parts; ++q) m = merged(m, part[q * columns + thread]);
     }
-    bn_tile_statistics(s, m, mine, c, channels, tile, tiles, values_of, channel_tile);
+    bn_tile_statistics(s, m, mine, c, channels, tile, tiles, values_of, channel_tile, sync);
 }
 
 // ---- the normalisation ---------------------------------------------------------------------------------
@@ -237,19 +240,20 @@ struct BnSums {
 // The backward sums of the batch norm whose dy is a backward-data's dx, from the tile T::BM x T::BN as
 // the block that finished it stored it (in `dx`, read back: dx, and the norm's x, and y unless the mask
 // is recomputed from x, at each element; out.row(m0 + r) and out.column(n0 + j): where row r and column
-// j of the tile lie, -1 past dx), by the THREADS threads of the block from thread FIRST (the others
-// have returned): each thread every READERS-th row of a column (channel), in order, then the threads of a
-// column in order, then the `tiles` tiles of rows, this one `tile` (bn_tile_merge): with several
-// stride phases (conv_tc.cu's), the tiles of every phase, each phase's rows its own cells of dx. A tile
-// with no rows (past its phase's cells) merges zeros. smem: 2 * THREADS floats the block is done with.
-// Every thread that has not returned must call it.
-template <class T, int THREADS, int FIRST = 0, class Out, class E>
+// j of the tile lie, -1 past dx), by the THREADS threads of the block from thread FIRST, those `sync`
+// waits for: each thread every READERS-th row of a column (channel), in order, then the threads of a
+// column in order, then the `tiles` tiles of rows, this one `tile` (bn_tile_merge), of the channels'
+// tile `channel_tile`: with several stride phases, the tiles of every phase, each phase's rows its own
+// cells of dx. A tile with no rows (past its phase's cells) merges zeros. smem: 2 * THREADS floats the
+// block is done with. Each of those threads must call it.
+template <class T, int THREADS, int FIRST = 0, class Out, class E, class Sync = BlockSync>
 __device__ __forceinline__ void bn_tile_sums(const BnSums<E>& s, const Out& out, int columns, const E* dx,
-                                             float* smem, int m0, int n0, int tile, int tiles) {
+                                             float* smem, int m0, int n0, int tile, int tiles, int channel_tile,
+                                             const Sync& sync = Sync()) {
     constexpr int READERS = THREADS / T::BN;
     static_assert(THREADS % T::BN == 0, "whole threads to a column");
     BackwardSums* part = reinterpret_cast<BackwardSums*>(smem);   // [READERS][BN]
-    __syncthreads();   // every warp is done with the main loop's shared memory, and dx's tile is stored
+    sync.sync();   // every warp is done with the main loop's shared memory, and dx's tile is stored
     const int thread = int(threadIdx.x) - FIRST, column = thread % T::BN, c = n0 + column;
     BackwardSums sums{0.0f, 0.0f};
     if (out.column(c) >= 0) {
@@ -267,13 +271,13 @@ __device__ __forceinline__ void bn_tile_sums(const BnSums<E>& s, const Out& out,
         }
     }
     part[thread] = sums;
-    __syncthreads();
+    sync.sync();
     const bool mine = thread < T::BN && c < columns;
     if (mine)
         for (int q = 1; q < READERS; ++q) sums = merged(sums, part[q * T::BN + thread]);
     // (the sums carry no count: the tiles' sizes are the merge's bookkeeping alone)
     if (bn_tile_merge(s.partial, s.counters, s.group, sums, mine, c, columns, tile, tiles,
-                      TileRuns{T::BM, tiles * T::BM}, int(blockIdx.y))) {
+                      TileRuns{T::BM, tiles * T::BM}, channel_tile, sync)) {
         s.dgamma[c] = sums.dgamma;
         s.dbeta[c] = sums.dbeta;
     }

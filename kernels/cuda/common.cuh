@@ -40,22 +40,31 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(lane < int(blockDim.x / 32) ? scratch[lane] : 0.0f);
 }
 
+// How the threads that finish a block's work together wait for each other (last_block, bn_stats.cuh's
+// merges): BlockSync, every thread of the block that has not returned (__syncthreads()); sm90.cuh's
+// NamedSync, some warps of it (a warp-specialised kernel's consumers, while its producer loads on).
+struct BlockSync {
+    __device__ void sync() const { __syncthreads(); }
+    __device__ int any(int predicate) const { return __syncthreads_or(predicate); }
+};
+
 // A reduction split over several blocks, finished in the same launch: every block of a group
 // writes its partial result, then calls last_block(the group's counter, the group's block count);
 // the block that comes last, whichever it is, gets true and adds the group's partials in a fixed
 // order (added_partials), so the result does not depend on which block that was. The counter is
 // one of the backend's zeroed counters (Backend.counters) and is zero again when the launch ends.
-// Every thread of the block that has not returned must call it, the block's last thread (which counts
-// the block) among them: a warp-specialised kernel's producers, its first threads, may have returned.
-__device__ __forceinline__ bool last_block(unsigned* counter, unsigned blocks) {
+// Every thread that `sync` waits for must call it, the block's last thread (which counts the block)
+// among them: a warp-specialised kernel's producers, its first threads, take no part.
+template <class Sync = BlockSync>
+__device__ __forceinline__ bool last_block(unsigned* counter, unsigned blocks, const Sync& sync = Sync()) {
     __threadfence();   // this block's partials reach the device before it counts itself
-    __syncthreads();
+    sync.sync();
     int last = 0;
     if (threadIdx.x == blockDim.x - 1) {
         last = atomicAdd(counter, 1u) == blocks - 1;
         if (last) *counter = 0u;   // every other block has counted: ready for the next launch
     }
-    last = __syncthreads_or(last);
+    last = sync.any(last);
     if (last) __threadfence();
     return last;
 }

@@ -443,7 +443,8 @@ conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf
     if (m0 >= g.n * f.cells()) {   // the same for the whole block
         if (sums_partial && part == 0)
             bn_tile_sums<T, TC_THREADS>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx,
-                                        reinterpret_cast<float*>(smem), m0, n0, tile, sums_tiles);
+                                        reinterpret_cast<float*>(smem), m0, n0, tile, sums_tiles,
+                                        int(blockIdx.y));
         return;
     }
     const int k_begin = part * k_chunk, k_end = min(k_begin + k_chunk, f.taps() * g.o);
@@ -462,7 +463,7 @@ conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf
                                               tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
     if (finished && sums_partial)
         bn_tile_sums<T, TC_THREADS>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, reinterpret_cast<float*>(smem),
-                                    m0, n0, tile, sums_tiles);
+                                    m0, n0, tile, sums_tiles, int(blockIdx.y));
 }
 
 // The bias gradient (tc_conv.cuh's BiasTotals) on the tensor cores: the warps of the first row of the
@@ -581,7 +582,7 @@ conv_bf16_dgrad_halo(const bf16* __restrict__ dy, const bf16* __restrict__ w_krs
                         add, acc);
     if (sums_partial)
         bn_tile_sums<T, TC_THREADS>(BnSums<bf16> BN_SUMS, RowsOut{pixels, g.c}, g.c, dx, reinterpret_cast<float*>(smem),
-                                    m0, n0, int(blockIdx.x), int(gridDim.x));
+                                    m0, n0, int(blockIdx.x), int(gridDim.x), int(blockIdx.y));
 }
 
 

@@ -7,7 +7,7 @@
 //   conv_sm90_forward   y (N*OH*OW x O) = im2col(x) (N*OH*OW x KH*KW*C) . w_krsc^T (KH*KW*C x O) + b; ADD: added
 //                       to what y holds, rounded once. Backward-data is this forward of dy by the weights mirrored
 //                       (conv_geometry.cuh's mirrored_weights<bf16>); at stride 2, a GEMM a phase of dx (its pixels
-//                       of one parity of row and column, blockIdx.z) over the taps that reach it (Sm90Taps).
+//                       of one parity of row and column) over the taps that reach it (Sm90Taps).
 //   conv_sm90_wgrad     dw (O x KH*KW*C), float32, a tap a block: dy^T (O x pixels) . x moved by the tap (pixels x
 //                       C), split over the pixels into parts whose partials sum_partials adds in order
 //
@@ -29,18 +29,21 @@
 //                       the producer (warpgroup 0, its first thread) issues the loads, the consumers (64 rows of
 //                       the tile each) wait for a stage, issue 4 wgmma m64nBNk16 on it, commit, and release the
 //                       stage before (wgmma_wait<1>: one group in flight while the next lands)
-//   Sm90Box             the tile scheduler's map from a box's index and a row of it to its pixel
+//   Sm90Tiles           the forward's tile scheduler: persistent, a block an SM taking tiles (phase, filters, box)
+//                       in turn, their steps following each other through the ring, so that the producer loads the
+//                       next tile while the consumers finish the one before (Sm90ForwardTile: a tile's pieces)
+//   Sm90Box             the map from a box's index and a row of it to its pixel (Sm90Phase: of which output)
 //   the epilogues       each consumer thread's accumulators (mma.sync's m16n8 layout, BN / 8 of them a warp):
 //                       the forward's plus the bias (or what y holds: ADD), rounded to bf16 once, stored as pairs
 //                       of neighbouring channels; backward-weight's float32 pairs into its part's slot. Then, in the
 //                       forward, the batch norm's statistics of y (sm90_batch_stats), or in backward-data the sums
-//                       of the norm whose dy dx is (bn_tile_sums), merged across the grid's boxes as the mma.sync
-//                       kernels merge their tiles' (bn_stats.cuh), the ring the consumers' scratch once the
-//                       producer has returned (__syncthreads waits for the threads that have not)
+//                       of the norm whose dy dx is (bn_tile_sums), merged across the boxes as the mma.sync kernels
+//                       merge their tiles' (bn_stats.cuh), in a scratch of their own, the consumers meeting at a
+//                       named barrier (Tile::ConsumerSync) while the producer loads on
 //
 // Registers: 128 (1 + CONSUMERS) threads a block; setmaxnreg gives the producer's warpgroup 40 registers a thread
 // and the consumers the rest (a consumer holds BN / 2 accumulators): 232 a thread with one block an SM (the
-// forward's ring of 128-144 KB, backward-weight's 128 x 128 tile), 216 with two (backward-weight's 64 x 64, 97 KB).
+// forward's ring of 128-144 KB, backward-weight's 128 x 128 tile), 216 with two (backward-weight's 64 x 64, 100 KB).
 #include "common.cuh"
 #include "sm90.cuh"
 #include "bf16.cuh"
@@ -58,9 +61,13 @@ struct Sm90Tile {
     static constexpr int PRODUCER_REGISTERS = 40;
     static constexpr int CONSUMER_REGISTERS = (65536 / MIN_BLOCKS - 128 * PRODUCER_REGISTERS) / (128 * CONSUMERS) / 8 * 8;
     static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+    // the epilogues' scratch: the batch norm's moments of each consumer warp's rows by column (12 bytes each),
+    // which is more than its sums take (8 bytes a consumer thread)
+    static constexpr int SCRATCH_BYTES = 12 * 4 * CONSUMERS * BN;
     // the ring from the first 1024-byte aligned address of the dynamic shared memory (1024 bytes of slack), then
-    // the full and empty barriers
-    static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
+    // the full and empty barriers, then the scratch
+    static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + SCRATCH_BYTES;
+    using ConsumerSync = NamedSync<128 * CONSUMERS>;   // the consumers' barrier: the producer loads on
     static_assert(BN % 64 == 0 && STAGE_BYTES % 1024 == 0, "whole 8 KB blocks, 1024-byte aligned (the swizzle)");
 };
 struct Sm90x128 : Sm90Tile<2, 128, 4> {};      // the forward's: 128 KB of ring
@@ -68,16 +75,16 @@ struct Sm90x64 : Sm90Tile<2, 64, 6> {};        // 144 KB
 struct Sm90Wgrad128 : Sm90Tile<2, 128, 4> {};  // backward-weight's, 128 output channels by 128 input channels
 struct Sm90Wgrad64 : Sm90Tile<1, 64, 6, 2> {}; // 64 by 64 (97 KB: 2 blocks an SM)
 
-// The output pixels of a forward block: the GEMM's rows are the pixels (i, u, v) of an (N, P, Q) grid, pixel (i, S u +
-// a, S v + b) of the (N, H, W) output: the forward's y (S 1, P x Q = H x W), or, in backward-data of a stride-2
-// convolution (`phases` 4), phase (a, b) = blockIdx.z / 2, blockIdx.z % 2 of dx: its pixels of row parity a and
+// The output pixels of a forward tile: the GEMM's rows are the pixels (i, u, v) of an (N, P, Q) grid, pixel (i, S u +
+// a, S v + b) of the (N, H, W) output: the forward's y (S 1, P x Q = H x W; `phase` 0), or, in backward-data of a
+// stride-2 convolution (`phases` 4), phase (a, b) = (phase / 2, phase % 2) of dx: its pixels of row parity a and
 // column parity b.
 struct Sm90Phase {
     int a, b, step, p, q, height, width;
-    __device__ Sm90Phase(int phases, int height_, int width_) : height(height_), width(width_) {
+    __device__ Sm90Phase(int phases, int phase, int height_, int width_) : height(height_), width(width_) {
         step = phases == 4 ? 2 : 1;
-        a = phases == 4 ? int(blockIdx.z) / 2 : 0;
-        b = phases == 4 ? int(blockIdx.z) % 2 : 0;
+        a = phase / 2;
+        b = phase % 2;
         p = (height - a + step - 1) / step;
         q = (width - b + step - 1) / step;
     }
@@ -197,12 +204,14 @@ template <class Tile>
 struct Sm90Pipeline {
     unsigned char* ring;
     unsigned long long *full, *empty;
+    unsigned char* scratch;   // the epilogues' (Tile::SCRATCH_BYTES)
 
     __device__ explicit Sm90Pipeline(unsigned char* dynamic) {
         const unsigned misalign = smem_address(dynamic) & 1023;
         ring = dynamic + (misalign ? 1024 - misalign : 0);
         full = reinterpret_cast<unsigned long long*>(ring + Tile::STAGES * Tile::STAGE_BYTES);
         empty = full + Tile::STAGES;
+        scratch = reinterpret_cast<unsigned char*>(empty + Tile::STAGES);
     }
     __device__ unsigned char* a(int stage, int block = 0) const {
         return ring + stage * Tile::STAGE_BYTES + block * Tile::BLOCK_BYTES;
@@ -227,24 +236,27 @@ struct Sm90Pipeline {
         return stage;
     }
 
-    // A consumer warpgroup's `steps` steps into acc: mma(stage, first) issues the wgmmas of one (first: the
-    // accumulators' first, which they overwrite), the accumulators fenced around them (wgmma_fence_operands).
-    // `releases`: this thread arrives on the empty barriers (init's count says how many do).
+    // A consumer warpgroup's `steps` steps into acc, the ring's steps from `first` on (a persistent block's tiles
+    // follow each other through it): mma(stage, first) issues the wgmmas of one (first: the accumulators' first,
+    // which they overwrite), the accumulators fenced around them (wgmma_fence_operands); the last step's stage is
+    // released too, once the wgmmas retired. `releases`: this thread arrives on the empty barriers (init's count
+    // says how many do).
     template <int N, class Mma>
-    __device__ void consume(float (&acc)[N], int steps, bool releases, Mma mma) const {
-        for (int step = 0; step < steps; ++step) {
-            const int stage = step % Tile::STAGES;
+    __device__ void consume(float (&acc)[N], int first, int steps, bool releases, Mma mma) const {
+        for (int k = 0; k < steps; ++k) {
+            const int step = first + k, stage = step % Tile::STAGES;
             mbarrier_wait(&full[stage], step / Tile::STAGES & 1);
             wgmma_fence_operands(acc);
             wgmma_fence();
-            mma(stage, step == 0);
+            mma(stage, k == 0);
             wgmma_commit();
             wgmma_wait<1>();   // the step before retired: its stage is free
             wgmma_fence_operands(acc);
-            if (step > 0 && releases) mbarrier_arrive(&empty[(step - 1) % Tile::STAGES]);
+            if (k > 0 && releases) mbarrier_arrive(&empty[(step - 1) % Tile::STAGES]);
         }
         wgmma_wait<0>();
         wgmma_fence_operands(acc);
+        if (steps > 0 && releases) mbarrier_arrive(&empty[(first + steps - 1) % Tile::STAGES]);
     }
 };
 
@@ -273,19 +285,21 @@ __device__ __forceinline__ bool sm90_roles(const Sm90Pipeline<Tile>& pipeline, c
 // The batch norm's statistics of the forward's output channels o0.. (bn_stats.cuh) from the consumers' accumulators,
 // as the epilogue stored them (plus the bias, rounded to bf16): each thread's two rows of a column (ShiftedSums),
 // merged across the 8 lanes that share the column (shuffles), then the block's 4 CONSUMERS warps in order
-// (bn_block_statistics), then the boxes of the grid (Sm90BoxValues counts their pixels). smem: 12 * 4 CONSUMERS *
-// BN bytes the block is done with. Every consumer thread must call it, the producer's having returned.
+// (bn_block_statistics), then the boxes (Sm90BoxValues counts their pixels): this tile's box `tile` of the `tiles` of
+// its filters' tile `channel_tile`. smem: the scratch (12 * 4 CONSUMERS * BN bytes). Every consumer thread must call
+// it, and only they (`sync`).
 template <class Tile>
 __device__ __forceinline__ void sm90_batch_stats(const BnStats& s, const Sm90Box& box, const Sm90BoxValues& boxes,
                                                  const Sm90Phase& out, int o, int o0, const float* bias,
-                                                 const float (&acc)[Tile::BN / 2], unsigned char* smem) {
+                                                 const float (&acc)[Tile::BN / 2], unsigned char* smem, int tile,
+                                                 int tiles, int channel_tile, const typename Tile::ConsumerSync& sync) {
     Moments* part = reinterpret_cast<Moments*>(smem);   // [4 CONSUMERS warps][BN]
     const int thread = int(threadIdx.x) - 128, lane = thread % 32, warp = thread / 32;
     bool inside[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half)
         inside[half] = box.pixel(16 * warp + lane / 4 + 8 * half, boxes.n, out) >= 0;
-    __syncthreads();   // every consumer is done with the ring
+    sync.sync();   // every consumer is done with the scratch (the tile before)
 #pragma unroll
     for (int j = 0; j < Tile::BN / 8; ++j)
 #pragma unroll
@@ -301,83 +315,121 @@ __device__ __forceinline__ void sm90_batch_stats(const BnStats& s, const Sm90Box
             for (int x = 4; x < 32; x <<= 1) m = merged(m, shuffled_xor(m, x));
             if (lane < 4) part[warp * Tile::BN + column] = m;
         }
-    bn_block_statistics(s, part, 4 * Tile::CONSUMERS, Tile::BN, thread, o0, o, int(blockIdx.x), int(gridDim.x), boxes,
-                        int(blockIdx.y));
+    bn_block_statistics(s, part, 4 * Tile::CONSUMERS, Tile::BN, thread, o0, o, tile, tiles, boxes, channel_tile, sync);
 }
 
+// The tile scheduler of the persistent forward: its tiles are (phase, filters, box), outermost first, boxes x
+// filter_tiles x phases of them; block b takes tiles b, b + gridDim.x, ..., so that the blocks at work at once
+// share the filters and neighbouring pixels in L2, and each block's producer loads its next tile's stages while
+// the consumers finish the tile before (the epilogue).
+struct Sm90Tiles {
+    int boxes, filter_tiles, phases;
+    __device__ int count() const { return boxes * filter_tiles * phases; }
+    __device__ int box(int tile) const { return tile % boxes; }
+    __device__ int filters(int tile) const { return tile / boxes % filter_tiles; }
+    __device__ int phase(int tile) const { return tile / (boxes * filter_tiles); }
+};
+
+// A tile of the persistent forward: its phase of the output, its box, its taps, its filters (o0), and its steps (taps
+// by chunks of 64 channels; none for a box past its phase's images, a phase's boxes being fewer than the largest
+// phase's, nor for a phase no tap reaches).
+struct Sm90ForwardTile {
+    Sm90Phase out;
+    Sm90Box box;
+    Sm90Taps taps;
+    int o0, steps;
+    __device__ Sm90ForwardTile(const Sm90Tiles& tiles, int tile, int bn, int n, int chunks, int kh, int kw, int ph,
+                               int pw, int stride, int phases, int oh, int ow, int box_w, int box_h, int box_i)
+        : out(phases, tiles.phase(tile), oh, ow), box(tiles.box(tile), box_w, box_h, box_i, out.p, out.q),
+          taps(kh, kw, ph, pw, stride, out, phases == 4), o0(tiles.filters(tile) * bn),
+          steps(box.n0 < n ? taps.count() * chunks : 0) {}
+};
+
 // x_map0..3: x (N, H, W, C) bf16 by parities (Sm90Tap), box (box_i, box_h, box_w, 64), swizzled; w_map: w (O,
-// KH*KW*C) bf16, box (BN, 64), swizzled. A block: the tile (blockIdx.x: its box of the output), BN filters from
-// blockIdx.y * BN. Step k: tap (r, s), channels c0..c0+63: A is the output box moved by the tap in x (Sm90Tap;
-// K-major: a pixel's 64 channels a line), B those k of the BN filters (K-major). After the tile is stored, the consumers compute from it, unless
-// the pointer that asks is null: the statistics of the batch norm that follows the forward (stats_partial,
-// sm90_batch_stats), or the backward sums of the norm whose dy this backward-data's dx is (sums_partial,
-// bn_tile_sums: of y as stored, after the add).
+// KH*KW*C) bf16, box (BN, 64), swizzled. Persistent: the blocks take the tiles as Sm90Tiles says, `boxes` of them a
+// phase and BN filters (the output's largest phase's boxes), their steps following each other through the ring. A
+// tile's step k: tap (r, s), channels c0..c0+63: A is the output box moved by the tap in x (Sm90Taps; K-major: a
+// pixel's 64 channels a line), B those k of the BN filters (K-major). After the tile is stored, the consumers compute
+// from it, unless the pointer that asks is null: the statistics of the batch norm that follows the forward
+// (stats_partial, sm90_batch_stats), or the backward sums of the norm whose dy this backward-data's dx is
+// (sums_partial, bn_tile_sums: of y as stored, after the add), among themselves (their named barrier), in the
+// scratch.
 template <class Tile, bool ADD>
 __global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
 conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const float* __restrict__ bias,
                   bf16* __restrict__ y, int n, int c, int o, int kh, int kw, int ph, int pw, int stride, int phases,
-                  int oh, int ow, int box_w, int box_h, int box_i, BN_STATS_PARAMS, BN_SUMS_PARAMS(bf16)) {
+                  int oh, int ow, int box_w, int box_h, int box_i, int boxes, BN_STATS_PARAMS,
+                  BN_SUMS_PARAMS(bf16)) {
     extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
     const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
-    const Sm90Phase out(phases, oh, ow);
-    const Sm90Box box(blockIdx.x, box_w, box_h, box_i, out.p, out.q);
-    const Sm90Taps taps(kh, kw, ph, pw, stride, out, phases == 4);
-    // a phase's boxes may be fewer than the grid's (blocks past them, and a phase no tap reaches, store nothing or
-    // zeros, and merge zeros into the norm's sums)
-    const int o0 = blockIdx.y * Tile::BN, chunks = c / Tile::BK, t = threadIdx.x;
-    const int steps = box.n0 < n ? taps.count() * chunks : 0;
+    const Sm90Tiles tiles{boxes, o / Tile::BN, phases};
+    const int chunks = c / Tile::BK, t = threadIdx.x;
+    const auto tile_at = [&](int tile) {
+        return Sm90ForwardTile(tiles, tile, Tile::BN, n, chunks, kh, kw, ph, pw, stride, phases, oh, ow, box_w, box_h,
+                               box_i);
+    };
     if (!sm90_roles(pipeline, x_map0, w_map)) {
         if (t == 0)
-            for (int step = 0; step < steps; ++step) {
-                const int stage = pipeline.acquire(step), c0 = step % chunks * Tile::BK;
-                const Sm90Taps::Move move = taps.move(step / chunks);
-                tma_load_4d(pipeline.a(stage), sm90_x_map(move.map, x_map0, x_map1, x_map2, x_map3),
-                            &pipeline.full[stage], c0, box.q0 + move.columns, box.p0 + move.rows, box.n0);
-                tma_load_2d(pipeline.b(stage), w_map, &pipeline.full[stage], move.filter * c + c0, o0);
+            for (int tile = blockIdx.x, step = 0; tile < tiles.count(); tile += gridDim.x) {
+                const Sm90ForwardTile at = tile_at(tile);
+                for (int k = 0; k < at.steps; ++k, ++step) {
+                    const int stage = pipeline.acquire(step), c0 = k % chunks * Tile::BK;
+                    const Sm90Taps::Move move = at.taps.move(k / chunks);
+                    tma_load_4d(pipeline.a(stage), sm90_x_map(move.map, x_map0, x_map1, x_map2, x_map3),
+                                &pipeline.full[stage], c0, at.box.q0 + move.columns, at.box.p0 + move.rows,
+                                at.box.n0);
+                    tma_load_2d(pipeline.b(stage), w_map, &pipeline.full[stage], move.filter * c + c0, at.o0);
+                }
             }
         return;
     }
     const int group = t / 128 - 1, lane = t % 32, warp = t % 128 / 32;
-    float acc[Tile::BN / 2];
-    if (steps == 0)   // no product: the sum of no terms
+    const typename Tile::ConsumerSync sync;
+    for (int tile = blockIdx.x, first = 0; tile < tiles.count(); tile += gridDim.x) {
+        const Sm90ForwardTile at = tile_at(tile);
+        float acc[Tile::BN / 2];
+        if (at.steps == 0)   // no product: the sum of no terms
 #pragma unroll
-        for (int i = 0; i < Tile::BN / 2; ++i) acc[i] = 0.0f;
-    pipeline.consume(acc, steps, t % 128 == 0, [&](int stage, bool first) {
+            for (int i = 0; i < Tile::BN / 2; ++i) acc[i] = 0.0f;
+        pipeline.consume(acc, first, at.steps, t % 128 == 0, [&](int stage, bool first_step) {
 #pragma unroll
-        for (int k = 0; k < Tile::BK / 16; ++k)   // k16 a wgmma: 32 bytes along each K-major line
-            wgmma_bf16<Tile::BN>(acc, wgmma_descriptor_sw128(pipeline.a(stage, group) + 32 * k),
-                                 wgmma_descriptor_sw128(pipeline.b(stage) + 32 * k), !first || k > 0);
-    });
-    // the epilogue: d[4j + i] is row 16 warp + lane / 4 + 8 (i / 2), column 8 j + 2 (lane % 4) + i % 2
+            for (int k = 0; k < Tile::BK / 16; ++k)   // k16 a wgmma: 32 bytes along each K-major line
+                wgmma_bf16<Tile::BN>(acc, wgmma_descriptor_sw128(pipeline.a(stage, group) + 32 * k),
+                                     wgmma_descriptor_sw128(pipeline.b(stage) + 32 * k), !first_step || k > 0);
+        });
+        first += at.steps;
+        // the epilogue: d[4j + i] is row 16 warp + lane / 4 + 8 (i / 2), column 8 j + 2 (lane % 4) + i % 2
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int pixel = box.pixel(group * 64 + warp * 16 + lane / 4 + 8 * half, n, out);
-        if (pixel < 0) continue;
-        bf16* row = y + size_t(pixel) * o + o0;
+        for (int half = 0; half < 2; ++half) {
+            const int pixel = at.box.pixel(group * 64 + warp * 16 + lane / 4 + 8 * half, n, at.out);
+            if (pixel < 0) continue;
+            bf16* row = y + size_t(pixel) * o + at.o0;
 #pragma unroll
-        for (int j = 0; j < Tile::BN / 8; ++j) {
-            const int column = 8 * j + 2 * (lane % 4);
-            float lo = acc[4 * j + 2 * half], hi = acc[4 * j + 2 * half + 1];
-            unsigned* pair = reinterpret_cast<unsigned*>(row + column);
-            if (bias) {
-                lo += bias[o0 + column];
-                hi += bias[o0 + column + 1];
+            for (int j = 0; j < Tile::BN / 8; ++j) {
+                const int column = 8 * j + 2 * (lane % 4);
+                float lo = acc[4 * j + 2 * half], hi = acc[4 * j + 2 * half + 1];
+                unsigned* pair = reinterpret_cast<unsigned*>(row + column);
+                if (bias) {
+                    lo += bias[at.o0 + column];
+                    hi += bias[at.o0 + column + 1];
+                }
+                if (ADD) {
+                    lo += bf16x2_low(*pair);
+                    hi += bf16x2_high(*pair);
+                }
+                *pair = bf16x2_round(lo, hi);
             }
-            if (ADD) {
-                lo += bf16x2_low(*pair);
-                hi += bf16x2_high(*pair);
-            }
-            *pair = bf16x2_round(lo, hi);
         }
+        if (stats_partial)   // (the forward: one phase)
+            sm90_batch_stats<Tile>(BnStats BN_STATS, at.box, Sm90BoxValues{box_w, box_h, box_i, n, oh, ow, boxes},
+                                   at.out, o, at.o0, bias, acc, pipeline.scratch, tiles.box(tile), boxes,
+                                   tiles.filters(tile), sync);
+        if (sums_partial)   // over the boxes of every phase
+            bn_tile_sums<Tile, 128 * Tile::CONSUMERS, 128>(
+                BnSums<bf16> BN_SUMS, Sm90BoxRows{at.box, n, at.out, o}, o, y,
+                reinterpret_cast<float*>(pipeline.scratch), 0, at.o0, tiles.phase(tile) * boxes + tiles.box(tile),
+                phases * boxes, tiles.filters(tile), sync);
     }
-    if (stats_partial)   // (the forward: one phase)
-        sm90_batch_stats<Tile>(BnStats BN_STATS, box, Sm90BoxValues{box_w, box_h, box_i, n, oh, ow, int(gridDim.x)},
-                               out, o, o0, bias, acc, pipeline.ring);
-    if (sums_partial)   // over the boxes of every phase
-        bn_tile_sums<Tile, 128 * Tile::CONSUMERS, 128>(BnSums<bf16> BN_SUMS, Sm90BoxRows{box, n, out, o}, o, y,
-                                                       reinterpret_cast<float*>(pipeline.ring), 0, o0,
-                                                       int(blockIdx.z * gridDim.x + blockIdx.x),
-                                                       int(gridDim.z * gridDim.x));
 }
 
 // ---- backward-weight ------------------------------------------------------------------------------------------
@@ -425,7 +477,7 @@ conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, SM90_X_MAPS, float* __
     const int group = t / 128 - 1, lane = t % 32, warp = t % 128 / 32;
     const bool sums_bias = bias_block && t % 128 < 64;
     float acc[Tile::BN / 2], bias = 0.f;
-    pipeline.consume(acc, steps, bias_block || t % 128 == 0, [&](int stage, bool first_step) {
+    pipeline.consume(acc, 0, steps, bias_block || t % 128 == 0, [&](int stage, bool first_step) {
         const unsigned char* a = pipeline.a(stage, group);
 #pragma unroll
         for (int k = 0; k < Tile::BK / 16; ++k)   // k16 a wgmma: 16 lines (pixels), 2048 bytes

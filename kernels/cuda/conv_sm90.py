@@ -8,6 +8,7 @@ OW). x and w reach the kernel as TMA tensor maps (launch.tensor_map): x as (N, H
 box of pixels by 64 channels (at stride 2, its pixels of each parity of row and column a map apiece: x_maps), w as
 (O, KH*KW*C) in boxes of BN filters by 64.
 """
+import functools
 import os
 import typing
 
@@ -102,7 +103,8 @@ def choose_tile(o):
 def dynamic_shared(kernel):
     """The bytes of dynamic shared memory a block of `kernel` (a name expression) asks for, its tile's
     (Sm90Tile::SHARED_BYTES): 1024 bytes to align the ring, its stages of A (BM rows of 64 bf16) and B (BN rows),
-    and a full and an empty barrier a stage; 0 for the others (no shared memory)."""
+    a full and an empty barrier a stage, and the epilogues' scratch (12 bytes a column for each consumer warp's
+    rows); 0 for the others (no shared memory)."""
     name, _, arguments = kernel.partition("<")
     tile = arguments.split(",")[0].rstrip(">")
     if name == "conv_sm90_forward":
@@ -111,30 +113,60 @@ def dynamic_shared(kernel):
         rows, columns, stages, _ = WGRAD_TILES[tile]
     else:
         return 0
-    return 1024 + stages * (rows + columns) * BK * 2 + 2 * stages * 8
+    return 1024 + stages * (rows + columns) * BK * 2 + 2 * stages * 8 + 12 * (rows // 16) * columns
 
 
 class Plan(typing.NamedTuple):
+    """The forward's tiles: a box of output pixels by BN filters (the tile's columns), of each phase of the output
+    (conv_sm90.cu's Sm90Tiles), which a persistent grid's blocks take in turn (grid)."""
     tile: str
-    grid: tuple   # (boxes of the output (of its largest phase), tiles of BN filters, phases)
-    box: tuple    # (box_i, box_h, box_w) of a tile's pixels
+    box: tuple          # (box_i, box_h, box_w) of a tile's pixels
+    boxes: int          # of the output (of its largest phase)
+    filter_tiles: int
+    phases: int
+
+    @property
+    def tiles(self):
+        return self.boxes * self.filter_tiles * self.phases
+
+    def grid(self, be):
+        """A block an SM (the ring's shared memory allows no more), none without a tile."""
+        return (min(self.tiles, multiprocessors(be)),)
+
+
+# the blocks of a persistent grid on the emulator, which runs them one after another: a few, each taking several
+# tiles in turn, as a GPU's do
+EMULATED_SMS = 3
+
+
+def multiprocessors(be):
+    """The SMs of the current GPU (132 on an H100 or H200; the simulated GPUs report an H200's), EMULATED_SMS on the
+    emulator."""
+    if be.xp is np:
+        return EMULATED_SMS
+    return _multiprocessors(be.xp, be.xp.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(xp, device):
+    return int(xp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
 
 
 def plan(geometry, phases=1):
-    """The forward's Plan: the tile, a block per box of the output by BN filters; with `phases` 4 (backward-data of a
+    """The forward's Plan: the tile, the boxes of the output by its BN filters; with `phases` 4 (backward-data of a
     stride-2 convolution, whose output is the geometry's x), the boxes of dx's largest phase, (0, 0), for each."""
     n, o, oh, ow = geometry[0], geometry[4], geometry[11], geometry[12]
     if phases == 4:
         n, o, oh, ow = n, geometry[1], cdiv(geometry[2], 2), cdiv(geometry[3], 2)
     box = choose_box(n, oh, ow)
     tile = choose_tile(o)
-    tiles = cdiv(n, box[0]) * cdiv(oh, box[1]) * cdiv(ow, box[2])
-    return Plan(tile, (tiles, o // TILES[tile][0], phases), box)
+    boxes = cdiv(n, box[0]) * cdiv(oh, box[1]) * cdiv(ow, box[2])
+    return Plan(tile, box, boxes, o // TILES[tile][0], phases)
 
 
 def dgrad_plan(geometry):
     """Backward-data's Plan: the forward's of dgrad_geometry at stride 1; at stride 2, a GEMM a phase of dx (its
-    pixels of row parity a and column parity b, conv_sm90.cu's Sm90Phase and Sm90Taps), blockIdx.z = 2a + b."""
+    pixels of row parity a and column parity b, conv_sm90.cu's Sm90Phase and Sm90Taps), phase 2a + b."""
     if geometry[7] == 1:
         return plan(dgrad_geometry(geometry))
     return plan(geometry, phases=4)
@@ -164,8 +196,9 @@ def _launch_forward(be, p, maps, w, b, out, into, sizes, stats, sums):
     kernel = f"conv_sm90_forward<{p.tile}, {'false' if into is None else 'true'}>"
     w_map = tensor_map(be, aligned(w), (TILES[p.tile][0], BK))
     box_i, box_h, box_w = p.box
-    launch(be, "conv_sm90", kernel, p.grid, (*maps, w_map, b, out, *sizes, box_w, box_h, box_i, *stats, *sums),
-           block=(THREADS,), shared_mem=dynamic_shared(kernel))
+    launch(be, "conv_sm90", kernel, p.grid(be),
+           (*maps, w_map, b, out, *sizes, box_w, box_h, box_i, p.boxes, *stats, *sums), block=(THREADS,),
+           shared_mem=dynamic_shared(kernel))
 
 
 def backward_data(be, dy, w_krsc, geometry, into=None, sums=NO_SUMS):

@@ -536,7 +536,7 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
     if (m0 >= g.n * f.cells()) {   // the same for the whole block
         if (sums_partial && part == 0)
             bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile,
-                                        sums_tiles);
+                                        sums_tiles, int(blockIdx.y));
         return;
     }
     const int k_begin = part * k_chunk, k_end = min(k_begin + k_chunk, f.taps() * g.o);
@@ -555,7 +555,7 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
                                               tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
     if (finished && sums_partial)
         bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile,
-                                    sums_tiles);
+                                    sums_tiles, int(blockIdx.y));
 }
 
 // The bias gradient (tc_conv.cuh's BiasTotals) summed from the raw values of this thread's chunks of
@@ -893,7 +893,7 @@ conv_tc_dgrad_halo(const float* __restrict__ dy, const float* __restrict__ w_mir
     __shared__ float sums_smem[2 * TC_THREADS];
     if (sums_partial)
         bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, RowsOut{pixels, g.c}, g.c, dx, sums_smem, m0, n0,
-                                    int(blockIdx.x), int(gridDim.x));
+                                    int(blockIdx.x), int(gridDim.x), int(blockIdx.y));
 }
 
 // ---- the backward of a 1x1 projection in one pass over dy -------------------------------------------
@@ -1245,5 +1245,5 @@ conv_tc_dgrad_phases(const float* __restrict__ dy, const float* __restrict__ w_m
                         nullptr, add, acc);
     if (sums_partial)
         bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, smem, m0, 0, tile,
-                                    int(g.sh * g.sw * gridDim.x));
+                                    int(g.sh * g.sw * gridDim.x), int(blockIdx.y));
 }

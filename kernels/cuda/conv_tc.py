@@ -385,8 +385,8 @@ def forward(be, x, w_krsc, b, geometry, statistics=None, fold=None, w_tf32=False
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     kind = kind_of(x.dtype)
     if kind is BF16 and conv_sm90.chosen(be, geometry):   # Hopper's, the statistics over its grid of boxes
-        stats, mean, invstd = statistics_arguments(be, statistics, *conv_sm90.plan(geometry).grid[:2], o,
-                                                   n * oh * ow)
+        p = conv_sm90.plan(geometry)
+        stats, mean, invstd = statistics_arguments(be, statistics, p.boxes, p.filter_tiles, o, n * oh * ow)
         y = conv_sm90.forward(be, x, w_krsc, b, geometry, stats=stats)
         return y if statistics is None else (y, mean, invstd)
     p = plan("forward", geometry, kind, fold=fold is not None)
@@ -445,9 +445,9 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None, w_t
     float32 dy holds TF32 values already (see tf32_values)."""
     n, c, h, wd = geometry[:4]
     if kind_of(dy.dtype) is BF16 and conv_sm90.chosen_dgrad(be, geometry):   # Hopper's, the sums over its boxes
-        tiles, channel_tiles, phases = conv_sm90.dgrad_plan(geometry).grid
-        tail = NO_SUMS if norm is None else (*norm, *tile_merge_arguments(be, tiles * phases, channel_tiles, c, 0),
-                                             *sums)
+        p = conv_sm90.dgrad_plan(geometry)
+        tail = NO_SUMS if norm is None else (*norm, *tile_merge_arguments(be, p.boxes * p.phases, p.filter_tiles, c,
+                                                                          0), *sums)
         return conv_sm90.backward_data(be, dy, w_krsc, geometry, into, sums=tail)
     p = plan("dgrad", geometry, kind_of(dy.dtype))
     dy, w_krsc = aligned(tf32_values(be, dy, dy_tf32)), aligned(tf32_values(be, w_krsc, w_tf32))

@@ -45,6 +45,12 @@
 //                                   a batch of wgmmas, so that it neither reads them early nor serialises the wgmmas
 //   setmaxnreg_inc<R>(), _dec<R>()  setmaxnreg.{inc,dec}.sync.aligned.u32 R: the warpgroup's registers a thread (ptxas
 //                                   ignores it in a kernel without __launch_bounds__)
+//   named_barrier_sync(id, n)       bar.sync id, n: waits until n threads (a multiple of 32, whole warps) arrived at
+//                                   barrier id (1..15; 0 is __syncthreads()'s): some warps of a block, such as a
+//                                   warp-specialised kernel's consumers while its producer loads on
+//   named_barrier_any(id, n, p)     bar.red.or.pred: the same, returning whether any of them passed p != 0
+//   NamedSync<THREADS, ID>          those two as common.cuh's BlockSync is __syncthreads(): for last_block and
+//                                   bn_stats.cuh's merges among a block's consumers
 //
 // Every thread of a warpgroup (128 consecutive threads, from a multiple of 128) must call the wgmma_* and
 // setmaxnreg wrappers together, at the same call.
@@ -74,6 +80,7 @@ extern "C" void emu_wgmma_wait(int pending, const char* file, int line);
 extern "C" void emu_wgmma_bf16(float* d, int n, unsigned long long a, unsigned long long b, int accumulate,
                                int mn_major, const char* file, int line);
 extern "C" void emu_setmaxnreg(int registers, int increase, const char* file, int line);
+extern "C" int emu_named_barrier(int id, int threads, int predicate, const char* file, int line);
 #define SM90_SITE call_file, call_line
 #endif
 // the call site of a wrapper without other parameters, and a site passed on to another wrapper
@@ -297,3 +304,30 @@ template <int R>
 __device__ __forceinline__ void setmaxnreg_dec(SM90_CALL_SITE) {
     setmaxnreg<R, false>(SM90_SITE_ONLY);
 }
+
+// ---- named barriers ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    emu_named_barrier(id, threads, 0, SM90_SITE);
+#else
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+#endif
+}
+
+__device__ __forceinline__ int named_barrier_any(int id, int threads, int predicate TC_CALL_SITE) {
+#ifdef __CUDA_EMU__
+    return emu_named_barrier(id, threads, predicate, SM90_SITE);
+#else
+    int any;
+    asm volatile("{\n\t.reg .pred p, q;\n\tsetp.ne.s32 p, %1, 0;\n\tbar.red.or.pred q, %2, %3, p;\n\t"
+                 "selp.s32 %0, 1, 0, q;\n\t}" : "=r"(any) : "r"(predicate), "r"(id), "r"(threads) : "memory");
+    return any;
+#endif
+}
+
+template <int THREADS, int ID = 1>
+struct NamedSync {
+    __device__ void sync() const { named_barrier_sync(ID, THREADS); }
+    __device__ int any(int predicate) const { return named_barrier_any(ID, THREADS, predicate); }
+};

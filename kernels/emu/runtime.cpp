@@ -64,7 +64,9 @@ namespace {
 
 // AT_MBARRIER: in an mbarrier_wait for a phase to complete; AT_WARPGROUP: in a warpgroup-wide .aligned
 // instruction (wgmma, setmaxnreg) for the other threads of its warpgroup (see Hopper).
-enum FiberState : unsigned char { RUNNABLE, AT_BARRIER, AT_WARP, RETURNED, AT_MBARRIER, AT_WARPGROUP };
+// AT_NAMED: at a named barrier (sm90.cuh's named_barrier_sync: bar.sync with an id and a thread count) until
+// its count of threads arrived.
+enum FiberState : unsigned char { RUNNABLE, AT_BARRIER, AT_WARP, RETURNED, AT_MBARRIER, AT_WARPGROUP, AT_NAMED };
 
 // What a thread's stack slot holds besides its stack (see emu_abi.h); `pub` must come first.
 struct Slot {
@@ -233,6 +235,14 @@ struct Launch {
     int live, at_barrier;
     int barrier_sum, barrier_and, barrier_or;
     std::vector<unsigned char> state;   // FiberState of each thread
+    // the named barriers 1..15 (0 is __syncthreads()'s): the threads one awaits (0: none waiting), those arrived,
+    // the OR of their predicates, where the first waits; and each AT_NAMED thread's barrier
+    struct Named {
+        int expected, arrived, any;
+        const char* file;
+        int line;
+    } named[16];
+    std::vector<unsigned char> named_id;
     std::vector<unsigned char> how;     // what each thread at the barrier reduces (0 count, 1 and, 2 or)
     std::vector<int> barrier_result;
     std::vector<Warp> warps;
@@ -1975,6 +1985,15 @@ std::string describe_hopper_waits() {
     const Launch& g = *g_launch;
     const Hopper& h = *g.hopper;
     std::string s;
+    for (int id = 1; id < 16; ++id) {
+        const Launch::Named& b = g.named[id];
+        if (!b.arrived) continue;
+        std::vector<int> waiting;
+        for (int t = 0; t < g.threads; ++t)
+            if (g.state[std::size_t(t)] == AT_NAMED && g.named_id[std::size_t(t)] == id) waiting.push_back(t);
+        s += format("; named barrier %d (%s:%d): %s wait for %d threads, %d of them arrived", id, b.file, b.line,
+                    thread_list(waiting).c_str(), b.expected, b.arrived);
+    }
     for (const MBarrier& b : h.barriers) {
         if (b.waiters.empty()) continue;
         std::map<std::tuple<std::string, int, unsigned>, std::vector<int>> by_call;
@@ -2118,6 +2137,8 @@ void start_block(uint3 block_idx) {
     g.barrier_sum = 0;
     g.barrier_and = 1;
     g.barrier_or = 0;
+    for (Launch::Named& b : g.named) b = {0, 0, 0, nullptr, 0};
+    g.named_id.assign(std::size_t(g.threads), 0);
 }
 
 bool run_block(uint3 block_idx) {
@@ -2244,6 +2265,78 @@ extern "C" __attribute__((visibility("hidden"))) void emu_fiber_main(std::uintpt
     if (g.hopper) hopper_after_return(i);
     switch_to_scheduler(i);
     std::abort();  // a returned fiber is never resumed
+}
+
+namespace {
+// A named barrier whose count of threads arrived: bar.sync is .aligned, so every lane of a warp that has not returned
+// must be among them; they are released, each having released to the others what it did before (the vector clocks,
+// under the full sanitizer), and with every thread that has not returned among them, racecheck's phase ends as at a
+// __syncthreads().
+void release_named(int id) {
+    Launch& g = *g_launch;
+    Launch::Named& b = g.named[id];
+    const auto at = [&](int t) { return g.state[std::size_t(t)] == AT_NAMED && g.named_id[std::size_t(t)] == id; };
+    for (std::size_t wi = 0; wi < g.warps.size(); ++wi) {
+        unsigned waiting = 0;
+        for (int lane = 0; lane < 32 && int(wi) * 32 + lane < g.threads; ++lane)
+            if (at(int(wi) * 32 + lane)) waiting |= 1u << lane;
+        const unsigned live = ~g.warps[wi].returned;
+        if (waiting && (waiting & live) != live)
+            fail_in_fiber(format("synccheck: named barrier %d (%s:%d) has its %d threads, lanes %s of warp %zu among "
+                                 "them, while lanes %s of that warp are elsewhere: every lane of a warp that has not "
+                                 "returned waits at a named barrier together (bar.sync is .aligned)", id, b.file, b.line,
+                                 b.expected, lane_list(waiting).c_str(), wi, lane_list(live & ~waiting).c_str()));
+    }
+    int participants = 0;
+    std::vector<std::uint32_t> all(std::size_t(g_clock_slots), 0u);
+    const std::uint32_t now = g_clocks ? tick() : 0;
+    for (int t = 0; t < g.threads; ++t)
+        if (at(t)) {
+            ++participants;
+            if (g_clocks) {
+                clock_of(t)[t] = now;
+                join_clock(all.data(), clock_of(t));
+            }
+        }
+    for (int t = 0; t < g.threads; ++t)
+        if (at(t)) {
+            if (g_clocks) std::copy(all.begin(), all.end(), clock_of(t));
+            g.state[std::size_t(t)] = RUNNABLE;
+            g.barrier_result[std::size_t(t)] = b.any;
+        }
+    if (participants == g.live) {
+        g.phase = ++g_phase;
+        for (Warp& w : g.warps) w.syncs.clear();
+    }
+    b = {0, 0, 0, nullptr, 0};
+}
+}  // namespace
+
+// sm90.cuh's named_barrier_sync / named_barrier_any: bar.sync (bar.red.or) `id` (1..15) for `threads` threads (a
+// multiple of 32), returning whether any of them passed a predicate that is not 0.
+extern "C" int emu_named_barrier(int id, int threads, int predicate, const char* file, int line) {
+    Launch& g = *g_launch;
+    const int i = g.current;
+    if (id < 1 || id > 15)
+        fail_in_fiber(format("synccheck: a named barrier at %s:%d of id %d: its ids are 1 to 15 (0 is "
+                             "__syncthreads()'s)", file, line, id));
+    const int most = (g.threads + 31) / 32 * 32;
+    if (threads < 32 || threads % 32 || threads > most)
+        fail_in_fiber(format("synccheck: named barrier %d at %s:%d for %d threads: a multiple of 32 from 32 to the "
+                             "block's %d", id, file, line, threads, most));
+    hopper();   // its vector clocks (the full sanitizer) order what the barrier's threads did
+    Launch::Named& b = g.named[id];
+    if (b.arrived && b.expected != threads)
+        fail_in_fiber(format("synccheck: named barrier %d at %s:%d for %d threads, while %d threads wait at it for %d "
+                             "(at %s:%d)", id, file, line, threads, b.arrived, b.expected, b.file, b.line));
+    if (!b.arrived) b = {threads, 0, 0, file, line};
+    ++b.arrived;
+    b.any |= predicate != 0;
+    g.state[std::size_t(i)] = AT_NAMED;
+    g.named_id[std::size_t(i)] = static_cast<unsigned char>(id);
+    if (b.arrived == b.expected) release_named(id);
+    switch_to_scheduler(i);
+    return g.barrier_result[std::size_t(i)];
 }
 
 // A barrier's call instance is its source line and the calls that led to it: not its code address,

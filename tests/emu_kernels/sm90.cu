@@ -301,6 +301,32 @@ extern "C" __global__ void gemm_n64(const __grid_constant__ TensorMap a_map, con
     gemm_pipeline<64>(a_map, b_map, c, steps, mode);
 }
 
+// ---- named barriers --------------------------------------------------------------------------------------------
+// Warp 0 waits elsewhere (a producer that takes no part: at barrier 3, until warp 1 is done); warps 1-3 (96 threads)
+// write exchange[t], meet at named barrier 1, and read another warp's value. mode: 0 correct; 1 warp 3 asks for 128 threads, the others 96; 2 warp 1
+// and lanes 0-15 of warps 2 and 3 meet at 1 for 64 threads, their lanes 16-31 at 2 for 32; 3 all ask for 128, which
+// never come; 4 no barrier (the read races with the write); 5 as 0, then named_barrier_any(2, 96, t == 100) into out.
+extern "C" __global__ void named_barrier(int* out, int mode) {
+    __shared__ int exchange[128];
+    const int t = threadIdx.x;
+    if (t < 32) {
+        named_barrier_sync(3, 64);
+        return;
+    }
+    exchange[t] = 7 * t;
+    if (mode == 1)
+        named_barrier_sync(1, t >= 96 ? 128 : 96);
+    else if (mode == 2)
+        named_barrier_sync(t < 64 || t % 32 < 16 ? 1 : 2, t < 64 || t % 32 < 16 ? 64 : 32);
+    else if (mode == 3)
+        named_barrier_sync(1, 128);
+    else if (mode != 4)
+        named_barrier_sync(1, 96);
+    out[t] = exchange[32 + (t - 32 + 32) % 96];   // the exchange's read
+    if (mode == 5) out[t] = named_barrier_any(2, 96, t == 100);
+    if (t < 64) named_barrier_sync(3, 64);
+}
+
 // ---- mbarrier misuse ------------------------------------------------------------------------------------------
 // Every thread waits for phase 0 of a barrier of `count` arrivals, to which thread 0 arrives once: count 1 runs,
 // count 2 never completes.
