@@ -6,7 +6,9 @@ PyTorch's, at batch 256 (bench/train_times.py's steps, on random images).
   PYTHONPATH=. python -m bench.kernel_times --ncu-step bf16      # one step, for ncu --profile-from-start off
   KERNELS_SIMULATED_GPUS=1 PYTHONPATH=. python -m bench.kernel_times --dry-run --out kernels.json
 
-The runs (RUNS): ours eagerly in the tf32 and the bf16 precision ("ours_tf32", "ours_bf16"); d2l's
+The runs (RUNS): ours eagerly in the tf32 and the bf16 precision ("ours_tf32", "ours_bf16"; on a GPU of compute
+capability 9.0 also "ours_bf16_mma", bf16 under KERNELS_HOPPER=0: conv_bf16.cu's mma.sync kernels where conv_sm90.cu's
+run in "ours_bf16"); d2l's
 model in PyTorch with cudnn.benchmark on (cuDNN times every algorithm of a convolution once and keeps
 the fastest, as a user tuning for speed sets it): with its defaults (cuDNN's convolutions in TF32,
 "torch_tf32"), under autocast to bfloat16 with the model and its input channels_last ("torch_bf16"),
@@ -36,9 +38,11 @@ the slowest kernels). It needs a GPU: the simulated ones have no profiler to sta
 """
 import argparse
 import collections
+import contextlib
 import csv
 import functools
 import json
+import os
 import re
 import sys
 import time
@@ -46,6 +50,7 @@ from pathlib import Path
 
 import kernels
 from bench import layers, report, timing, train_times
+from kernels.cuda import conv_sm90
 from bench.op_times import load_torch, precision
 
 CONVOLUTION, ELEMENTWISE, OTHER = "convolution", "batch norm and elementwise", "other"
@@ -70,7 +75,9 @@ NAME_KINDS = ((ELEMENTWISE, ("triton_", "batch_norm", "cudnn::bn_", "bn_fw_", "b
                              "cupy_")))
 GPU_EVENTS = ("kernel", "gpu_memset", "gpu_memcpy")   # the chrome trace's categories of work on the GPU
 CPU_EVENTS = ("cpu_op",)
-OURS = {"ours_tf32": "tf32", "ours_bf16": "bf16"}
+# ours: the precision, and the environment it runs in ("ours_bf16_mma": bf16 with KERNELS_HOPPER=0, the mma.sync
+# kernels on a Hopper, beside "ours_bf16"'s conv_sm90; elsewhere the same kernels, so it is not run)
+OURS = {"ours_tf32": ("tf32", {}), "ours_bf16": ("bf16", {}), "ours_bf16_mma": ("bf16", {"KERNELS_HOPPER": "0"})}
 TORCH = {"torch_tf32": {"mixed": False}, "torch_bf16": {"mixed": True},
          "torch_bf16_graph": {"mixed": True, "graph": True}, "torch_bf16_compiled": {"mixed": True, "compiled": True}}
 RUNS = tuple(OURS) + tuple(TORCH)
@@ -194,19 +201,37 @@ def totals(rows):
 
 # ---- the runs --------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def environ(variables):
+    """os.environ with `variables` set, as it was after."""
+    before = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def measure(name, config, torch, data, trace, seconds):
     """One run: its step time, precision and kernels (a dict for the JSON)."""
     steps, recorded = config["recorded_steps"], config["recorded"]
     if name in OURS:
         if recorded["ours"] == "cuda" and torch is None:
             raise RuntimeError("CUPTI is reached through torch.profiler, and PyTorch cannot use the GPU here")
+        chosen, environment = OURS[name]
+        if environment and not conv_sm90.available(kernels._device_backend("cuda")):
+            return {"not_run": "KERNELS_HOPPER=0 changes nothing on a GPU whose compute capability is not 9.0"}
         sync = kernels.cupy_module().cuda.Device().synchronize
-        with kernels.use_precision(OURS[name]):
+        with kernels.use_precision(chosen), environ(environment):
             step = train_times.ours_step(config, *data)
             timed = train_times.time_steps(step, timing.clock("ours", config["device"]), config, seconds)
             rows = profiled(torch, step, steps, sync, "CUDA", trace) if recorded["ours"] == "cuda" else \
                 launched(step, steps, sync)
-        return {**timed, "precision": {"kernels": OURS[name]}, **totals(rows), "kernels": rows}
+        return {**timed, "precision": {"kernels": chosen, **environment}, **totals(rows), "kernels": rows}
     if torch is None:
         raise RuntimeError("no PyTorch to run")
     options, device = TORCH[name], config["torch_device"]
@@ -346,7 +371,7 @@ def main(argv=None):
     p.add_argument("--add", action="store_true", help="keep the runs already in --out, adding these")
     p.add_argument("--seconds-per-run", type=float, default=10.0,
                    help="stop timing a run's steps after this many seconds (default %(default)s)")
-    p.add_argument("--ncu-step", choices=tuple(OURS.values()), metavar="PRECISION",
+    p.add_argument("--ncu-step", choices=sorted({chosen for chosen, _ in OURS.values()}), metavar="PRECISION",
                    help="only one step of ours in this precision (tf32 or bf16) between cudaProfilerStart and Stop")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes: ours on a simulated GPU, PyTorch on the CPU")
     args = p.parse_args(argv)

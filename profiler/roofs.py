@@ -11,8 +11,9 @@ import numpy as np
 from kernels.cuda import conv_sm90, conv_tc
 
 # the GEMMs that multiply on the tensor cores, by the precision they multiply in: conv_tc.cu's (the tf32
-# precision's convolutions) and conv_bf16.cu's and, on a Hopper, conv_sm90.cu's (the bf16 precision's)
-TENSOR_CORE_GEMMS = {"TF32": conv_tc.GEMMS, "BF16": conv_tc.BF16_GEMMS + conv_sm90.GEMMS}
+# precision's convolutions) and conv_bf16.cu's (the bf16 precision's); on a Hopper conv_sm90.cu's, in the
+# precision of their tile (conv_sm90.precision_of)
+TENSOR_CORE_GEMMS = {"TF32": conv_tc.GEMMS, "BF16": conv_tc.BF16_GEMMS}
 
 
 def on_tensor_cores(kernel_names):
@@ -21,6 +22,9 @@ def on_tensor_cores(kernel_names):
     convolutions launch those GEMMs under the tf32 and bf16 precisions when the tensor cores take
     their channel counts (conv_tc.supports); ResNet-18's stem runs conv.cu's FP32 kernels under tf32,
     the linear layer linear.cu's under every precision."""
+    hopper = [conv_sm90.precision_of(name) for name in kernel_names if name.split("<")[0] in conv_sm90.GEMMS]
+    if hopper:
+        return hopper[0]
     bases = {name.split("<")[0] for name in kernel_names}
     return next((cores for cores, gemms in TENSOR_CORE_GEMMS.items() if bases & set(gemms)), None)
 

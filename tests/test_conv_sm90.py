@@ -145,6 +145,50 @@ def test_stride_2_against_float64(emu, x_shape, w_shape, padding):
         check_backward_data(emu, x_shape, w_shape, padding, add, stride=2)
 
 
+def check_tf32(be, x_shape, w_shape, padding, stride=1, add=False):
+    """TF32 (float32 operands): the forward and backward-data against test_conv_tc's float64 references of the
+    TF32-rounded and of the raw inputs, w and dy handed over as TF32 values (as the network holds them: the flat
+    buffer's TF32 copy, the batch norm's backward), x raw (its stages rounded as they land); dx also added into a
+    gradient (add)."""
+    from test_conv_tc import check_products as check_tf32_products
+    put, get = on(be)
+    g = geometry(x_shape, w_shape, padding, stride)
+    draw32 = rng()
+    x, b = (draw32.standard_normal(shape).astype(np.float32) for shape in (x_shape, w_shape[:1]))
+    w, dy = (kernels.cpu.round_tf32(draw32.standard_normal(shape).astype(np.float32))
+             for shape in (w_shape, (x_shape[0], w_shape[0], g[11], g[12])))
+    name = f"conv_sm90 tf32 {x_shape} * {w_shape} padding {padding} stride {stride}"
+    y = conv_sm90.forward(be, put(nhwc(x)), put(nhwc(w)), put(b), g)
+    check_tf32_products(name, (get(y).transpose(0, 3, 1, 2),), [x, w],
+                        lambda x, w, b: (R.conv2d_forward(x, w, b, stride, padding),), (np.prod(w_shape[1:]),), b)
+    held = draw32.standard_normal(x_shape).astype(np.float32) if add else None
+    into = None if held is None else put(nhwc(held))
+    dx = conv_sm90.backward_data(be, put(nhwc(dy)), put(nhwc(w)), g, into)
+    check_tf32_products(name + " backward-data" + " into a gradient" * add, (get(dx).transpose(0, 3, 1, 2),), [dy, w],
+                        lambda dy, w, added: (R.conv2d_backward(dy, np.zeros(x_shape), w, stride, padding)[0] +
+                                              (0 if added is None else added),),
+                        (w_shape[0] * w_shape[2] * w_shape[3],), held)
+    return x, w, b, y
+
+
+@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
+@pytest.mark.parametrize("x_shape, w_shape, padding, stride", [RESNET_LAYERS[0] + (1,), ODD[0] + (1,), ODD[2] + (1,),
+                                                               STRIDED[0] + (2,), STRIDED[2] + (2,)])
+def test_tf32_forward_and_backward_data_against_float64(emu, x_shape, w_shape, padding, stride):
+    """wgmma_tf32 (m64nNk8) on 128-byte lines of 32 float32 channels, every stride-1 and stride-2 shape kind."""
+    check_tf32(emu, x_shape, w_shape, padding, stride, add=x_shape == ODD[0][0])
+
+
+def test_the_tf32_forward_rounds_x_as_it_lands():
+    """The products are of x rounded to TF32 (to nearest), as conv_tc.cu's: told that x holds TF32 values already
+    (x_tf32), the same raw x gives other numbers (the tensor cores truncate what they read)."""
+    be = kernels._device_backend("emu")
+    x_shape, w_shape, padding = ODD[0]
+    x, w, b, y = check_tf32(be, x_shape, w_shape, padding)
+    truncated = conv_sm90.forward(be, nhwc(x), nhwc(w), b, geometry(x_shape, w_shape, padding), x_tf32=True)
+    assert not np.array_equal(truncated.transpose(0, 3, 1, 2), y.transpose(0, 3, 1, 2))
+
+
 def test_backward_weight_in_parts_adds_them_in_order(monkeypatch):
     """Many parts of few boxes (forced): the same references, the parts' partials added by sum_partials."""
     monkeypatch.setattr(conv_sm90, "WGRAD_MIN_BOXES", 1)
@@ -232,7 +276,7 @@ def test_only_what_the_family_computes_is_given_to_it():
     assert tiles(conv_sm90.dgrad_plan(geometry((4, 64, 33, 15), (64, 64, 3, 3), 1, 1)))[2] == 1
     assert not conv_sm90.supports(geometry((2, 32, 8, 8), (64, 32, 3, 3), 1))     # C not a multiple of 64
     assert not conv_sm90.supports(geometry((2, 64, 8, 8), (32, 64, 3, 3), 1))     # O not a multiple of 64
-    with pytest.raises(ValueError, match="stride 1 or 2 and channels multiples of 64"):
+    with pytest.raises(ValueError, match="convolutions of stride 1 or 2 of bfloat16 or float32 .TF32. operands alike"):
         conv_sm90.forward(kernels._device_backend("emu"), np.zeros((1, 8, 8, 32), bfloat16),
                           np.zeros((64, 3, 3, 32), bfloat16), None, geometry((1, 32, 8, 8), (64, 32, 3, 3), 1))
 
@@ -290,6 +334,31 @@ def test_a_simulated_hopper_runs_the_family_and_an_ampere_does_not(monkeypatch):
             assert np.abs(got - ref).max() <= 2**-7 * np.abs(ref).max(), (capability, what)
         assert np.allclose(xp.asnumpy(mean), xp.asnumpy(y).astype(np.float64).mean(axis=(0, 2, 3)), rtol=1e-4,
                            atol=1e-5), capability
+
+
+def test_a_simulated_hopper_runs_tf32s_forward_and_backward_data(monkeypatch):
+    """Under tf32 on a simulated GPU of compute capability 9.0: conv2d_forward of a 64-channel convolution and its
+    backward-data through this family in TF32 (the weights and dy rounded to TF32 values first, as conv_tc.cu's GEMMs
+    read them), backward-weight through conv_tc.cu's (wgmma transposes no TF32 operand); the numbers test_conv_tc's
+    references."""
+    from test_conv_tc import check_products as check_tf32_products
+    monkeypatch.setenv("KERNELS_SIMULATED_GPUS", "1")
+    monkeypatch.setenv("CUDA_EMU_SANITIZE", "memcheck")
+    monkeypatch.setenv("KERNELS_SIMULATED_COMPUTE_CAPABILITY", "90")
+    g = rng()
+    x, w, dy = (g.standard_normal(shape).astype(np.float32) for shape in ((2, 64, 6, 6), (64, 64, 3, 3), (2, 64, 6, 6)))
+    be = kernels._device_backend("cuda")
+    xp, names = be.xp, []
+    device = [xp.asarray(np.ascontiguousarray(a.transpose(0, 2, 3, 1))).transpose(0, 3, 1, 2) for a in (x, w, dy)]
+    with kernels.use_precision("tf32"), be.observing_launches(lambda family, name: names.append(name)):
+        y = be.conv2d_forward(device[0], device[1], None, 1, 1)
+        dx, dw, db = be.conv2d_backward(device[2], device[0], device[1], 1, 1)
+    assert names.count("conv_sm90_forward<Sm90Tf32x64, false>") == 2 and "mirrored_weights<float>" in names, names
+    assert any(name.startswith("conv_tc_wgrad") for name in names), names
+    check_tf32_products("tf32 forward", (xp.asnumpy(y),), [x, w], lambda x, w, _: (R.conv2d_forward(x, w, None, 1, 1),),
+                        (64 * 9,))
+    check_tf32_products("tf32 backward", (xp.asnumpy(dx), xp.asnumpy(dw)), [dy, x, w],
+                        lambda dy, x, w, _: R.conv2d_backward(dy, x, w, 1, 1)[:2], (64 * 9, 2 * 36))
 
 
 def test_a_bf16_step_on_hoppers_kernels_replayed_as_a_graph_equals_eager_steps(monkeypatch):
@@ -350,7 +419,18 @@ def test_the_gemms_on_the_gpu(hopper, x_shape, w_shape, padding):
     if conv_sm90.supports_dgrad(geometry(x_shape, w_shape, padding)):
         for add in (False, True):
             check_backward_data(hopper, x_shape, w_shape, padding, add)
+        check_tf32(hopper, x_shape, w_shape, padding, add=True)
     check_backward_weight(hopper, x_shape, w_shape, padding)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_shape, w_shape, padding", STRIDED)
+def test_the_stride_2_gemms_on_the_gpu(hopper, x_shape, w_shape, padding):
+    check_forward(hopper, x_shape, w_shape, padding, stride=2)
+    for add in (False, True):
+        check_backward_data(hopper, x_shape, w_shape, padding, add, stride=2)
+    check_backward_weight(hopper, x_shape, w_shape, padding, stride=2)
+    check_tf32(hopper, x_shape, w_shape, padding, stride=2)
 
 
 def test_a_gpus_tensor_map_is_encoded_as_cuda_h_orders_it(monkeypatch):

@@ -111,7 +111,8 @@ def test_a_dry_run_runs_tiers_c_to_k_through_the_same_code_and_archives_them(tmp
     measured = json.loads((tmp_path / "out" / "tier_k_kernels.json").read_text())
     assert measured == summary["tiers"]["k"]["kernels"] and measured["config"]["recorded"]["ours"] == "launches"
     assert "no durations" in measured["recorded"]["ours"] and "CUPTI" in measured["recorded"]["ours"]
-    for name in ("ours_tf32", "ours_bf16"):
+    assert measured["runs"]["ours_bf16_mma"]["precision"] == {"kernels": "bf16", "KERNELS_HOPPER": "0"}
+    for name in ("ours_tf32", "ours_bf16", "ours_bf16_mma"):
         run = measured["runs"][name]
         assert run["step_ms"] > 0 and run["kernel_ms_per_step"] is None and run["kernels_per_step"] > 50, name
         conv = "conv_tc_" if name == "ours_tf32" else "conv_bf16_"

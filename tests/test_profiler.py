@@ -344,6 +344,9 @@ def test_rows_whose_kernels_multiply_on_the_tensor_cores_sit_under_their_roof():
         bf16 = h200.of([f"{gemm}<Tc128x64, 16>", "bn_stats_rows"])
         assert bf16.tflops == h200.bf16_tflops == 989.4 and bf16.compute == "BF16 tensor cores", gemm
         assert bf16.gbs == h200.gbs and bf16.ridge == 2 * h200.of(["conv_tc_forward<Tc64x64, 4>"]).ridge
+    for gemm in ("conv_sm90_forward<Sm90Tf32x64, false>", "conv_sm90_forward<Sm90Tf32x128, true>"):   # Hopper's TF32
+        assert h200.of([gemm, "bn_stats_rows"]).tflops == 494.7, gemm
+    assert h200.of(["conv_sm90_forward<Sm90x64, false>"]).tflops == h200.bf16_tflops
     assert h200.of(["conv2d_forward<Tile64, 3, 3>", "conv2d_wgrad<Tile64, 3, 3>"]) is h200   # the stem: FP32
     assert h200.of(["linear_forward"]) is h200 and h200.of([]) is h200
     assert profiler.measured_cpu_peak().of(["conv_tc_forward<Tc64x64, 4>"]) is profiler.measured_cpu_peak()

@@ -81,18 +81,29 @@ def swizzled(data):
 
 
 def operand_tiles(m):
-    """A K-major operand (rows, 64 tiles) as tiles of 64 k, each swizzled: as wgmma_stored stores them."""
+    """A K-major operand (rows, k) as tiles of 128-byte rows (64 k of bf16, 32 of float32), each swizzled: as
+    wgmma_stored stores them."""
     rows, k = m.shape
-    return np.concatenate([swizzled(m[:, 64 * t:64 * t + 64]) for t in range(k // 64)]).view(np.uint32)
+    per = 128 // m.dtype.itemsize
+    return np.concatenate([swizzled(m[:, per * t:per * t + per]) for t in range(k // per)]).view(np.uint32)
+
+
+def tf32(m):
+    """What the tensor cores read of float32 m as TF32: its low 13 bits ignored."""
+    return (m.view(np.uint32) & np.uint32(0xffffe000)).view(np.float32)
 
 
 def chained_product(a, b):
-    """d (64|128, N) of wgmma k16 steps over the k of a (M, K) and b (N, K): each step's products summed exactly with
-    d and rounded to float32 once, as a wgmma does."""
+    """d (64|128, N) of wgmma steps (k16 of bf16; k8 of float32, read as TF32) over the k of a (M, K) and b (N, K):
+    each step's products summed exactly with d and rounded to float32 once, as a wgmma does."""
+    step = 8 if a.dtype == np.float32 else 16
+    if step == 8:
+        a, b = tf32(a), tf32(b)
     d = np.zeros((a.shape[0], b.shape[0]))
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    for s in range(a.shape[1] // 16):
-        d = (d + a64[:, 16 * s:16 * s + 16] @ b64[:, 16 * s:16 * s + 16].T).astype(np.float32).astype(np.float64)
+    for s in range(a.shape[1] // step):
+        k = slice(step * s, step * s + step)
+        d = (d + a64[:, k] @ b64[:, k].T).astype(np.float32).astype(np.float64)
     return d.astype(np.float32)
 
 
@@ -122,10 +133,11 @@ def shared_bytes(array, box, start, swizzle):
 # ---- wgmma ---------------------------------------------------------------------------------------------------
 
 def wgmma(n, a, b, mode=0):
+    """wgmma_stored's accumulators: of wgmma_bf16 for bfloat16 a and b, of wgmma_tf32 for float32 ones."""
     out = np.full(128 * n // 2, np.nan, np.float32)
-    tiles = a.shape[1] // 64
-    launch(f"wgmma_n{n}", (1,), (128,), operand_tiles(a), operand_tiles(b), out, np.int32(tiles), np.int32(mode),
-           shared_mem=tiles * (64 + n) * 128)
+    tiles = a.shape[1] * a.dtype.itemsize // 128
+    launch(f"wgmma_{'tf32_' * (a.dtype == np.float32)}n{n}", (1,), (128,), operand_tiles(a), operand_tiles(b), out,
+           np.int32(tiles), np.int32(mode), shared_mem=tiles * (64 + n) * 128)
     return out.reshape(128, n // 2)
 
 
@@ -135,6 +147,18 @@ def test_wgmma_matches_a_float64_model_of_its_fragments(order, n, tiles):
     """4 or 8 wgmma k16 steps chained on one accumulator, from operands the threads stored swizzled (and fenced)."""
     a, b = bf16((64, 64 * tiles)), bf16((n, 64 * tiles))
     np.testing.assert_array_equal(wgmma(n, a, b), fragments(chained_product(a, b)))
+
+
+@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_wgmma_tf32_matches_a_float64_model_of_its_fragments(order, n, tiles):
+    """wgmma_tf32: 4 or 8 k8 steps of float32 operands read as TF32 (their low 13 bits ignored): the model's
+    truncation matters (the values' low bits are random), and rounding them instead would be another result."""
+    g = rng()
+    a, b = (g.standard_normal(shape).astype(np.float32) for shape in ((64, 32 * tiles), (n, 32 * tiles)))
+    got = wgmma(n, a, b)
+    np.testing.assert_array_equal(got, fragments(chained_product(a, b)))
+    assert not np.array_equal(got, fragments(chained_product(tf32(a + np.float32(2.0**-11) * np.abs(a)), b)))
 
 
 def test_wgmma_model_would_see_a_wrong_layout():

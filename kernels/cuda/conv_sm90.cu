@@ -1,6 +1,7 @@
 // conv_sm90.cu: 2-D convolution on Hopper's tensor cores (sm_90a): warpgroup MMA (wgmma) fed by the tensor
-// memory accelerator (TMA), for the bf16 precision. Launched by kernels/cuda/conv_sm90.py, chosen on GPUs of
-// compute capability 9.0; checked by tests/test_conv_sm90.py against float64 of the bfloat16 inputs, on the CPU
+// memory accelerator (TMA), for the bf16 precision and (forward, backward-data) TF32's. Launched by
+// kernels/cuda/conv_sm90.py, chosen on GPUs of compute capability 9.0; checked by tests/test_conv_sm90.py against
+// float64 of the bfloat16 inputs (of the TF32-rounded ones), on the CPU
 // emulator (which runs sm90.cuh's instructions exactly and refuses their misuse) in CI and on a GPU under
 // `pytest -m gpu`. Channel counts multiples of 64, stride 1 or 2:
 //
@@ -16,10 +17,11 @@
 // layer by the launcher to waste the fewest past the images' edges, and for each filter tap (r, s) the operand of
 // x is the same box moved by (r - ph, s - pw): one 4-D TMA load of x (N, H, W, C), whose coordinates past the
 // image give zeros, the padding, for free. At stride 2, x's pixels of each parity of row and column are a tensor
-// map of their own (a strided view of x), where the tap's box is a box again (Sm90Tap). The forward's B is 64 k by BN filters of w (O, KH*KW*C), a 2-D TMA load.
-// Everything lands 128-byte swizzled (a line of 64 bf16 = 128 bytes, chunk j of line l at j ^ (l % 8)), the layout
-// wgmma reads from a descriptor (sm90.cuh's wgmma_descriptor_sw128): K-major in the forward (a pixel's channels
-// along k), MN-major in backward-weight (a pixel's channels along m or n, the pixels along k).
+// map of their own (a strided view of x), where the tap's box is a box again (Sm90Tap). The forward's B is a line of
+// k by BN filters of w (O, KH*KW*C), a 2-D TMA load. Everything lands 128-byte swizzled (a line of 64 bf16 or 32
+// float = 128 bytes, chunk j of line l at j ^ (l % 8)), the layout wgmma reads from a descriptor (sm90.cuh's
+// wgmma_descriptor_sw128): K-major in the forward (a pixel's channels along k), MN-major in backward-weight (a
+// pixel's channels along m or n, the pixels along k; bf16 only: wgmma transposes no TF32 operand).
 //
 // The pieces, named as CUTLASS 3 names them:
 //   Sm90Tile            the tile: CONSUMERS warpgroups of 64 rows (BM), BN columns, BK = 64, STAGES deep
@@ -49,18 +51,23 @@
 #include "bf16.cuh"
 #include "conv_geometry.cuh"
 #include "bn_stats.cuh"
+#include "tf32.cuh"
 
-// A tile: CONSUMERS warpgroups of 64 rows each (BM = 64 CONSUMERS) by BN columns, BK = 64 of k a stage, STAGES deep;
-// a block is its consumers and a producer warpgroup, MIN_BLOCKS of them an SM. A stage holds BM / 64 blocks of A and
-// BN / 64 of B, each 64 lines of 128 bytes (64 bf16), 8 KB: a TMA box apiece. Registers: the SM's 65536 shared by
-// the blocks, the producer's warpgroup keeping 40 a thread, the consumers the rest (setmaxnreg: multiples of 8).
-template <int CONSUMERS_, int BN_, int STAGES_, int MIN_BLOCKS_ = 1>
+// A tile: CONSUMERS warpgroups of 64 rows each (BM = 64 CONSUMERS) by BN columns, of elements E (bf16; float for
+// TF32), BK of k a stage (a 128-byte line: 64 bf16, 32 float), STAGES deep; a block is its consumers and a producer
+// warpgroup, MIN_BLOCKS of them an SM. A stage holds BM / 64 blocks of A and BN / 64 of B, each 64 lines of 128
+// bytes, 8 KB: a TMA box apiece, 4 wgmmas (32 bytes of each line: k16 of bf16, k8 of TF32). Registers: the SM's
+// 65536 shared by the blocks, the producer's warpgroup keeping 40 a thread, the consumers the rest (setmaxnreg:
+// multiples of 8).
+template <int CONSUMERS_, int BN_, int STAGES_, int MIN_BLOCKS_ = 1, class E = bf16>
 struct Sm90Tile {
-    static constexpr int CONSUMERS = CONSUMERS_, BM = 64 * CONSUMERS, BN = BN_, BK = 64, STAGES = STAGES_;
+    using Element = E;
+    static constexpr int CONSUMERS = CONSUMERS_, BM = 64 * CONSUMERS, BN = BN_, BK = 128 / int(sizeof(E));
+    static constexpr int STAGES = STAGES_, MMAS = 4;
     static constexpr int MIN_BLOCKS = MIN_BLOCKS_, THREADS = 128 * (1 + CONSUMERS), BLOCK_BYTES = 64 * 128;
     static constexpr int PRODUCER_REGISTERS = 40;
     static constexpr int CONSUMER_REGISTERS = (65536 / MIN_BLOCKS - 128 * PRODUCER_REGISTERS) / (128 * CONSUMERS) / 8 * 8;
-    static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+    static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE_BYTES = A_BYTES + B_BYTES;
     // the epilogues' scratch: the batch norm's moments of each consumer warp's rows by column (12 bytes each),
     // which is more than its sums take (8 bytes a consumer thread)
     static constexpr int SCRATCH_BYTES = 12 * 4 * CONSUMERS * BN;
@@ -72,6 +79,24 @@ struct Sm90Tile {
 };
 struct Sm90x128 : Sm90Tile<2, 128, 4> {};      // the forward's: 128 KB of ring
 struct Sm90x64 : Sm90Tile<2, 64, 6> {};        // 144 KB
+struct Sm90Tf32x128 : Sm90Tile<2, 128, 4, 1, float> {};   // TF32's: the same bytes, half the k a stage
+struct Sm90Tf32x64 : Sm90Tile<2, 64, 6, 1, float> {};
+
+// A wgmma of a tile's element type: wgmma_bf16, or wgmma_tf32 for float.
+template <class E>
+struct Sm90Wgmma {
+    template <int N>
+    __device__ static void run(float (&d)[N / 2], unsigned long long a, unsigned long long b, int accumulate) {
+        wgmma_bf16<N>(d, a, b, accumulate);
+    }
+};
+template <>
+struct Sm90Wgmma<float> {
+    template <int N>
+    __device__ static void run(float (&d)[N / 2], unsigned long long a, unsigned long long b, int accumulate) {
+        wgmma_tf32<N>(d, a, b, accumulate);
+    }
+};
 struct Sm90Wgrad128 : Sm90Tile<2, 128, 4> {};  // backward-weight's, 128 output channels by 128 input channels
 struct Sm90Wgrad64 : Sm90Tile<1, 64, 6, 2> {}; // 64 by 64 (97 KB: 2 blocks an SM)
 
@@ -283,7 +308,8 @@ __device__ __forceinline__ bool sm90_roles(const Sm90Pipeline<Tile>& pipeline, c
 // ---- forward (and backward-data) ------------------------------------------------------------------------------
 
 // The batch norm's statistics of the forward's output channels o0.. (bn_stats.cuh) from the consumers' accumulators,
-// as the epilogue stored them (plus the bias, rounded to bf16): each thread's two rows of a column (ShiftedSums),
+// as the epilogue stored them (plus the bias, rounded to the element type): each thread's two rows of a column
+// (ShiftedSums),
 // merged across the 8 lanes that share the column (shuffles), then the block's 4 CONSUMERS warps in order
 // (bn_block_statistics), then the boxes (Sm90BoxValues counts their pixels): this tile's box `tile` of the `tiles` of
 // its filters' tile `channel_tile`. smem: the scratch (12 * 4 CONSUMERS * BN bytes). Every consumer thread must call
@@ -309,7 +335,8 @@ __device__ __forceinline__ void sm90_batch_stats(const BnStats& s, const Sm90Box
             ShiftedSums sums;
 #pragma unroll
             for (int half = 0; half < 2; ++half)
-                if (inside[half]) sums.add(to_float(stored<bf16>(acc[4 * j + 2 * half + e] + b)));
+                if (inside[half])
+                    sums.add(to_float(stored<typename Tile::Element>(acc[4 * j + 2 * half + e] + b)));
             Moments m = sums.moments();
 #pragma unroll
             for (int x = 4; x < 32; x <<= 1) m = merged(m, shuffled_xor(m, x));
@@ -345,8 +372,11 @@ struct Sm90ForwardTile {
           steps(box.n0 < n ? taps.count() * chunks : 0) {}
 };
 
-// x_map0..3: x (N, H, W, C) bf16 by parities (Sm90Tap), box (box_i, box_h, box_w, 64), swizzled; w_map: w (O,
-// KH*KW*C) bf16, box (BN, 64), swizzled. Persistent: the blocks take the tiles as Sm90Tiles says, `boxes` of them a
+// x_map0..3: x (N, H, W, C) of the tile's elements by parities (Sm90Tap), box (box_i, box_h, box_w, BK), swizzled;
+// w_map: w (O, KH*KW*C), box (BN, BK), swizzled. TF32: w holds TF32 values (rounded where it was made), and so does x
+// where round_a is 0 (backward-data's dy); else each consumer warpgroup rounds its rows of each stage of A to TF32
+// as it lands (tf32_round, as conv_tc.cu's stages), before the warpgroup's wgmmas read them (fence_proxy_async, the
+// warpgroup's named barrier). Persistent: the blocks take the tiles as Sm90Tiles says, `boxes` of them a
 // phase and BN filters (the output's largest phase's boxes), their steps following each other through the ring. A
 // tile's step k: tap (r, s), channels c0..c0+63: A is the output box moved by the tap in x (Sm90Taps; K-major: a
 // pixel's 64 channels a line), B those k of the BN filters (K-major). After the tile is stored, the consumers compute
@@ -357,9 +387,10 @@ struct Sm90ForwardTile {
 template <class Tile, bool ADD>
 __global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
 conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const float* __restrict__ bias,
-                  bf16* __restrict__ y, int n, int c, int o, int kh, int kw, int ph, int pw, int stride, int phases,
-                  int oh, int ow, int box_w, int box_h, int box_i, int boxes, BN_STATS_PARAMS,
-                  BN_SUMS_PARAMS(bf16)) {
+                  typename Tile::Element* __restrict__ y, int n, int c, int o, int kh, int kw, int ph, int pw,
+                  int stride, int phases, int oh, int ow, int box_w, int box_h, int box_i, int boxes, int round_a,
+                  BN_STATS_PARAMS, BN_SUMS_PARAMS(typename Tile::Element)) {
+    using E = typename Tile::Element;
     extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
     const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
     const Sm90Tiles tiles{boxes, o / Tile::BN, phases};
@@ -392,10 +423,22 @@ conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const fl
 #pragma unroll
             for (int i = 0; i < Tile::BN / 2; ++i) acc[i] = 0.0f;
         pipeline.consume(acc, first, at.steps, t % 128 == 0, [&](int stage, bool first_step) {
+            if (sizeof(E) == 4 && round_a) {   // TF32: the warpgroup's 64 lines of A, 16 bytes a thread at a time
+                uint4* lines = reinterpret_cast<uint4*>(pipeline.a(stage, group));
 #pragma unroll
-            for (int k = 0; k < Tile::BK / 16; ++k)   // k16 a wgmma: 32 bytes along each K-major line
-                wgmma_bf16<Tile::BN>(acc, wgmma_descriptor_sw128(pipeline.a(stage, group) + 32 * k),
-                                     wgmma_descriptor_sw128(pipeline.b(stage) + 32 * k), !first_step || k > 0);
+                for (int i = t % 128; i < Tile::BLOCK_BYTES / 16; i += 128) {
+                    const uint4 v = lines[i];
+                    lines[i] = make_uint4(tf32_round(__uint_as_float(v.x)), tf32_round(__uint_as_float(v.y)),
+                                          tf32_round(__uint_as_float(v.z)), tf32_round(__uint_as_float(v.w)));
+                }
+                fence_proxy_async();
+                named_barrier_sync(2 + group, 128);
+            }
+#pragma unroll
+            for (int k = 0; k < Tile::MMAS; ++k)   // 32 bytes along each K-major line a wgmma
+                Sm90Wgmma<E>::template run<Tile::BN>(acc, wgmma_descriptor_sw128(pipeline.a(stage, group) + 32 * k),
+                                                     wgmma_descriptor_sw128(pipeline.b(stage) + 32 * k),
+                                                     !first_step || k > 0);
         });
         first += at.steps;
         // the epilogue: d[4j + i] is row 16 warp + lane / 4 + 8 (i / 2), column 8 j + 2 (lane % 4) + i % 2
@@ -403,21 +446,30 @@ conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const fl
         for (int half = 0; half < 2; ++half) {
             const int pixel = at.box.pixel(group * 64 + warp * 16 + lane / 4 + 8 * half, n, at.out);
             if (pixel < 0) continue;
-            bf16* row = y + size_t(pixel) * o + at.o0;
+            E* row = y + size_t(pixel) * o + at.o0;
 #pragma unroll
             for (int j = 0; j < Tile::BN / 8; ++j) {
                 const int column = 8 * j + 2 * (lane % 4);
                 float lo = acc[4 * j + 2 * half], hi = acc[4 * j + 2 * half + 1];
-                unsigned* pair = reinterpret_cast<unsigned*>(row + column);
                 if (bias) {
                     lo += bias[at.o0 + column];
                     hi += bias[at.o0 + column + 1];
                 }
-                if (ADD) {
-                    lo += bf16x2_low(*pair);
-                    hi += bf16x2_high(*pair);
+                if constexpr (sizeof(E) == 2) {   // bf16: a pair of neighbours, rounded once
+                    unsigned* pair = reinterpret_cast<unsigned*>(row + column);
+                    if (ADD) {
+                        lo += bf16x2_low(*pair);
+                        hi += bf16x2_high(*pair);
+                    }
+                    *pair = bf16x2_round(lo, hi);
+                } else {
+                    float2* pair = reinterpret_cast<float2*>(row + column);
+                    if (ADD) {
+                        lo += pair->x;
+                        hi += pair->y;
+                    }
+                    *pair = make_float2(lo, hi);
                 }
-                *pair = bf16x2_round(lo, hi);
             }
         }
         if (stats_partial)   // (the forward: one phase)
@@ -426,7 +478,7 @@ conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const fl
                                    tiles.filters(tile), sync);
         if (sums_partial)   // over the boxes of every phase
             bn_tile_sums<Tile, 128 * Tile::CONSUMERS, 128>(
-                BnSums<bf16> BN_SUMS, Sm90BoxRows{at.box, n, at.out, o}, o, y,
+                BnSums<E> BN_SUMS, Sm90BoxRows{at.box, n, at.out, o}, o, y,
                 reinterpret_cast<float*>(pipeline.scratch), 0, at.o0, tiles.phase(tile) * boxes + tiles.box(tile),
                 phases * boxes, tiles.filters(tile), sync);
     }
@@ -480,7 +532,7 @@ conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, SM90_X_MAPS, float* __
     pipeline.consume(acc, 0, steps, bias_block || t % 128 == 0, [&](int stage, bool first_step) {
         const unsigned char* a = pipeline.a(stage, group);
 #pragma unroll
-        for (int k = 0; k < Tile::BK / 16; ++k)   // k16 a wgmma: 16 lines (pixels), 2048 bytes
+        for (int k = 0; k < Tile::MMAS; ++k)   // k16 a wgmma: 16 lines (pixels), 2048 bytes
             wgmma_bf16<Tile::BN, true>(acc, wgmma_descriptor_sw128(a + 2048 * k, Tile::BLOCK_BYTES),
                                        wgmma_descriptor_sw128(pipeline.b(stage) + 2048 * k, Tile::BLOCK_BYTES),
                                        !first_step || k > 0);

@@ -1,12 +1,15 @@
-"""Launchers of conv_sm90.cu: the bf16 convolutions of Hopper (compute capability 9.0), warpgroup MMA fed by TMA,
-which conv_tc.forward and conv.py's backward run where `chosen`, `chosen_dgrad` and `chosen_wgrad` say so, and the
-mma.sync kernels of conv_bf16.cu elsewhere. Backward-data of a stride-1 convolution is the forward GEMM of dy by the
-weights mirrored (dgrad_geometry); backward-weight a GEMM a filter tap, split over the pixels (wgrad_plan).
+"""Launchers of conv_sm90.cu: the convolutions of Hopper (compute capability 9.0), warpgroup MMA fed by TMA, in bf16
+(forward, backward-data, backward-weight) and TF32 (forward, backward-data), which conv_tc's forward and backward-data
+and conv.py's backward-weight run where `chosen`, `chosen_dgrad` and `chosen_wgrad` say so, and the mma.sync kernels
+of conv_bf16.cu and conv_tc.cu elsewhere. Backward-data of a stride-1 convolution is the forward GEMM of dy by the
+weights mirrored (dgrad_geometry), of a stride-2 one a GEMM a phase of dx; backward-weight a GEMM a filter tap, split
+over the pixels (wgrad_plan).
 
-The arrays are C-contiguous NHWC bfloat16, the geometry conv.py's tuple (N, C, H, W, O, KH, KW, SH, SW, PH, PW, OH,
-OW). x and w reach the kernel as TMA tensor maps (launch.tensor_map): x as (N, H, W, C) in boxes of a tile's output
-box of pixels by 64 channels (at stride 2, its pixels of each parity of row and column a map apiece: x_maps), w as
-(O, KH*KW*C) in boxes of BN filters by 64.
+The arrays are C-contiguous NHWC, bfloat16 or float32 (TF32: the products of TF32 values, as conv_tc.cu's: the
+weights and backward-data's dy hold them, x is rounded as it lands), the geometry conv.py's tuple (N, C, H, W, O, KH,
+KW, SH, SW, PH, PW, OH, OW). x and w reach the kernel as TMA tensor maps (launch.tensor_map): x as (N, H, W, C) in
+boxes of a tile's output box of pixels by a 128-byte line of channels (64 bf16, 32 float32; at stride 2, its pixels
+of each parity of row and column a map apiece: x_maps), w as (O, KH*KW*C) in boxes of BN filters by a line.
 """
 import functools
 import os
@@ -21,9 +24,10 @@ from .launch import aligned, cdiv, launch, sum_partials, tensor_map
 
 OPS = ()   # the contract's op is conv.py's conv2d_forward, through conv_tc.forward
 THREADS = 384   # the forward's: a producer warpgroup and two consumer warpgroups (Sm90Tile::THREADS)
-ROWS, BK = 128, 64   # the rows (output pixels) of a tile, and the k (channels) of a stage
-# tile: (columns BN, stages): 128 filters where the output channels are a multiple of 128, else 64
-TILES = {"Sm90x128": (128, 4), "Sm90x64": (64, 6)}
+ROWS, BK, LINE = 128, 64, 128   # the rows (output pixels) of a tile, channels a multiple of BK, a stage's line bytes
+# tile: (columns BN, stages): 128 filters where the output channels are a multiple of 128, else 64; bf16's and TF32's
+TILES = {"Sm90x128": (128, 4), "Sm90x64": (64, 6), "Sm90Tf32x128": (128, 4), "Sm90Tf32x64": (64, 6)}
+ELEMENTS = {bfloat16: "bf16", np.dtype(np.float32): "float"}   # the storage each tile family takes
 # backward-weight's tiles: (output channels BM, input channels BN, stages, blocks an SM); a stage's k is a box of
 # WGRAD_PIXELS pixels. Its grid (a block a tap and tile) splits the pixels into parts until it has WGRAD_SPLIT_TARGET
 # blocks (two waves of an H200's 132 SMs at one block an SM), at least WGRAD_MIN_BOXES boxes a part.
@@ -31,12 +35,18 @@ WGRAD_TILES = {"Sm90Wgrad128": (128, 128, 4, 1), "Sm90Wgrad64": (64, 64, 6, 2)}
 WGRAD_PIXELS, WGRAD_SPLIT_TARGET, WGRAD_MIN_BOXES = 64, 2 * 132, 8
 GEMMS = ("conv_sm90_forward", "conv_sm90_wgrad")   # the kernels that multiply (forward and backward-data; weight)
 KERNELS = tuple(f"conv_sm90_forward<{tile}, {add}>" for tile in TILES for add in ("false", "true")) + tuple(
-    f"conv_sm90_wgrad<{tile}>" for tile in WGRAD_TILES) + ("mirrored_weights<bf16>", "sum_partials")
+    f"conv_sm90_wgrad<{tile}>" for tile in WGRAD_TILES) + tuple(
+    f"mirrored_weights<{element}>" for element in ELEMENTS.values()) + ("sum_partials",)
 
 
-# KERNELS_HOPPER=0 leaves a Hopper on conv_bf16.cu's mma.sync kernels: the escape hatch while this family's first
-# runs on a GPU are to come (bench/RESULTS.md), and a way to compare the two there
+# KERNELS_HOPPER=0 leaves a Hopper on conv_bf16.cu's and conv_tc.cu's mma.sync kernels: the escape hatch while this
+# family's first runs on a GPU are to come (bench/RESULTS.md), and a way to compare the two there
 DISABLE = "KERNELS_HOPPER"
+
+
+def precision_of(kernel):
+    """The tensor cores' precision ("TF32" or "BF16") a GEMM of this family (its name expression) multiplies in."""
+    return "TF32" if "Tf32" in kernel else "BF16"
 
 
 def available(be):
@@ -96,8 +106,8 @@ def choose_box(n, oh, ow, pixels=ROWS):
     return min(boxes, key=lambda b: (cdiv(n, b[0]) * cdiv(oh, b[1]) * cdiv(ow, b[2]), -b[2], -b[1]))
 
 
-def choose_tile(o):
-    return "Sm90x128" if o % 128 == 0 else "Sm90x64"
+def choose_tile(o, dtype=bfloat16):
+    return f"Sm90{'Tf32' if dtype == np.float32 else ''}x{128 if o % 128 == 0 else 64}"
 
 
 def dynamic_shared(kernel):
@@ -113,7 +123,7 @@ def dynamic_shared(kernel):
         rows, columns, stages, _ = WGRAD_TILES[tile]
     else:
         return 0
-    return 1024 + stages * (rows + columns) * BK * 2 + 2 * stages * 8 + 12 * (rows // 16) * columns
+    return 1024 + stages * (rows + columns) * LINE + 2 * stages * 8 + 12 * (rows // 16) * columns
 
 
 class Plan(typing.NamedTuple):
@@ -152,74 +162,82 @@ def _multiprocessors(xp, device):
     return int(xp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
 
 
-def plan(geometry, phases=1):
-    """The forward's Plan: the tile, the boxes of the output by its BN filters; with `phases` 4 (backward-data of a
-    stride-2 convolution, whose output is the geometry's x), the boxes of dx's largest phase, (0, 0), for each."""
+def plan(geometry, phases=1, dtype=bfloat16):
+    """The forward's Plan, of `dtype`'s tiles: the tile, the boxes of the output by its BN filters; with `phases` 4
+    (backward-data of a stride-2 convolution, whose output is the geometry's x), the boxes of dx's largest phase,
+    (0, 0), for each."""
     n, o, oh, ow = geometry[0], geometry[4], geometry[11], geometry[12]
     if phases == 4:
         n, o, oh, ow = n, geometry[1], cdiv(geometry[2], 2), cdiv(geometry[3], 2)
     box = choose_box(n, oh, ow)
-    tile = choose_tile(o)
+    tile = choose_tile(o, dtype)
     boxes = cdiv(n, box[0]) * cdiv(oh, box[1]) * cdiv(ow, box[2])
     return Plan(tile, box, boxes, o // TILES[tile][0], phases)
 
 
-def dgrad_plan(geometry):
+def dgrad_plan(geometry, dtype=bfloat16):
     """Backward-data's Plan: the forward's of dgrad_geometry at stride 1; at stride 2, a GEMM a phase of dx (its
     pixels of row parity a and column parity b, conv_sm90.cu's Sm90Phase and Sm90Taps), phase 2a + b."""
     if geometry[7] == 1:
-        return plan(dgrad_geometry(geometry))
-    return plan(geometry, phases=4)
+        return plan(dgrad_geometry(geometry), dtype=dtype)
+    return plan(geometry, phases=4, dtype=dtype)
 
 
-def forward(be, x, w_krsc, b, geometry, into=None, stats=NO_STATISTICS, sums=NO_SUMS):
-    """y (N, OH, OW, O) bfloat16 = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (float32 (O,), or None); added to
-    `into` (a C-contiguous (N, OH, OW, O) bfloat16 array), in place, rounded once, when given. From the epilogue, as
-    the mma.sync kernels': `stats`, the BN_STATS_PARAMS of the batch norm that follows, whose statistics of y it
-    computes (conv_tc.statistics_arguments over the plan's grid), or `sums`, the BN_SUMS_PARAMS of the norm whose
-    backward sums of y (after the add) it computes (backward_data); NO_STATISTICS, NO_SUMS: none."""
+def _operands(what, geometry, supported, *arrays):
+    """The element type of `arrays` (bfloat16, or float32 for TF32), which must share it; else a ValueError."""
+    dtypes = {a.dtype for a in arrays}
+    if not supported(geometry) or len(dtypes) != 1 or next(iter(dtypes)) not in ELEMENTS:
+        raise ValueError(f"conv_sm90: takes {what} of bfloat16 or float32 (TF32) operands alike, channels multiples "
+                         f"of 64, got {', '.join(str(a.dtype) for a in arrays)}, geometry {geometry}")
+    return next(iter(dtypes))
+
+
+def forward(be, x, w_krsc, b, geometry, into=None, stats=NO_STATISTICS, sums=NO_SUMS, x_tf32=False):
+    """y (N, OH, OW, O) of x's dtype = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (float32 (O,), or None); added
+    to `into` (a C-contiguous (N, OH, OW, O) array of that dtype), in place, rounded once, when given. From the
+    epilogue, as the mma.sync kernels': `stats`, the BN_STATS_PARAMS of the batch norm that follows, whose statistics
+    of y it computes (conv_tc.statistics_arguments over the plan's tiles), or `sums`, the BN_SUMS_PARAMS of the norm
+    whose backward sums of y (after the add) it computes (backward_data); NO_STATISTICS, NO_SUMS: none. float32 (TF32):
+    w_krsc holds TF32 values (conv_tc.tf32_values), and x too where x_tf32, else its stages are rounded as they land."""
     n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    if not supports(geometry) or x.dtype != bfloat16 or w_krsc.dtype != bfloat16:
-        raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 or 2 and channels multiples of 64, "
-                         f"got {x.dtype} x, {w_krsc.dtype} w, geometry {geometry}")
-    p = plan(geometry)
-    y = be.xp.empty((n, oh, ow, o), bfloat16) if into is None else into
-    _launch_forward(be, p, x_maps(be, aligned(x), sh, (*p.box, BK)), w_krsc.reshape(o, kh * kw * c), b, y, into,
-                    (n, c, o, kh, kw, ph, pw, sh, 1, oh, ow), stats, sums)
+    dtype = _operands("convolutions of stride 1 or 2", geometry, supports, x, w_krsc)
+    p = plan(geometry, dtype=dtype)
+    y = be.xp.empty((n, oh, ow, o), dtype) if into is None else into
+    _launch_forward(be, p, x_maps(be, aligned(x), sh, (*p.box, LINE // dtype.itemsize)),
+                    w_krsc.reshape(o, kh * kw * c), b, y, into,
+                    (n, c, o, kh, kw, ph, pw, sh, 1, oh, ow, *p.box[::-1], p.boxes,
+                     int(dtype == np.float32 and not x_tf32)), stats, sums)
     return y
 
 
 def _launch_forward(be, p, maps, w, b, out, into, sizes, stats, sums):
-    """conv_sm90_forward of Plan p: A from the four `maps` (x_maps), B from w (the GEMM's columns by its k, C-contiguous
-    bfloat16), the bias b, into `out`, added to what it holds where `into` is given; `sizes`: the kernel's (n, c, o,
-    kh, kw, ph, pw, stride, phases, oh, ow)."""
+    """conv_sm90_forward of Plan p: A from the four `maps` (x_maps), B from w (the GEMM's columns by its k, C-contiguous,
+    of the tile's element type), the bias b, into `out`, added to what it holds where `into` is given; `sizes`: the
+    kernel's (n, c, o, kh, kw, ph, pw, stride, phases, oh, ow, box_w, box_h, box_i, boxes, round_a)."""
     kernel = f"conv_sm90_forward<{p.tile}, {'false' if into is None else 'true'}>"
-    w_map = tensor_map(be, aligned(w), (TILES[p.tile][0], BK))
-    box_i, box_h, box_w = p.box
-    launch(be, "conv_sm90", kernel, p.grid(be),
-           (*maps, w_map, b, out, *sizes, box_w, box_h, box_i, p.boxes, *stats, *sums), block=(THREADS,),
+    w_map = tensor_map(be, aligned(w), (TILES[p.tile][0], LINE // w.dtype.itemsize))
+    launch(be, "conv_sm90", kernel, p.grid(be), (*maps, w_map, b, out, *sizes, *stats, *sums), block=(THREADS,),
            shared_mem=dynamic_shared(kernel))
 
 
 def backward_data(be, dy, w_krsc, geometry, into=None, sums=NO_SUMS):
-    """dx (N, H, W, C) bfloat16 from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C), bfloat16; added to `into` (as
-    forward's) when given, with the sums of a batch norm (forward's `sums`, over the tiles of dgrad_plan's grid, every
-    phase's): at stride 1, the forward of dy by the mirrored weights (mirrored_weights<bf16>, a launch); at stride 2,
-    the GEMMs of dx's four phases, each of the filter's taps that reach it, in one launch."""
+    """dx (N, H, W, C) of dy's dtype from dy (N, OH, OW, O) and w_krsc (O, KH, KW, C) (float32: TF32, both holding TF32
+    values); added to `into` (as forward's) when given, with the sums of a batch norm (forward's `sums`, over the tiles
+    of dgrad_plan's grid, every phase's): at stride 1, the forward of dy by the mirrored weights (mirrored_weights, a
+    launch); at stride 2, the GEMMs of dx's four phases, each of the filter's taps that reach it, in one launch."""
     n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    if not supports_dgrad(geometry) or dy.dtype != bfloat16 or w_krsc.dtype != bfloat16:
-        raise ValueError(f"conv_sm90: takes the backward-data of bfloat16 convolutions of stride 1 whose filter covers "
-                         f"the padding, or of stride 2, channels multiples of 64, got {dy.dtype} dy, {w_krsc.dtype} w, "
-                         f"geometry {geometry}")
-    mirrored = be.xp.empty((c, kh, kw, o), bfloat16)
-    launch(be, "conv_sm90", "mirrored_weights<bf16>", (cdiv(mirrored.size, 256),), (aligned(w_krsc), mirrored, o,
-                                                                                     kh * kw, c), block=(256,))
+    dtype = _operands("the backward-data of convolutions of stride 1 whose filter covers the padding, or of stride 2,",
+                      geometry, supports_dgrad, dy, w_krsc)
+    mirrored = be.xp.empty((c, kh, kw, o), dtype)
+    launch(be, "conv_sm90", f"mirrored_weights<{ELEMENTS[dtype]}>", (cdiv(mirrored.size, 256),),
+           (aligned(w_krsc), mirrored, o, kh * kw, c), block=(256,))
     if sh == 1:
-        return forward(be, dy, mirrored, None, dgrad_geometry(geometry), into, sums=sums)
-    p = dgrad_plan(geometry)
-    dx = be.xp.empty((n, h, w, c), bfloat16) if into is None else into
-    _launch_forward(be, p, x_maps(be, aligned(dy), 1, (*p.box, BK)), mirrored.reshape(c, kh * kw * o), None, dx, into,
-                    (n, o, c, kh, kw, ph, pw, 2, 4, h, w), NO_STATISTICS, sums)
+        return forward(be, dy, mirrored, None, dgrad_geometry(geometry), into, sums=sums, x_tf32=True)
+    p = dgrad_plan(geometry, dtype)
+    dx = be.xp.empty((n, h, w, c), dtype) if into is None else into
+    _launch_forward(be, p, x_maps(be, aligned(dy), 1, (*p.box, LINE // dtype.itemsize)),
+                    mirrored.reshape(c, kh * kw * o), None, dx, into,
+                    (n, o, c, kh, kw, ph, pw, 2, 4, h, w, *p.box[::-1], p.boxes, 0), NO_STATISTICS, sums)
     return dx
 
 

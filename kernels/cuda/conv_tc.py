@@ -384,10 +384,10 @@ def forward(be, x, w_krsc, b, geometry, statistics=None, fold=None, w_tf32=False
     holds TF32 values already (see tf32_values)."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     kind = kind_of(x.dtype)
-    if kind is BF16 and conv_sm90.chosen(be, geometry):   # Hopper's, the statistics over its grid of boxes
-        p = conv_sm90.plan(geometry)
+    if conv_sm90.chosen(be, geometry) and fold is None:   # Hopper's, the statistics over its tiles' boxes
+        p = conv_sm90.plan(geometry, dtype=x.dtype)
         stats, mean, invstd = statistics_arguments(be, statistics, p.boxes, p.filter_tiles, o, n * oh * ow)
-        y = conv_sm90.forward(be, x, w_krsc, b, geometry, stats=stats)
+        y = conv_sm90.forward(be, x, tf32_values(be, w_krsc, w_tf32), b, geometry, stats=stats)
         return y if statistics is None else (y, mean, invstd)
     p = plan("forward", geometry, kind, fold=fold is not None)
     x, w_krsc = aligned(x), aligned(tf32_values(be, w_krsc, w_tf32))
@@ -444,11 +444,12 @@ def backward_data(be, dy, w_krsc, geometry, into=None, norm=None, sums=None, w_t
     y > 0, from the kernel's epilogue, over the tiles of every stride phase. w_tf32: as forward's; dy_tf32:
     float32 dy holds TF32 values already (see tf32_values)."""
     n, c, h, wd = geometry[:4]
-    if kind_of(dy.dtype) is BF16 and conv_sm90.chosen_dgrad(be, geometry):   # Hopper's, the sums over its boxes
-        p = conv_sm90.dgrad_plan(geometry)
+    if conv_sm90.chosen_dgrad(be, geometry):   # Hopper's, the sums over its tiles' boxes
+        p = conv_sm90.dgrad_plan(geometry, dy.dtype)
         tail = NO_SUMS if norm is None else (*norm, *tile_merge_arguments(be, p.boxes * p.phases, p.filter_tiles, c,
                                                                           0), *sums)
-        return conv_sm90.backward_data(be, dy, w_krsc, geometry, into, sums=tail)
+        return conv_sm90.backward_data(be, tf32_values(be, dy, dy_tf32), tf32_values(be, w_krsc, w_tf32), geometry,
+                                       into, sums=tail)
     p = plan("dgrad", geometry, kind_of(dy.dtype))
     dy, w_krsc = aligned(tf32_values(be, dy, dy_tf32)), aligned(tf32_values(be, w_krsc, w_tf32))
     if p.kernel in (f"conv_tc_dgrad_halo<{TF32.halo}>", PHASE_KERNEL):

@@ -38,6 +38,9 @@
 //                                   warpgroup (warp w = t / 32, lane l) holds in d[4j + i] the element
 //                                   row 16 w + l / 4 + 8 (i / 2), column 8 j + 2 (l % 4) + i % 2: each warp's
 //                                   16 rows as mma.sync's m16n8 accumulators, N / 8 of them side by side.
+//   wgmma_tf32<N>(d, a, b, acc)     wgmma.mma_async.sync.aligned.m64nNk8.f32.tf32.tf32: the same of TF32 operands
+//                                   (float32's whose low 13 bits the tensor cores ignore: a 128-byte line 32 k,
+//                                   advancing k by 8 adds 32 bytes), K-major only
 //   wgmma_commit()                  wgmma.commit_group.sync.aligned: the wgmmas since the last commit, a group
 //   wgmma_wait<N>()                 wgmma.wait_group.sync.aligned N: all but the N most recent groups retired
 //   wgmma_fence_operands(d)         an empty asm that reads and writes each accumulator register (CUTLASS's
@@ -79,6 +82,8 @@ extern "C" void emu_wgmma_commit(const char* file, int line);
 extern "C" void emu_wgmma_wait(int pending, const char* file, int line);
 extern "C" void emu_wgmma_bf16(float* d, int n, unsigned long long a, unsigned long long b, int accumulate,
                                int mn_major, const char* file, int line);
+extern "C" void emu_wgmma_tf32(float* d, int n, unsigned long long a, unsigned long long b, int accumulate,
+                               const char* file, int line);
 extern "C" void emu_setmaxnreg(int registers, int increase, const char* file, int line);
 extern "C" int emu_named_barrier(int id, int threads, int predicate, const char* file, int line);
 #define SM90_SITE call_file, call_line
@@ -259,6 +264,37 @@ struct WgmmaBf16Asm<128, T> {
                      : "l"(a), "l"(b), "r"(accumulate), "n"(T));
     }
 };
+// wgmma of TF32 operands, both K-major (TF32's are not transposed)
+template <int N>
+struct WgmmaTf32Asm;
+
+template <>
+struct WgmmaTf32Asm<64> {
+    __device__ __forceinline__ static void run(float (&d)[32], unsigned long long a, unsigned long long b, int accumulate) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                     "}, %32, %33, p, 1, 1;\n}"
+                     : SM90_D8(0), SM90_D8(8), SM90_D8(16), SM90_D8(24)
+                     : "l"(a), "l"(b), "r"(accumulate));
+    }
+};
+
+template <>
+struct WgmmaTf32Asm<128> {
+    __device__ __forceinline__ static void run(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                     "}, %64, %65, p, 1, 1;\n}"
+                     : SM90_D8(0), SM90_D8(8), SM90_D8(16), SM90_D8(24), SM90_D8(32), SM90_D8(40), SM90_D8(48), SM90_D8(56)
+                     : "l"(a), "l"(b), "r"(accumulate));
+    }
+};
 #undef SM90_D8
 #endif
 
@@ -270,6 +306,17 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], unsigned long long
     emu_wgmma_bf16(d, N, a, b, accumulate, MN_MAJOR, SM90_SITE);
 #else
     WgmmaBf16Asm<N, MN_MAJOR>::run(d, a, b, accumulate);
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_tf32(float (&d)[N / 2], unsigned long long a, unsigned long long b,
+                                           int accumulate TC_CALL_SITE) {
+    static_assert(N == 64 || N == 128, "wgmma_tf32 is written for n64 and n128");
+#ifdef __CUDA_EMU__
+    emu_wgmma_tf32(d, N, a, b, accumulate, SM90_SITE);
+#else
+    WgmmaTf32Asm<N>::run(d, a, b, accumulate);
 #endif
 }
 

@@ -1213,6 +1213,7 @@ struct WarpgroupCall {
     float* d;
     int n, accumulate, arg;
     std::uint64_t a, b;
+    bool tf32;   // WG_MMA: wgmma_tf32 (m64nNk8, TF32 operands), else wgmma_bf16 (m64nNk16)
 };
 
 struct WgmmaOp {
@@ -1576,7 +1577,7 @@ std::string warpgroup_op_name(const WarpgroupCall& c) {
         case WG_FENCE: return "wgmma_fence";
         case WG_COMMIT: return "wgmma_commit";
         case WG_WAIT: return format("wgmma_wait<%d>", c.arg);
-        case WG_MMA: return format("wgmma_bf16<%d>", c.n);
+        case WG_MMA: return format("wgmma_%s<%d>", c.tf32 ? "tf32" : "bf16", c.n);
         default: return format("setmaxnreg_%s<%d>", c.accumulate ? "inc" : "dec", c.arg);
     }
 }
@@ -1709,7 +1710,9 @@ void wgmma_read_word(std::uintptr_t a, int wg, std::uint32_t serial, const Warpg
     mark_word(idx, kWgmmaWord);
 }
 
-// Reads `rows` rows of 16 bf16 (k) of a wgmma operand through its descriptor into out (rows x 16 doubles).
+// Reads `rows` rows of 16 bf16 (k), or of 8 TF32 (wgmma_tf32: a float32's top 19 bits, the low 13 ignored as the
+// tensor cores ignore them), of a wgmma operand through its descriptor into out (rows x 16 doubles, the first 8 of
+// each row TF32's).
 void read_operand(std::uint64_t desc, int rows, const char* which, int wg, std::uint32_t serial,
                   const WarpgroupCall& c, double* out) {
     Launch& g = *g_launch;
@@ -1741,6 +1744,13 @@ void read_operand(std::uint64_t desc, int rows, const char* which, int wg, std::
                                                                "dynamic shared memory the launch asked for"));
             if (h.clocks)
                 for (int k = 0; k < 16; k += 4) wgmma_read_word(p + std::uintptr_t(k), wg, serial, c, memo);
+            if (c.tf32) {   // K-major: 4 k a chunk
+                std::uint32_t words[4];
+                std::memcpy(words, reinterpret_cast<const void*>(p), 16);
+                for (int e = 0; e < 4; ++e)
+                    out[r * 16 + 4 * chunk + e] = double(emu::from_bits<float>(words[e] & 0xffffe000u));
+                continue;
+            }
             unsigned short bits[8];
             std::memcpy(bits, reinterpret_cast<const void*>(p), 16);
             for (int e = 0; e < 8; ++e) {   // out: rows x 16 k
@@ -1750,8 +1760,9 @@ void read_operand(std::uint64_t desc, int rows, const char* which, int wg, std::
         }
 }
 
-// wgmma.mma_async m64nNk16 f32.bf16.bf16 of warpgroup wg: d = A B (+ d), each element the exact sum of its 16
-// products and its accumulator, rounded once (as emu_mma); the result pending until the wait of its group.
+// wgmma.mma_async m64nNk16 f32.bf16.bf16 (m64nNk8 f32.tf32.tf32) of warpgroup wg: d = A B (+ d), each element the
+// exact sum of its 16 (8) products and its accumulator, rounded once (as emu_mma); the result pending until the wait
+// of its group.
 void execute_wgmma(int wg) {
     Launch& g = *g_launch;
     Hopper& h = *g.hopper;
@@ -1762,7 +1773,7 @@ void execute_wgmma(int wg) {
     for (int u = 1; u < kWarpgroupThreads; ++u) {
         const WarpgroupCall& other = W.call[u];
         if (other.n != n || other.a != c.a || other.b != c.b || (other.accumulate != 0) != (c.accumulate != 0) ||
-            other.arg != c.arg)
+            other.arg != c.arg || other.tf32 != c.tf32)
             fail_for(first + u, format("synccheck: %s with operands other than %s's (descriptors 0x%016llx and "
                                        "0x%016llx, accumulate %d against 0x%016llx, 0x%016llx, %d; or its operands' "
                                        "majors): a wgmma's descriptors, scale-d and transposes are the warpgroup's, the "
@@ -1781,7 +1792,7 @@ void execute_wgmma(int wg) {
         Accumulator* acc = accumulator_of(t, call.d);
         if (acc && acc->pending) {
             if (acc->n != n)
-                fail_for(first + u, format("synccheck: %s on accumulators that the pending wgmma_bf16<%d> at %s:%d "
+                fail_for(first + u, format("synccheck: %s on accumulators that the pending wgmma of N = %d at %s:%d "
                                            "writes: chained wgmmas need one shape", warpgroup_call_name(call).c_str(),
                                            acc->n, acc->file, acc->line));
             for (int k = 0; k < count; ++k)
@@ -1835,7 +1846,8 @@ void execute_wgmma(int wg) {
             for (int i = 0; i < 4; ++i) {
                 const int row = 16 * w + l / 4 + 8 * (i / 2), col = 8 * j + 2 * (l % 4) + i % 2;
                 double sum = c.accumulate ? double(in[4 * j + i]) : 0.0;   // the products are exact
-                for (int k = 0; k < 16; ++k) sum += h.a[std::size_t(row) * 16 + k] * h.b[std::size_t(col) * 16 + k];
+                for (int k = 0; k < (c.tf32 ? 8 : 16); ++k)
+                    sum += h.a[std::size_t(row) * 16 + k] * h.b[std::size_t(col) * 16 + k];
                 acc->values[4 * j + i] = float(sum);
             }
         acc->n = n;
@@ -2723,6 +2735,17 @@ extern "C" void emu_wgmma_bf16(float* d, int n, unsigned long long a, unsigned l
     WarpgroupCall call{};
     call.op = WG_MMA, call.file = file, call.line = line;
     call.d = d, call.n = n, call.a = a, call.b = b, call.accumulate = accumulate != 0, call.arg = mn_major != 0;
+    warpgroup_instruction(call, __builtin_frame_address(0));
+}
+
+extern "C" void emu_wgmma_tf32(float* d, int n, unsigned long long a, unsigned long long b, int accumulate,
+                               const char* file, int line) {
+    settle_store();
+    if (n != 64 && n != 128)
+        fail_in_fiber(format("wgmma_tf32<%d> at %s:%d: the emulator runs N = 64 and 128", n, file, line));
+    WarpgroupCall call{};
+    call.op = WG_MMA, call.file = file, call.line = line, call.tf32 = true;
+    call.d = d, call.n = n, call.a = a, call.b = b, call.accumulate = accumulate != 0;
     warpgroup_instruction(call, __builtin_frame_address(0));
 }
 

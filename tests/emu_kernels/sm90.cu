@@ -11,13 +11,14 @@
 extern __shared__ __align__(1024) unsigned char sm90_smem[];
 
 // ---- wgmma on operands the threads stored ----------------------------------------------------------------
-// One warpgroup. a: `tiles` tiles of 64 rows x 64 k bf16, b: of N rows x 64 k, each already in the 128-byte swizzled
+// One warpgroup. a: `tiles` tiles of 64 rows x 64 k bf16 (32 k float32: TF32), b: of N rows x 64 (32) k, each already
+// in the 128-byte swizzled
 // layout (1024-byte aligned, a row 128 bytes, chunk j of row r at j ^ (r % 8)), copied to shared memory as they are;
 // then 4 tiles wgmma m64nNk16, chained, k advancing 32 bytes a step. out: each thread's N / 2 accumulators.
 // mode: 0 correct; 1 an accumulator stored to out early; 2 one overwritten early; 3 no wgmma_fence; 4 one compared
 // early (early: before the wgmma_wait); 5 the operands' stores not followed by fence_proxy_async; 6 an operand
 // overwritten early.
-template <int N>
+template <int N, bool TF32 = false>
 __device__ void wgmma_stored(const uint4* a, const uint4* b, float* out, int tiles, int mode) {
     const int t = threadIdx.x;
     unsigned char* sa = sm90_smem;
@@ -30,8 +31,12 @@ __device__ void wgmma_stored(const uint4* a, const uint4* b, float* out, int til
     if (mode != 3) wgmma_fence();
     for (int tile = 0; tile < tiles; ++tile)
         for (int k = 0; k < 4; ++k)
-            wgmma_bf16<N>(acc, wgmma_descriptor_sw128(sa + tile * 64 * 128 + 32 * k),   // the wgmma of wgmma_stored
-                          wgmma_descriptor_sw128(sb + tile * N * 128 + 32 * k), tile > 0 || k > 0);
+            if constexpr (TF32)
+                wgmma_tf32<N>(acc, wgmma_descriptor_sw128(sa + tile * 64 * 128 + 32 * k),
+                              wgmma_descriptor_sw128(sb + tile * N * 128 + 32 * k), tile > 0 || k > 0);
+            else
+                wgmma_bf16<N>(acc, wgmma_descriptor_sw128(sa + tile * 64 * 128 + 32 * k),   // the wgmma of wgmma_stored
+                              wgmma_descriptor_sw128(sb + tile * N * 128 + 32 * k), tile > 0 || k > 0);
     wgmma_commit();
     if (mode == 1) out[t] = acc[0];                  // used before the wait
     if (mode == 2) acc[1] = 0.0f;                    // written before the wait
@@ -47,6 +52,15 @@ extern "C" __global__ void wgmma_n64(const uint4* a, const uint4* b, float* out,
 
 extern "C" __global__ void wgmma_n128(const uint4* a, const uint4* b, float* out, int tiles, int mode) {
     wgmma_stored<128>(a, b, out, tiles, mode);
+}
+
+// The same of TF32 operands: a tile 32 k of float32 (a row 128 bytes), 4 tiles wgmma m64nNk8.
+extern "C" __global__ void wgmma_tf32_n64(const uint4* a, const uint4* b, float* out, int tiles, int mode) {
+    wgmma_stored<64, true>(a, b, out, tiles, mode);
+}
+
+extern "C" __global__ void wgmma_tf32_n128(const uint4* a, const uint4* b, float* out, int tiles, int mode) {
+    wgmma_stored<128, true>(a, b, out, tiles, mode);
 }
 
 // One wgmma m64n64k16 of operands the threads store as they are given (a's a_bytes, then b's, both 1024-byte
