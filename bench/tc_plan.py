@@ -280,7 +280,8 @@ def hopper_rows(batch, sms):
 
 def hopper_table(batch, sms):
     table, resources = hopper_rows(batch, sms)
-    print("\n## bf16 on Hopper (conv_sm90.cu: stride 1 and 2)\n")
+    print("\n## bf16 on Hopper (conv_sm90.cu: stride 1 and 2; its TF32 tiles the same bytes, tf32's forward and "
+          "backward-data)\n")
     for kernel, r in resources.items():
         if kernel.startswith("conv_sm90_forward<") and kernel.endswith("false>"):
             tile = kernel.split("<")[1].split(",")[0]
@@ -293,12 +294,13 @@ def hopper_table(batch, sms):
         else:
             continue
         left = 65536 // resident - 128 * 40
+        k, line, element = (8, 32, "float32 (TF32)") if conv_sm90.precision_of(kernel) == "TF32" else (16, 64, "bf16")
         print(f"- `{kernel}`: {128 * (1 + consumers)} threads (a producer warpgroup, {consumers} consumer "
-              f"warpgroup{'s' if consumers > 1 else ''} of 64 rows: m64n{columns}k16 wgmma), {r.registers} registers a "
+              f"warpgroup{'s' if consumers > 1 else ''} of 64 rows: m64n{columns}k{k} wgmma), {r.registers} registers a "
               f"thread at launch (setmaxnreg: 40 the producer's, {left // (128 * consumers) // 8 * 8} the consumers'), "
-              f"{stages} stages of {rows}x64 + {columns}x64 bf16, {(r.shared_bytes + shared) / 1024:.1f} KB of shared "
-              f"memory: {resident} block{'s' if resident > 1 else ''} ({resident * consumers} warpgroups of wgmma in "
-              f"flight) an SM; spills {r.spill_stores} bytes")
+              f"{stages} stages of {rows}x{line} + {columns}x{line} {element}, "
+              f"{(r.shared_bytes + shared) / 1024:.1f} KB of shared memory: {resident} block{'s' if resident > 1 else ''} "
+              f"({resident * consumers} warpgroups of wgmma in flight) an SM; spills {r.spill_stores} bytes")
     print(f"\n| layer (batch {batch}) | n | GEMM | kernel | pixel box (images x rows x columns) | tiles | grid | "
           f"split-K parts | waves on {sms} SMs (tiles a block, persistent) | pixels computed / pixels | "
           f"FLOPs per L2 byte |")
