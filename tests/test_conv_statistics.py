@@ -160,6 +160,20 @@ BACKWARD_SHAPES = SHAPES[:3] + [
 WINDOWS = BACKWARD_SHAPES[-1]   # TF32's halo variants alone (tf32_skips; BF16 has no such kernel)
 
 
+def channels_last(a):
+    """An NCHW view of a's NHWC copy."""
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
+def norm_inputs(g, shape):
+    """A batch norm's output y (a relu's: half zeros) and input x_norm (mean 2), channels-last in the precision's
+    storage, and its mean and invstd, drawn from g."""
+    storage = kernels.storage_dtype()
+    y = channels_last(np.maximum(g.standard_normal(shape), 0).astype(np.float32)).astype(storage)
+    x_norm = channels_last((g.standard_normal(shape) + 2).astype(np.float32)).astype(storage)
+    return y, x_norm, g.standard_normal(shape[1]).astype(np.float32), g.uniform(0.5, 2, shape[1]).astype(np.float32)
+
+
 def backward_with_sums(order, dy, x, w, norm, stride, padding, out, add, add_order="C"):
     """The backward with the norm's sums and without, each adding dx to a copy of `add` (None: no add) in
     `add_order` (numpy's: "C", an NCHW gradient, added by a launch of its own; "K", channels-last as `add` is,
@@ -238,11 +252,7 @@ def check_backward_sums(name, precision, x_shape, w_shape, stride, padding, add,
         x, w, _, _ = draw(x_shape, w_shape)
         g = rng()
         storage = kernels.storage_dtype()
-        channels_last = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)  # noqa: E731
-        y = channels_last(np.maximum(g.standard_normal(x_shape), 0).astype(np.float32)).astype(storage)
-        x_norm = channels_last((g.standard_normal(x_shape) + 2).astype(np.float32)).astype(storage)
-        mean = g.standard_normal(x_shape[1]).astype(np.float32)
-        invstd = g.uniform(0.5, 2, x_shape[1]).astype(np.float32)
+        y, x_norm, mean, invstd = norm_inputs(g, x_shape)
         affine, handed_y = (None, None), y
         if relu:   # y as the forward made it; the convolution is handed NaN
             affine = tuple(g.standard_normal(x_shape[1]).astype(np.float32) for _ in range(2))
@@ -339,11 +349,7 @@ def test_batch_norm_sums_from_the_pools_backward(precision, shape):
     g = rng()
     with kernels.use_precision(precision):
         storage = kernels.storage_dtype()
-        channels_last = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)  # noqa: E731
-        y = channels_last(np.maximum(g.standard_normal(shape), 0).astype(np.float32)).astype(storage)
-        x_norm = channels_last((g.standard_normal(shape) + 2).astype(np.float32)).astype(storage)
-        mean = g.standard_normal(shape[1]).astype(np.float32)
-        invstd = g.uniform(0.5, 2, shape[1]).astype(np.float32)
+        y, x_norm, mean, invstd = norm_inputs(g, shape)
         dy = g.standard_normal(shape[:2]).astype(np.float32)
         runs = []
         for order in ("ascending", "descending"):
@@ -379,8 +385,7 @@ def test_a_relu_alones_mask_is_recomputed_from_x(precision, shape, layout):
     with kernels.use_precision(precision):
         be = kernels._device_backend("emu")
         storage = kernels.storage_dtype()
-        arrange = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)) \
-            if layout == "channels-last" else np.ascontiguousarray
+        arrange = channels_last if layout == "channels-last" else np.ascontiguousarray
         x, dy = (arrange(g.standard_normal(shape).astype(np.float32)).astype(storage) for _ in range(2))
         gamma = g.standard_normal(shape[1]).astype(np.float32)
         beta, mean = (0.1 * g.standard_normal(shape[1]).astype(np.float32) for _ in range(2))   # half pass, or so
