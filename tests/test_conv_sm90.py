@@ -179,6 +179,30 @@ def test_tf32_forward_and_backward_data_against_float64(emu, x_shape, w_shape, p
     check_tf32(emu, x_shape, w_shape, padding, stride, add=x_shape == ODD[0][0])
 
 
+@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
+@pytest.mark.parametrize("x_shape, w_shape, padding, stride", [((2, 64, 6, 6), (64, 64, 3, 3), 1, 1),
+                                                               ((3, 64, 7, 9), (128, 64, 3, 3), 1, 2)])
+def test_the_tf32_forward_applies_a_batch_norm_as_x_lands(emu, x_shape, w_shape, padding, stride):
+    """fold = (gamma, beta, mean, invstd): the convolution of relu(x * scale + shift) (scale = gamma invstd, shift =
+    beta - mean scale, each rounded to float32 as bn_affine's two fmaf are), rounded to TF32, against test_conv_tc's
+    references of that input; the padding stays 0 (x's maps fill NaN past the image, which the relu makes 0, where
+    relu(shift) would be the norm of a zero), the shifts drawn so that half are positive."""
+    from test_conv_tc import check_products as check_tf32_products
+    g = rng()
+    x = g.standard_normal(x_shape).astype(np.float32)
+    w = kernels.cpu.round_tf32(g.standard_normal(w_shape).astype(np.float32))
+    c = x_shape[1]
+    gamma, beta, mean = (g.standard_normal(c).astype(np.float32) for _ in range(3))
+    invstd = g.uniform(0.5, 2, c).astype(np.float32)
+    scale = gamma * invstd
+    shift = (-mean.astype(np.float64) * scale + beta).astype(np.float32)   # one rounding, as fmaf
+    normed = np.maximum((x.astype(np.float64) * scale[:, None, None] + shift[:, None, None]).astype(np.float32), 0)
+    y = conv_sm90.forward(emu, nhwc(x), nhwc(w), None, geometry(x_shape, w_shape, padding, stride),
+                          fold=(gamma, beta, mean, invstd))
+    check_tf32_products(f"conv_sm90 tf32 {x_shape} * {w_shape} with a norm", (y.transpose(0, 3, 1, 2),), [normed, w],
+                        lambda x, w, _: (R.conv2d_forward(x, w, None, stride, padding),), (np.prod(w_shape[1:]),))
+
+
 def test_the_tf32_forward_rounds_x_as_it_lands():
     """The products are of x rounded to TF32 (to nearest), as conv_tc.cu's: told that x holds TF32 values already
     (x_tf32), the same raw x gives other numbers (the tensor cores truncate what they read)."""
@@ -361,12 +385,13 @@ def test_a_simulated_hopper_runs_tf32s_forward_and_backward_data(monkeypatch):
                         lambda dy, x, w, _: R.conv2d_backward(dy, x, w, 1, 1)[:2], (64 * 9, 2 * 36))
 
 
-def test_a_bf16_step_on_hoppers_kernels_replayed_as_a_graph_equals_eager_steps(monkeypatch):
-    """On one simulated GPU of compute capability 9.0, under bf16 and the sanitizer's memcheck: a network whose
-    stride-1 convolutions of 64 and 128 channels run this family (forward, backward-data, backward-weight; the
-    stride-2 ones and the stem conv_bf16.cu's and conv.cu's), trained for steps whose learning rate changes, eagerly
-    and as a CUDA graph captured once and replayed: the same losses, parameters, momenta and statistics, bit for
-    bit (the tensor maps are kernel arguments the capture keeps, by value)."""
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_a_step_on_hoppers_kernels_replayed_as_a_graph_equals_eager_steps(monkeypatch, precision):
+    """On one simulated GPU of compute capability 9.0, under the sanitizer's memcheck: a network whose convolutions of
+    64 and 128 channels run this family (bf16: forward, backward-data, backward-weight; tf32: forward, the second of
+    a block applying the first's norm as x lands, and backward-data; the stem conv.cu's), trained for steps whose
+    learning rate changes, eagerly and as a CUDA graph captured once and replayed: the same losses, parameters,
+    momenta and statistics, bit for bit (the tensor maps are kernel arguments the capture keeps, by value)."""
     import nn
     from nn.resnet import Residual
     from parallel.comm import SingleProcess
@@ -382,7 +407,7 @@ def test_a_bf16_step_on_hoppers_kernels_replayed_as_a_graph_equals_eager_steps(m
     order = xp.asarray(g.permutation(steps * batch))
     launched = []
     results = []
-    with kernels.use_precision("bf16"):
+    with kernels.use_precision(precision):
         be = kernels._device_backend("cuda")
         for graphed in (False, True):
             nn.manual_seed(5)
@@ -394,13 +419,16 @@ def test_a_bf16_step_on_hoppers_kernels_replayed_as_a_graph_equals_eager_steps(m
             step = GraphedStep(model, opt, ddp, images, labels, batch, warn=pytest.fail) if graphed else \
                 (lambda idx: train_step(model, opt, ddp, images, labels, idx))
             outputs = []
-            with be.observing_launches(lambda family, name: launched.append(family)):
+            with be.observing_launches(lambda family, name: launched.append((family, name))):
                 for i in range(steps):
                     opt.lr = schedule.lr_at(i)
                     outputs.append(tuple(float(host(v)) for v in step(ddp.scatter(order[i * batch:(i + 1) * batch]))))
             state = [host(opt.flat.data), host(opt.velocity)] + [host(b) for _, b in model.named_buffers()]
             results.append((outputs, state, step))
-    assert launched.count("conv_sm90") >= 2 * 3 * 2, "the 64- and 128-channel convolutions ran Hopper's kernels"
+    families = [family for family, _ in launched]
+    assert families.count("conv_sm90") >= 2 * 3 * 2, "the 64- and 128-channel convolutions ran Hopper's kernels"
+    assert not any(name.startswith(("conv_tc_forward", "conv_bf16_forward")) for _, name in launched), \
+        "every forward but the stem's ran Hopper's, those that apply a norm as x lands too"
     assert_same(*results)
 
 
@@ -464,6 +492,9 @@ def test_a_gpus_tensor_map_is_encoded_as_cuda_h_orders_it(monkeypatch):
                               data=SimpleNamespace(ptr=0x7000 + 7 * 64 * 2))
     launch.tensor_map(be, strided, (1, 2, 1, 64))
     assert calls[0][4:6] == ([64, 1, 2, 3], [64 * 2, 2 * 7 * 64 * 2, 5 * 7 * 64 * 2]), calls
+    calls.clear()   # NaN past the tensor: CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA
+    launch.tensor_map(be, device, (2, 4, 4, 64), nan_fill=True)
+    assert calls[0][-1] == 1
     with pytest.raises(ValueError, match="rank 2 to 5"):
         launch.tensor_map(be, SimpleNamespace(dtype=np.dtype(np.int32), ndim=2, shape=(4, 4), strides=(16, 4),
                                               flags=host.flags), (4, 4))

@@ -378,6 +378,24 @@ def test_a_tma_load_of_a_strided_view_brings_its_box(order, rows, columns):
         np.testing.assert_array_equal(got, shared_bytes(view, (1, 4, 4, 64), start, 128))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_a_map_of_nan_fill_brings_nan_past_the_tensor(order, dtype):
+    """nan_fill (CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA): the box's elements past the tensor are NaN, those
+    inside it as they are; the same box without it has zeros there."""
+    array = rng().standard_normal((2, 5, 6, 64 if dtype == bfloat16 else 32)).astype(dtype)
+    box, start = (1, 4, 4, array.shape[3]), (1, 3, -1, 0)
+    out = np.zeros(int(np.prod(box)) * array.dtype.itemsize, np.uint8)
+    coordinates = [np.int32(c) for c in reversed(start)]
+    launch("tma_4d", (1,), (64,), emu.TensorMap(array, box, 128, nan_fill=True), out, np.int32(out.size),
+           np.int32(out.size), *coordinates, shared_mem=out.size)
+    got = np.frombuffer(swizzled(out).tobytes(), array.dtype).reshape(box)   # the swizzle is its own inverse
+    inside = tma_box(np.ones(array.shape, bool), box, start)
+    assert np.isnan(got.astype(np.float32)[~inside]).all() and (~inside).any()
+    np.testing.assert_array_equal(got[inside], tma_box(array, box, start)[inside])
+    with pytest.raises(emu.LaunchError, match="NaN fills elements of float32, float16 or bfloat16 tensors only"):
+        emu.TensorMap(np.zeros((4, 16), np.int32), (4, 16), 0, nan_fill=True)
+
+
 def test_a_dimension_of_one_element_takes_any_stride_numpy_gives_it():
     """NumPy leaves a contiguous array's stride along a dimension of one element arbitrary (here 2 bytes): the map
     takes the stride a dense layout would have, as launch.tensor_map gives the driver."""

@@ -206,6 +206,31 @@ __device__ __forceinline__ float bn_affine(float x, float mean, float invstd, fl
     return fmaf(x, scale, bn_shift(mean, scale, beta));
 }
 
+// relu(v * scale + shift) of a chunk's 4 values (bn_affine, bit for bit batchnorm.cu's bn_apply, but that fmaxf
+// makes a NaN 0 where bn_apply keeps it: the padding a kernel loads as NaN becomes 0), rounded to TF32 as
+// tf32.cuh's tf32_round does (the TF32 convolutions that apply a norm to x as it lands, conv_tc.cu's and
+// conv_sm90.cu's): after fmaxf a value is finite and not negative, or +infinity (0x7f801000 reads as
+// infinity), so that the rounding is its add alone.
+__device__ __forceinline__ float4 bn_relu_tf32(float4 v, const float4& scale, const float4& shift) {
+    const auto one = [](float x, float s, float b) {
+        return __uint_as_float(__float_as_uint(fmaxf(fmaf(x, s, b), 0.0f)) + 0x1000u);
+    };
+    return {one(v.x, scale.x, shift.x), one(v.y, scale.y, shift.y), one(v.z, scale.z, shift.z),
+            one(v.w, scale.w, shift.w)};
+}
+
+// The scale and shift of the 4 channels ci.. of a batch norm (bn_scale, bn_shift).
+__device__ __forceinline__ void bn_coefficients(const float* mean, const float* invstd, const float* gamma,
+                                                const float* beta, int ci, float4& scale, float4& shift) {
+    const float4 m = *reinterpret_cast<const float4*>(mean + ci);
+    const float4 s = *reinterpret_cast<const float4*>(invstd + ci);
+    const float4 gm = *reinterpret_cast<const float4*>(gamma + ci);
+    const float4 bt = *reinterpret_cast<const float4*>(beta + ci);
+    scale = {bn_scale(s.x, gm.x), bn_scale(s.y, gm.y), bn_scale(s.z, gm.z), bn_scale(s.w, gm.w)};
+    shift = {bn_shift(m.x, scale.x, bt.x), bn_shift(m.y, scale.y, bt.y), bn_shift(m.z, scale.z, bt.z),
+             bn_shift(m.w, scale.w, bt.w)};
+}
+
 // ---- the backward's sums where dy is produced ------------------------------------------------------
 //
 // A batch norm with a fused relu or residual join whose output a convolution reads gets its backward's

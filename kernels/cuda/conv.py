@@ -3,7 +3,7 @@ the network's activations are channels-last (NCHW views of NHWC memory): the con
 channel counts the tensor cores take (conv_tc.supports) run the GEMMs of conv_tc.cu (TF32) or
 conv_bf16.cu (BF16); on a GPU of compute capability 9.0, those of stride 1 or 2 whose channel counts are multiples
 of 64 conv_sm90.cu's (BF16: forward, backward-data, and backward-weight where the weights are channels-last; TF32:
-forward where no norm is applied as x loads, backward-data); the others (ResNet-18's stem) conv.cu's FP32
+forward, a norm applied as x loads too, and backward-data); the others (ResNet-18's stem) conv.cu's FP32
 kernels, which read x, dy and w in
 whichever layout they come, write dw in its own and y and dx channels-last alike, so that nothing
 copies. Under bf16 the activations, their gradients and the weights the products read are bfloat16

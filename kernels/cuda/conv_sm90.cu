@@ -262,9 +262,9 @@ struct Sm90Pipeline {
     }
 
     // A consumer warpgroup's `steps` steps into acc, the ring's steps from `first` on (a persistent block's tiles
-    // follow each other through it): mma(stage, first) issues the wgmmas of one (first: the accumulators' first,
-    // which they overwrite), the accumulators fenced around them (wgmma_fence_operands); the last step's stage is
-    // released too, once the wgmmas retired. `releases`: this thread arrives on the empty barriers (init's count
+    // follow each other through it): mma(stage, k) issues the wgmmas of the tile's step k (k 0: the accumulators'
+    // first, which they overwrite), the accumulators fenced around them (wgmma_fence_operands); the last step's stage
+    // is released too, once the wgmmas retired. `releases`: this thread arrives on the empty barriers (init's count
     // says how many do).
     template <int N, class Mma>
     __device__ void consume(float (&acc)[N], int first, int steps, bool releases, Mma mma) const {
@@ -273,7 +273,7 @@ struct Sm90Pipeline {
             mbarrier_wait(&full[stage], step / Tile::STAGES & 1);
             wgmma_fence_operands(acc);
             wgmma_fence();
-            mma(stage, k == 0);
+            mma(stage, k);
             wgmma_commit();
             wgmma_wait<1>();   // the step before retired: its stage is free
             wgmma_fence_operands(acc);
@@ -375,7 +375,9 @@ struct Sm90ForwardTile {
 // x_map0..3: x (N, H, W, C) of the tile's elements by parities (Sm90Tap), box (box_i, box_h, box_w, BK), swizzled;
 // w_map: w (O, KH*KW*C), box (BN, BK), swizzled. TF32: w holds TF32 values (rounded where it was made), and so does x
 // where round_a is 0 (backward-data's dy); else each consumer warpgroup rounds its rows of each stage of A to TF32
-// as it lands (tf32_round, as conv_tc.cu's stages), before the warpgroup's wgmmas read them (fence_proxy_async, the
+// as it lands (tf32_round, as conv_tc.cu's stages), or, where fold_mean is not null, makes them relu(the batch norm
+// of x) so rounded (bn_stats.cuh's bn_relu_tf32, of the norm's mean, invstd, gamma and beta: x's maps then fill NaN
+// past the image, which that makes the padding's 0), before the warpgroup's wgmmas read them (fence_proxy_async, the
 // warpgroup's named barrier). Persistent: the blocks take the tiles as Sm90Tiles says, `boxes` of them a
 // phase and BN filters (the output's largest phase's boxes), their steps following each other through the ring. A
 // tile's step k: tap (r, s), channels c0..c0+63: A is the output box moved by the tap in x (Sm90Taps; K-major: a
@@ -389,7 +391,9 @@ __global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
 conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const float* __restrict__ bias,
                   typename Tile::Element* __restrict__ y, int n, int c, int o, int kh, int kw, int ph, int pw,
                   int stride, int phases, int oh, int ow, int box_w, int box_h, int box_i, int boxes, int round_a,
-                  BN_STATS_PARAMS, BN_SUMS_PARAMS(typename Tile::Element)) {
+                  const float* __restrict__ fold_mean, const float* __restrict__ fold_invstd,
+                  const float* __restrict__ fold_gamma, const float* __restrict__ fold_beta, BN_STATS_PARAMS,
+                  BN_SUMS_PARAMS(typename Tile::Element)) {
     using E = typename Tile::Element;
     extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
     const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
@@ -422,14 +426,23 @@ conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const fl
         if (at.steps == 0)   // no product: the sum of no terms
 #pragma unroll
             for (int i = 0; i < Tile::BN / 2; ++i) acc[i] = 0.0f;
-        pipeline.consume(acc, first, at.steps, t % 128 == 0, [&](int stage, bool first_step) {
-            if (sizeof(E) == 4 && round_a) {   // TF32: the warpgroup's 64 lines of A, 16 bytes a thread at a time
-                uint4* lines = reinterpret_cast<uint4*>(pipeline.a(stage, group));
+        pipeline.consume(acc, first, at.steps, t % 128 == 0, [&](int stage, int step) {
+            if (sizeof(E) == 4 && (round_a || fold_mean)) {   // TF32: the warpgroup's 64 lines of A, 16 bytes at a time
+                float4* lines = reinterpret_cast<float4*>(pipeline.a(stage, group));
+                // a thread's chunks: physical chunk t % 8 of lines t % 128 / 8 + 16 m, its 4 channels chunk j of the
+                // line (the swizzle: j ^ line % 8), the same in each
+                float4 scale, shift;
+                if (fold_mean)
+                    bn_coefficients(fold_mean, fold_invstd, fold_gamma, fold_beta,
+                                    step % chunks * Tile::BK + 4 * ((t % 8) ^ (t % 128 / 8 % 8)), scale, shift);
 #pragma unroll
                 for (int i = t % 128; i < Tile::BLOCK_BYTES / 16; i += 128) {
-                    const uint4 v = lines[i];
-                    lines[i] = make_uint4(tf32_round(__uint_as_float(v.x)), tf32_round(__uint_as_float(v.y)),
-                                          tf32_round(__uint_as_float(v.z)), tf32_round(__uint_as_float(v.w)));
+                    const float4 v = lines[i];
+                    lines[i] = fold_mean ? bn_relu_tf32(v, scale, shift)
+                                         : make_float4(__uint_as_float(tf32_round(v.x)),
+                                                       __uint_as_float(tf32_round(v.y)),
+                                                       __uint_as_float(tf32_round(v.z)),
+                                                       __uint_as_float(tf32_round(v.w)));
                 }
                 fence_proxy_async();
                 named_barrier_sync(2 + group, 128);
@@ -438,7 +451,7 @@ conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const fl
             for (int k = 0; k < Tile::MMAS; ++k)   // 32 bytes along each K-major line a wgmma
                 Sm90Wgmma<E>::template run<Tile::BN>(acc, wgmma_descriptor_sw128(pipeline.a(stage, group) + 32 * k),
                                                      wgmma_descriptor_sw128(pipeline.b(stage) + 32 * k),
-                                                     !first_step || k > 0);
+                                                     step > 0 || k > 0);
         });
         first += at.steps;
         // the epilogue: d[4j + i] is row 16 warp + lane / 4 + 8 (i / 2), column 8 j + 2 (lane % 4) + i % 2
@@ -529,13 +542,13 @@ conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, SM90_X_MAPS, float* __
     const int group = t / 128 - 1, lane = t % 32, warp = t % 128 / 32;
     const bool sums_bias = bias_block && t % 128 < 64;
     float acc[Tile::BN / 2], bias = 0.f;
-    pipeline.consume(acc, 0, steps, bias_block || t % 128 == 0, [&](int stage, bool first_step) {
+    pipeline.consume(acc, 0, steps, bias_block || t % 128 == 0, [&](int stage, int step) {
         const unsigned char* a = pipeline.a(stage, group);
 #pragma unroll
         for (int k = 0; k < Tile::MMAS; ++k)   // k16 a wgmma: 16 lines (pixels), 2048 bytes
             wgmma_bf16<Tile::BN, true>(acc, wgmma_descriptor_sw128(a + 2048 * k, Tile::BLOCK_BYTES),
                                        wgmma_descriptor_sw128(pipeline.b(stage) + 2048 * k, Tile::BLOCK_BYTES),
-                                       !first_step || k > 0);
+                                       step > 0 || k > 0);
         if (sums_bias) {   // channel m = t % 64 of line l: chunk (m / 8) ^ (l % 8) of the line, element m % 8
             const int m = t % 64;
             for (int l = 0; l < Tile::BK; ++l)

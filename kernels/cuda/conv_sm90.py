@@ -64,12 +64,13 @@ def supports(geometry):
     return sh == sw and (sh == 1 or sh == 2 and h >= 2 and w >= 2) and c % BK == 0 and o % 64 == 0
 
 
-def x_maps(be, x, stride, box):
+def x_maps(be, x, stride, box, nan_fill=False):
     """The four tensor maps of x (N, H, W, C) that conv_sm90.cu's Sm90Tap reads, boxes of `box`: those of its pixels
-    of each parity of row a and column b, x[:, a::2, b::2], map 2a + b, at stride 2; x's own, four times, at 1."""
+    of each parity of row a and column b, x[:, a::2, b::2], map 2a + b, at stride 2; x's own, four times, at 1. NaN
+    past the image with nan_fill (a norm applied as x lands, whose relu makes it the padding's 0)."""
     if stride == 1:
-        return (tensor_map(be, x, box),) * 4
-    return tuple(tensor_map(be, x[:, a::2, b::2], box) for a in (0, 1) for b in (0, 1))
+        return (tensor_map(be, x, box, nan_fill=nan_fill),) * 4
+    return tuple(tensor_map(be, x[:, a::2, b::2], box, nan_fill=nan_fill) for a in (0, 1) for b in (0, 1))
 
 
 def chosen(be, geometry):
@@ -192,28 +193,34 @@ def _operands(what, geometry, supported, *arrays):
     return next(iter(dtypes))
 
 
-def forward(be, x, w_krsc, b, geometry, into=None, stats=NO_STATISTICS, sums=NO_SUMS, x_tf32=False):
+def forward(be, x, w_krsc, b, geometry, into=None, stats=NO_STATISTICS, sums=NO_SUMS, x_tf32=False, fold=None):
     """y (N, OH, OW, O) of x's dtype = conv(x (N, H, W, C), w_krsc (O, KH, KW, C)) + b (float32 (O,), or None); added
     to `into` (a C-contiguous (N, OH, OW, O) array of that dtype), in place, rounded once, when given. From the
     epilogue, as the mma.sync kernels': `stats`, the BN_STATS_PARAMS of the batch norm that follows, whose statistics
     of y it computes (conv_tc.statistics_arguments over the plan's tiles), or `sums`, the BN_SUMS_PARAMS of the norm
     whose backward sums of y (after the add) it computes (backward_data); NO_STATISTICS, NO_SUMS: none. float32 (TF32):
-    w_krsc holds TF32 values (conv_tc.tf32_values), and x too where x_tf32, else its stages are rounded as they land."""
+    w_krsc holds TF32 values (conv_tc.tf32_values), and x too where x_tf32, else its stages are rounded as they land;
+    with `fold` = (gamma, beta, mean, invstd) (float32 (C,)), the convolution of relu(the batch norm of x with them),
+    rounded so, applied as x lands (conv_tc.forward's fold, TF32's alone)."""
     n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     dtype = _operands("convolutions of stride 1 or 2", geometry, supports, x, w_krsc)
+    if fold is not None and dtype != np.float32:
+        raise ValueError("conv_sm90: applies a batch norm to x as it lands in TF32 alone (bf16's is applied before)")
     p = plan(geometry, dtype=dtype)
     y = be.xp.empty((n, oh, ow, o), dtype) if into is None else into
-    _launch_forward(be, p, x_maps(be, aligned(x), sh, (*p.box, LINE // dtype.itemsize)),
+    gamma, beta, mean, invstd = (None,) * 4 if fold is None else (aligned(a) for a in fold)
+    _launch_forward(be, p, x_maps(be, aligned(x), sh, (*p.box, LINE // dtype.itemsize), nan_fill=fold is not None),
                     w_krsc.reshape(o, kh * kw * c), b, y, into,
                     (n, c, o, kh, kw, ph, pw, sh, 1, oh, ow, *p.box[::-1], p.boxes,
-                     int(dtype == np.float32 and not x_tf32)), stats, sums)
+                     int(dtype == np.float32 and not x_tf32), mean, invstd, gamma, beta), stats, sums)
     return y
 
 
 def _launch_forward(be, p, maps, w, b, out, into, sizes, stats, sums):
     """conv_sm90_forward of Plan p: A from the four `maps` (x_maps), B from w (the GEMM's columns by its k, C-contiguous,
     of the tile's element type), the bias b, into `out`, added to what it holds where `into` is given; `sizes`: the
-    kernel's (n, c, o, kh, kw, ph, pw, stride, phases, oh, ow, box_w, box_h, box_i, boxes, round_a)."""
+    kernel's (n, c, o, kh, kw, ph, pw, stride, phases, oh, ow, box_w, box_h, box_i, boxes, round_a, and the folded
+    norm's mean, invstd, gamma and beta)."""
     kernel = f"conv_sm90_forward<{p.tile}, {'false' if into is None else 'true'}>"
     w_map = tensor_map(be, aligned(w), (TILES[p.tile][0], LINE // w.dtype.itemsize))
     launch(be, "conv_sm90", kernel, p.grid(be), (*maps, w_map, b, out, *sizes, *stats, *sums), block=(THREADS,),
@@ -237,7 +244,8 @@ def backward_data(be, dy, w_krsc, geometry, into=None, sums=NO_SUMS):
     dx = be.xp.empty((n, h, w, c), dtype) if into is None else into
     _launch_forward(be, p, x_maps(be, aligned(dy), 1, (*p.box, LINE // dtype.itemsize)),
                     mirrored.reshape(c, kh * kw * o), None, dx, into,
-                    (n, o, c, kh, kw, ph, pw, 2, 4, h, w, *p.box[::-1], p.boxes, 0), NO_STATISTICS, sums)
+                    (n, o, c, kh, kw, ph, pw, 2, 4, h, w, *p.box[::-1], p.boxes, 0, *(None,) * 4), NO_STATISTICS,
+                    sums)
     return dx
 
 

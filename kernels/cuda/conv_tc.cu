@@ -159,30 +159,6 @@ struct TcFold {
 #define TC_FOLD \
     { fold_pad, fold_mean, fold_invstd, fold_gamma, fold_beta }
 
-// relu(v * scale + shift) of a chunk's 4 values (bn_stats.cuh's bn_affine, bit for bit batchnorm.cu's
-// bn_apply, but that fmaxf makes a NaN 0 where bn_apply keeps it), rounded to TF32 as tf32_round does:
-// after fmaxf a value is finite and not negative, or +infinity (0x7f801000 reads as infinity), so that the
-// rounding is its add alone.
-__device__ __forceinline__ float4 tc_norm_relu(float4 v, const float4& scale, const float4& shift) {
-    const auto one = [](float x, float s, float b) {
-        return __uint_as_float(__float_as_uint(fmaxf(fmaf(x, s, b), 0.0f)) + 0x1000u);
-    };
-    return {one(v.x, scale.x, shift.x), one(v.y, scale.y, shift.y), one(v.z, scale.z, shift.z),
-            one(v.w, scale.w, shift.w)};
-}
-
-// The scale and shift of the 4 channels ci.. of a batch norm (bn_stats.cuh's bn_scale, bn_shift).
-__device__ __forceinline__ void tc_norm_coefficients(const float* mean, const float* invstd, const float* gamma,
-                                                     const float* beta, int ci, float4& scale, float4& shift) {
-    const float4 m = *reinterpret_cast<const float4*>(mean + ci);
-    const float4 s = *reinterpret_cast<const float4*>(invstd + ci);
-    const float4 gm = *reinterpret_cast<const float4*>(gamma + ci);
-    const float4 bt = *reinterpret_cast<const float4*>(beta + ci);
-    scale = {bn_scale(s.x, gm.x), bn_scale(s.y, gm.y), bn_scale(s.z, gm.z), bn_scale(s.w, gm.w)};
-    shift = {bn_shift(m.x, scale.x, bt.x), bn_shift(m.y, scale.y, bt.y), bn_shift(m.z, scale.z, bt.z),
-             bn_shift(m.w, scale.w, bt.w)};
-}
-
 // The forward's A (K_MAJOR, the 16 k of a stage 16 channels of one tap): a thread's chunks of a stage share
 // their 4 channels, ci.., whose scale and shift it computes as the stage lands.
 struct TcNormRows {
@@ -196,11 +172,11 @@ struct TcNormRows {
     __device__ void land(float* tile) {
         static_assert(K_MAJOR, "the forward's A runs along k");
         float4 scale, shift;
-        tc_norm_coefficients(mean, invstd, gamma, beta, ci, scale, shift);
+        bn_coefficients(mean, invstd, gamma, beta, ci, scale, shift);
 #pragma unroll
         for (int c = 0; c < TcCopy<W, true>::CHUNKS; ++c) {
             float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, true>::offset(c));
-            *chunk = tc_norm_relu(*chunk, scale, shift);
+            *chunk = bn_relu_tf32(*chunk, scale, shift);
         }
         ci += TC_BK;   // the next stage's channels: of this tap, or the first of the next
         if (ci >= channels) ci -= channels;
@@ -231,7 +207,7 @@ struct TcNormColumns {
         for (int c = 0; c < TcCopy<W, false>::CHUNKS; ++c) {
             const int row = TcCopy<W, false>::row(c);
             float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, false>::offset(c));
-            *chunk = tc_norm_relu(*chunk, *reinterpret_cast<const float4*>(table + row),
+            *chunk = bn_relu_tf32(*chunk, *reinterpret_cast<const float4*>(table + row),
                                   *reinterpret_cast<const float4*>(table + BM + row));
         }
     }
@@ -393,10 +369,9 @@ struct HaloNorm {
     __device__ explicit HaloNorm(const TcFold& f)
         : pad(f.pad), mean(f.mean), invstd(f.invstd), gamma(f.gamma), beta(f.beta) {}
     __device__ void channels(int c0) {
-        tc_norm_coefficients(mean, invstd, gamma, beta, c0 + HaloSlot<float>::CHUNK * (int(threadIdx.x) % 4), scale,
-                             shift);
+        bn_coefficients(mean, invstd, gamma, beta, c0 + HaloSlot<float>::CHUNK * (int(threadIdx.x) % 4), scale, shift);
     }
-    __device__ float4 chunk(float4 v) const { return tc_norm_relu(v, scale, shift); }
+    __device__ float4 chunk(float4 v) const { return bn_relu_tf32(v, scale, shift); }
 };
 
 // What a halo kernel makes of its window: HaloNorm with a batch norm applied (NORM), else HaloRound.

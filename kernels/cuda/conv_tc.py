@@ -384,10 +384,10 @@ def forward(be, x, w_krsc, b, geometry, statistics=None, fold=None, w_tf32=False
     holds TF32 values already (see tf32_values)."""
     n, c, h, wd, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
     kind = kind_of(x.dtype)
-    if conv_sm90.chosen(be, geometry) and fold is None:   # Hopper's, the statistics over its tiles' boxes
+    if conv_sm90.chosen(be, geometry):   # Hopper's, the statistics over its tiles' boxes
         p = conv_sm90.plan(geometry, dtype=x.dtype)
         stats, mean, invstd = statistics_arguments(be, statistics, p.boxes, p.filter_tiles, o, n * oh * ow)
-        y = conv_sm90.forward(be, x, tf32_values(be, w_krsc, w_tf32), b, geometry, stats=stats)
+        y = conv_sm90.forward(be, x, tf32_values(be, w_krsc, w_tf32), b, geometry, stats=stats, fold=fold)
         return y if statistics is None else (y, mean, invstd)
     p = plan("forward", geometry, kind, fold=fold is not None)
     x, w_krsc = aligned(x), aligned(tf32_values(be, w_krsc, w_tf32))

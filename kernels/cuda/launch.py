@@ -271,21 +271,23 @@ _SWIZZLES = {0: 0, 128: 3}
 _L2_PROMOTION_128B = 2
 
 
-def tensor_map(be, array, box, swizzle=128):
+def tensor_map(be, array, box, swizzle=128, nan_fill=False):
     """The tensor map of a device array (rank 2 to 5, float32 or bfloat16; C-contiguous, or a view whose innermost
     dimension is dense and whose other strides are positive multiples of 16 bytes) for a kernel's
     `const __grid_constant__ TensorMap` parameter (sm90.cuh): TMA copies boxes of `box` elements (in the array's
     axis order, outermost first) at a time, `swizzle` 128 (bytes: 16-byte chunk j of each 128-byte row at
-    j ^ (row % 8)) or 0. On a GPU, the 128 bytes that the driver's cuTensorMapEncodeTiled writes, as a NumPy
+    j ^ (row % 8)) or 0, the elements past the array zeros, or NaN with `nan_fill` (where a kernel applies a batch
+    norm and relu to what lands: max(NaN * scale + shift, 0) is 0, the padding). On a GPU, the 128 bytes that the
+    driver's cuTensorMapEncodeTiled writes, as a NumPy
     array of one element that CuPy passes by value; on the emulator (and the simulated GPUs), its own record of
     the same map (kernels.emu.TensorMap)."""
     if be.xp is np:
         from kernels import emu
-        return emu.TensorMap(array, box, swizzle)
+        return emu.TensorMap(array, box, swizzle, nan_fill)
     simulated = getattr(be.xp, "tensor_map", None)
     if simulated is not None:
-        return simulated(array, box, swizzle)
-    return _encode_tiled(array, tuple(box), swizzle)
+        return simulated(array, box, swizzle, nan_fill)
+    return _encode_tiled(array, tuple(box), swizzle, nan_fill)
 
 
 @functools.lru_cache(maxsize=None)
@@ -299,7 +301,7 @@ def _cu_tensor_map_encode_tiled():
     return function
 
 
-def _encode_tiled(array, box, swizzle):
+def _encode_tiled(array, box, swizzle, nan_fill):
     from kernels.emu.tensor_map import byte_strides   # (the emulator's map: the same rules for the strides)
     strides = byte_strides(array)
     if array.dtype not in _TENSOR_MAP_TYPES or not 2 <= array.ndim <= 5 or len(box) != array.ndim or \
@@ -321,7 +323,7 @@ def _encode_tiled(array, box, swizzle):
     encoded = buffer[start:start + 128]
     status = _cu_tensor_map_encode_tiled()(encoded.ctypes.data, _TENSOR_MAP_TYPES[array.dtype], rank,
                                            array.data.ptr, dims, strides, boxes, element_strides, 0,
-                                           _SWIZZLES[swizzle], _L2_PROMOTION_128B, 0)
+                                           _SWIZZLES[swizzle], _L2_PROMOTION_128B, int(nan_fill))
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled refused the map of a {array.dtype} array of shape "
                            f"{array.shape} with box {box} and swizzle {swizzle}: CUresult {status}")

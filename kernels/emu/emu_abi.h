@@ -77,7 +77,8 @@ constexpr std::size_t kEmuDynamicSharedAlign = 1024;
 struct EmuTensorMap {
     std::uint64_t magic;           // kEmuTensorMapMagic
     std::uint64_t address;         // the launch's (guarded) copy of the tensor
-    std::uint32_t rank, element_bytes, swizzle, reserved;   // rank 1..5; swizzle 0 or 128 (bytes)
+    std::uint32_t rank, element_bytes, swizzle, nan_fill;   // rank 1..5; swizzle 0 or 128 (bytes); nan_fill: the
+                                                            // elements past the tensor NaN (float types), else 0
     std::uint64_t dims[5];         // elements
     std::uint64_t strides[5];      // bytes; strides[0] is the element's size
     std::uint16_t box[5];          // elements, 1..256

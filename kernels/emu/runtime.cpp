@@ -2654,8 +2654,16 @@ extern "C" void emu_tma_load(void* dst, const void* map, void* bar, int rank, co
         fail_in_fiber(format("%s at %s:%d: the tensor map's tensor (%llu bytes at 0x%llx) is not memory of this "
                              "launch", what.c_str(), file, line, static_cast<unsigned long long>(reach),
                              static_cast<unsigned long long>(m.address)));
-    // the box read, zeros outside the tensor (innermost first, the innermost fastest)
+    // the box read, zeros outside the tensor (NaN: a map of nan_fill, CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA;
+    // innermost first, the innermost fastest)
     h.box.assign(box_bytes, 0);
+    if (m.nan_fill) {
+        const std::uint32_t nan32 = 0x7fffffffu;
+        const std::uint16_t nan16 = 0x7fffu;
+        for (std::size_t e = 0; e < box_bytes; e += m.element_bytes)
+            std::memcpy(h.box.data() + e, m.element_bytes == 4 ? static_cast<const void*>(&nan32) : &nan16,
+                        m.element_bytes);
+    }
     const std::size_t esize = m.element_bytes, inner = m.box[0], rows = box_bytes / (inner * esize);
     for (std::size_t row = 0; row < rows; ++row) {
         std::size_t rest = row;

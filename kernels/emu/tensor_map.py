@@ -1,15 +1,17 @@
 """emu.TensorMap: a tensor map (CUDA's CUtensorMap, what cuTensorMapEncodeTiled makes on the host) for the
 kernels of kernels/cuda/sm90.cuh on the emulator.
 
-``TensorMap(array, box, swizzle=128)`` describes a tiled view of ``array`` (a NumPy array of rank 1 to 5, the
-tensor in global memory, its innermost dimension dense: C-contiguous, or a view such as every other row and column
-of an image, conv_sm90's strided convolutions) whose TMA loads bring ``box`` (in NumPy's axis order, outermost
-first) into shared memory, 128-byte swizzled or not (``swizzle`` 128 or 0). The map's dimensions are the array's
-shape reversed (innermost first, CUDA's order), its strides the array's, in bytes. It refuses what cuTensorMapEncodeTiled refuses
-(CUDA_ERROR_INVALID_VALUE), each with its reason: a rank outside 1..5, box dimensions outside 1..256, an innermost
-box of bytes not a multiple of 16 (or, with the 128-byte swizzle, more than 128), strides not multiples of 16 bytes
-(or not below 2**40), dimensions above 2**32, an address not 16-byte aligned; and what the emulator does not
-model (the 32- and 64-byte swizzles, interleaved layouts, element strides).
+``TensorMap(array, box, swizzle=128, nan_fill=False)`` describes a tiled view of ``array`` (a NumPy array of rank 1
+to 5, the tensor in global memory, its innermost dimension dense: C-contiguous, or a view such as every other row and
+column of an image, conv_sm90's strided convolutions) whose TMA loads bring ``box`` (in NumPy's axis order, outermost
+first) into shared memory, 128-byte swizzled or not (``swizzle`` 128 or 0), the elements past the tensor zeros, or NaN
+with ``nan_fill`` (a float tensor's: CUDA's CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA). The map's dimensions
+are the array's shape reversed (innermost first, CUDA's order), its strides the array's, in bytes. It refuses what
+cuTensorMapEncodeTiled refuses (CUDA_ERROR_INVALID_VALUE), each with its reason: a rank outside 1..5, box dimensions
+outside 1..256, an innermost box of bytes not a multiple of 16 (or, with the 128-byte swizzle, more than 128),
+strides not multiples of 16 bytes (or not below 2**40), dimensions above 2**32, an address not 16-byte aligned, a NaN
+fill of a tensor that is not of floats; and what the emulator does not model (the 32- and 64-byte swizzles,
+interleaved layouts, element strides).
 
 Passed as the argument of a kernel's ``const __grid_constant__ TensorMap`` parameter (a 128-byte struct by value),
 the launch copies ``array`` (the bytes it spans) as it copies a read-only array argument (guarded by canaries; a
@@ -26,7 +28,7 @@ MAX_RANK = 5
 MAX_BOX = 256
 SWIZZLES = (0, 128)
 MAGIC = 0x3170614D54756D45   # "EmuTMap1" (emu_abi.h's kEmuTensorMapMagic)
-# magic, address, rank, element bytes, swizzle, reserved, dims[5], strides[5], box[5], padding
+# magic, address, rank, element bytes, swizzle, NaN fill, dims[5], strides[5], box[5], padding
 _RECORD = struct.Struct("<QQIIII5Q5Q5H6x")
 assert _RECORD.size == 128
 
@@ -55,7 +57,7 @@ class TensorMap:
     """A tensor map of ``array`` whose TMA loads bring ``box`` (NumPy axis order) into shared memory, swizzled by
     ``swizzle`` bytes (128, or 0 for none): see the module's docstring."""
 
-    def __init__(self, array, box, swizzle=128):
+    def __init__(self, array, box, swizzle=128, nan_fill=False):
         if not isinstance(array, np.ndarray):
             raise LaunchError(f"emu.TensorMap: the tensor must be a NumPy array, not {type(array).__name__}")
         if not 1 <= array.ndim <= MAX_RANK:
@@ -100,7 +102,10 @@ class TensorMap:
         if address % 16:
             raise LaunchError(f"emu.TensorMap: the array's address is not a multiple of 16 bytes (it is "
                               f"{address % 16} past one)")
-        self.array, self.box, self.swizzle = array, box, swizzle
+        if nan_fill and array.dtype.name not in ("float32", "float16", "bfloat16"):
+            raise LaunchError(f"emu.TensorMap: nan_fill for {array.dtype}: NaN fills elements of float32, float16 or "
+                              "bfloat16 tensors only")
+        self.array, self.box, self.swizzle, self.nan_fill = array, box, swizzle, bool(nan_fill)
 
     @property
     def dims(self):
@@ -121,7 +126,7 @@ class TensorMap:
         dims = self.dims + (1,) * (MAX_RANK - rank)
         strides = tuple(reversed(byte_strides(self.array))) + pad
         box = tuple(reversed(self.box)) + (1,) * (MAX_RANK - rank)
-        return _RECORD.pack(MAGIC, address, rank, itemsize, self.swizzle, 0, *dims, *strides, *box)
+        return _RECORD.pack(MAGIC, address, rank, itemsize, self.swizzle, int(self.nan_fill), *dims, *strides, *box)
 
     def __repr__(self):
         return (f"emu.TensorMap(array of shape {self.array.shape} {self.array.dtype}, box={self.box}, "

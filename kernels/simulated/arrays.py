@@ -494,20 +494,21 @@ class TensorMap(emu.TensorMap):
     """A tensor map of a device array (``tensor_map``): the emulator's, made on the array's memory, and the
     device array it describes, which a kernel that takes the map reads."""
 
-    def __init__(self, array, box, swizzle=128):
+    def __init__(self, array, box, swizzle=128, nan_fill=False):
         if not isinstance(array, ndarray):
             raise _host_error("tensor_map", array)
-        super().__init__(array._array, box, swizzle)
+        super().__init__(array._array, box, swizzle, nan_fill)
         self.device_array = array
 
 
-def tensor_map(array, box, swizzle=128):
+def tensor_map(array, box, swizzle=128, nan_fill=False):
     """The tensor map (sm90.cuh's TensorMap, what cuTensorMapEncodeTiled makes on a GPU) of a device array of the
     current device whose TMA loads bring ``box`` (NumPy's axis order) into shared memory, 128-byte swizzled or not
-    (``swizzle`` 0): the argument of a kernel's ``const __grid_constant__ TensorMap`` parameter, which reads the
+    (``swizzle`` 0), the elements past the array NaN with ``nan_fill`` (else zeros): the argument of a kernel's
+    ``const __grid_constant__ TensorMap`` parameter, which reads the
     array (kernels/emu's ``TensorMap``; not CuPy's: a launcher on a GPU encodes the map through the driver)."""
     _operand("tensor_map", array)
-    return TensorMap(array, box, swizzle)
+    return TensorMap(array, box, swizzle, nan_fill)
 
 
 class RawModule:
