@@ -38,7 +38,6 @@ the slowest kernels). It needs a GPU: the simulated ones have no profiler to sta
 """
 import argparse
 import collections
-import contextlib
 import csv
 import functools
 import json
@@ -47,11 +46,12 @@ import re
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import kernels
 from bench import layers, report, timing, train_times
-from kernels.cuda import conv_sm90
 from bench.op_times import load_torch, precision
+from kernels.cuda import conv_sm90
 
 CONVOLUTION, ELEMENTWISE, OTHER = "convolution", "batch norm and elementwise", "other"
 KINDS = (CONVOLUTION, ELEMENTWISE, OTHER)
@@ -201,20 +201,6 @@ def totals(rows):
 
 # ---- the runs --------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def environ(variables):
-    """os.environ with `variables` set, as it was after."""
-    before = {key: os.environ.get(key) for key in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
 
 def measure(name, config, torch, data, trace, seconds):
     """One run: its step time, precision and kernels (a dict for the JSON)."""
@@ -226,7 +212,7 @@ def measure(name, config, torch, data, trace, seconds):
         if environment and not conv_sm90.available(kernels._device_backend("cuda")):
             return {"not_run": "KERNELS_HOPPER=0 changes nothing on a GPU whose compute capability is not 9.0"}
         sync = kernels.cupy_module().cuda.Device().synchronize
-        with kernels.use_precision(chosen), environ(environment):
+        with kernels.use_precision(chosen), mock.patch.dict(os.environ, environment):
             step = train_times.ours_step(config, *data)
             timed = train_times.time_steps(step, timing.clock("ours", config["device"]), config, seconds)
             rows = profiled(torch, step, steps, sync, "CUDA", trace) if recorded["ours"] == "cuda" else \

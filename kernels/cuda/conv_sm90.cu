@@ -81,6 +81,8 @@ struct Sm90x128 : Sm90Tile<2, 128, 4> {};      // the forward's: 128 KB of ring
 struct Sm90x64 : Sm90Tile<2, 64, 6> {};        // 144 KB
 struct Sm90Tf32x128 : Sm90Tile<2, 128, 4, 1, float> {};   // TF32's: the same bytes, half the k a stage
 struct Sm90Tf32x64 : Sm90Tile<2, 64, 6, 1, float> {};
+struct Sm90Wgrad128 : Sm90Tile<2, 128, 4> {};  // backward-weight's, 128 output channels by 128 input channels
+struct Sm90Wgrad64 : Sm90Tile<1, 64, 6, 2> {}; // 64 by 64 (100 KB: 2 blocks an SM)
 
 // A wgmma of a tile's element type: wgmma_bf16, or wgmma_tf32 for float.
 template <class E>
@@ -97,8 +99,6 @@ struct Sm90Wgmma<float> {
         wgmma_tf32<N>(d, a, b, accumulate);
     }
 };
-struct Sm90Wgrad128 : Sm90Tile<2, 128, 4> {};  // backward-weight's, 128 output channels by 128 input channels
-struct Sm90Wgrad64 : Sm90Tile<1, 64, 6, 2> {}; // 64 by 64 (97 KB: 2 blocks an SM)
 
 // The output pixels of a forward tile: the GEMM's rows are the pixels (i, u, v) of an (N, P, Q) grid, pixel (i, S u +
 // a, S v + b) of the (N, H, W) output: the forward's y (S 1, P x Q = H x W; `phase` 0), or, in backward-data of a

@@ -1312,16 +1312,22 @@ void join_block_clocks() {
     for (int t = 0; t < g.threads; ++t) std::copy(all.begin(), all.end(), clock_of(t));
 }
 
-void join_warp_clocks(int wi, unsigned lanes) {
+// Some threads ordered among themselves (a __syncwarp()'s lanes, a named barrier's threads): each releases what it
+// did before, and gets what all released and acquired.
+void join_thread_clocks(const std::vector<int>& threads) {
     const std::uint32_t now = tick();
     std::vector<std::uint32_t> all(std::size_t(g_clock_slots), 0u);
-    for (unsigned rest = lanes; rest; rest &= rest - 1) {
-        const int t = wi * 32 + __builtin_ctz(rest);
+    for (const int t : threads) {
         clock_of(t)[t] = now;
+        join_clock(all.data(), clock_of(t));
     }
-    for (unsigned rest = lanes; rest; rest &= rest - 1) join_clock(all.data(), clock_of(wi * 32 + __builtin_ctz(rest)));
-    for (unsigned rest = lanes; rest; rest &= rest - 1)
-        std::copy(all.begin(), all.end(), clock_of(wi * 32 + __builtin_ctz(rest)));
+    for (const int t : threads) std::copy(all.begin(), all.end(), clock_of(t));
+}
+
+void join_warp_clocks(int wi, unsigned lanes) {
+    std::vector<int> threads;
+    for (unsigned rest = lanes; rest; rest &= rest - 1) threads.push_back(wi * 32 + __builtin_ctz(rest));
+    join_thread_clocks(threads);
 }
 
 // ---- messages
@@ -2299,24 +2305,15 @@ void release_named(int id) {
                                  "returned waits at a named barrier together (bar.sync is .aligned)", id, b.file, b.line,
                                  b.expected, lane_list(waiting).c_str(), wi, lane_list(live & ~waiting).c_str()));
     }
-    int participants = 0;
-    std::vector<std::uint32_t> all(std::size_t(g_clock_slots), 0u);
-    const std::uint32_t now = g_clocks ? tick() : 0;
+    std::vector<int> participants;
     for (int t = 0; t < g.threads; ++t)
-        if (at(t)) {
-            ++participants;
-            if (g_clocks) {
-                clock_of(t)[t] = now;
-                join_clock(all.data(), clock_of(t));
-            }
-        }
-    for (int t = 0; t < g.threads; ++t)
-        if (at(t)) {
-            if (g_clocks) std::copy(all.begin(), all.end(), clock_of(t));
-            g.state[std::size_t(t)] = RUNNABLE;
-            g.barrier_result[std::size_t(t)] = b.any;
-        }
-    if (participants == g.live) {
+        if (at(t)) participants.push_back(t);
+    if (g_clocks) join_thread_clocks(participants);
+    for (const int t : participants) {
+        g.state[std::size_t(t)] = RUNNABLE;
+        g.barrier_result[std::size_t(t)] = b.any;
+    }
+    if (int(participants.size()) == g.live) {
         g.phase = ++g_phase;
         for (Warp& w : g.warps) w.syncs.clear();
     }

@@ -195,6 +195,19 @@ extern "C" __global__ void tma_4d(const __grid_constant__ TensorMap map, unsigne
     tma_box(map, out, bytes, extent, c, 4, 1, 0);
 }
 
+// A ring's barriers, by thread 0 then seen by every thread: `full` awaits the producer's one arrival (and its bytes),
+// `empty` the consumers' `releases`.
+__device__ void init_ring(unsigned long long* full, unsigned long long* empty, int stages, unsigned releases) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], releases);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+}
+
 // ---- a pipeline of plain loads ----------------------------------------------------------------------------------
 // x (steps, 64) float: a producer thread (thread 0 of warp 0) loads row `step` into stage step % 3 (full barrier:
 // its bytes; empty: the 64 consumers' arrivals); each consumer (warps 1 and 2) adds its element of every row into
@@ -203,14 +216,7 @@ extern "C" __global__ void pipeline_sum(const __grid_constant__ TensorMap x, flo
     constexpr int STAGES = 3;
     __shared__ unsigned long long full[STAGES], empty[STAGES];
     const int t = threadIdx.x;
-    if (t == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], 64);
-        }
-        fence_barrier_init();
-    }
-    __syncthreads();
+    init_ring(full, empty, STAGES, 64);
     const float* stages = reinterpret_cast<const float*>(sm90_smem);
     if (t < 32) {
         if (t == 0)
@@ -248,14 +254,7 @@ __device__ void gemm_pipeline(const TensorMap& a_map, const TensorMap& b_map, fl
     constexpr int STAGES = 4, A_BYTES = 128 * 64 * 2, STAGE_BYTES = A_BYTES + N * 64 * 2;
     __shared__ unsigned long long full[STAGES], empty[STAGES];
     const int t = threadIdx.x;
-    if (t == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], 2);
-        }
-        fence_barrier_init();
-    }
-    __syncthreads();
+    init_ring(full, empty, STAGES, 2);
     if (t < 128) {
         setmaxnreg_dec<40>();
         if (t == 0)
