@@ -10,6 +10,15 @@
 
 extern __shared__ __align__(1024) unsigned char sm90_smem[];
 
+// The block's 128 threads store a's a_bytes and then b's b_bytes to the dynamic shared memory as they are given (the
+// operands' layouts the caller's), fence them for the async proxy (unless `fenced` is false: planted) and meet.
+__device__ void store_operands(const uint4* a, int a_bytes, const uint4* b, int b_bytes, bool fenced = true) {
+    for (int i = threadIdx.x; i < a_bytes / 16; i += 128) reinterpret_cast<uint4*>(sm90_smem)[i] = a[i];
+    for (int i = threadIdx.x; i < b_bytes / 16; i += 128) reinterpret_cast<uint4*>(sm90_smem + a_bytes)[i] = b[i];
+    if (fenced) fence_proxy_async();
+    __syncthreads();
+}
+
 // ---- wgmma on operands the threads stored ----------------------------------------------------------------
 // One warpgroup. a: `tiles` tiles of 64 rows x 64 k bf16 (32 k float32: TF32), b: of N rows x 64 (32) k, each already
 // in the 128-byte swizzled
@@ -23,10 +32,7 @@ __device__ void wgmma_stored(const uint4* a, const uint4* b, float* out, int til
     const int t = threadIdx.x;
     unsigned char* sa = sm90_smem;
     unsigned char* sb = sm90_smem + tiles * 64 * 128;
-    for (int i = t; i < tiles * 64 * 8; i += 128) reinterpret_cast<uint4*>(sa)[i] = a[i];
-    for (int i = t; i < tiles * N * 8; i += 128) reinterpret_cast<uint4*>(sb)[i] = b[i];
-    if (mode != 5) fence_proxy_async();
-    __syncthreads();
+    store_operands(a, tiles * 64 * 128, b, tiles * N * 128, mode != 5);
     float acc[N / 2];
     if (mode != 3) wgmma_fence();
     for (int tile = 0; tile < tiles; ++tile)
@@ -69,10 +75,7 @@ extern "C" __global__ void wgmma_tf32_n128(const uint4* a, const uint4* b, float
 extern "C" __global__ void wgmma_layout(const uint4* a, const uint4* b, float* out, int a_bytes, int b_bytes, int mode,
                                         int lbo, int sbo) {
     const int t = threadIdx.x;
-    for (int i = t; i < a_bytes / 16; i += 128) reinterpret_cast<uint4*>(sm90_smem)[i] = a[i];
-    for (int i = t; i < b_bytes / 16; i += 128) reinterpret_cast<uint4*>(sm90_smem + a_bytes)[i] = b[i];
-    fence_proxy_async();
-    __syncthreads();
+    store_operands(a, a_bytes, b, b_bytes);
     const unsigned long long layout = (unsigned long long)(lbo >> 4) << 16 | (unsigned long long)(sbo >> 4) << 32 |
                                       (unsigned long long)mode << 62;
     float acc[32];
@@ -89,10 +92,7 @@ extern "C" __global__ void wgmma_layout(const uint4* a, const uint4* b, float* o
 extern "C" __global__ void wgmma_mn_major(const uint4* a, const uint4* b, float* out, int a_bytes, int b_bytes,
                                           int lbo, int sbo) {
     const int t = threadIdx.x;
-    for (int i = t; i < a_bytes / 16; i += 128) reinterpret_cast<uint4*>(sm90_smem)[i] = a[i];
-    for (int i = t; i < b_bytes / 16; i += 128) reinterpret_cast<uint4*>(sm90_smem + a_bytes)[i] = b[i];
-    fence_proxy_async();
-    __syncthreads();
+    store_operands(a, a_bytes, b, b_bytes);
     const unsigned long long layout = (unsigned long long)(lbo >> 4) << 16 | (unsigned long long)(sbo >> 4) << 32 |
                                       1ull << 62;
     float acc[64];
