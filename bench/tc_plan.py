@@ -30,7 +30,10 @@ import re
 import statistics
 import sys
 
+import numpy as np
+
 from bench import layers
+from kernels import bfloat16
 from kernels.cuda import conv_sm90, conv_tc
 from kernels.cuda.ptxas_report import compile_family, report
 
@@ -264,32 +267,33 @@ def hopper_rows(batch, sms):
                         "box": p.box, "grid": (blocks,), "tiles": p.tiles, "blocks": blocks, "waves": p.tiles / sms,
                         "stages": stages, "parts": 1, "padded": p.boxes * p.phases * rows / pixels,
                         "flops_per_byte": 2 * rows * columns / ((rows + columns) * ELEMENT_BYTES["bf16"])})
-        if conv_sm90.supports(geometry(layer)):   # backward-weight takes what the forward does
-            g = geometry(layer)
-            p = conv_sm90.wgrad_plan(g)
-            rows, columns, stages, resident = conv_sm90.WGRAD_TILES[p.tile]
+        for gemm, dtype in (("wgrad", bfloat16), ("wgrad tf32", np.float32)):
+            if not conv_sm90.supports(g):   # backward-weight takes what the forward does
+                continue
+            p = conv_sm90.wgrad_plan(g, dtype)
+            rows, columns, stages, resident, _ = conv_sm90.WGRAD_TILES[p.tile]
             blocks = math.prod(p.grid)
-            out.append({"layer": layer.label, "count": count, "gemm": "wgrad", "kernel": f"conv_sm90_wgrad<{p.tile}>",
+            out.append({"layer": layer.label, "count": count, "gemm": gemm, "kernel": p.kernel,
                         "box": p.box, "grid": p.grid, "tiles": blocks, "blocks": blocks, "waves": blocks / (resident * sms),
                         "stages": stages, "parts": p.parts,
                         "padded": math.prod(-(-size // side) for size, side in zip((g[0], g[11], g[12]), p.box)) *
-                        conv_sm90.WGRAD_PIXELS / (g[0] * g[11] * g[12]),
-                        "flops_per_byte": 2 * rows * columns / ((rows + columns) * ELEMENT_BYTES["bf16"])})
+                        conv_sm90.wgrad_pixels(dtype) / (g[0] * g[11] * g[12]),
+                        "flops_per_byte": 2 * rows * columns / ((rows + columns) * np.dtype(dtype).itemsize)})
     return out, resources
 
 
 def hopper_table(batch, sms):
     table, resources = hopper_rows(batch, sms)
-    print("\n## bf16 on Hopper (conv_sm90.cu: stride 1 and 2; its TF32 tiles the same bytes, tf32's forward and "
-          "backward-data)\n")
+    print("\n## bf16 on Hopper (conv_sm90.cu: stride 1 and 2; its TF32 forward tiles the same bytes; TF32's "
+          "backward-weight's rows below bf16's)\n")
     for kernel, r in resources.items():
         if kernel.startswith("conv_sm90_forward<") and kernel.endswith("false>"):
             tile = kernel.split("<")[1].split(",")[0]
             (columns, stages), rows, consumers, resident = conv_sm90.TILES[tile], conv_sm90.ROWS, 2, 1
-            shared = conv_sm90.dynamic_shared(kernel)
-        elif kernel.startswith("conv_sm90_wgrad<"):
+            shared, copies = conv_sm90.dynamic_shared(kernel), 0
+        elif kernel.startswith("conv_sm90_wgrad"):
             tile = kernel.split("<")[1][:-1]
-            rows, columns, stages, resident = conv_sm90.WGRAD_TILES[tile]
+            rows, columns, stages, resident, copies = conv_sm90.WGRAD_TILES[tile]
             consumers, shared = rows // 64, conv_sm90.dynamic_shared(kernel)
         else:
             continue
@@ -299,6 +303,7 @@ def hopper_table(batch, sms):
               f"warpgroup{'s' if consumers > 1 else ''} of 64 rows: m64n{columns}k{k} wgmma), {r.registers} registers a "
               f"thread at launch (setmaxnreg: 40 the producer's, {left // (128 * consumers) // 8 * 8} the consumers'), "
               f"{stages} stages of {rows}x{line} + {columns}x{line} {element}, "
+              f"{f'{copies} copies of a stage transposed, ' if copies else ''}"
               f"{(r.shared_bytes + shared) / 1024:.1f} KB of shared memory: {resident} block{'s' if resident > 1 else ''} "
               f"({resident * consumers} warpgroups of wgmma in flight) an SM; spills {r.spill_stores} bytes")
     print(f"\n| layer (batch {batch}) | n | GEMM | kernel | pixel box (images x rows x columns) | tiles | grid | "

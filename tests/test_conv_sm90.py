@@ -179,28 +179,95 @@ def test_tf32_forward_and_backward_data_against_float64(emu, x_shape, w_shape, p
     check_tf32(emu, x_shape, w_shape, padding, stride, add=x_shape == ODD[0][0])
 
 
-@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
-@pytest.mark.parametrize("x_shape, w_shape, padding, stride", [((2, 64, 6, 6), (64, 64, 3, 3), 1, 1),
-                                                               ((3, 64, 7, 9), (128, 64, 3, 3), 1, 2)])
-def test_the_tf32_forward_applies_a_batch_norm_as_x_lands(emu, x_shape, w_shape, padding, stride):
-    """fold = (gamma, beta, mean, invstd): the convolution of relu(x * scale + shift) (scale = gamma invstd, shift =
-    beta - mean scale, each rounded to float32 as bn_affine's two fmaf are), rounded to TF32, against test_conv_tc's
-    references of that input; the padding stays 0 (x's maps fill NaN past the image, which the relu makes 0, where
-    relu(shift) would be the norm of a zero), the shifts drawn so that half are positive."""
-    from test_conv_tc import check_products as check_tf32_products
-    g = rng()
-    x = g.standard_normal(x_shape).astype(np.float32)
-    w = kernels.cpu.round_tf32(g.standard_normal(w_shape).astype(np.float32))
-    c = x_shape[1]
+def folded_norm(g, x):
+    """A batch norm of x's channels drawn from g, as `fold` = (gamma, beta, mean, invstd) takes it, and relu(x * scale
+    + shift) (scale = gamma invstd, shift = beta - mean scale, each rounded to float32 as bn_affine's two fmaf are),
+    the input a convolution that applies it as x lands multiplies (rounded to TF32); the shifts drawn so that half are
+    positive, where relu(shift) would be the norm of the padding's zero."""
+    c = x.shape[1]
     gamma, beta, mean = (g.standard_normal(c).astype(np.float32) for _ in range(3))
     invstd = g.uniform(0.5, 2, c).astype(np.float32)
     scale = gamma * invstd
     shift = (-mean.astype(np.float64) * scale + beta).astype(np.float32)   # one rounding, as fmaf
     normed = np.maximum((x.astype(np.float64) * scale[:, None, None] + shift[:, None, None]).astype(np.float32), 0)
-    y = conv_sm90.forward(emu, nhwc(x), nhwc(w), None, geometry(x_shape, w_shape, padding, stride),
-                          fold=(gamma, beta, mean, invstd))
+    return (gamma, beta, mean, invstd), normed
+
+
+@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
+@pytest.mark.parametrize("x_shape, w_shape, padding, stride", [((2, 64, 6, 6), (64, 64, 3, 3), 1, 1),
+                                                               ((3, 64, 7, 9), (128, 64, 3, 3), 1, 2)])
+def test_the_tf32_forward_applies_a_batch_norm_as_x_lands(emu, x_shape, w_shape, padding, stride):
+    """fold: the convolution of relu(the norm of x) (folded_norm), rounded to TF32, against test_conv_tc's references
+    of that input; the padding stays 0 (x's maps fill NaN past the image, which the relu makes 0)."""
+    from test_conv_tc import check_products as check_tf32_products
+    g = rng()
+    x = g.standard_normal(x_shape).astype(np.float32)
+    w = kernels.cpu.round_tf32(g.standard_normal(w_shape).astype(np.float32))
+    fold, normed = folded_norm(g, x)
+    y = conv_sm90.forward(emu, nhwc(x), nhwc(w), None, geometry(x_shape, w_shape, padding, stride), fold=fold)
     check_tf32_products(f"conv_sm90 tf32 {x_shape} * {w_shape} with a norm", (y.transpose(0, 3, 1, 2),), [normed, w],
                         lambda x, w, _: (R.conv2d_forward(x, w, None, stride, padding),), (np.prod(w_shape[1:]),))
+
+
+def check_tf32_backward_weight(be, x_shape, w_shape, padding, stride=1, bias=True, fold=False):
+    """TF32's backward-weight (conv_sm90_wgrad_tf32: its stages transposed as they land): dw against test_conv_tc's
+    float64 references of the TF32-rounded and of the raw inputs, dy and x raw (the kernel rounds both), or x the input
+    of a batch norm applied as it lands (fold, folded_norm); the bias gradient the sum of dy as given (float32's
+    rounding of the sum alone); every element written (the outputs start as NaN)."""
+    from test_conv_tc import check_products as check_tf32_products
+    put, get = on(be)
+    g = geometry(x_shape, w_shape, padding, stride)
+    draw32 = rng()
+    x, dy = (draw32.standard_normal(shape).astype(np.float32) for shape in (x_shape, (x_shape[0], w_shape[0], g[11],
+                                                                                      g[12])))
+    norm, normed = folded_norm(draw32, x) if fold else (None, x)
+    o, c, kh, kw = w_shape
+    dw = put(np.full((o, kh, kw, c), np.nan, np.float32))
+    db = put(np.full(o, np.nan, np.float32)) if bias else None
+    conv_sm90.backward_weight(be, put(nhwc(dy)), put(nhwc(x)), g, dw, db,
+                              None if norm is None else tuple(put(a) for a in norm))
+    name = f"conv_sm90 tf32 backward-weight {x_shape} * {w_shape} padding {padding} stride {stride}" + \
+        " with a norm" * fold
+    pixels = x_shape[0] * g[11] * g[12]
+    check_tf32_products(name, (get(dw).transpose(0, 3, 1, 2),), [dy, normed],
+                        lambda dy, x, _: (R.conv2d_backward(dy, x, np.zeros(w_shape), stride, padding)[1],), (pixels,))
+    if bias:
+        check_products(name + " bias", (get(db),), [dy], lambda dy, _: (dy.sum(axis=(0, 2, 3)),), (pixels,), (False,))
+
+
+@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
+@pytest.mark.parametrize("x_shape, w_shape, padding, stride", [RESNET_LAYERS[0] + (1,), RESNET_LAYERS[1] + (1,),
+                                                               ODD[0] + (1,), ODD[2] + (1,), STRIDED[0] + (2,),
+                                                               STRIDED[2] + (2,)])
+def test_tf32_backward_weight_against_float64(emu, x_shape, w_shape, padding, stride):
+    """Both tiles (64 x 64, 128 x 128), boxes past the images, a 1x1 filter, stride 2 (x's parity maps)."""
+    check_tf32_backward_weight(emu, x_shape, w_shape, padding, stride, bias=x_shape != ODD[2][0])
+
+
+@pytest.mark.parametrize("emu", ["ascending", "descending"], indirect=True)
+@pytest.mark.parametrize("x_shape, w_shape, padding, stride", [((2, 64, 6, 6), (64, 64, 3, 3), 1, 1),
+                                                               ((3, 64, 7, 9), (128, 64, 3, 3), 1, 2)])
+def test_tf32_backward_weight_applies_a_batch_norm_as_x_lands(emu, x_shape, w_shape, padding, stride):
+    """fold: dw of relu(the norm of x) (folded_norm), the padding 0 (NaN filled, made 0 by the relu)."""
+    check_tf32_backward_weight(emu, x_shape, w_shape, padding, stride, fold=True)
+
+
+def test_tf32_backward_weight_rounds_both_operands_as_they_land():
+    """The products are of dy and x rounded to TF32 (to nearest): the same dw whether dy and x hold TF32 values
+    already or are rounded as they land, bit for bit; dy truncated (its low 13 bits cleared) gives other numbers."""
+    be = kernels._device_backend("emu")
+    x_shape, w_shape, padding = ODD[0]
+    g = geometry(x_shape, w_shape, padding)
+    draw32 = rng()
+    x, dy = (nhwc(draw32.standard_normal(shape).astype(np.float32)) for shape in (x_shape, (3, 64, 5, 9)))
+    results = []
+    for dy_, x_ in ((dy, x), (kernels.cpu.round_tf32(dy), kernels.cpu.round_tf32(x)),
+                    ((dy.view(np.uint32) & np.uint32(0xffffe000)).view(np.float32), x)):
+        dw = np.full((64, 3, 3, 64), np.nan, np.float32)
+        conv_sm90.backward_weight(be, dy_, x_, g, dw, None)
+        results.append(dw)
+    assert np.array_equal(results[0], results[1])
+    assert not np.array_equal(results[0], results[2])
 
 
 def test_the_tf32_forward_rounds_x_as_it_lands():
@@ -360,11 +427,11 @@ def test_a_simulated_hopper_runs_the_family_and_an_ampere_does_not(monkeypatch):
                            atol=1e-5), capability
 
 
-def test_a_simulated_hopper_runs_tf32s_forward_and_backward_data(monkeypatch):
-    """Under tf32 on a simulated GPU of compute capability 9.0: conv2d_forward of a 64-channel convolution and its
-    backward-data through this family in TF32 (the weights and dy rounded to TF32 values first, as conv_tc.cu's GEMMs
-    read them), backward-weight through conv_tc.cu's (wgmma transposes no TF32 operand); the numbers test_conv_tc's
-    references."""
+def test_a_simulated_hopper_runs_tf32s_convolutions(monkeypatch):
+    """Under tf32 on a simulated GPU of compute capability 9.0: conv2d_forward of a 64-channel convolution, its
+    backward-data (the weights and dy rounded to TF32 values first, as conv_tc.cu's GEMMs read them) and its
+    backward-weight (dy as given: the bias gradient its sum) through this family in TF32, none through conv_tc.cu's;
+    the numbers test_conv_tc's references."""
     from test_conv_tc import check_products as check_tf32_products
     monkeypatch.setenv("KERNELS_SIMULATED_GPUS", "1")
     monkeypatch.setenv("CUDA_EMU_SANITIZE", "memcheck")
@@ -378,18 +445,19 @@ def test_a_simulated_hopper_runs_tf32s_forward_and_backward_data(monkeypatch):
         y = be.conv2d_forward(device[0], device[1], None, 1, 1)
         dx, dw, db = be.conv2d_backward(device[2], device[0], device[1], 1, 1)
     assert names.count("conv_sm90_forward<Sm90Tf32x64, false>") == 2 and "mirrored_weights<float>" in names, names
-    assert any(name.startswith("conv_tc_wgrad") for name in names), names
+    assert "conv_sm90_wgrad_tf32<Sm90Tf32Wgrad64>" in names and not any(n.startswith("conv_tc") for n in names), names
     check_tf32_products("tf32 forward", (xp.asnumpy(y),), [x, w], lambda x, w, _: (R.conv2d_forward(x, w, None, 1, 1),),
                         (64 * 9,))
     check_tf32_products("tf32 backward", (xp.asnumpy(dx), xp.asnumpy(dw)), [dy, x, w],
                         lambda dy, x, w, _: R.conv2d_backward(dy, x, w, 1, 1)[:2], (64 * 9, 2 * 36))
+    check_products("tf32 bias", (xp.asnumpy(db),), [dy], lambda dy, _: (dy.sum(axis=(0, 2, 3)),), (2 * 36,), (False,))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
 def test_a_step_on_hoppers_kernels_replayed_as_a_graph_equals_eager_steps(monkeypatch, precision):
     """On one simulated GPU of compute capability 9.0, under the sanitizer's memcheck: a network whose convolutions of
-    64 and 128 channels run this family (bf16: forward, backward-data, backward-weight; tf32: forward, the second of
-    a block applying the first's norm as x lands, and backward-data; the stem conv.cu's), trained for steps whose
+    64 and 128 channels run this family (forward, backward-data, backward-weight; under tf32 the second of a block's
+    forward and backward-weight applying the first's norm as x lands; the stem conv.cu's), trained for steps whose
     learning rate changes, eagerly and as a CUDA graph captured once and replayed: the same losses, parameters,
     momenta and statistics, bit for bit (the tensor maps are kernel arguments the capture keeps, by value)."""
     import nn
@@ -427,8 +495,9 @@ def test_a_step_on_hoppers_kernels_replayed_as_a_graph_equals_eager_steps(monkey
             results.append((outputs, state, step))
     families = [family for family, _ in launched]
     assert families.count("conv_sm90") >= 2 * 3 * 2, "the 64- and 128-channel convolutions ran Hopper's kernels"
-    assert not any(name.startswith(("conv_tc_forward", "conv_bf16_forward")) for _, name in launched), \
-        "every forward but the stem's ran Hopper's, those that apply a norm as x lands too"
+    assert not any(name.startswith(("conv_tc_forward", "conv_bf16_forward", "conv_tc_wgrad", "conv_bf16_wgrad"))
+                   for _, name in launched), \
+        "every forward and backward-weight but the stem's ran Hopper's, those that apply a norm as x lands too"
     assert_same(*results)
 
 
@@ -449,6 +518,8 @@ def test_the_gemms_on_the_gpu(hopper, x_shape, w_shape, padding):
             check_backward_data(hopper, x_shape, w_shape, padding, add)
         check_tf32(hopper, x_shape, w_shape, padding, add=True)
     check_backward_weight(hopper, x_shape, w_shape, padding)
+    check_tf32_backward_weight(hopper, x_shape, w_shape, padding)
+    check_tf32_backward_weight(hopper, x_shape, w_shape, padding, fold=True)
 
 
 @pytest.mark.gpu
@@ -459,6 +530,7 @@ def test_the_stride_2_gemms_on_the_gpu(hopper, x_shape, w_shape, padding):
         check_backward_data(hopper, x_shape, w_shape, padding, add, stride=2)
     check_backward_weight(hopper, x_shape, w_shape, padding, stride=2)
     check_tf32(hopper, x_shape, w_shape, padding, stride=2)
+    check_tf32_backward_weight(hopper, x_shape, w_shape, padding, stride=2)
 
 
 def test_a_gpus_tensor_map_is_encoded_as_cuda_h_orders_it(monkeypatch):
@@ -502,7 +574,8 @@ def test_a_gpus_tensor_map_is_encoded_as_cuda_h_orders_it(monkeypatch):
 
 @pytest.mark.nvrtc("conv_sm90")
 def test_bench_tc_plan_reports_the_structure_of_hoppers_launches():
-    """bench/tc_plan.py's Hopper table: ResNet-18's convolutions but the stem, their three GEMMs each, a grid of whole
+    """bench/tc_plan.py's Hopper table: ResNet-18's convolutions but the stem, their three GEMMs each (backward-weight
+    in bf16 and TF32), a grid of whole
     boxes at batch 256 (no row computed past the images; backward-data of stride 2 by phases of dx, where the 7 x 7
     phases' boxes are not whole), the kernels' resources from ptxas."""
     reason = nvrtc.unavailable_reason() or nvrtc.unsupported_reason("sm_90a")
@@ -511,7 +584,7 @@ def test_bench_tc_plan_reports_the_structure_of_hoppers_launches():
     from bench import tc_plan
     rows, resources = tc_plan.hopper_rows(256, 132)
     assert [(row["count"], row["gemm"]) for row in rows] == [
-        (n, gemm) for n in [4] + [1, 3, 1] * 3 for gemm in ("forward", "dgrad", "wgrad")]
+        (n, gemm) for n in [4] + [1, 3, 1] * 3 for gemm in ("forward", "dgrad", "wgrad", "wgrad tf32")]
     assert all(row["blocks"] == np.prod(row["grid"]) for row in rows)
     assert all(row["padded"] == 1.0 for row in rows if row["gemm"] != "dgrad" or "/1 " in row["layer"]), rows
     assert set(resources) == set(conv_sm90.KERNELS)

@@ -2,8 +2,8 @@
 the network's activations are channels-last (NCHW views of NHWC memory): the convolutions whose
 channel counts the tensor cores take (conv_tc.supports) run the GEMMs of conv_tc.cu (TF32) or
 conv_bf16.cu (BF16); on a GPU of compute capability 9.0, those of stride 1 or 2 whose channel counts are multiples
-of 64 conv_sm90.cu's (BF16: forward, backward-data, and backward-weight where the weights are channels-last; TF32:
-forward, a norm applied as x loads too, and backward-data); the others (ResNet-18's stem) conv.cu's FP32
+of 64 conv_sm90.cu's (forward, backward-data, and backward-weight where the weights are channels-last; under TF32 a
+norm applied as x loads too, in the forward and backward-weight); the others (ResNet-18's stem) conv.cu's FP32
 kernels, which read x, dy and w in
 whichever layout they come, write dw in its own and y and dx channels-last alike, so that nothing
 copies. Under bf16 the activations, their gradients and the weights the products read are bfloat16
@@ -20,7 +20,7 @@ from kernels.cpu._util import output_size, pair
 
 from . import conv_sm90, conv_tc
 from .batchnorm import apply, backward_sums, relu_output, running_pair, sums_outputs
-from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, memory, \
+from .launch import STORAGE_TYPES, cdiv, dense, float32, gradient_outputs, in_place, is_channels_last, launch, \
     split, storage_argument, sum_partials
 
 OPS = ("conv2d_forward", "conv2d_backward", "conv2d_folds", "conv2d_tf32")
@@ -170,8 +170,11 @@ def conv2d_backward(be, dy, x, w, stride, padding, *, need_dx=True, out=None, ad
             else:   # an NCHW add_dx_to: added by a kernel of its own
                 dx = _added(be, add_dx_to, conv_tc.backward_data(be, dy, nhwc(be, w), geometry, w_tf32=w_tf32,
                                                                  dy_tf32=True).transpose(0, 3, 1, 2))
-        if kind is conv_tc.BF16 and fold is None and conv_sm90.chosen_wgrad(be, geometry) and is_channels_last(dw):
-            conv_sm90.backward_weight(be, dy, x, geometry, memory(dw), db)   # the model's channels-last weights
+        if (kind is conv_tc.TF32 or fold is None) and conv_sm90.chosen_wgrad(be, geometry) and \
+                dw.transpose(0, 2, 3, 1).flags.c_contiguous:
+            # the model's channels-last weights (a 1x1 filter's are C-contiguous too); TF32's rounds dy as it lands,
+            # and sums the bias of dy as given
+            conv_sm90.backward_weight(be, raw, x, geometry, dw.transpose(0, 2, 3, 1), db, fold)
             grads = (dx, dw, db)
         else:
             grads = (dx, *conv_tc.backward_weight(be, dy, x, geometry, dw, db, fold, dy_tf32=True, raw=raw))

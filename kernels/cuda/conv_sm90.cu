@@ -1,5 +1,5 @@
 // conv_sm90.cu: 2-D convolution on Hopper's tensor cores (sm_90a): warpgroup MMA (wgmma) fed by the tensor
-// memory accelerator (TMA), for the bf16 precision and (forward, backward-data) TF32's. Launched by
+// memory accelerator (TMA), for the bf16 and TF32 precisions. Launched by
 // kernels/cuda/conv_sm90.py, chosen on GPUs of compute capability 9.0; checked by tests/test_conv_sm90.py against
 // float64 of the bfloat16 inputs (of the TF32-rounded ones), on the CPU
 // emulator (which runs sm90.cuh's instructions exactly and refuses their misuse) in CI and on a GPU under
@@ -10,7 +10,8 @@
 //                       (conv_geometry.cuh's mirrored_weights<bf16>); at stride 2, a GEMM a phase of dx (its pixels
 //                       of one parity of row and column) over the taps that reach it (Sm90Taps).
 //   conv_sm90_wgrad     dw (O x KH*KW*C), float32, a tap a block: dy^T (O x pixels) . x moved by the tap (pixels x
-//                       C), split over the pixels into parts whose partials sum_partials adds in order
+//                       C), split over the pixels into parts whose partials sum_partials adds in order;
+//                       conv_sm90_wgrad_tf32 TF32's, its stages transposed by the consumers as they land
 //
 // The implicit GEMMs without an im2col: the pixels a tile takes are a box of the image batch, box_i images by
 // box_h rows by box_w columns (128 pixels: the forward's rows; 64: backward-weight's k of a stage), chosen per
@@ -20,8 +21,9 @@
 // map of their own (a strided view of x), where the tap's box is a box again (Sm90Tap). The forward's B is a line of
 // k by BN filters of w (O, KH*KW*C), a 2-D TMA load. Everything lands 128-byte swizzled (a line of 64 bf16 or 32
 // float = 128 bytes, chunk j of line l at j ^ (l % 8)), the layout wgmma reads from a descriptor (sm90.cuh's
-// wgmma_descriptor_sw128): K-major in the forward (a pixel's channels along k), MN-major in backward-weight (a
-// pixel's channels along m or n, the pixels along k; bf16 only: wgmma transposes no TF32 operand).
+// wgmma_descriptor_sw128): K-major in the forward (a pixel's channels along k), MN-major in bf16's backward-weight (a
+// pixel's channels along m or n, the pixels along k); wgmma transposes no TF32 operand, so TF32's backward-weight
+// writes each stage transposed, K-major, into a copy that its wgmmas read (conv_sm90_wgrad_tf32).
 //
 // The pieces, named as CUTLASS 3 names them:
 //   Sm90Tile            the tile: CONSUMERS warpgroups of 64 rows (BM), BN columns, BK = 64, STAGES deep
@@ -58,22 +60,24 @@
 // warpgroup, MIN_BLOCKS of them an SM. A stage holds BM / 64 blocks of A and BN / 64 of B, each 64 lines of 128
 // bytes, 8 KB: a TMA box apiece, 4 wgmmas (32 bytes of each line: k16 of bf16, k8 of TF32). Registers: the SM's
 // 65536 shared by the blocks, the producer's warpgroup keeping 40 a thread, the consumers the rest (setmaxnreg:
-// multiples of 8).
-template <int CONSUMERS_, int BN_, int STAGES_, int MIN_BLOCKS_ = 1, class E = bf16>
+// multiples of 8). COPIES: stages of the ring's size past its STAGES that no TMA load fills, where the consumers
+// write what they multiply (TF32's backward-weight: its operands transposed, conv_sm90_wgrad_tf32).
+template <int CONSUMERS_, int BN_, int STAGES_, int MIN_BLOCKS_ = 1, class E = bf16, int COPIES_ = 0>
 struct Sm90Tile {
     using Element = E;
     static constexpr int CONSUMERS = CONSUMERS_, BM = 64 * CONSUMERS, BN = BN_, BK = 128 / int(sizeof(E));
-    static constexpr int STAGES = STAGES_, MMAS = 4;
+    static constexpr int STAGES = STAGES_, COPIES = COPIES_, MMAS = 4;
     static constexpr int MIN_BLOCKS = MIN_BLOCKS_, THREADS = 128 * (1 + CONSUMERS), BLOCK_BYTES = 64 * 128;
     static constexpr int PRODUCER_REGISTERS = 40;
     static constexpr int CONSUMER_REGISTERS = (65536 / MIN_BLOCKS - 128 * PRODUCER_REGISTERS) / (128 * CONSUMERS) / 8 * 8;
     static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE_BYTES = A_BYTES + B_BYTES;
+    static constexpr int RING_BYTES = (STAGES + COPIES) * STAGE_BYTES;
     // the epilogues' scratch: the batch norm's moments of each consumer warp's rows by column (12 bytes each),
     // which is more than its sums take (8 bytes a consumer thread)
     static constexpr int SCRATCH_BYTES = 12 * 4 * CONSUMERS * BN;
-    // the ring from the first 1024-byte aligned address of the dynamic shared memory (1024 bytes of slack), then
-    // the full and empty barriers, then the scratch
-    static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + SCRATCH_BYTES;
+    // the ring (and the copies) from the first 1024-byte aligned address of the dynamic shared memory (1024 bytes
+    // of slack), then the full and empty barriers, then the scratch
+    static constexpr int SHARED_BYTES = 1024 + RING_BYTES + 2 * STAGES * 8 + SCRATCH_BYTES;
     using ConsumerSync = NamedSync<128 * CONSUMERS>;   // the consumers' barrier: the producer loads on
     static_assert(BN % 64 == 0 && STAGE_BYTES % 1024 == 0, "whole 8 KB blocks, 1024-byte aligned (the swizzle)");
 };
@@ -83,6 +87,10 @@ struct Sm90Tf32x128 : Sm90Tile<2, 128, 4, 1, float> {};   // TF32's: the same by
 struct Sm90Tf32x64 : Sm90Tile<2, 64, 6, 1, float> {};
 struct Sm90Wgrad128 : Sm90Tile<2, 128, 4> {};  // backward-weight's, 128 output channels by 128 input channels
 struct Sm90Wgrad64 : Sm90Tile<1, 64, 6, 2> {}; // 64 by 64 (100 KB: 2 blocks an SM)
+// TF32's backward-weight: 3 stages as TMA lands them and 3 copies transposed (205 KB); 64 by 64, one consumer
+// warpgroup: 4 stages and 2 copies (100 KB, 2 blocks an SM)
+struct Sm90Tf32Wgrad128 : Sm90Tile<2, 128, 3, 1, float, 3> {};
+struct Sm90Tf32Wgrad64 : Sm90Tile<1, 64, 4, 2, float, 2> {};
 
 // A wgmma of a tile's element type: wgmma_bf16, or wgmma_tf32 for float.
 template <class E>
@@ -234,7 +242,7 @@ struct Sm90Pipeline {
     __device__ explicit Sm90Pipeline(unsigned char* dynamic) {
         const unsigned misalign = smem_address(dynamic) & 1023;
         ring = dynamic + (misalign ? 1024 - misalign : 0);
-        full = reinterpret_cast<unsigned long long*>(ring + Tile::STAGES * Tile::STAGE_BYTES);
+        full = reinterpret_cast<unsigned long long*>(ring + Tile::RING_BYTES);
         empty = full + Tile::STAGES;
         scratch = reinterpret_cast<unsigned char*>(empty + Tile::STAGES);
     }
@@ -242,6 +250,8 @@ struct Sm90Pipeline {
         return ring + stage * Tile::STAGE_BYTES + block * Tile::BLOCK_BYTES;
     }
     __device__ unsigned char* b(int stage, int block = 0) const { return a(stage) + Tile::A_BYTES + block * Tile::BLOCK_BYTES; }
+    // copy `i` (of Tile::COPIES), laid out as a stage
+    __device__ unsigned char* copy(int i) const { return a(Tile::STAGES + i); }
 
     // by one thread, before the block's first barrier: `releases` arrivals free a stage (one per consumer warpgroup,
     // or one per consumer thread where each thread reads the stage with plain loads too)
@@ -438,11 +448,7 @@ conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const fl
 #pragma unroll
                 for (int i = t % 128; i < Tile::BLOCK_BYTES / 16; i += 128) {
                     const float4 v = lines[i];
-                    lines[i] = fold_mean ? bn_relu_tf32(v, scale, shift)
-                                         : make_float4(__uint_as_float(tf32_round(v.x)),
-                                                       __uint_as_float(tf32_round(v.y)),
-                                                       __uint_as_float(tf32_round(v.z)),
-                                                       __uint_as_float(tf32_round(v.w)));
+                    lines[i] = fold_mean ? bn_relu_tf32(v, scale, shift) : tf32_round4(v);
                 }
                 fence_proxy_async();
                 named_barrier_sync(2 + group, 128);
@@ -500,15 +506,71 @@ conv_sm90_forward(SM90_X_MAPS, const __grid_constant__ TensorMap w_map, const fl
 // ---- backward-weight ------------------------------------------------------------------------------------------
 
 // dw[o][tap][c] = the sum over the pixels (n, p, q) of dy[n, p, q, o] x[n, S p + r - ph, S q + s - pw, c], for one
-// tap (r, s) a block: M = the output channels o, N = the input channels c, k = the pixels, 64 a step: a box of dy's
-// pixels (dy_map: dy (N, OH, OW, O), box (box_i, box_h, box_w, 64)) and the same box moved by the tap in x (Sm90Tap:
-// x_map0..3, the same box), each a line a pixel of 64 channels: MN-major operands (wgmma's transposed A and
-// B: 64 channels a 128-byte line, lines 8 pixels a 1024-byte swizzle atom, the next 64 channels an 8 KB block
-// further). Block (blockIdx.x, blockIdx.y): BN input channels by BM output channels; blockIdx.z = tap + taps part:
+// tap (r, s) a block: M = the output channels o, N = the input channels c, k = the pixels, BK a step (64 of bf16,
+// 32 of TF32: a 128-byte line of channels): a box of dy's pixels (dy_map: dy (N, OH, OW, O), box (box_i, box_h,
+// box_w, BK)) and the same box moved by the tap in x (Sm90Tap: x_map0..3, the same box), each a line a pixel of BK
+// channels. Block (blockIdx.x, blockIdx.y): BN input channels by BM output channels; blockIdx.z = tap + taps part:
 // part `part` of the boxes of dy, `boxes` of them a part, its sums to slot `part` of `out` (float32 (parts, O, taps,
 // C)): with one part, dw ((O, KH, KW, C), float32). The bias gradient, dy summed per output channel, by the blocks
-// of the first tap and input channels when `bias_out` is not null (slot `part` of (parts, O); db with one part): a
-// consumer's first 64 threads each add up one output channel's column of the stage's A as it lands, in order.
+// of the first tap and input channels when `bias_out` is not null (slot `part` of (parts, O); db with one part).
+
+// The boxes and tap of a backward-weight block.
+struct Sm90WgradBlock {
+    int c0, o0, tap, part, first, steps;
+    template <class Tile>
+    __device__ static Sm90WgradBlock of(int taps, int n, int oh, int ow, int box_w, int box_h, int box_i, int boxes) {
+        const int all = ((n + box_i - 1) / box_i) * ((oh + box_h - 1) / box_h) * ((ow + box_w - 1) / box_w);
+        const int part = blockIdx.z / taps, first = part * boxes;
+        return {int(blockIdx.x) * Tile::BN, int(blockIdx.y) * Tile::BM, int(blockIdx.z) % taps, part, first,
+                min(boxes, all - first)};
+    }
+};
+
+// The producer's thread: step k's stage is box first + k of dy, BM / BK lines of BK output channels, and that box
+// moved by the tap in x, BN / BK lines of BK input channels, each load 64 (bf16) or 32 (TF32) pixels by 128 bytes.
+template <class Tile>
+__device__ __forceinline__ void sm90_wgrad_loads(const Sm90Pipeline<Tile>& pipeline, const Sm90WgradBlock& at,
+                                                 const TensorMap& dy_map, const TensorMap& x_map, const Sm90Tap& move,
+                                                 int oh, int ow, int box_w, int box_h, int box_i) {
+    constexpr int LOAD_BYTES = Tile::BK * 128;
+    for (int step = 0; step < at.steps; ++step) {
+        const int stage = pipeline.acquire(step);
+        const Sm90Box box(at.first + step, box_w, box_h, box_i, oh, ow);
+#pragma unroll
+        for (int j = 0; j < Tile::BM / Tile::BK; ++j)
+            tma_load_4d(pipeline.a(stage) + LOAD_BYTES * j, dy_map, &pipeline.full[stage], at.o0 + Tile::BK * j,
+                        box.q0, box.p0, box.n0);
+#pragma unroll
+        for (int j = 0; j < Tile::BN / Tile::BK; ++j)
+            tma_load_4d(pipeline.b(stage) + LOAD_BYTES * j, x_map, &pipeline.full[stage], at.c0 + Tile::BK * j,
+                        box.q0 + move.columns, box.p0 + move.rows, box.n0);
+    }
+}
+
+// The epilogue: row (output channel) 64 group + 16 warp + lane / 4 + 8 (i / 2), column (input channel)
+// 8 j + 2 (lane % 4) + i % 2 of a consumer's accumulators; the partials of a part in (O, taps, C) like dw.
+template <class Tile>
+__device__ __forceinline__ void sm90_wgrad_store(const float (&acc)[Tile::BN / 2], const Sm90WgradBlock& at,
+                                                 float* __restrict__ out, int o, int taps, int c) {
+    const int t = threadIdx.x, group = t / 128 - 1, lane = t % 32, warp = t % 128 / 32;
+    float* slot = out + size_t(at.part) * o * taps * c;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = at.o0 + 64 * group + 16 * warp + lane / 4 + 8 * half;
+        if (row >= o) continue;
+        float* line = slot + (size_t(row) * taps + at.tap) * c + at.c0;
+#pragma unroll
+        for (int j = 0; j < Tile::BN / 8; ++j) {
+            const int column = 8 * j + 2 * (lane % 4);
+            if (at.c0 + column < c)
+                *reinterpret_cast<float2*>(line + column) = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        }
+    }
+}
+
+// bf16: the stages are MN-major operands (wgmma's transposed A and B: 64 channels a 128-byte line, lines 8 pixels a
+// 1024-byte swizzle atom, the next 64 channels an 8 KB block further). The bias: a consumer's first 64 threads each
+// add up one output channel's column of the stage's A as it lands, in order.
 template <class Tile>
 __global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
 conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, SM90_X_MAPS, float* __restrict__ out,
@@ -516,33 +578,21 @@ conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, SM90_X_MAPS, float* __
                 int ow, int box_w, int box_h, int box_i, int boxes) {
     extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
     const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
-    const int c0 = blockIdx.x * Tile::BN, o0 = blockIdx.y * Tile::BM, tap = blockIdx.z % taps, part = blockIdx.z / taps;
-    const int all = ((n + box_i - 1) / box_i) * ((oh + box_h - 1) / box_h) * ((ow + box_w - 1) / box_w);
-    const int first = part * boxes, steps = min(boxes, all - first), t = threadIdx.x;
+    const Sm90WgradBlock at = Sm90WgradBlock::of<Tile>(taps, n, oh, ow, box_w, box_h, box_i, boxes);
+    const int t = threadIdx.x;
     // the blocks that sum the bias read each stage with plain loads too: every consumer thread releases it
-    const bool bias_block = bias_out && tap == 0 && blockIdx.x == 0;
+    const bool bias_block = bias_out && at.tap == 0 && blockIdx.x == 0;
     if (!sm90_roles(pipeline, dy_map, x_map0, bias_block ? 128 * Tile::CONSUMERS : Tile::CONSUMERS)) {
-        const Sm90Tap move(tap, kw, ph, pw, stride);
-        const TensorMap& x_map = sm90_x_map(move.map, x_map0, x_map1, x_map2, x_map3);
+        const Sm90Tap move(at.tap, kw, ph, pw, stride);
         if (t == 0)
-            for (int step = 0; step < steps; ++step) {
-                const int stage = pipeline.acquire(step);
-                const Sm90Box box(first + step, box_w, box_h, box_i, oh, ow);
-#pragma unroll
-                for (int j = 0; j < Tile::BM / 64; ++j)
-                    tma_load_4d(pipeline.a(stage, j), dy_map, &pipeline.full[stage], o0 + 64 * j, box.q0, box.p0,
-                                box.n0);
-#pragma unroll
-                for (int j = 0; j < Tile::BN / 64; ++j)
-                    tma_load_4d(pipeline.b(stage, j), x_map, &pipeline.full[stage], c0 + 64 * j,
-                                box.q0 + move.columns, box.p0 + move.rows, box.n0);
-            }
+            sm90_wgrad_loads(pipeline, at, dy_map, sm90_x_map(move.map, x_map0, x_map1, x_map2, x_map3), move, oh, ow,
+                             box_w, box_h, box_i);
         return;
     }
-    const int group = t / 128 - 1, lane = t % 32, warp = t % 128 / 32;
+    const int group = t / 128 - 1;
     const bool sums_bias = bias_block && t % 128 < 64;
     float acc[Tile::BN / 2], bias = 0.f;
-    pipeline.consume(acc, 0, steps, bias_block || t % 128 == 0, [&](int stage, int step) {
+    pipeline.consume(acc, 0, at.steps, bias_block || t % 128 == 0, [&](int stage, int step) {
         const unsigned char* a = pipeline.a(stage, group);
 #pragma unroll
         for (int k = 0; k < Tile::MMAS; ++k)   // k16 a wgmma: 16 lines (pixels), 2048 bytes
@@ -555,20 +605,108 @@ conv_sm90_wgrad(const __grid_constant__ TensorMap dy_map, SM90_X_MAPS, float* __
                 bias += bf16_float(*reinterpret_cast<const bf16*>(a + 128 * l + 16 * ((m / 8) ^ (l % 8)) + 2 * (m % 8)));
         }
     });
-    if (sums_bias && o0 + 64 * group + t % 64 < o) bias_out[size_t(part) * o + o0 + 64 * group + t % 64] = bias;
-    // the epilogue: row (output channel) 64 group + 16 warp + lane / 4 + 8 (i / 2), column (input channel)
-    // 8 j + 2 (lane % 4) + i % 2; the partials of a part in (O, taps, C) like dw
-    float* slot = out + size_t(part) * o * taps * c;
+    if (sums_bias && at.o0 + 64 * group + t % 64 < o) bias_out[size_t(at.part) * o + at.o0 + 64 * group + t % 64] = bias;
+    sm90_wgrad_store<Tile>(acc, at, out, o, taps, c);
+}
+
+// A consumer thread's part of a TF32 stage transposed: of the 32 pixels by 64 channels that warpgroup `group`
+// takes (channels 64 group.., in 4 KB loads of 32 channels, as TMA landed them: pixel l's line, chunk j of its 4
+// channels at j ^ (l % 8)), thread t (of 128) reads the 4 pixels 4 (t % 8).. of the 4 channels 4 (t / 8)..,
+// f(chunk) makes each what is multiplied, and it writes them K-major into `copy` (row = channel 64 group + 4 (t /
+// 8) + e, a 128-byte line of the 32 pixels, chunk t % 8 at (t % 8) ^ (row % 8)): a line a channel, which wgmma reads
+// K-major, as it reads TF32 alone. A warp's 8 lanes of a channel write a line's 8 chunks.
+template <class F>
+__device__ __forceinline__ void sm90_transposed(const unsigned char* stage, unsigned char* copy, int group, F f) {
+    const int t = threadIdx.x % 128, channels = t / 8, pixels = t % 8;
+    const unsigned char* block = stage + 4096 * (2 * group + channels / 8);
+    float4 v[4];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int row = o0 + 64 * group + 16 * warp + lane / 4 + 8 * half;
-        if (row >= o) continue;
-        float* line = slot + (size_t(row) * taps + tap) * c + c0;
+    for (int i = 0; i < 4; ++i) {
+        const int line = 4 * pixels + i;
+        v[i] = f(*reinterpret_cast<const float4*>(block + 128 * line + 16 * ((channels % 8) ^ (line % 8))));
+    }
+    const auto row = [&](int e) {
+        return reinterpret_cast<float4*>(copy + 128 * (64 * group + 4 * channels + e) +
+                                         16 * (pixels ^ ((4 * channels + e) % 8)));
+    };
+    *row(0) = make_float4(v[0].x, v[1].x, v[2].x, v[3].x);
+    *row(1) = make_float4(v[0].y, v[1].y, v[2].y, v[3].y);
+    *row(2) = make_float4(v[0].z, v[1].z, v[2].z, v[3].z);
+    *row(3) = make_float4(v[0].w, v[1].w, v[2].w, v[3].w);
+}
+
+// TF32: wgmma reads TF32 operands K-major alone, and both of backward-weight's are MN-major in memory (k, the pixels,
+// outermost), so each stage lands as the loads give it (32 pixels by 128-byte lines of 32 channels) and the
+// consumers write it transposed into a copy (sm90_transposed: a warpgroup its 64 rows of A, dy's output channels, and
+// 64 of B's, x's input channels; BN = BM), rounding dy's values to TF32 and x's (or making x relu(the batch norm of
+// x) so rounded where fold_mean is not null: x's maps then fill NaN past the image, which that makes the padding's
+// 0), release the stage (every consumer thread reads it), and meet (fence_proxy_async, their named barrier) before
+// their wgmmas m64nBNk8 read the copy. The copies are COPIES deep: with two consumer warpgroups, 3: the copy of step
+// k is written again at k + 3, after the barrier of k + 2, which every warpgroup reaches once its wgmmas of k retired
+// (wgmma_wait<1> after k + 1's), while a warpgroup's wgmmas of k + 1 may still read its copy (of two copies, the
+// other warpgroup's wgmmas of k may still read the one k + 2 writes: the emulator refuses it); with one, 2 (its own
+// wgmma_wait<1> retired k before it writes k + 2). dy is as given:
+// the bias gradient sums it as it lands, before the rounding, each thread its 4 channels' 4 pixels a step, then the
+// 8 lanes of a channel (shuffles), in order.
+template <class Tile>
+__global__ void __launch_bounds__(Tile::THREADS, Tile::MIN_BLOCKS)
+conv_sm90_wgrad_tf32(const __grid_constant__ TensorMap dy_map, SM90_X_MAPS, float* __restrict__ out,
+                     float* __restrict__ bias_out, int n, int c, int o, int kw, int taps, int ph, int pw, int stride,
+                     int oh, int ow, int box_w, int box_h, int box_i, int boxes, const float* __restrict__ fold_mean,
+                     const float* __restrict__ fold_invstd, const float* __restrict__ fold_gamma,
+                     const float* __restrict__ fold_beta) {
+    static_assert(Tile::BN == Tile::BM, "a warpgroup transposes 64 channels of A and of B");
+    static_assert(Tile::COPIES == (Tile::CONSUMERS == 1 ? 2 : 3), "a copy written once its wgmmas retired");
+    extern __shared__ __align__(1024) unsigned char sm90_dynamic[];
+    const Sm90Pipeline<Tile> pipeline(sm90_dynamic);
+    const Sm90WgradBlock at = Sm90WgradBlock::of<Tile>(taps, n, oh, ow, box_w, box_h, box_i, boxes);
+    const int t = threadIdx.x;
+    if (!sm90_roles(pipeline, dy_map, x_map0, 128 * Tile::CONSUMERS)) {
+        const Sm90Tap move(at.tap, kw, ph, pw, stride);
+        if (t == 0)
+            sm90_wgrad_loads(pipeline, at, dy_map, sm90_x_map(move.map, x_map0, x_map1, x_map2, x_map3), move, oh, ow,
+                             box_w, box_h, box_i);
+        return;
+    }
+    const int group = t / 128 - 1, channels = 64 * group + 4 * (t % 128 / 8);   // this thread's 4 of A and of B
+    const bool bias_block = bias_out && at.tap == 0 && blockIdx.x == 0;
+    float4 scale, shift, bias = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (fold_mean) bn_coefficients(fold_mean, fold_invstd, fold_gamma, fold_beta, at.c0 + channels, scale, shift);
+    const typename Tile::ConsumerSync sync;
+    float acc[Tile::BN / 2];
+    for (int step = 0; step < at.steps; ++step) {
+        const int stage = step % Tile::STAGES;
+        unsigned char* copy = pipeline.copy(step % Tile::COPIES);
+        mbarrier_wait(&pipeline.full[stage], step / Tile::STAGES & 1);
+        sm90_transposed(pipeline.a(stage), copy, group, [&](float4 v) {
+            if (bias_block) bias = make_float4(bias.x + v.x, bias.y + v.y, bias.z + v.z, bias.w + v.w);
+            return tf32_round4(v);
+        });
+        sm90_transposed(pipeline.b(stage), copy + Tile::A_BYTES, group,
+                        [&](float4 v) { return fold_mean ? bn_relu_tf32(v, scale, shift) : tf32_round4(v); });
+        mbarrier_arrive(&pipeline.empty[stage]);
+        fence_proxy_async();
+        sync.sync();   // every warpgroup's rows of the copy written
+        wgmma_fence_operands(acc);
+        wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < Tile::BN / 8; ++j) {
-            const int column = 8 * j + 2 * (lane % 4);
-            if (c0 + column < c)
-                *reinterpret_cast<float2*>(line + column) = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        for (int k = 0; k < Tile::MMAS; ++k)   // k8 a wgmma: 32 bytes along each K-major line
+            wgmma_tf32<Tile::BN>(acc, wgmma_descriptor_sw128(copy + Tile::BLOCK_BYTES * group + 32 * k),
+                                 wgmma_descriptor_sw128(copy + Tile::A_BYTES + 32 * k), step > 0 || k > 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+        wgmma_fence_operands(acc);
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
+    if (bias_block) {
+        float sums[4] = {bias.x, bias.y, bias.z, bias.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+#pragma unroll
+            for (int x = 1; x < 8; x <<= 1) sums[e] += __shfl_xor_sync(0xffffffffu, sums[e], x);
+            if (t % 8 == 0 && at.o0 + channels + e < o) bias_out[size_t(at.part) * o + at.o0 + channels + e] = sums[e];
         }
     }
+    sm90_wgrad_store<Tile>(acc, at, out, o, taps, c);
 }

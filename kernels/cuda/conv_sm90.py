@@ -1,7 +1,7 @@
 """Launchers of conv_sm90.cu: the convolutions of Hopper (compute capability 9.0), warpgroup MMA fed by TMA, in bf16
-(forward, backward-data, backward-weight) and TF32 (forward, backward-data), which conv_tc's forward and backward-data
-and conv.py's backward-weight run where `chosen`, `chosen_dgrad` and `chosen_wgrad` say so, and the mma.sync kernels
-of conv_bf16.cu and conv_tc.cu elsewhere. Backward-data of a stride-1 convolution is the forward GEMM of dy by the
+and TF32 (forward, backward-data, backward-weight), which conv_tc's forward and backward-data and conv.py's
+backward-weight run where `chosen`, `chosen_dgrad` and `chosen_wgrad` say so, and the mma.sync kernels of conv_bf16.cu
+and conv_tc.cu elsewhere. Backward-data of a stride-1 convolution is the forward GEMM of dy by the
 weights mirrored (dgrad_geometry), of a stride-2 one a GEMM a phase of dx; backward-weight a GEMM a filter tap, split
 over the pixels (wgrad_plan).
 
@@ -28,14 +28,17 @@ ROWS, BK, LINE = 128, 64, 128   # the rows (output pixels) of a tile, channels a
 # tile: (columns BN, stages): 128 filters where the output channels are a multiple of 128, else 64; bf16's and TF32's
 TILES = {"Sm90x128": (128, 4), "Sm90x64": (64, 6), "Sm90Tf32x128": (128, 4), "Sm90Tf32x64": (64, 6)}
 ELEMENTS = {bfloat16: "bf16", np.dtype(np.float32): "float"}   # the storage each tile family takes
-# backward-weight's tiles: (output channels BM, input channels BN, stages, blocks an SM); a stage's k is a box of
-# WGRAD_PIXELS pixels. Its grid (a block a tap and tile) splits the pixels into parts until it has WGRAD_SPLIT_TARGET
+# backward-weight's tiles: (output channels BM, input channels BN, stages, blocks an SM, copies: TF32's stages
+# transposed, conv_sm90_wgrad_tf32); a stage's k is a box of a line's pixels (64 of bf16, 32 of TF32: LINE // the
+# element's bytes). Its grid (a block a tap and tile) splits the pixels into parts until it has WGRAD_SPLIT_TARGET
 # blocks (two waves of an H200's 132 SMs at one block an SM), at least WGRAD_MIN_BOXES boxes a part.
-WGRAD_TILES = {"Sm90Wgrad128": (128, 128, 4, 1), "Sm90Wgrad64": (64, 64, 6, 2)}
-WGRAD_PIXELS, WGRAD_SPLIT_TARGET, WGRAD_MIN_BOXES = 64, 2 * 132, 8
-GEMMS = ("conv_sm90_forward", "conv_sm90_wgrad")   # the kernels that multiply (forward and backward-data; weight)
+WGRAD_TILES = {"Sm90Wgrad128": (128, 128, 4, 1, 0), "Sm90Wgrad64": (64, 64, 6, 2, 0),
+               "Sm90Tf32Wgrad128": (128, 128, 3, 1, 3), "Sm90Tf32Wgrad64": (64, 64, 4, 2, 2)}
+WGRAD_SPLIT_TARGET, WGRAD_MIN_BOXES = 2 * 132, 8
+# the kernels that multiply (forward and backward-data; weight, bf16's and TF32's)
+GEMMS = ("conv_sm90_forward", "conv_sm90_wgrad", "conv_sm90_wgrad_tf32")
 KERNELS = tuple(f"conv_sm90_forward<{tile}, {add}>" for tile in TILES for add in ("false", "true")) + tuple(
-    f"conv_sm90_wgrad<{tile}>" for tile in WGRAD_TILES) + tuple(
+    f"conv_sm90_wgrad{'_tf32' if 'Tf32' in tile else ''}<{tile}>" for tile in WGRAD_TILES) + tuple(
     f"mirrored_weights<{element}>" for element in ELEMENTS.values()) + ("sum_partials",)
 
 
@@ -118,13 +121,14 @@ def dynamic_shared(kernel):
     rows); 0 for the others (no shared memory)."""
     name, _, arguments = kernel.partition("<")
     tile = arguments.split(",")[0].rstrip(">")
+    copies = 0
     if name == "conv_sm90_forward":
         rows, (columns, stages) = ROWS, TILES[tile]
-    elif name == "conv_sm90_wgrad":
-        rows, columns, stages, _ = WGRAD_TILES[tile]
+    elif name in ("conv_sm90_wgrad", "conv_sm90_wgrad_tf32"):
+        rows, columns, stages, _, copies = WGRAD_TILES[tile]
     else:
         return 0
-    return 1024 + stages * (rows + columns) * LINE + 2 * stages * 8 + 12 * (rows // 16) * columns
+    return 1024 + (stages + copies) * (rows + columns) * LINE + 2 * stages * 8 + 12 * (rows // 16) * columns
 
 
 class Plan(typing.NamedTuple):
@@ -261,15 +265,24 @@ class WgradPlan(typing.NamedTuple):
     parts: int
     grid: tuple
 
+    @property
+    def kernel(self):
+        return f"conv_sm90_wgrad{'_tf32' if 'Tf32' in self.tile else ''}<{self.tile}>"
 
-def wgrad_plan(geometry):
-    """The tile (128 x 128 where both channel counts are multiples of 128, else 64 x 64), the box of a stage's pixels,
-    and the split of the boxes into parts: a block a tap, tile and part."""
+
+def wgrad_pixels(dtype=bfloat16):
+    """The pixels of a backward-weight stage's k: a 128-byte line of the element type's (64 bf16, 32 float32)."""
+    return LINE // np.dtype(dtype).itemsize
+
+
+def wgrad_plan(geometry, dtype=bfloat16):
+    """The tile of `dtype` (128 x 128 where both channel counts are multiples of 128, else 64 x 64), the box of a
+    stage's pixels, and the split of the boxes into parts: a block a tap, tile and part."""
     n, c, h, w, o, kh, kw = geometry[:7]
     oh, ow = geometry[11:]
-    tile = "Sm90Wgrad128" if c % 128 == 0 and o % 128 == 0 else "Sm90Wgrad64"
+    tile = f"Sm90{'Tf32' if dtype == np.float32 else ''}Wgrad{128 if c % 128 == 0 and o % 128 == 0 else 64}"
     rows, columns = WGRAD_TILES[tile][:2]
-    box = choose_box(n, oh, ow, WGRAD_PIXELS)
+    box = choose_box(n, oh, ow, wgrad_pixels(dtype))
     total = cdiv(n, box[0]) * cdiv(oh, box[1]) * cdiv(ow, box[2])
     tiles = (c // columns) * (o // rows) * kh * kw
     parts = max(1, min(cdiv(WGRAD_SPLIT_TARGET, tiles), total // WGRAD_MIN_BOXES))
@@ -278,24 +291,29 @@ def wgrad_plan(geometry):
     return WgradPlan(tile, box, boxes, parts, (c // columns, o // rows, kh * kw * parts))
 
 
-def backward_weight(be, dy, x, geometry, dw, db):
+def backward_weight(be, dy, x, geometry, dw, db, fold=None):
     """dw (O, KH, KW, C), float32, C-contiguous (channels-last weights), from dy (N, OH, OW, O) and x (N, H, W, C),
-    bfloat16; and the bias gradient, dy summed per output channel, into db (O,) float32 unless it is None. Split over
-    the pixels, the parts' partials added in order by sum_partials."""
+    bfloat16, or float32 (TF32: the products of both rounded to TF32 as they land, dy as given or holding TF32 values
+    already); and the bias gradient, dy (as given) summed per output channel, into db (O,) float32 unless it is None.
+    `fold`: TF32's, as forward's (x is the input of a batch norm with its relu, applied as x lands). Split over the
+    pixels, the parts' partials added in order by sum_partials."""
     n, c, h, w, o, kh, kw, sh, sw, ph, pw, oh, ow = geometry
-    if not supports(geometry) or dy.dtype != bfloat16 or x.dtype != bfloat16:
-        raise ValueError(f"conv_sm90: takes bfloat16 convolutions of stride 1 or 2 and channels multiples of 64, "
-                         f"got {dy.dtype} dy, {x.dtype} x, geometry {geometry}")
-    p = wgrad_plan(geometry)
-    rows, columns = WGRAD_TILES[p.tile][:2]
+    dtype = _operands("the backward-weight of convolutions of stride 1 or 2", geometry, supports, dy, x)
+    if fold is not None and dtype != np.float32:
+        raise ValueError("conv_sm90: applies a batch norm to x as it lands in TF32 alone (bf16's is applied before)")
+    p = wgrad_plan(geometry, dtype)
+    rows = WGRAD_TILES[p.tile][0]
     dy, x = aligned(dy), aligned(x)
-    dy_map = tensor_map(be, dy, (*p.box, BK))
+    box = (*p.box, wgrad_pixels(dtype))   # a line of channels
     out = dw if p.parts == 1 else be.xp.empty((p.parts, o, kh, kw, c), np.float32)
     bias_out = db if p.parts == 1 or db is None else be.xp.empty((p.parts, o), np.float32)
-    kernel = f"conv_sm90_wgrad<{p.tile}>"
-    launch(be, "conv_sm90", kernel, p.grid,
-           (dy_map, *x_maps(be, x, sh, (*p.box, BK)), out, bias_out, n, c, o, kw, kh * kw, ph, pw, sh, oh, ow,
-            p.box[2], p.box[1], p.box[0], p.boxes), block=(128 * (1 + rows // 64),), shared_mem=dynamic_shared(kernel))
+    arguments = (tensor_map(be, dy, box), *x_maps(be, x, sh, box, nan_fill=fold is not None), out, bias_out, n, c, o,
+                 kw, kh * kw, ph, pw, sh, oh, ow, p.box[2], p.box[1], p.box[0], p.boxes)
+    if dtype == np.float32:
+        gamma, beta, mean, invstd = (None,) * 4 if fold is None else (aligned(a) for a in fold)
+        arguments += (mean, invstd, gamma, beta)
+    launch(be, "conv_sm90", p.kernel, p.grid, arguments, block=(128 * (1 + rows // 64),),
+           shared_mem=dynamic_shared(p.kernel))
     if p.parts > 1:
         sum_partials(be, "conv_sm90", out, p.parts, dw)
         if db is not None:

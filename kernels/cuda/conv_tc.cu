@@ -105,12 +105,6 @@ struct TcCopy {
     __device__ static int offset(int c) { return TcStage<W, K_MAJOR>::offset(row(c), k(c)); }
 };
 
-// A chunk's 4 values rounded to TF32 (tensor_core.cuh's tf32_round).
-__device__ __forceinline__ float4 tc_round(float4 v) {
-    return {__uint_as_float(tf32_round(v.x)), __uint_as_float(tf32_round(v.y)), __uint_as_float(tf32_round(v.z)),
-            __uint_as_float(tf32_round(v.w))};
-}
-
 // on_chunk.add(c, values) sees each of this thread's chunks of a landed stage; ROUND: then rounds them to
 // TF32 in place. (Neither: nothing, the loads unused.)
 template <int W, bool K_MAJOR, bool ROUND, class OnChunk>
@@ -120,7 +114,7 @@ __device__ __forceinline__ void tc_land_stage(float* tile, OnChunk& on_chunk) {
         float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, K_MAJOR>::offset(c));
         const float4 v = *chunk;
         on_chunk.add(c, Floats<4>{{v.x, v.y, v.z, v.w}});
-        if constexpr (ROUND) *chunk = tc_round(v);
+        if constexpr (ROUND) *chunk = tf32_round4(v);
     }
 }
 
@@ -360,7 +354,7 @@ struct HaloRound {
     static constexpr bool PADDED = false, LAND = true;
     static constexpr const float* pad = nullptr;
     __device__ void channels(int) {}
-    __device__ float4 chunk(float4 v) const { return tc_round(v); }
+    __device__ float4 chunk(float4 v) const { return tf32_round4(v); }
 };
 struct HaloNorm {
     static constexpr bool PADDED = true, LAND = true;
@@ -986,7 +980,7 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
 #pragma unroll
         for (int c = 0; c < X_CHUNKS; ++c) {
             float4* chunk = reinterpret_cast<float4*>(xs + (x_cell + c) * S::X_PITCH + 4 * quad);
-            *chunk = tc_round(*chunk);
+            *chunk = tf32_round4(*chunk);
         }
         __syncthreads();   // everyone's have landed, and everyone is done with the previous stage
         if (stage + 1 < stages) {

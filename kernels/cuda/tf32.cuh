@@ -6,6 +6,7 @@
 //                   0x1000 (half a TF32 unit added to the magnitude), not cleared, since the tensor core
 //                   ignores them: two instructions (a test for infinity and NaN, which stay as they are,
 //                   and an add), where cvt.rna and a use outside an mma take three
+//   tf32_round4(v)  the 4 values of a chunk so rounded, as floats (the bits the mma reads)
 //   tf32_value(x)   x rounded to TF32 as a float32, its low 13 bits zero (infinity and NaN as they are): the
 //                   flat buffer's TF32 copy of the weights, which the GEMMs read as it is
 #pragma once
@@ -13,6 +14,11 @@
 __device__ __forceinline__ unsigned tf32_round(float x) {
     const unsigned bits = __float_as_uint(x);
     return fabsf(x) < __uint_as_float(0x7f800000u) ? bits + 0x1000u : bits;   // infinity and NaN stay
+}
+
+__device__ __forceinline__ float4 tf32_round4(float4 v) {
+    return {__uint_as_float(tf32_round(v.x)), __uint_as_float(tf32_round(v.y)), __uint_as_float(tf32_round(v.z)),
+            __uint_as_float(tf32_round(v.w))};
 }
 
 __device__ __forceinline__ float tf32_value(float x) {
