@@ -17,19 +17,21 @@
 //
 // The GEMMs are conv_tc.cu's (tc_conv.cuh holds what they share: the copy iterators, the outputs,
 // split-K with its parts added in a fixed order in the same launch, the bias gradient's totals); what
-// differs is the element, the tile and the main loop. A block of 4 warps (2 x 2) computes a BM x BN
-// tile, each warp (BM/2) x (BN/2) as m16n8k16 mma.sync tiles (tensor_core.cuh's mma_bf16): 128 x 128
-// with 64 x 64 warp tiles, the shape of CUTLASS's sm80 BF16 kernels, whose operands a block loads per
-// k step, (128 + 128) x 2 bytes a k, carry 64 FLOPs a byte, k advancing 32 at a time through a
-// 3-stage ring (48 KB of shared memory, the static limit); 128 x 64 (for 64 columns: ResNet-18's
-// first stage) in a 2-stage ring of 64 k. The rings are filled by 16-byte cp.async copies and unrolled,
+// differs is the element, the tile and the main loop. A block of 2 x WARPS_N warps computes a BM x BN
+// tile, each warp (BM/2) x (BN/WARPS_N) as m16n8k16 mma.sync tiles (tensor_core.cuh's mma_bf16): 128 x
+// 128 by 8 warps (2 x 4, 256 threads) of 64 x 32 warp tiles, whose operands a block loads per k step,
+// (128 + 128) x 2 bytes a k, carry 64 FLOPs a byte, k advancing 32 at a time through a 3-stage ring (48
+// KB of shared memory, the static limit), at most 128 registers a thread (64 accumulators) so that 2
+// blocks, 16 warps, share an SM of an A100, an RTX 3090 or 4090 or an L4 (their 64 K registers; 96 KB
+// of shared memory of the 100 that sm_86's and sm_89's SMs have); 128 x 64 (for 64 columns: ResNet-18's
+// first stage) by 4 warps (2 x 2) of 64 x 32, in a 2-stage ring of 64 k. The rings are filled by 16-byte cp.async copies and unrolled,
 // as in conv_tc.cu. Nothing is rounded in the loop: the operands are bfloat16 already, and every
 // fragment is one ldmatrix.x4 of b16 (the instruction's own element): transposed (.trans) where the
 // operand's rows run along m or n (backward-weight's two, whose k is the pixel, and backward-data's
 // weights), as it lies otherwise. Shared memory is swizzled by 16-byte chunks rather than padded, so
 // that the 8 rows an ldmatrix matrix reads, and a warp's copies, fall in distinct banks (BfStage).
 // Each lane's ldmatrix addresses are worked out before the loop; in it they are a register plus a
-// constant. Backward-weight's bias gradient is summed on the tensor cores too (BiasMma), by the
+// constant. Backward-weight's bias gradient is summed from the B fragments (BiasFragments), by the
 // first row of tiles alone, in a main loop of its own.
 //
 // ALIGN = the tile's k (every channel count a multiple of it, at most 32 filter taps): the copies'
@@ -38,19 +40,19 @@
 // output is rounded to bfloat16 once, where it is stored (float32 for the weight gradient).
 #include "tc_conv.cuh"
 
-// Registers for 2 blocks an SM (255 a thread): the 64 x 64 warp tile holds 128 accumulators and 32
-// fragment registers.
+// Registers for 2 blocks an SM: 128 a thread for the 8 warps of the 128 x 128 tile (64 accumulators, 24
+// fragment registers), 255 for the 4 of the others.
 constexpr int BF_MIN_BLOCKS = 2;
 
 // A block's tile (tc_conv.cuh's TcTile) with the k of its stages and their number: the large tile
 // 3 stages of 32 (48 KB, the most static shared memory a block may have); the 128 x 64 tile, half the
 // mma of a stage for the copies of three quarters, 2 stages of 64, so that a stage's copies and its
 // loop's fixed costs are shared by twice the mma (bench/tc_plan.py counts the instructions).
-template <int BM, int BN, int BK_, int STAGES_>
-struct BfTile : TcTile<BM, BN> {
+template <int BM, int BN, int BK_, int STAGES_, int WARPS_N = 2>
+struct BfTile : TcTile<BM, BN, WARPS_N> {
     static constexpr int BK = BK_, STAGES = STAGES_;
 };
-struct Bf128x128 : BfTile<128, 128, 32, 3> {};
+struct Bf128x128 : BfTile<128, 128, 32, 3, 4> {};
 struct Bf128x64 : BfTile<128, 64, 64, 2> {};
 
 // One stage of one operand, W rows (m or n) by BK k of bf16, swizzled by 16-byte chunks of 8 (see the
@@ -72,15 +74,15 @@ struct BfStage {
 // instruction reads whole rows; else line k = t / (128 / BK), its chunks t % (128 / BK) + (128 / BK) c,
 // rows 8 that apart: 64 (BK = 32) or 32 (BK = 64) contiguous bytes of each of a warp's lines, whole
 // sectors, an instruction, and a thread's chunks share their k (backward-weight's pixel).
-template <int W, bool K_MAJOR, int BK_>
+template <int W, bool K_MAJOR, int BK_, int THREADS = TC_THREADS>
 struct BfCopy {
     using Element = bf16;
     using Stage = BfStage<W, K_MAJOR, BK_>;
     static constexpr int BK = BK_, ELEMENTS = 8;
-    static constexpr int ROW_LANES = BK / 8, LINE_THREADS = TC_THREADS / BK;   // threads to a row, to a k line
-    static constexpr int ROW_STEP = K_MAJOR ? TC_THREADS / ROW_LANES : 8 * LINE_THREADS;
-    static constexpr int CHUNKS = W * BK / 8 / TC_THREADS;
-    static_assert(CHUNKS * 8 * TC_THREADS == W * BK, "whole chunks per thread");
+    static constexpr int ROW_LANES = BK / 8, LINE_THREADS = THREADS / BK;   // threads to a row, to a k line
+    static constexpr int ROW_STEP = K_MAJOR ? THREADS / ROW_LANES : 8 * LINE_THREADS;
+    static constexpr int CHUNKS = W * BK / 8 / THREADS;
+    static_assert(CHUNKS * 8 * THREADS == W * BK, "whole chunks per thread");
     __device__ static int row(int c) {
         return K_MAJOR ? ROW_STEP * c + int(threadIdx.x) / ROW_LANES : 8 * (int(threadIdx.x) % LINE_THREADS) + ROW_STEP * c;
     }
@@ -131,7 +133,7 @@ struct BfFragments {
 // tile: acc[i][j] is mma tile (i, j) of the warp, in tensor_core.cuh's C layout. The iterators a and
 // b give the places of the thread's chunks of the current stage (at(c, offset), see tc_load_stage)
 // and move to the next (next()). on_chunk_b.b_fragments(fb), when on_chunk_b.active, sees each k16
-// step's B fragments of the warp (BiasMma). Every thread of the block must call it (it
+// step's B fragments of the warp (BiasFragments). Every thread of the block must call it (it
 // synchronises the block). smem: the stages, BfShared<T> (the caller's, so that its epilogue may use
 // it once every thread has returned: a barrier).
 // acc += the warp's k16 step: A fragments fa[i] (rows 16 i..) by B fragments fb[j / 2] (columns 8 j..,
@@ -157,15 +159,15 @@ template <class T, bool A_K_MAJOR, bool B_K_MAJOR, class IteratorA, class Iterat
 __device__ __forceinline__ void bf_gemm(bf16* smem, IteratorA a, IteratorB b, int tiles, float (&acc)[T::MI][T::NI][4],
                                         OnChunk&& on_chunk_b = OnChunk()) {
     constexpr int BK = T::BK, STAGES = T::STAGES;
-    using CopyA = BfCopy<T::BM, A_K_MAJOR, BK>;
-    using CopyB = BfCopy<T::BN, B_K_MAJOR, BK>;
+    using CopyA = BfCopy<T::BM, A_K_MAJOR, BK, T::THREADS>;
+    using CopyB = BfCopy<T::BN, B_K_MAJOR, BK, T::THREADS>;
     constexpr int SIZE_A = CopyA::Stage::SIZE, SIZE_B = CopyB::Stage::SIZE;
     static_assert(STAGES * (SIZE_A + SIZE_B) == BfShared<T>::SIZE, "the stages fill the shared memory");
     bf16* const As = smem;
     bf16* const Bs = smem + STAGES * SIZE_A;
     const int warp = int(threadIdx.x) / 32;
-    const BfFragments<T::BM, A_K_MAJOR, true, T::MI, BK> fragments_a((warp / 2) * T::WARP_M);
-    const BfFragments<T::BN, B_K_MAJOR, false, T::NI / 2, BK> fragments_b((warp % 2) * T::WARP_N);
+    const BfFragments<T::BM, A_K_MAJOR, true, T::MI, BK> fragments_a((warp / T::WARPS_N) * T::WARP_M);
+    const BfFragments<T::BN, B_K_MAJOR, false, T::NI / 2, BK> fragments_b((warp % T::WARPS_N) * T::WARP_N);
     tc_clear<T>(acc);
     const auto load = [&](int tile, int stage) {
         if (tile < tiles) {
@@ -234,6 +236,7 @@ struct HaloShared {
 template <class T, bool B_K_MAJOR, class IteratorB>
 __device__ __forceinline__ void halo_gemm(bf16* smem, const bf16* __restrict__ image, const Geometry<0, 0>& g,
                                           int channels, int m0, IteratorB b, float (&acc)[T::MI][T::NI][4]) {
+    static_assert(T::THREADS == TC_THREADS, "the window copies are 2 x 2 warps'");
     constexpr int BK = T::BK, STAGES = T::STAGES;
     using CopyB = BfCopy<T::BN, B_K_MAJOR, BK>;
     constexpr int SIZE_B = CopyB::Stage::SIZE;
@@ -317,13 +320,14 @@ struct WgradHaloShared {   // a stage of the ring, in bf16: the window, dy, the 
 };
 
 // acc += the block's tile over the pixels [k_begin, k_end) of x (N, H, W, C) and dy (N, H, W, O), as
-// above; on_chunk_b.b_fragments sees each k16 step's B fragments (BiasMma). plane, width: FastDivmod
+// above; on_chunk_b.b_fragments sees each k16 step's B fragments (BiasFragments). plane, width: FastDivmod
 // by H*W and by W. Every thread of the block must call it.
 template <class T, class OnChunk>
 __device__ __forceinline__ void halo_wgrad_gemm(bf16* smem, const bf16* __restrict__ x, const bf16* __restrict__ dy,
                                                 const Geometry<0, 0>& g, const FastDivmod& plane,
                                                 const FastDivmod& width_div, int c0, int n0, int k_begin, int k_end,
                                                 float (&acc)[T::MI][T::NI][4], OnChunk& on_chunk_b) {
+    static_assert(T::THREADS == TC_THREADS, "the window copies are 2 x 2 warps'");
     using Shared = WgradHaloShared<T>;
     constexpr int BK = T::BK;
     const int width = g.w + 2, lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
@@ -396,7 +400,7 @@ __device__ __forceinline__ void halo_wgrad_gemm(bf16* smem, const bf16* __restri
 // (split-K over the gridDim.z parts, in groups of `group`, see tc_finish); and, unless stats_partial is
 // null, the statistics of y's columns for the batch norm that follows (tc_batch_stats).
 template <class T, int ALIGN>
-__global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
+__global__ void __launch_bounds__(T::THREADS, BF_MIN_BLOCKS)
 conv_bf16_forward(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, const float* __restrict__ bias,
                   bf16* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
                   BN_STATS_PARAMS) {
@@ -404,8 +408,8 @@ conv_bf16_forward(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, c
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, depth = g.taps() * g.c, pixels = g.n * g.out_plane();
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, depth);
     const int tiles = (max(k_end - k_begin, 0) + T::BK - 1) / T::BK;
-    using CopyA = BfCopy<T::BM, true, T::BK>;
-    using CopyB = BfCopy<T::BN, true, T::BK>;
+    using CopyA = BfCopy<T::BM, true, T::BK, T::THREADS>;
+    using CopyB = BfCopy<T::BN, true, T::BK, T::THREADS>;
     __shared__ __align__(128) bf16 smem[BfShared<T>::SIZE];
     float acc[T::MI][T::NI][4];
     if constexpr (ALIGN == T::BK)
@@ -430,7 +434,7 @@ conv_bf16_forward(const bf16* __restrict__ x, const bf16* __restrict__ w_krsc, c
 // no tap reaches gets zeros. Unless sums_partial is null, the backward sums of the batch norm whose
 // dy dx is (bn_tile_sums, over the tiles of every phase: a block past its phase's cells merges zeros).
 template <class T, int ALIGN>
-__global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
+__global__ void __launch_bounds__(T::THREADS, BF_MIN_BLOCKS)
 conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf16* __restrict__ dx, int add,
                 float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group, BN_SUMS_PARAMS(bf16)) {
     const Geometry<0, 0> g CONV_GEOMETRY;
@@ -442,15 +446,15 @@ conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf
     __shared__ __align__(128) bf16 smem[BfShared<T>::SIZE];
     if (m0 >= g.n * f.cells()) {   // the same for the whole block
         if (sums_partial && part == 0)
-            bn_tile_sums<T, TC_THREADS>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx,
+            bn_tile_sums<T, T::THREADS>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx,
                                         reinterpret_cast<float*>(smem), m0, n0, tile, sums_tiles,
                                         int(blockIdx.y));
         return;
     }
     const int k_begin = part * k_chunk, k_end = min(k_begin + k_chunk, f.taps() * g.o);
     const int tiles = (max(k_end - k_begin, 0) + T::BK - 1) / T::BK;
-    using CopyA = BfCopy<T::BM, true, T::BK>;
-    using CopyB = BfCopy<T::BN, false, T::BK>;
+    using CopyA = BfCopy<T::BM, true, T::BK, T::THREADS>;
+    using CopyB = BfCopy<T::BN, false, T::BK, T::THREADS>;
     float acc[T::MI][T::NI][4];
     if constexpr (ALIGN == T::BK)
         bf_gemm<T, true, false>(smem, GradientRowsAligned<CopyA>(g, f, dy, m0, k_begin),
@@ -462,26 +466,25 @@ conv_bf16_dgrad(const bf16* __restrict__ dy, const bf16* __restrict__ w_krsc, bf
     const bool finished = tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
                                               tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
     if (finished && sums_partial)
-        bn_tile_sums<T, TC_THREADS>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, reinterpret_cast<float*>(smem),
+        bn_tile_sums<T, T::THREADS>(BnSums<bf16> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, reinterpret_cast<float*>(smem),
                                     m0, n0, tile, sums_tiles, int(blockIdx.y));
 }
 
-// The bias gradient (tc_conv.cuh's BiasTotals) on the tensor cores: the warps of the first row of the
-// block's 2 x 2 (their 64 x 64 tiles cover its BN columns) multiply each k16 step's B fragments, dy, by
-// an A of ones, exact products summed in float32 as the GEMM's are, into the column sums of their
-// n8 tiles (every row of such an mma tile holds them): NI more HMMA a k16 step for those warps, where
-// summing the landed values one by one took twice the issue slots of the GEMM's own HMMA.
+// The bias gradient (tc_conv.cuh's BiasTotals) from the B fragments: the warps of the first row of the
+// block's warps (their warp tiles cover its BN columns) add up, in float32, the 4 values of dy each of their
+// lanes holds of a column of each n8 tile, every k16 step (lane l: column l / 4, k 2 (l % 4).. and 8 more);
+// at the end the 4 lanes of a column add theirs (shuffles). A register an n8 tile: the 2 x 4 warps' tile
+// fits 128 registers so, where a tile of sums by an mma of ones took 4.
 template <class T>
-struct BiasMma : BiasTotals<T> {
-    float sums[T::NI][4];
+struct BiasFragments : BiasTotals<T> {
+    float sums[T::NI];
 
     __device__ void b_fragments(const unsigned (&fb)[T::NI / 2][4]) {
-        if (int(threadIdx.x) / 64 != 0) return;   // the warps of the first row (warp-uniform)
-        const unsigned ones[4] = {0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u};
+        if (int(threadIdx.x) / (32 * T::WARPS_N) != 0) return;   // the warps of the first row (warp-uniform)
 #pragma unroll
         for (int j = 0; j < T::NI; ++j) {
-            const unsigned b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
-            mma_bf16(sums[j], ones, b, sums[j]);
+            const unsigned lo = fb[j / 2][2 * (j % 2)], hi = fb[j / 2][2 * (j % 2) + 1];
+            sums[j] = sums[j] + bf16x2_low(lo) + bf16x2_high(lo) + bf16x2_low(hi) + bf16x2_high(hi);
         }
     }
     // every thread of the block calls it; smem: the main loop's, which it is done with
@@ -490,11 +493,14 @@ struct BiasMma : BiasTotals<T> {
         __syncthreads();
         this->block_sums = reinterpret_cast<float*>(smem);
         const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-        if (warp < 2 && lane < 4)   // row 0 of the tiles: columns 2t, 2t + 1 of each
+        if (warp < T::WARPS_N)
 #pragma unroll
-            for (int j = 0; j < T::NI; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) this->block_sums[warp * T::WARP_N + 8 * j + 2 * lane + e] = sums[j][e];
+            for (int j = 0; j < T::NI; ++j) {
+                float total = sums[j];
+                total += __shfl_xor_sync(0xffffffffu, total, 1);
+                total += __shfl_xor_sync(0xffffffffu, total, 2);
+                if (lane % 4 == 0) this->block_sums[warp * T::WARP_N + 8 * j + lane / 4] = total;
+            }
         __syncthreads();
     }
 };
@@ -505,7 +511,7 @@ struct BiasMma : BiasTotals<T> {
 // unless db is null, the bias gradient (BiasSums), its block sums in the stages' shared memory.
 // plane_..., width_...: the FastDivmod multipliers and shifts of OH*OW and OW.
 template <class T, int ALIGN>
-__global__ void __launch_bounds__(TC_THREADS, BF_MIN_BLOCKS)
+__global__ void __launch_bounds__(T::THREADS, BF_MIN_BLOCKS)
 conv_bf16_wgrad(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* __restrict__ dw, int krsc,
                 float* __restrict__ db, float* partial, float* db_partial, unsigned* counters, CONV_PARAMS,
                 int k_chunk, int group, unsigned plane_multiplier, unsigned plane_shift, unsigned width_multiplier,
@@ -514,10 +520,10 @@ conv_bf16_wgrad(const bf16* __restrict__ dy, const bf16* __restrict__ x, float* 
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, columns = g.taps() * g.c;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
     const int tiles = (max(k_end - k_begin, 0) + T::BK - 1) / T::BK;
-    using CopyA = BfCopy<T::BM, false, T::BK>;
-    using CopyB = BfCopy<T::BN, false, T::BK>;
+    using CopyA = BfCopy<T::BM, false, T::BK, T::THREADS>;
+    using CopyB = BfCopy<T::BN, false, T::BK, T::THREADS>;
     __shared__ __align__(128) bf16 smem[BfShared<T>::SIZE];
-    BiasMma<T> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
+    BiasFragments<T> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
     float acc[T::MI][T::NI][4];
     // one main loop for the blocks that also sum the bias (the first row of tiles), one for the others
     const auto gemm = [&](auto&& on_chunk_b) {
@@ -600,7 +606,7 @@ conv_bf16_wgrad_halo(const bf16* __restrict__ dy, const bf16* __restrict__ x, fl
     const int c0 = blockIdx.x * 32, n0 = blockIdx.y * T::BN;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
     __shared__ __align__(128) bf16 smem[WgradHaloShared<T>::SIZE];
-    BiasMma<T> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
+    BiasFragments<T> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
     float acc[T::MI][T::NI][4];
     const FastDivmod plane{g.out_plane(), plane_multiplier, plane_shift}, width{g.ow, width_multiplier, width_shift};
     if (bias.active)   // one main loop for the blocks that also sum the bias (the first channels), one for the others

@@ -24,8 +24,15 @@ from .elementwise import round_tf32
 from .launch import aligned, cdiv, is_channels_last, launch, memory
 
 OPS = ()  # the contract's ops are conv.py's, which calls these
-THREADS = 128   # the threads of a block (TC_THREADS)
+THREADS = 128   # the threads of a block (TC_THREADS: 2 x 2 warps), but for the tiles of TILE_THREADS
+# the tiles of 2 x 4 warps (tc_conv.cuh's TcTile with WARPS_N 4): BF16's 128 x 128, 64 x 32 warp tiles
+TILE_THREADS = {"Bf128x128": 256}
 MAX_ALIGNED_TAPS = 32
+
+
+def threads(kernel):
+    """The threads of a block of `kernel` (a name expression): its tile's."""
+    return TILE_THREADS.get(kernel.partition("<")[2].split(",")[0].rstrip(">").strip(), THREADS)
 
 
 class Kind(typing.NamedTuple):
@@ -540,7 +547,7 @@ def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=()):
     partial = be.xp.empty((partial_slots(p), out.size), np.float32) if p.splits > 1 else None
     launch(be, p.family, p.kernel, p.grid,
            (*inputs, out, *extra, partial, *partials, be.counters(_counters(p)), *geometry, p.chunk, p.group, *tail),
-           block=(THREADS,), shared_mem=dynamic_shared(p.kernel))
+           block=(threads(p.kernel),), shared_mem=dynamic_shared(p.kernel))
 
 
 def dynamic_shared(kernel):

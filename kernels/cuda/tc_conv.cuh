@@ -19,12 +19,14 @@
 #include "tensor_core.cuh"
 #include "bn_stats.cuh"
 
-constexpr int TC_THREADS = 128;
+constexpr int TC_THREADS = 128;   // the threads of the tiles of 2 x 2 warps
 
-// The tile of a block: BM x BN outputs, 2 x 2 warps, each MI x NI mma tiles of 16 x 8.
-template <int BM_, int BN_>
+// The tile of a block: BM x BN outputs, 2 x WARPS_N warps (THREADS threads; warp w at row w / WARPS_N and
+// column w % WARPS_N), each MI x NI mma tiles of 16 x 8.
+template <int BM_, int BN_, int WARPS_N_ = 2>
 struct TcTile {
-    static constexpr int BM = BM_, BN = BN_, WARP_M = BM / 2, WARP_N = BN / 2;
+    static constexpr int BM = BM_, BN = BN_, WARPS_N = WARPS_N_, THREADS = 64 * WARPS_N;
+    static constexpr int WARP_M = BM / 2, WARP_N = BN / WARPS_N;
     static constexpr int MI = WARP_M / 16, NI = WARP_N / 8;
     static_assert(WARP_M % 16 == 0 && NI % 2 == 0, "warp tiles of whole m16 x n16 pieces");
 };
@@ -113,7 +115,7 @@ template <class T, bool M_PERMUTED, class Out, class E>
 __device__ __forceinline__ void tc_store(const Out& out, E* base, int m0, int n0, const float* bias, bool add,
                                          const float (&acc)[T::MI][T::NI][4]) {
     const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, g = lane / 4, t = lane % 4;
-    const int wm = m0 + (warp / 2) * T::WARP_M, wn = n0 + (warp % 2) * T::WARP_N;
+    const int wm = m0 + (warp / T::WARPS_N) * T::WARP_M, wn = n0 + (warp % T::WARPS_N) * T::WARP_N;
 #pragma unroll
     for (int i = 0; i < T::MI; ++i)
 #pragma unroll
@@ -198,7 +200,7 @@ __device__ __forceinline__ bool tc_finish(const Out& out, E* y, float* partial, 
         const int members = min(split.group, split.parts - first);
         if (!last_block(counters + 1 + group, members)) return false;
         float* sums = partial + (split.parts + group) * size;
-        for (int idx = int(threadIdx.x); idx < T::BM * T::BN; idx += TC_THREADS) {
+        for (int idx = int(threadIdx.x); idx < T::BM * T::BN; idx += T::THREADS) {
             int row, column, n;
             if (element(idx, row, column, n))
                 sums[row + column] = added_partials(partial + first * size + row + column, members, size);
@@ -208,7 +210,7 @@ __device__ __forceinline__ bool tc_finish(const Out& out, E* y, float* partial, 
         first_term = split.parts;
     }
     if (!last_block(counters, terms)) return false;
-    for (int idx = int(threadIdx.x); idx < T::BM * T::BN; idx += TC_THREADS) {
+    for (int idx = int(threadIdx.x); idx < T::BM * T::BN; idx += T::THREADS) {
         int row, column, n;
         if (element(idx, row, column, n))
             y[row + column] = stored<E>(added_partials(partial + first_term * size + row + column, terms, size) +
@@ -239,21 +241,22 @@ struct RowsOut {
 // thread's values of a column (ShiftedSums), merged across the 8 lanes that share it (shuffles), the
 // block's two rows of warps, then the row tiles (bn_block_statistics). from_registers: the tile's values
 // are acc (+ bias) as tc_store stored them (one part of k); else (split-K) the block reads them back
-// from y, each thread every READERS-th row of a column. smem: 3 * max(2, TC_THREADS / BN) * BN
+// from y, each thread every READERS-th row of a column. smem: 3 * max(2, THREADS / BN) * BN
 // floats the block is done with. Every thread of the block must call it.
 template <class T, bool M_PERMUTED, class E>
 __device__ __forceinline__ void tc_batch_stats(const BnStats& s, const RowsOut& out, const E* y, float* smem,
                                                int m0, int n0, const float* bias, bool from_registers,
                                                const float (&acc)[T::MI][T::NI][4]) {
-    constexpr int READERS = TC_THREADS / T::BN;   // threads to a column reading the tile back
-    static_assert(TC_THREADS % T::BN == 0, "whole threads to a column");
+    constexpr int READERS = T::THREADS / T::BN;   // threads to a column reading the tile back
+    static_assert(T::THREADS % T::BN == 0, "whole threads to a column");
     Moments* part = reinterpret_cast<Moments*>(smem);   // [parts][BN]
     const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
     __syncthreads();   // every warp is done with the main loop's shared memory, and y's tile is stored
     int parts;
     if (from_registers) {   // per n8 tile and column of the thread, its rows; then the warp's 8 lanes of the column
         parts = 2;
-        const int wm = m0 + (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N, g = lane / 4, t = lane % 4;
+        const int wm = m0 + (warp / T::WARPS_N) * T::WARP_M, wn = (warp % T::WARPS_N) * T::WARP_N, g = lane / 4;
+        const int t = lane % 4;
 #pragma unroll
         for (int j = 0; j < T::NI; ++j)
 #pragma unroll
@@ -271,7 +274,7 @@ __device__ __forceinline__ void tc_batch_stats(const BnStats& s, const RowsOut& 
 #pragma unroll
                 for (int x = 4; x < 32; x <<= 1)
                     m = merged(m, shuffled_xor(m, x));
-                if (g == 0) part[(warp / 2) * T::BN + column] = m;
+                if (g == 0) part[(warp / T::WARPS_N) * T::BN + column] = m;
             }
     } else {   // thread t: column t % BN, every READERS-th row from t / BN
         parts = READERS;
@@ -318,7 +321,7 @@ struct WeightsOut {
 
 // The bias gradient of backward-weight's blocks of the first row of tiles (x = 0): db[n] = the sum
 // of dy[k, n] over the pixels k, which each precision's main loop sums its own way (conv_tc.cu's
-// BiasSums, conv_bf16.cu's BiasMma) into block_sums, [BN] in shared memory; then, as tc_finish's
+// BiasSums, conv_bf16.cu's BiasFragments) into block_sums, [BN] in shared memory; then, as tc_finish's
 // steps call them, the block's sums go to db, or with several parts to the part's slot of
 // db_partial (slots of O), which are added in order like the tile's.
 template <class T>
