@@ -9,8 +9,8 @@ Each tensor-core kernel's registers, shared memory and resident blocks, and its 
 SASS NVRTC makes (the loops with the most HMMA of the GEMM): their instructions, their HMMA and the
 instructions per HMMA, the issue slots a loop spends for each tensor-core instruction of the
 product. A backward-weight has more than one: the first row of tiles also sums the bias gradient,
-in a loop of its own (the "bias loop", listed after the lean loop): BF16's on the tensor cores (its
-extra HMMA do not count as the product's); TF32's from dy's TF32 values as they land, or, for a raw
+in a loop of its own (the "bias loop", listed after the lean loop): BF16's from the B fragments (a
+float32 add per value); TF32's from dy's TF32 values as they land, or, for a raw
 dy, from its values before it rounds them. Then for each GEMM (forward, backward-data,
 backward-weight) of each distinct convolution that the tensor cores take: the kernel the launchers
 choose (kernels/cuda/conv_tc.py's plan; TF32's projection backward, one launch for backward-data and
@@ -20,9 +20,11 @@ allow (from ptxas through NVRTC, as
 kernels.cuda.ptxas_report gives them), and the FLOPs per L2 byte of its tile: the FLOPs of a k step,
 2 BM BN k, over the operand bytes a block loads for it, (BM + BN) k times the element's bytes (a tile
 wider than the GEMM loads and multiplies its real rows and columns only). The occupancy rules are
-Hopper's (sm_90): 65,536 registers per SM, allocated per warp in units of 256; 228 KB of shared
-memory per SM, 1 KB of it reserved per block; at most 32 blocks and 64 warps per SM. A model of
-the launch, not a measurement: the speed is measured by bench/gpu_check (tier c) when a GPU is lent.
+--arch's (SM_LIMITS): 65,536 registers per SM, allocated per warp in units of 256; 228 KB of shared
+memory per SM on sm_90, 164 on sm_80, 100 on sm_86 and sm_89, 1 KB of it reserved per block; at most
+32 blocks (sm_86: 16, sm_89: 24) and 64 warps (sm_86, sm_89: 48) per SM. An A100's figures:
+--arch sm_80 --sms 108. A model of the launch, not a measurement: the speed is measured by
+bench/gpu_check (tier c) when a GPU is lent.
 """
 import argparse
 import math
@@ -37,7 +39,10 @@ from kernels import bfloat16
 from kernels.cuda import conv_sm90, conv_tc
 from kernels.cuda.ptxas_report import compile_family, report
 
-REGISTERS, REGISTER_UNIT, SHARED, SHARED_RESERVED, MAX_BLOCKS, MAX_WARPS = 65536, 256, 233472, 1024, 32, 64
+REGISTERS, REGISTER_UNIT, SHARED_RESERVED = 65536, 256, 1024
+# an SM's shared memory, blocks and warps, by architecture (CUDA's occupancy tables): an A100's, an RTX 3090's or an
+# A10's, an RTX 4090's or an L4's, an H100's or H200's
+SM_LIMITS = {"sm_80": (167936, 32, 64), "sm_86": (102400, 16, 48), "sm_89": (102400, 24, 48), "sm_90": (233472, 32, 64)}
 KINDS = {"tf32": conv_tc.TF32, "bf16": conv_tc.BF16}
 # the halo backward-weights (with the norm applied too): their family's conv_tc.WGRAD_HALO
 WGRAD_HALOS = {kernel: halo for halo in conv_tc.WGRAD_HALO.values() for kernel in (halo.kernel,
@@ -48,14 +53,15 @@ FLOPS_PER_BYTE_GOAL = {"tf32": 32, "bf16": 64}
 RAW_DY_LOOP = "conv_tc_wgrad<"   # the TF32 backward-weights with a raw dy's bias loop, their third (a name's start)
 
 
-def blocks_per_sm(resources, threads=conv_tc.THREADS, dynamic=0):
-    """Resident blocks per SM of a kernel of `threads` threads with ptxas' `resources` and `dynamic` bytes of
-    dynamic shared memory a block, and what limits them."""
+def blocks_per_sm(resources, threads, arch, dynamic=0):
+    """Resident blocks per SM of `arch` of a kernel of `threads` threads with ptxas' `resources` and `dynamic` bytes
+    of dynamic shared memory a block, and what limits them."""
+    shared, max_blocks, max_warps = SM_LIMITS[arch]
     warps = threads // 32
     per_warp = math.ceil(resources.registers * 32 / REGISTER_UNIT) * REGISTER_UNIT
-    limits = {"registers": REGISTERS // (per_warp * warps), "shared memory": SHARED // (resources.shared_bytes +
+    limits = {"registers": REGISTERS // (per_warp * warps), "shared memory": shared // (resources.shared_bytes +
                                                                                        dynamic + SHARED_RESERVED),
-              "blocks": MAX_BLOCKS, "warps": MAX_WARPS // warps}
+              "blocks": max_blocks, "warps": max_warps // warps}
     limit = min(limits, key=limits.get)
     return limits[limit], limit
 
@@ -81,7 +87,7 @@ def main_loops(instructions):
     """[(instructions, HMMA)] of a kernel's main loops, from its SASS (_loops): the innermost of the loops
     with HMMA (a loop around another, the ring's wrap, holds all of it) that hold at least as many HMMA as
     the one with the fewest of those that hold the most of them: a loop that also sums the bias holds as
-    many (TF32's) or more (BF16's). Shortest first; [] for a kernel without one."""
+    many. Shortest first; [] for a kernel without one."""
     found = [(start, end, count) for start, end, count in _loops(instructions) if count]
     inner = {(end - start + 1, count) for start, end, count in found
              if not any(start <= a and b <= end and (a, b) != (start, end) for a, b, _ in found)}
@@ -229,7 +235,8 @@ def rows(batch, arch, sms, precision):
             applies = fold and gemm != "dgrad" and conv_tc.folds(gemm, geometry(layer))
             p = conv_tc.projection_plan(geometry(layer)) if projection and gemm != "forward" else \
                 conv_tc.plan(gemm, geometry(layer), kind, fold=applies)
-            resident, limit = blocks_per_sm(resources[p.kernel], dynamic=conv_tc.dynamic_shared(p.kernel))
+            resident, limit = blocks_per_sm(resources[p.kernel], conv_tc.threads(p.kernel), arch,
+                                            dynamic=conv_tc.dynamic_shared(p.kernel))
             blocks = math.prod(p.grid)
             out.append({"layer": layer.label + (" (bn1 applied)" if fold else ""), "count": count, "gemm": gemm,
                         "kernel": p.kernel, "geometry": geometry(layer), "grid": p.grid, "blocks": blocks,
@@ -333,16 +340,18 @@ def kernel_table(precision, arch, launched, resources):
     kind = KINDS[precision]
     found = loops(arch, kind.family)
     window = window_loop_sizes(arch, kind.family)
-    print(f"| kernel ({arch}) | registers | shared memory, bytes | blocks per SM (limit) | main loops: "
+    print(f"| kernel ({arch}) | threads | registers | shared memory, bytes | blocks per SM (limit) | warps per SM | "
+          f"main loops: "
           f"instructions / HMMA | instructions per HMMA of the product | launched at batch "
           f"{args_batch} |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     ratios = {}
     first_stage = (args_batch, 64, 28, 28, 64, 3, 3, 1, 1, 1, 1, 28, 28)
     for kernel in (conv_tc.KERNELS if precision == "tf32" else conv_tc.BF16_KERNELS):
         r = resources[kernel]
         dynamic = conv_tc.dynamic_shared(kernel)
-        resident, limit = blocks_per_sm(r, dynamic=dynamic)
+        threads = conv_tc.threads(kernel)
+        resident, limit = blocks_per_sm(r, threads, arch, dynamic=dynamic)
         lean = found[kernel][0][1]
         loops_ = found[kernel]
         windowed = "_halo<" in kernel
@@ -350,8 +359,8 @@ def kernel_table(precision, arch, launched, resources):
             compiled = compile_family(kind.family, arch)
             loops_ = phase_loops(compiled.sass()[compiled.lowered_names[kernel]])
             ratios[kernel] = [size / hmma for size, hmma in loops_]
-            print(f"| `{kernel}` | {r.registers} | {r.shared_bytes} + {dynamic} | {resident} ({limit}) | "
-                  f"{', '.join(f'{size} / {hmma}' for size, hmma in loops_)} (1, 2 and 4 taps) | "
+            print(f"| `{kernel}` | {threads} | {r.registers} | {r.shared_bytes} + {dynamic} | {resident} ({limit}) | "
+                  f"{resident * threads // 32} | {', '.join(f'{size} / {hmma}' for size, hmma in loops_)} (1, 2 and 4 taps) | "
                   f"{', '.join(f'{ratio:.2f}' for ratio in ratios[kernel])} | {'yes' if kernel in launched else 'no'} |")
             continue
         if windowed:
@@ -363,7 +372,8 @@ def kernel_table(precision, arch, launched, resources):
             sizes += f" (window loops of {window[kernel]} run for {rows_:.1f} rows)"
         ratios[kernel] = [size / lean for size, _ in loops_]
         shared = f"{r.shared_bytes} + {dynamic}" if dynamic else f"{r.shared_bytes}"
-        print(f"| `{kernel}` | {r.registers} | {shared} | {resident} ({limit}) | {sizes} | {per_hmma} | "
+        print(f"| `{kernel}` | {threads} | {r.registers} | {shared} | {resident} ({limit}) | "
+              f"{resident * threads // 32} | {sizes} | {per_hmma} | "
               f"{'yes' if kernel in launched else 'no'} |")
     step = [ratio for kernel in sorted(launched) for ratio in ratios[kernel]]
     # TF32's backward-weight's third loop sums a raw dy, which the step never hands it (its batch norms round dy)
@@ -381,7 +391,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--batch", type=int, default=layers.BATCH)
-    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--arch", default="sm_90", choices=sorted(SM_LIMITS),
+                   help="the architecture whose SASS and occupancy to report (default sm_90; sm_80: an A100, with "
+                        "--sms 108)")
     p.add_argument("--sms", type=int, default=132, help="SMs of the GPU (default 132, an H200 SXM)")
     p.add_argument("--precision", nargs="+", choices=tuple(KINDS), default=tuple(KINDS),
                    help="the tensor-core precisions to show (default both)")
