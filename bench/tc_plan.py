@@ -37,6 +37,7 @@ import numpy as np
 from bench import layers
 from kernels import bfloat16
 from kernels.cuda import conv_sm90, conv_tc
+from kernels.cuda.launch import tile_of
 from kernels.cuda.ptxas_report import compile_family, report
 
 REGISTERS, REGISTER_UNIT, SHARED_RESERVED = 65536, 256, 1024
@@ -195,7 +196,7 @@ def flops_per_byte(kind, precision, p, rows, columns, geometry):
                                  for m0 in range(0, pixels, conv_tc.HALO_ROWS))
         flops = 2 * min(conv_tc.HALO_ROWS, rows) * bn * 9 * kind.halo_channels
         return flops / ((window + 9 * bn) * kind.halo_channels * ELEMENT_BYTES[precision])
-    bm, bn, _ = kind.tile(p.kernel.partition("<")[2].partition(",")[0])
+    bm, bn, _ = kind.tile(tile_of(p.kernel))
     bm, bn = min(bm, rows), min(bn, columns)
     return 2 * bm * bn / ((bm + bn) * ELEMENT_BYTES[precision])
 
@@ -295,11 +296,11 @@ def hopper_table(batch, sms):
           "backward-weight's rows below bf16's)\n")
     for kernel, r in resources.items():
         if kernel.startswith("conv_sm90_forward<") and kernel.endswith("false>"):
-            tile = kernel.split("<")[1].split(",")[0]
+            tile = tile_of(kernel)
             (columns, stages), rows, consumers, resident = conv_sm90.TILES[tile], conv_sm90.ROWS, 2, 1
             shared, copies = conv_sm90.dynamic_shared(kernel), 0
         elif kernel.startswith("conv_sm90_wgrad"):
-            tile = kernel.split("<")[1][:-1]
+            tile = tile_of(kernel)
             rows, columns, stages, resident, copies = conv_sm90.WGRAD_TILES[tile]
             consumers, shared = rows // 64, conv_sm90.dynamic_shared(kernel)
         else:

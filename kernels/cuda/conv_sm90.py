@@ -20,7 +20,7 @@ import numpy as np
 from kernels import bfloat16
 
 from .batchnorm import NO_STATISTICS, NO_SUMS
-from .launch import aligned, cdiv, launch, sum_partials, tensor_map
+from .launch import aligned, cdiv, launch, sum_partials, tensor_map, tile_of
 
 OPS = ()   # the contract's op is conv.py's conv2d_forward, through conv_tc.forward
 THREADS = 384   # the forward's: a producer warpgroup and two consumer warpgroups (Sm90Tile::THREADS)
@@ -119,8 +119,7 @@ def dynamic_shared(kernel):
     (Sm90Tile::SHARED_BYTES): 1024 bytes to align the ring, its stages of A (BM rows of 64 bf16) and B (BN rows),
     a full and an empty barrier a stage, and the epilogues' scratch (12 bytes a column for each consumer warp's
     rows); 0 for the others (no shared memory)."""
-    name, _, arguments = kernel.partition("<")
-    tile = arguments.split(",")[0].rstrip(">")
+    name, tile = kernel.partition("<")[0], tile_of(kernel)
     copies = 0
     if name == "conv_sm90_forward":
         rows, (columns, stages) = ROWS, TILES[tile]

@@ -21,7 +21,7 @@ from kernels import bfloat16
 from . import conv_sm90
 from .batchnorm import NO_STATISTICS, NO_SUMS
 from .elementwise import round_tf32
-from .launch import aligned, cdiv, is_channels_last, launch, memory
+from .launch import aligned, cdiv, is_channels_last, launch, memory, tile_of
 
 OPS = ()  # the contract's ops are conv.py's, which calls these
 THREADS = 128   # the threads of a block (TC_THREADS: 2 x 2 warps), but for the tiles of TILE_THREADS
@@ -32,7 +32,7 @@ MAX_ALIGNED_TAPS = 32
 
 def threads(kernel):
     """The threads of a block of `kernel` (a name expression): its tile's."""
-    return TILE_THREADS.get(kernel.partition("<")[2].split(",")[0].rstrip(">").strip(), THREADS)
+    return TILE_THREADS.get(tile_of(kernel), THREADS)
 
 
 class Kind(typing.NamedTuple):

@@ -209,6 +209,12 @@ def _describe(a):
     return f"{type(a).__module__}.{type(a).__name__}" + (f" of {dtype}" if dtype is not None else "")
 
 
+def tile_of(kernel):
+    """The first template argument of a kernel's name expression (a tensor-core GEMM's tile): "Bf128x128" of
+    "conv_bf16_forward<Bf128x128, 32>"; "" without one."""
+    return kernel.partition("<")[2].split(",")[0].removesuffix(">").strip()
+
+
 def launch(be, family, kernel, grid, args, block=(THREADS,), shared_mem=0):
     """Launch `kernel` of `family` with Python ints passed as int32 and Python floats as
     float32, which is what every kernel of the project declares; CuPy and the emulator would

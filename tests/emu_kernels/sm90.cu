@@ -109,10 +109,7 @@ extern "C" __global__ void wgmma_mn_major(const uint4* a, const uint4* b, float*
 extern "C" __global__ void wgmma_diverged(const uint4* a, const uint4* b, float* out, int diverged) {
     const int t = threadIdx.x;
     if (diverged == 2 && t == 5) return;
-    for (int i = t; i < 64 * 8; i += 128) reinterpret_cast<uint4*>(sm90_smem)[i] = a[i];
-    for (int i = t; i < 64 * 8; i += 128) reinterpret_cast<uint4*>(sm90_smem + 8192)[i] = b[i];
-    fence_proxy_async();
-    __syncthreads();
+    store_operands(a, 8192, b, 8192);
     float acc[32];
     wgmma_fence();
     const unsigned long long da = wgmma_descriptor_sw128(sm90_smem), db = wgmma_descriptor_sw128(sm90_smem + 8192);
@@ -140,10 +137,7 @@ extern "C" __global__ void setmaxnreg_split(int* out, int split) {
 // A wgmma whose thread returns without retiring it: never committed (mode 1), committed but not waited for (2).
 extern "C" __global__ void wgmma_unretired(const uint4* a, const uint4* b, float* out, int mode) {
     const int t = threadIdx.x;
-    for (int i = t; i < 64 * 8; i += 128) reinterpret_cast<uint4*>(sm90_smem)[i] = a[i];
-    for (int i = t; i < 64 * 8; i += 128) reinterpret_cast<uint4*>(sm90_smem + 8192)[i] = b[i];
-    fence_proxy_async();
-    __syncthreads();
+    store_operands(a, 8192, b, 8192);
     float acc[32];
     wgmma_fence();
     wgmma_bf16<64>(acc, wgmma_descriptor_sw128(sm90_smem), wgmma_descriptor_sw128(sm90_smem + 8192), 0);
