@@ -236,6 +236,7 @@ def rows(batch, arch, sms, precision):
             applies = fold and gemm != "dgrad" and conv_tc.folds(gemm, geometry(layer))
             p = conv_tc.projection_plan(geometry(layer)) if projection and gemm != "forward" else \
                 conv_tc.plan(gemm, geometry(layer), kind, fold=applies)
+            p = p._replace(kernel=conv_tc.for_shared_memory(p.kernel, SM_LIMITS[arch][0]))   # as a GPU runs it
             resident, limit = blocks_per_sm(resources[p.kernel], conv_tc.threads(p.kernel), arch,
                                             dynamic=conv_tc.dynamic_shared(p.kernel))
             blocks = math.prod(p.grid)
@@ -349,6 +350,8 @@ def kernel_table(precision, arch, launched, resources):
     ratios = {}
     first_stage = (args_batch, 64, 28, 28, 64, 3, 3, 1, 1, 1, 1, 28, 28)
     for kernel in (conv_tc.KERNELS if precision == "tf32" else conv_tc.BF16_KERNELS):
+        if not found[kernel]:   # no GEMM (mirrored_weights)
+            continue
         r = resources[kernel]
         dynamic = conv_tc.dynamic_shared(kernel)
         threads = conv_tc.threads(kernel)

@@ -304,7 +304,7 @@ def test_split_sums_do_not_depend_on_which_block_finishes_last(variant, x_shape,
 
 
 @pytest.mark.nvrtc("conv_bf16")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90"])
 def test_every_bf16_kernel_runs_hmma(arch):
     reason = nvrtc.unavailable_reason()
     if reason:

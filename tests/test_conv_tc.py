@@ -31,6 +31,7 @@ FP32 kernels under tf32 too).
 """
 import collections
 import contextlib
+import re
 
 import numpy as np
 import pytest
@@ -120,17 +121,20 @@ def emu(request):
         yield kernels._device_backend("emu")
 
 
-VARIANTS = ("default", "large tile", "square tile", "split", "square tile split")
+VARIANTS = ("default", "large tile", "square tile", "split", "square tile split", "square tile ring2")
 
 
 @pytest.fixture(params=VARIANTS)
 def variant(request, monkeypatch):
-    """The launchers' choices, or the 128 x 64 or 128 x 128 tile (where the copies allow it) or many-way
-    split-K forced, or both, so that small shapes exercise those code paths too."""
+    """The launchers' choices, or the 128 x 64 or 128 x 128 tile (where the copies allow it, the latter with a ring of
+    3 stages or, as an SM of 100 KB takes it, of 2) or many-way split-K forced, or both, so that small shapes exercise
+    those code paths too."""
     if "tile" in request.param:   # the square tile has the aligned copies alone
         tile = "Tc128x64" if request.param == "large tile" else "Tc128x128"
         monkeypatch.setattr(conv_tc, "choose_tile", lambda rows, columns, aligned: tile if aligned else "Tc128x64")
         monkeypatch.setattr(conv_tc, "choose_wgrad_tile", lambda columns, align: tile if align else "Tc128x64")
+    if request.param.endswith("ring2"):   # as on an SM of 100 KB of shared memory: 2 stages (conv_tc.for_device)
+        monkeypatch.setattr(conv_tc, "device_property", lambda be, name: 100 * 1024)
     if request.param.endswith("split"):   # every GEMM in parts of one k step, in two levels past ONE_LEVEL_PARTS
         monkeypatch.setattr(conv_tc, "SPLIT_TARGET", 10**9)
         monkeypatch.setattr(conv_tc, "WGRAD_SPLIT_TARGET", collections.defaultdict(lambda: 10**9))
@@ -206,6 +210,48 @@ def test_the_square_backward_weight_copies_runs_of_chunks(monkeypatch, planted):
     want = ["conv_tc_wgrad<Tc128x128, 128>"] * 2 if planted else ["conv_tc_wgrad<Tc128x128, 64>",
                                                                   "conv_tc_wgrad<Tc128x128, 128>"]
     assert [name for name in launched if name.startswith("conv_tc_wgrad")] == want, launched
+
+
+@pytest.mark.parametrize("gemm", ["forward", "dgrad", "wgrad"])
+def test_the_square_tiles_ring_lies_in_the_dynamic_shared_memory_its_launch_asks_for(monkeypatch, gemm):
+    """The 128 x 128 tile's ring of 3 stages (51 to 60 KB) lies in dynamic shared memory, its bytes the launcher's
+    (conv_tc.ring_bytes). Planted: the launcher counting a stage fewer for one GEMM: the emulator's sanitizer refuses the GEMM's
+    launch by name, a shared access past the bytes asked for. (Its twin, the stages counted right, runs clean in
+    test_conv_at_odd_shapes' square tile.)"""
+    monkeypatch.setattr(conv_tc, "choose_tile", lambda rows, columns, aligned: "Tc128x128" if aligned else "Tc128x64")
+    kernel = "conv_tc_wgrad<Tc128x128, 64>" if gemm == "wgrad" else f"conv_tc_{gemm}<Tc128x128, 16>"
+    ring_bytes = conv_tc.ring_bytes
+    assert conv_tc.dynamic_shared(kernel) == ring_bytes(kernel) > 50 * 1024
+    monkeypatch.setattr(conv_tc, "ring_bytes", lambda name: ring_bytes(name) * (2 if name == kernel else 3) // 3)
+    conv_tc.plan.cache_clear()
+    emu = kernels._device_backend("emu")
+    try:
+        with pytest.raises(kernels.emu.KernelError, match=re.escape(kernel) + r".*dynamic shared memory"):
+            check_conv(emu, (2, 64, 5, 5), (128, 64, 3, 3), 2, 1) if gemm != "dgrad" else \
+                check_conv(emu, (2, 128, 5, 5), (128, 128, 3, 3), 1, 1)
+    finally:
+        conv_tc.plan.cache_clear()
+
+
+@pytest.mark.parametrize("shared, ring2", [(None, False), (228 * 1024, False), (164 * 1024, False),
+                                           (100 * 1024, True)])
+def test_the_square_tile_takes_a_ring_of_2_stages_where_an_sm_holds_two_blocks_of_those_alone(monkeypatch, shared,
+                                                                                           ring2):
+    """On an SM of 100 KB of shared memory (an RTX 3090's, 4090's, an L4's) two blocks of the 128 x 128 tile's 3-stage
+    ring (51 to 60 KB each) do not fit, two of its 2-stage ring do (static shared memory); an H100's, an A100's and the
+    emulator (no SM) keep 3 stages. The other tiles run as planned."""
+    monkeypatch.setattr(conv_tc, "device_property", lambda be, name: shared)
+    for kernel in conv_tc.KERNELS:
+        if conv_tc.RING2 in kernel:
+            continue
+        got = conv_tc.for_device(None, kernel)
+        square = conv_tc.tile_of(kernel) == "Tc128x128"
+        assert got == (kernel.replace("Tc128x128", conv_tc.RING2) if square and ring2 else kernel)
+        assert got in conv_tc.KERNELS
+        if square:
+            r = conv_tc.ring_bytes(got)
+            assert (r <= conv_tc.STATIC_RING) == ring2 and conv_tc.dynamic_shared(got) == (0 if ring2 else r)
+            assert shared is None or 2 * (r + 6 * 1024) <= shared
 
 
 # The 1x1, padding-0 convolutions of 64 -> 128 channels that the projection backward takes (conv_tc.projection):
@@ -818,7 +864,7 @@ def test_a_kernels_main_loops_are_its_innermost_loops_with_the_most_hmma():
 
 
 @pytest.mark.nvrtc("conv_tc")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90"])
 def test_every_tensor_core_kernel_runs_hmma(arch):
     reason = nvrtc.unavailable_reason()
     if reason:
@@ -829,15 +875,18 @@ def test_every_tensor_core_kernel_runs_hmma(arch):
     compiled = compile_family("conv_tc", arch)
     sass = compiled.sass()
     gemms = [name for name in conv_tc.KERNELS if name.startswith("conv_tc_")]
-    assert len(gemms) == 27   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
+    assert len(gemms) == 34   # forward and backward-data: 2 tiles x 2 copy paths and the square's aligned one;
     # backward-weight: 128 x 64's two and the square's at its two ALIGNs; the forward and backward-weight that
     # apply a batch norm to x as it lands, on the two large tiles (the square backward-weight at both ALIGNs); the
     # halo forward (with and without the norm), backward-data, and backward-weight (with and without the norm);
-    # the projection backward (dx written, or added); the stride-2 backward-data from windows of dy
+    # the projection backward (dx written, or added); the stride-2 backward-data from windows of dy; and the square
+    # tile's 7 with a ring of 2 stages (conv_tc.RING2)
     for name in gemms:
         instructions = sass[compiled.lowered_names[name]]
         assert any(i.startswith("HMMA.1688.F32.TF32") for i in instructions), f"{name} for {arch}: no HMMA"
         assert any("LDGSTS" in i for i in instructions), f"{name} for {arch}: no cp.async (LDGSTS)"
+        resources = compiled.resources()[compiled.lowered_names[name]]
+        assert resources.spill_stores == resources.spill_loads == 0, f"{name} for {arch} spills"
 
 
 # ---- GPU -----------------------------------------------------------------------------------

@@ -586,11 +586,13 @@ def launch_paths_net():
 # (precision, windows wherever the convolution allows them (conftest's halo_everywhere: the phase and halo
 # kernels' grid conditions dropped, as at batch 256), kernels the step must launch (the beginnings of their
 # name expressions: a folded twin's ends ", true>"), GEMMs that must split k, the simulated GPU's compute
-# capability: 8.0 for the mma.sync kernels, which a Hopper's (9.0) conv_sm90.cu replaces at 64 channels)
+# capability: 8.0 for the mma.sync kernels, which a Hopper's (9.0) conv_sm90.cu replaces at 64 channels; 8.6, whose
+# 100 KB an SM take TF32's 128 x 128 tile with a ring of 2 stages, conv_tc.RING2)
 LAUNCH_PATHS = [
     ("tf32", True, {conv_tc.PHASE_KERNEL, conv_tc.PROJECTION_KERNELS[0], f"conv_tc_forward_halo<{conv_tc.TF32.halo}",
                     f"conv_tc_dgrad_halo<{conv_tc.TF32.halo}", conv_tc.WGRAD_HALO["conv_tc"].kernel[:-1],
-                    "conv2d_forward<Tile64, 3, 3>"}, {"wgrad"}, "80"),
+                    "conv2d_forward<Tile64, 3, 3>", "conv_tc_wgrad<Tc128x128, "}, {"wgrad"}, "80"),
+    ("tf32", False, {f"conv_tc_wgrad<{conv_tc.RING2}, "}, set(), "86"),
     ("tf32", False, {"conv_sm90_forward<Sm90Tf32x64, ", "conv_sm90_forward<Sm90Tf32x128, ",
                      "conv_sm90_wgrad_tf32<Sm90Tf32Wgrad64>", "conv_sm90_wgrad_tf32<Sm90Tf32Wgrad128>",
                      "mirrored_weights<float>"}, set(), "90"),
@@ -605,7 +607,7 @@ LAUNCH_PATHS = [
 
 
 @pytest.mark.parametrize("precision, windows, launched, split, capability", LAUNCH_PATHS,
-                         ids=["tf32 windows", "tf32 hopper", "bf16 windows", "bf16", "bf16 hopper", "fp32"])
+                         ids=["tf32 windows", "tf32 ada", "tf32 hopper", "bf16 windows", "bf16", "bf16 hopper", "fp32"])
 def test_every_kernel_a_step_launches_is_named_on_a_simulated_gpu(simulated_gpu, request, monkeypatch, precision,
                                                                     windows, launched, split, capability):
     """profile() on a simulated GPU through every kind of launch (LAUNCH_PATHS): the kernels the report names are

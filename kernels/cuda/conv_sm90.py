@@ -11,7 +11,6 @@ KW, SH, SW, PH, PW, OH, OW). x and w reach the kernel as TMA tensor maps (launch
 boxes of a tile's output box of pixels by a 128-byte line of channels (64 bf16, 32 float32; at stride 2, its pixels
 of each parity of row and column a map apiece: x_maps), w as (O, KH*KW*C) in boxes of BN filters by a line.
 """
-import functools
 import os
 import typing
 
@@ -20,7 +19,7 @@ import numpy as np
 from kernels import bfloat16
 
 from .batchnorm import NO_STATISTICS, NO_SUMS
-from .launch import aligned, cdiv, launch, sum_partials, tensor_map, tile_of
+from .launch import aligned, cdiv, device_property, launch, sum_partials, tensor_map, tile_of
 
 OPS = ()   # the contract's op is conv.py's conv2d_forward, through conv_tc.forward
 THREADS = 384   # the forward's: a producer warpgroup and two consumer warpgroups (Sm90Tile::THREADS)
@@ -158,12 +157,7 @@ def multiprocessors(be):
     emulator."""
     if be.xp is np:
         return EMULATED_SMS
-    return _multiprocessors(be.xp, be.xp.cuda.Device().id)
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(xp, device):
-    return int(xp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+    return int(device_property(be, "multiProcessorCount"))
 
 
 def plan(geometry, phases=1, dtype=bfloat16):

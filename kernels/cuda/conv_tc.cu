@@ -26,8 +26,8 @@
 // flat buffer's TF32 copy, which the optimizer writes with each update, or the launcher's round_tf32 of
 // another weight): the forward reads them along k, backward-data along its n (the input channels).
 //
-// A block of 4 warps (2 x 2) computes a BM x BN tile of the output, each warp (BM/2) x (BN/2) as
-// m16n8k8 mma.sync tiles (tensor_core.cuh). K advances BK = 16 at a time through a STAGES-deep
+// A block of 2 x WARPS_N warps (2 x 2; 2 x 4 for 128 x 128) computes a BM x BN tile of the output, each
+// warp (BM/2) x (BN/WARPS_N) as m16n8k8 mma.sync tiles (tensor_core.cuh). K advances BK = 16 at a time through a STAGES-deep
 // ring of shared-memory tiles filled by 16-byte cp.async copies: while stage s is multiplied, the
 // copies of the next STAGES - 1 stages are in flight; the loop is unrolled over the ring, so that
 // each stage's shared-memory addresses are constants. Each thread rounds the chunks it copied of an
@@ -62,17 +62,20 @@
 constexpr int TC_BK = 16;
 
 // A block's tile (tc_conv.cuh's TcTile) with the number of its stages and the blocks an SM that its
-// registers are bounded for. 128 x 64 and 64 x 64: 3 stages, 3 blocks (170 registers a thread: at the
-// 128 that 4 blocks allow, ptxas recomputes the threads' shared-memory offsets and the loop's bound in
-// every iteration of the main loop; bench/tc_plan.py counts the instructions). 128 x 128 (64 x 64 warp
-// tiles: 128 accumulators a thread, 32 FLOPs per byte of operands a block loads, against 21.3): 2 stages
-// (40 KB, where 3 would pass the 48 KB of static shared memory a block may have), 2 blocks (255
-// registers).
-template <int BM, int BN, int STAGES_, int MIN_BLOCKS_>
-struct TcConfig : TcTile<BM, BN> {
+// registers are bounded for. 128 x 64 and 64 x 64: 2 x 2 warps, 3 stages, 3 blocks (170 registers a thread:
+// at the 128 that 4 blocks allow, ptxas recomputes the threads' shared-memory offsets and the loop's bound in
+// every iteration of the main loop; bench/tc_plan.py counts the instructions). 128 x 128 (32 FLOPs per byte
+// of operands a block loads, against 21.3): 2 x 4 warps (256 threads) of 64 x 32 warp tiles (64
+// accumulators), 3 stages (51 to 60 KB, in dynamic shared memory: tc_stages), 2 blocks, 16 warps, an SM of
+// an A100 or an H100 (at most 128 registers a thread; 2 x 64 KB of their 164 and 228 KB of shared memory).
+// An RTX 3090 or 4090 or an L4 (100 KB an SM) would hold one such block: they run Tc128x128Ring2, the same tile
+// in a ring of 2 stages (35 to 40 KB, static), 2 blocks an SM.
+template <int BM, int BN, int STAGES_, int MIN_BLOCKS_, int WARPS_N = 2>
+struct TcConfig : TcTile<BM, BN, WARPS_N> {
     static constexpr int STAGES = STAGES_, MIN_BLOCKS = MIN_BLOCKS_;
 };
-struct Tc128x128 : TcConfig<128, 128, 2, 2> {};
+struct Tc128x128 : TcConfig<128, 128, 3, 2, 4> {};
+struct Tc128x128Ring2 : TcConfig<128, 128, 2, 2, 4> {};   // for SMs of 100 KB of shared memory (conv_tc.py's RING2)
 struct Tc128x64 : TcConfig<128, 64, 3, 3> {};
 struct Tc64x64 : TcConfig<64, 64, 3, 3> {};
 
@@ -87,47 +90,51 @@ struct TcStage {
 };
 
 // The 16-byte chunks (4 consecutive elements along the rows or along k) of a stage that this
-// thread copies and rounds: CHUNKS of them, chunk c at (row(c), k(c)) of the stage. K_MAJOR (lines
-// of 4 chunks along k): 4 threads per line, rows 32 c + t / 4, so that a warp's copy instruction
-// reads whole 64-byte lines. Else (16 lines along k): 8 threads per line, line t / 8, rows
-// 4 (8 c + t % 8): a warp's instruction reads 128 contiguous bytes of each of its 4 lines, and a
-// thread's chunks share their k (backward-weight's pixel).
-template <int W, bool K_MAJOR>
+// thread, of THREADS, copies and rounds: CHUNKS of them, chunk c at (row(c), k(c)) of the stage. K_MAJOR
+// (lines of 4 chunks along k): 4 threads per line, rows ROW_STEP c + t / 4, so that a warp's copy
+// instruction reads whole 64-byte lines. Else (16 lines along k): LINE_THREADS (THREADS / 16) threads per
+// line, line t / LINE_THREADS, rows 4 (LINE_THREADS c + t % LINE_THREADS): a warp's instruction reads 128
+// (or 256) contiguous bytes of each of its 4 (or 2) lines, and a thread's chunks share their k
+// (backward-weight's pixel).
+template <int W_, bool K_MAJOR_, int THREADS = TC_THREADS>
 struct TcCopy {
     using Element = float;
-    static constexpr int BK = TC_BK, ELEMENTS = 4, LINE_THREADS = 8, ROW_STEP = 32;
-    static constexpr int CHUNKS = W * TC_BK / 4 / TC_THREADS;
-    static_assert(CHUNKS * 4 * TC_THREADS == W * TC_BK, "whole chunks per thread");
+    static constexpr int W = W_;
+    static constexpr bool K_MAJOR = K_MAJOR_;
+    static constexpr int BK = TC_BK, ELEMENTS = 4, LINE_THREADS = THREADS / TC_BK;
+    static constexpr int ROW_STEP = K_MAJOR ? THREADS / 4 : 4 * LINE_THREADS;
+    static constexpr int CHUNKS = W * TC_BK / 4 / THREADS;
+    static_assert(CHUNKS * 4 * THREADS == W * TC_BK, "whole chunks per thread");
     __device__ static int row(int c) {
-        return K_MAJOR ? c * (TC_THREADS / 4) + int(threadIdx.x) / 4 : (c * 8 + int(threadIdx.x) % 8) * 4;
+        return K_MAJOR ? c * ROW_STEP + int(threadIdx.x) / 4 : (c * LINE_THREADS + int(threadIdx.x) % LINE_THREADS) * 4;
     }
-    __device__ static int k(int c) { return K_MAJOR ? int(threadIdx.x) % 4 * 4 : int(threadIdx.x) / 8; }
+    __device__ static int k(int c) { return K_MAJOR ? int(threadIdx.x) % 4 * 4 : int(threadIdx.x) / LINE_THREADS; }
     __device__ static int offset(int c) { return TcStage<W, K_MAJOR>::offset(row(c), k(c)); }
 };
 
-// on_chunk.add(c, values) sees each of this thread's chunks of a landed stage; ROUND: then rounds them to
-// TF32 in place. (Neither: nothing, the loads unused.)
-template <int W, bool K_MAJOR, bool ROUND, class OnChunk>
+// on_chunk.add(c, values) sees each of this thread's chunks (Copy's) of a landed stage; ROUND: then rounds
+// them to TF32 in place. (Neither: nothing, the loads unused.)
+template <class Copy, bool ROUND, class OnChunk>
 __device__ __forceinline__ void tc_land_stage(float* tile, OnChunk& on_chunk) {
 #pragma unroll
-    for (int c = 0; c < TcCopy<W, K_MAJOR>::CHUNKS; ++c) {
-        float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, K_MAJOR>::offset(c));
+    for (int c = 0; c < Copy::CHUNKS; ++c) {
+        float4* chunk = reinterpret_cast<float4*>(tile + Copy::offset(c));
         const float4 v = *chunk;
         on_chunk.add(c, Floats<4>{{v.x, v.y, v.z, v.w}});
         if constexpr (ROUND) *chunk = tf32_round4(v);
     }
 }
 
-// What the main loop does to each landed stage of A before the warps read it (land), and where A's zero
-// chunks come from (PADDED: from pad, see tc_load_stage): TcRound rounds it to TF32 (tc_land_stage), the
+// What the main loop does to each landed stage of A (this thread's chunks of it, Copy's) before the warps read
+// it (land), and where A's zero chunks come from (PADDED: from pad, see tc_load_stage): TcRound rounds it to TF32 (tc_land_stage), the
 // zero chunks zero-filled.
 struct TcRound {
     static constexpr bool PADDED = false;
     static constexpr const float* pad = nullptr;
-    template <int W, bool K_MAJOR>
+    template <class Copy>
     __device__ void land(float* tile) {
         NoChunkWork none;
-        tc_land_stage<W, K_MAJOR, true>(tile, none);
+        tc_land_stage<Copy, true>(tile, none);
     }
 };
 
@@ -136,7 +143,7 @@ struct TcRound {
 struct TcAsIs {
     static constexpr bool PADDED = false;
     static constexpr const float* pad = nullptr;
-    template <int W, bool K_MAJOR>
+    template <class Copy>
     __device__ void land(float*) {}
 };
 
@@ -162,14 +169,14 @@ struct TcNormRows {
     __device__ TcNormRows(const TcFold& f, int channels_, int k_begin)
         : pad(f.pad), mean(f.mean), invstd(f.invstd), gamma(f.gamma), beta(f.beta), channels(channels_),
           ci(k_begin % channels_ + int(threadIdx.x) % 4 * 4) {}
-    template <int W, bool K_MAJOR>
+    template <class Copy>
     __device__ void land(float* tile) {
-        static_assert(K_MAJOR, "the forward's A runs along k");
+        static_assert(Copy::K_MAJOR, "the forward's A runs along k");
         float4 scale, shift;
         bn_coefficients(mean, invstd, gamma, beta, ci, scale, shift);
 #pragma unroll
-        for (int c = 0; c < TcCopy<W, true>::CHUNKS; ++c) {
-            float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, true>::offset(c));
+        for (int c = 0; c < Copy::CHUNKS; ++c) {
+            float4* chunk = reinterpret_cast<float4*>(tile + Copy::offset(c));
             *chunk = bn_relu_tf32(*chunk, scale, shift);
         }
         ci += TC_BK;   // the next stage's channels: of this tap, or the first of the next
@@ -194,13 +201,13 @@ struct TcNormColumns {
         }
         __syncthreads();
     }
-    template <int W, bool K_MAJOR>
+    template <class Copy>
     __device__ void land(float* tile) {
-        static_assert(!K_MAJOR && W == BM, "backward-weight's A runs along its rows");
+        static_assert(!Copy::K_MAJOR && Copy::W == BM, "backward-weight's A runs along its rows");
 #pragma unroll
-        for (int c = 0; c < TcCopy<W, false>::CHUNKS; ++c) {
-            const int row = TcCopy<W, false>::row(c);
-            float4* chunk = reinterpret_cast<float4*>(tile + TcCopy<W, false>::offset(c));
+        for (int c = 0; c < Copy::CHUNKS; ++c) {
+            const int row = Copy::row(c);
+            float4* chunk = reinterpret_cast<float4*>(tile + Copy::offset(c));
             *chunk = bn_relu_tf32(*chunk, *reinterpret_cast<const float4*>(table + row),
                                   *reinterpret_cast<const float4*>(table + BM + row));
         }
@@ -262,7 +269,11 @@ __device__ __forceinline__ void tc_multiply(float (&acc)[T::MI][T::NI][4], const
 }
 
 // The ring of stages of A and B in shared memory: one for each tile and layout, which the main loops of a
-// kernel share (backward-weight's two, conv_tc_wgrad).
+// kernel share (backward-weight's two, conv_tc_wgrad). In static shared memory where it fits the 48 KB a block
+// may have of it with room to spare (TC_STATIC_RING); else (the 128 x 128 tile's 3 stages, 51 to 60 KB) in
+// dynamic shared memory, whose bytes the launcher gives (conv_tc.py's ring_bytes: the emulator's sanitizer
+// refuses an access past them).
+constexpr int TC_STATIC_RING = 46 * 1024;
 template <class T, bool A_K_MAJOR, bool B_K_MAJOR>
 struct TcStages {
     float a[T::STAGES][TcStage<T::BM, A_K_MAJOR>::SIZE];
@@ -270,8 +281,14 @@ struct TcStages {
 };
 template <class T, bool A_K_MAJOR, bool B_K_MAJOR>
 __device__ __forceinline__ TcStages<T, A_K_MAJOR, B_K_MAJOR>& tc_stages() {
-    __shared__ __align__(16) TcStages<T, A_K_MAJOR, B_K_MAJOR> stages;
-    return stages;
+    using Stages = TcStages<T, A_K_MAJOR, B_K_MAJOR>;
+    if constexpr (sizeof(Stages) <= TC_STATIC_RING) {
+        __shared__ __align__(16) Stages stages;
+        return stages;
+    } else {
+        extern __shared__ __align__(16) float tc_ring[];
+        return *reinterpret_cast<Stages*>(tc_ring);
+    }
 }
 
 // acc += A (m0.., k) . B (k, n0..) over `tiles` stages of k for this warp's part of the block's
@@ -287,14 +304,16 @@ template <class T, bool A_K_MAJOR, bool B_K_MAJOR, bool B_ROUNDED, class Iterato
           class OnChunk = NoChunkWork, class LandA = TcRound>
 __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, float (&acc)[T::MI][T::NI][4],
                                         OnChunk&& on_chunk_b = OnChunk(), LandA land_a = LandA()) {
+    using CopyA = TcCopy<T::BM, A_K_MAJOR, T::THREADS>;
+    using CopyB = TcCopy<T::BN, B_K_MAJOR, T::THREADS>;
     auto& As = tc_stages<T, A_K_MAJOR, B_K_MAJOR>().a;
     auto& Bs = tc_stages<T, A_K_MAJOR, B_K_MAJOR>().b;
-    const int warp = int(threadIdx.x) / 32, wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
+    const int warp = int(threadIdx.x) / 32, wm = (warp / T::WARPS_N) * T::WARP_M, wn = (warp % T::WARPS_N) * T::WARP_N;
     tc_clear<T>(acc);
     const auto load = [&](int tile, int stage) {
         if (tile < tiles) {
-            tc_load_stage<TcCopy<T::BM, A_K_MAJOR>, LandA::PADDED>(As[stage], a, land_a.pad);
-            tc_load_stage<TcCopy<T::BN, B_K_MAJOR>>(Bs[stage], b);
+            tc_load_stage<CopyA, LandA::PADDED>(As[stage], a, land_a.pad);
+            tc_load_stage<CopyB>(Bs[stage], b);
             a.next();
             b.next();
         }
@@ -306,8 +325,8 @@ __device__ __forceinline__ void tc_gemm(IteratorA a, IteratorB b, int tiles, flo
         float* as = As[stage];
         float* bs = Bs[stage];
         cp_async_wait<T::STAGES - 2>();  // this thread's copies of `tile` have landed
-        land_a.template land<T::BM, A_K_MAJOR>(as);
-        tc_land_stage<T::BN, B_K_MAJOR, !B_ROUNDED>(bs, on_chunk_b);
+        land_a.template land<CopyA>(as);
+        tc_land_stage<CopyB, !B_ROUNDED>(bs, on_chunk_b);
         __syncthreads();                 // everyone's have landed, and everyone is done with tile - 1
         load(tile + T::STAGES - 1, (stage + T::STAGES - 1) % T::STAGES);
 #pragma unroll
@@ -384,6 +403,7 @@ __device__ __forceinline__ auto halo_land(const TcFold& f) {
 template <class T, class IteratorB, class LandWindow>
 __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, const Geometry<0, 0>& g, int channels,
                                              int m0, IteratorB b, float (&acc)[T::MI][T::NI][4], LandWindow land) {
+    static_assert(T::THREADS == TC_THREADS, "the window copies are 2 x 2 warps'");
     using Slot = HaloSlot<float>;
     using StageB = TcStage<T::BN, true>;
     constexpr int STAGES = T::STAGES;
@@ -452,7 +472,7 @@ __device__ __forceinline__ void tc_halo_gemm(const float* __restrict__ image, co
 // training batch norm's input, and the convolution's input relu(bn(x)), applied as each stage lands
 // (TcNormRows, the fold_ parameters; the plain kernels ignore them).
 template <class T, int ALIGN, bool NORM = false>
-__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
+__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
                 float* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
                 BN_STATS_PARAMS, TC_FOLD_PARAMS) {
@@ -463,17 +483,17 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
     const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;
     float acc[T::MI][T::NI][4];
     if constexpr (NORM)
-        tc_gemm<T, true, true, true>(ImageRowsAligned<TcCopy<T::BM, true>>(g, x, m0, k_begin),
-                                     MatrixRowsAligned<TcCopy<T::BN, true>>(w_krsc, g.o, depth, n0, k_begin), tiles,
+        tc_gemm<T, true, true, true>(ImageRowsAligned<TcCopy<T::BM, true, T::THREADS>>(g, x, m0, k_begin),
+                                     MatrixRowsAligned<TcCopy<T::BN, true, T::THREADS>>(w_krsc, g.o, depth, n0, k_begin), tiles,
                                      acc, NoChunkWork(), TcNormRows(TcFold TC_FOLD, g.c, k_begin));
     else if constexpr (ALIGN == 16)
-        tc_gemm<T, true, true, true>(ImageRowsAligned<TcCopy<T::BM, true>>(g, x, m0, k_begin),
-                                     MatrixRowsAligned<TcCopy<T::BN, true>>(w_krsc, g.o, depth, n0, k_begin), tiles,
+        tc_gemm<T, true, true, true>(ImageRowsAligned<TcCopy<T::BM, true, T::THREADS>>(g, x, m0, k_begin),
+                                     MatrixRowsAligned<TcCopy<T::BN, true, T::THREADS>>(w_krsc, g.o, depth, n0, k_begin), tiles,
                                      acc);
     else
         tc_gemm<T, true, true, true>(
-            Gathered<TcCopy<T::BM, true>, ImageRows>{x, {g}, m0, k_begin, k_end},
-            Gathered<TcCopy<T::BN, true>, MatrixRows>{w_krsc, {g.o, depth}, n0, k_begin, k_end}, tiles, acc);
+            Gathered<TcCopy<T::BM, true, T::THREADS>, ImageRows>{x, {g}, m0, k_begin, k_end},
+            Gathered<TcCopy<T::BN, true, T::THREADS>, MatrixRows>{w_krsc, {g.o, depth}, n0, k_begin, k_end}, tiles, acc);
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
     const bool finished = tc_finish<T, false>(RowsOut{pixels, g.o}, y, partial, pixels * g.o, split,
                                               tile_counters(counters, 0, split), m0, n0, bias, false, acc);
@@ -492,7 +512,7 @@ conv_tc_forward(const float* __restrict__ x, const float* __restrict__ w_krsc, c
 // of the batch norm whose dy dx is (bn_tile_sums, over the tiles of every phase: a block past its phase's
 // cells merges zeros).
 template <class T, int ALIGN>
-__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
+__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, float* __restrict__ dx, int add,
               float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group, BN_SUMS_PARAMS(float)) {
     const Geometry<0, 0> g CONV_GEOMETRY;
@@ -501,10 +521,10 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
     const Phase f = stride_phase(g, phase);
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN;
     const int tile = phase * gridDim.x + blockIdx.x, sums_tiles = g.sh * g.sw * gridDim.x;   // of the norm's sums
-    __shared__ float sums_smem[2 * TC_THREADS];
+    __shared__ float sums_smem[2 * T::THREADS];
     if (m0 >= g.n * f.cells()) {   // the same for the whole block
         if (sums_partial && part == 0)
-            bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile,
+            bn_tile_sums<T, T::THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile,
                                         sums_tiles, int(blockIdx.y));
         return;
     }
@@ -512,18 +532,18 @@ conv_tc_dgrad(const float* __restrict__ dy, const float* __restrict__ w_krsc, fl
     const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;
     float acc[T::MI][T::NI][4];
     if constexpr (ALIGN == 16)
-        tc_gemm<T, true, false, true>(GradientRowsAligned<TcCopy<T::BM, true>>(g, f, dy, m0, k_begin),
-                                      WeightRowsAligned<TcCopy<T::BN, false>>(g, f, w_krsc, n0, k_begin), tiles, acc,
+        tc_gemm<T, true, false, true>(GradientRowsAligned<TcCopy<T::BM, true, T::THREADS>>(g, f, dy, m0, k_begin),
+                                      WeightRowsAligned<TcCopy<T::BN, false, T::THREADS>>(g, f, w_krsc, n0, k_begin), tiles, acc,
                                       NoChunkWork(), TcAsIs());
     else
-        tc_gemm<T, true, false, true>(Gathered<TcCopy<T::BM, true>, GradientRows>{dy, {g, f}, m0, k_begin, k_end},
-                                      Gathered<TcCopy<T::BN, false>, WeightRows>{w_krsc, {g, f}, n0, k_begin, k_end},
+        tc_gemm<T, true, false, true>(Gathered<TcCopy<T::BM, true, T::THREADS>, GradientRows>{dy, {g, f}, m0, k_begin, k_end},
+                                      Gathered<TcCopy<T::BN, false, T::THREADS>, WeightRows>{w_krsc, {g, f}, n0, k_begin, k_end},
                                       tiles, acc, NoChunkWork(), TcAsIs());
     const SplitK split{splits, group, part};
     const bool finished = tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, split,
                                               tile_counters(counters, phase, split), m0, n0, nullptr, add, acc);
     if (finished && sums_partial)
-        bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile,
+        bn_tile_sums<T, T::THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, sums_smem, m0, n0, tile,
                                     sums_tiles, int(blockIdx.y));
 }
 
@@ -541,7 +561,7 @@ struct BiasSums : BiasTotals<T> {
         for (int e = 0; e < Copy::ELEMENTS; ++e) sum[c][e] += v.v[e];
     }
     // every thread of the block calls it
-    __device__ void reduce(float (&warps)[4][T::BN]) {
+    __device__ void reduce(float (&warps)[T::THREADS / 32][T::BN]) {
         if (!this->active) return;   // the same for the whole block
         const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
 #pragma unroll
@@ -556,9 +576,12 @@ struct BiasSums : BiasTotals<T> {
             }
         __syncthreads();
         this->block_sums = warps[0];
-        if (threadIdx.x < T::BN)
-            this->block_sums[threadIdx.x] = ((warps[0][threadIdx.x] + warps[1][threadIdx.x]) + warps[2][threadIdx.x]) +
-                                            warps[3][threadIdx.x];
+        if (threadIdx.x < T::BN) {
+            float total = warps[0][threadIdx.x];
+#pragma unroll
+            for (int w = 1; w < T::THREADS / 32; ++w) total += warps[w][threadIdx.x];
+            this->block_sums[threadIdx.x] = total;
+        }
     }
 };
 
@@ -580,20 +603,20 @@ struct Flag {
 // (the aligned ones), or 64 or 128 (the square tile's, conv_tc.py's WGRAD_SQUARE_ALIGNS: C and O multiples of it,
 // so that a thread's chunks of x and of dy go in runs of 2 or 4, run_of, each one address and one test).
 template <class T, int ALIGN, bool NORM = false>
-__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
+__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, const float* __restrict__ x,
               float* __restrict__ dw, int krsc, float* __restrict__ db, float* partial, float* db_partial,
               unsigned* counters, CONV_PARAMS, int k_chunk, int group, unsigned plane_multiplier,
               unsigned plane_shift, unsigned width_multiplier, unsigned width_shift, TC_FOLD_PARAMS) {
     static_assert(ALIGN % 16 == 0 || !NORM, "a norm applied as x lands takes the aligned copies");
-    __shared__ float warp_sums[4][T::BN];
+    __shared__ float warp_sums[T::THREADS / 32][T::BN];
     __shared__ __align__(16) float norm_table[NORM ? 2 * T::BM : 1];
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * T::BN, columns = g.taps() * g.c;
     const int k_begin = blockIdx.z * k_chunk, k_end = min(k_begin + k_chunk, g.n * g.out_plane());
     const int tiles = (max(k_end - k_begin, 0) + TC_BK - 1) / TC_BK;
-    using CopyA = TcCopy<T::BM, false>;
-    using CopyB = TcCopy<T::BN, false>;
+    using CopyA = TcCopy<T::BM, false, T::THREADS>;
+    using CopyB = TcCopy<T::BN, false, T::THREADS>;
     constexpr int RUN_A = run_of<CopyA, ALIGN>(), RUN_B = run_of<CopyB, ALIGN>();
     BiasSums<T, CopyB> bias{{db, db_partial, g.o, n0, db && blockIdx.x == 0, nullptr}, {}};
     float acc[T::MI][T::NI][4];
@@ -812,7 +835,7 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, fl
         loop(Flag<false>());
     }
     cp_async_wait<0>();
-    bias.reduce(*reinterpret_cast<float(*)[4][T::BN]>(smem));
+    bias.reduce(*reinterpret_cast<float(*)[T::THREADS / 32][T::BN]>(smem));
     const SplitK split{int(gridDim.z), group, int(blockIdx.z)};
     tc_finish<T, true>(HaloWeightsOut{WeightsOut{g, krsc}, c0}, dw, partial, g.o * g.taps() * g.c, split,
                        tile_counters(counters, 0, split), 0, n0, nullptr, false, acc, bias);
@@ -824,7 +847,7 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, fl
 // [y * BN, ...), no split of k (k_chunk, group and the partials unused: the launch's parameters are
 // conv_tc_forward's), and the batch norm's statistics and the norm applied to x (NORM) as that kernel.
 template <class T, bool NORM = false>
-__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
+__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 conv_tc_forward_halo(const float* __restrict__ x, const float* __restrict__ w_krsc, const float* __restrict__ bias,
                      float* __restrict__ y, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
                      BN_STATS_PARAMS, TC_FOLD_PARAMS) {
@@ -847,7 +870,7 @@ conv_tc_forward_halo(const float* __restrict__ x, const float* __restrict__ w_kr
 // the weights mirrored (mirrored_weights), added to what dx holds when `add` is set; and the batch
 // norm's backward sums as conv_tc_dgrad.
 template <class T>
-__global__ void __launch_bounds__(TC_THREADS, T::MIN_BLOCKS)
+__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 conv_tc_dgrad_halo(const float* __restrict__ dy, const float* __restrict__ w_mirrored, float* __restrict__ dx, int add,
                    float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group, BN_SUMS_PARAMS(float)) {
     const Geometry<0, 0> g CONV_GEOMETRY;
@@ -1091,6 +1114,7 @@ template <class T, int TAPS>
 __device__ __forceinline__ void tc_phase_gemm(const float* __restrict__ dy, const float* __restrict__ w_mirrored,
                                               const Geometry<0, 0>& g, const Geometry<0, 0>& image, const Phase& f,
                                               int m0, float* smem, float (&acc)[T::MI][T::NI][4]) {
+    static_assert(T::THREADS == TC_THREADS, "the window copies are 2 x 2 warps'");
     using S = TcPhaseShared;
     using Copy = TcCopy<T::BN, true>;
     using CopyA = TcCopy<T::BM, true>;   // the 1-tap phase's rows of dy, [cell][16 + 4] (tc_fragment_a's K_MAJOR A)

@@ -21,12 +21,12 @@ from kernels import bfloat16
 from . import conv_sm90
 from .batchnorm import NO_STATISTICS, NO_SUMS
 from .elementwise import round_tf32
-from .launch import aligned, cdiv, is_channels_last, launch, memory, tile_of
+from .launch import aligned, cdiv, device_property, is_channels_last, launch, memory, tile_of
 
 OPS = ()  # the contract's ops are conv.py's, which calls these
 THREADS = 128   # the threads of a block (TC_THREADS: 2 x 2 warps), but for the tiles of TILE_THREADS
-# the tiles of 2 x 4 warps (tc_conv.cuh's TcTile with WARPS_N 4): BF16's 128 x 128, 64 x 32 warp tiles
-TILE_THREADS = {"Bf128x128": 256}
+# the tiles of 2 x 4 warps (tc_conv.cuh's TcTile with WARPS_N 4): BF16's and TF32's 128 x 128, 64 x 32 warp tiles
+TILE_THREADS = {"Bf128x128": 256, "Tc128x128": 256, "Tc128x128Ring2": 256}
 MAX_ALIGNED_TAPS = 32
 
 
@@ -43,15 +43,18 @@ class Kind(typing.NamedTuple):
     the tiles that have it, a multiple of `chunk`, the elements of a 16-byte copy, which every channel
     count must be (each copy's address from its (row, k): ALIGN = chunk). `halo`: the tile of the kernels
     of 3x3, stride-1 convolutions from windows of the image (see halo), whose windows hold `halo_channels`
-    channels."""
+    channels. `variants`: tiles that take another's place on some GPUs (for_device), by the tile whose shape they
+    share (pairs)."""
     family: str
     tiles: tuple   # (name, rows, columns, k of a stage, whether it has the gathered copies) of each
     chunk: int
     halo: str
     halo_channels: int
+    variants: tuple = ()   # (variant, tile) pairs
 
     def tile(self, name):
-        """(rows, columns, k of a stage) of the tile `name`."""
+        """(rows, columns, k of a stage) of the tile `name` (or of the tile a variant stands for)."""
+        name = dict(self.variants).get(name, name)
         return next(shape[:3] for tile, *shape in self.tiles if tile == name)
 
     @property
@@ -68,10 +71,20 @@ class Kind(typing.NamedTuple):
                      if gemm != "wgrad" or tile in wgrad_tiles)
 
 
-# TF32 (conv_tc.cu): a stage of 16 k.
+# TF32 (conv_tc.cu): a stage of 16 k. RING2: the 128 x 128 tile with a ring of 2 stages (see STAGES).
+RING2 = "Tc128x128Ring2"
 TF32 = Kind("conv_tc", (("Tc128x128", 128, 128, 16, False), ("Tc128x64", 128, 64, 16, True),
-                        ("Tc64x64", 64, 64, 16, True)), 4, "TcHalo128x64", 16)
+                        ("Tc64x64", 64, 64, 16, True)), 4, "TcHalo128x64", 16, ((RING2, "Tc128x128"),))
 BK, GEMMS = 16, TF32.gemms
+# TF32's stages a tile's ring holds (conv_tc.cu's TcConfig): in static shared memory where it takes at most
+# STATIC_RING bytes (conv_tc.cu's TC_STATIC_RING, leaving the kernels' other static shared memory room under the
+# 48 KB a block may have), else in dynamic shared memory (the 128 x 128 tile's: 51 to 60 KB, ring_bytes).
+# RING2: the 128 x 128 tile with a ring of 2 stages (35 to 40 KB, static), which runs its GEMMs on a GPU whose SM
+# has less than SQUARE_RING_SM bytes of shared memory (for_device): two blocks of the 3-stage ring, their other
+# static shared memory (at most 5 KB) and the 1 KB the driver keeps a block need 132 KB; an A100's SM has 164 KB,
+# an H100's 228, an RTX 3090's, 4090's or L4's (sm_86, sm_89) 100, which hold two blocks of RING2.
+SQUARE_RING_SM = 132 * 1024
+STAGES, STATIC_RING = {"Tc128x128": 3, RING2: 2, "Tc128x64": 3, "Tc64x64": 3}, 46 * 1024
 # Backward-weight runs a large tile at every size (choose_wgrad_tile): its grid is small and split-K
 # fills the GPU, and the small tile's loop issues more than 8 instructions per HMMA. The square tile copies
 # a run of chunks at a time (tc_conv.cuh's run_of: one address and one test for 2 chunks of x and of dy where
@@ -89,6 +102,7 @@ FOLD_KERNELS = tuple(f"conv_tc_forward<{tile}, {BK}, true>" for tile in FOLD_TIL
 KERNELS = TF32.kernels(("Tc128x64",)) + SQUARE_WGRADS + tuple(
     f"conv_tc_{gemm}_halo<{TF32.halo}>" for gemm in ("forward", "dgrad")) + (
     "conv_tc_wgrad_halo<TcHalo288x64>",) + FOLD_KERNELS
+KERNELS += tuple(kernel.replace("Tc128x128", RING2) for kernel in KERNELS if tile_of(kernel) == "Tc128x128")
 # Split-K: a grid of fewer blocks than SPLIT_TARGET splits its k into parts of at least
 # MIN_SPLIT_K (whole k steps) until it has that many blocks: one per SM of an H200 (132 SMs) for
 # the forward and backward-data, whose grids are large but at the last stages, so that no SM is
@@ -545,18 +559,47 @@ def _launch(be, p, inputs, out, geometry, extra=(), partials=(), tail=()):
     (see conv_tc.cu's tc_finish), the geometry, the k per part and the parts per group, and the
     kernel's `tail` arguments."""
     partial = be.xp.empty((partial_slots(p), out.size), np.float32) if p.splits > 1 else None
-    launch(be, p.family, p.kernel, p.grid,
+    kernel = for_device(be, p.kernel)
+    launch(be, p.family, kernel, p.grid,
            (*inputs, out, *extra, partial, *partials, be.counters(_counters(p)), *geometry, p.chunk, p.group, *tail),
-           block=(threads(p.kernel),), shared_mem=dynamic_shared(p.kernel))
+           block=(threads(kernel),), shared_mem=dynamic_shared(kernel))
+
+
+def for_device(be, kernel):
+    """The kernel that runs `kernel` (a name expression) on the current GPU (for_shared_memory of its SM's)."""
+    return for_shared_memory(kernel, device_property(be, "sharedMemPerMultiprocessor"))
+
+
+def for_shared_memory(kernel, shared):
+    """The kernel that runs `kernel` (a name expression) on an SM of `shared` bytes of shared memory (None: none, the
+    emulator's own backend): TF32's 128 x 128 tile's with a ring of 2 stages (RING2) under SQUARE_RING_SM bytes, else
+    `kernel`."""
+    if tile_of(kernel) == "Tc128x128" and shared is not None and shared < SQUARE_RING_SM:
+        return kernel.replace("Tc128x128", RING2, 1)
+    return kernel
 
 
 def dynamic_shared(kernel):
     """The bytes of dynamic shared memory a block of `kernel` (a name expression) asks for: a halo
     backward-weight's (WGRAD_HALO), with or without the norm applied, the projection backward's
-    (PROJECTION_SHARED), the stride-2 backward-data's from windows (PHASE_SHARED); 0 for the others (static
-    alone)."""
+    (PROJECTION_SHARED), the stride-2 backward-data's from windows (PHASE_SHARED), a TF32 GEMM's ring of
+    stages past STATIC_RING bytes (ring_bytes); 0 for the others (static alone)."""
+    if kernel.partition("<")[0] in GEMMS and ring_bytes(kernel) > STATIC_RING:
+        return ring_bytes(kernel)
     if kernel in PROJECTION_KERNELS:
         return PROJECTION_SHARED
     if kernel == PHASE_KERNEL:
         return PHASE_SHARED
     return next((halo_.dynamic_shared for halo_ in WGRAD_HALO.values() if kernel.startswith(halo_.kernel[:-1])), 0)
+
+
+def ring_bytes(kernel):
+    """The bytes of the ring of stages (conv_tc.cu's TcStages) of TF32's GEMM `kernel` (a name expression of
+    GEMMS): STAGES[tile] stages of A and of B, each a stage of BK k of its rows (m or n): [rows][BK + 4] floats
+    where its rows run along k (the forward's two, backward-data's A), else [BK][rows + 8]."""
+    gemm, tile = kernel.partition("<")[0].removeprefix("conv_tc_"), tile_of(kernel)
+    rows, columns, bk = TF32.tile(tile)
+    a_k_major, b_k_major = {"forward": (True, True), "dgrad": (True, False), "wgrad": (False, False)}[gemm]
+    stage = [width * (bk + 4) if k_major else bk * (width + 8)
+             for width, k_major in ((rows, a_k_major), (columns, b_k_major))]
+    return STAGES[tile] * sum(stage) * 4

@@ -58,6 +58,21 @@ def float32(be, op, *arrays):
 
 # ---- layouts: NCHW, or channels-last (an NCHW view of NHWC memory, as PyTorch's channels_last) --
 
+def device_property(be, name):
+    """Property `name` of the current GPU (CUDA's cudaDeviceProp, as CuPy's getDeviceProperties names it), read once a
+    device (and compute capability: a simulated GPU's may change); None on the emulator's own backend, which has no
+    GPU."""
+    if be.xp is np:
+        return None
+    device = be.xp.cuda.Device()
+    return _device_properties(be.xp, device.id, device.compute_capability).get(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_properties(xp, device, capability):
+    return xp.cuda.runtime.getDeviceProperties(device)
+
+
 def is_channels_last(a):
     """Whether a 4-D array is an NCHW view of dense NHWC memory and not C-contiguous too (with one
     channel, or one pixel, the two layouts are the same memory)."""

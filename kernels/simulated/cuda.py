@@ -98,11 +98,18 @@ def setDevice(device):
     _state().device = device
 
 
+# The shared memory of an SM by compute capability (an H200's, an A100's, an RTX 3090's, an RTX 4090's or L4's,
+# a T4's, a V100's), as cudaDeviceProp's sharedMemPerMultiprocessor gives it
+SHARED_MEMORY_PER_SM = {(9, 0): 228 * 1024, (8, 0): 164 * 1024, (8, 6): 100 * 1024, (8, 9): 100 * 1024,
+                        (7, 5): 64 * 1024, (7, 0): 96 * 1024}
+
+
 def getDeviceProperties(device):
     _check_device(device, "cudaGetDeviceProperties")
     major, minor = compute_capability()
     return {"name": f"Simulated GPU {physical_devices()[device]} (CPU emulator)".encode(), "major": major,
-            "minor": minor, "multiProcessorCount": 132, "totalGlobalMem": 141 * 2**30}
+            "minor": minor, "multiProcessorCount": 132, "totalGlobalMem": 141 * 2**30,
+            "sharedMemPerMultiprocessor": SHARED_MEMORY_PER_SM.get((major, minor), 100 * 1024)}
 
 
 CAPABILITY = "KERNELS_SIMULATED_COMPUTE_CAPABILITY"
