@@ -426,9 +426,18 @@ def resnet18_convolutions(batch, width):
             if layer.op == "conv2d" and conv_tc.supports(layer.w[1], layer.w[0])]
 
 
+@pytest.mark.parametrize("variant", ["default", "square tile", "square tile ring2"], indirect=True)
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding", resnet18_convolutions(batch=2, width=8))
-def test_conv_at_the_shapes_of_resnet18(x_shape, w_shape, stride, padding):
+def test_conv_at_the_shapes_of_resnet18(monkeypatch, variant, x_shape, w_shape, stride, padding):
+    """The launchers' choices, and the 128 x 128 tile forced where its copies take the convolution (at width 8 no
+    GEMM has the more than 64 columns that choose it), with a ring of 3 stages or of 2 (an SM of 100 KB)."""
+    launched, launch = [], conv_tc.launch
+    monkeypatch.setattr(conv_tc, "launch", lambda be, family, kernel, *a, **k: launched.append(kernel) or
+                        launch(be, family, kernel, *a, **k))
     check_conv(kernels._device_backend("emu"), x_shape, w_shape, stride, padding)
+    square = {conv_tc.tile_of(kernel) for kernel in launched} & {"Tc128x128", conv_tc.RING2}
+    if variant != "default" and x_shape[1] % 16 == 0:   # the aligned copies: every GEMM on the square tile
+        assert square == {conv_tc.RING2 if variant.endswith("ring2") else "Tc128x128"}, launched
 
 
 # 3x3, stride 1, padding 1, channels multiples of 16 where the window is read, 64 columns or fewer: the halo
