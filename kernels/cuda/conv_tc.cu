@@ -656,7 +656,7 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, co
 // dw[o][tap][ci] = the sum over the output pixels p of x[p + tap][ci] dy[p][o]: the tiles above load each
 // pixel of x once per tap, 21.3 FLOPs per L2 byte with 64 output channels (ResNet-18's first stage). As
 // conv_bf16.cu's halo backward-weight (tc_conv.cuh's HaloWeightsOut: the nine taps of 32 input channels by
-// 64 output channels, 2 x 2 warps of 9 x 4 mma tiles, a warp's row h the channels c0 + 16 h..), a stage of
+// 64 output channels; here 2 x 4 warps of 9 x 2 mma tiles, a warp's row h the channels c0 + 16 h..), a stage of
 // pixels (TcHalo288x64: 56, two rows of the first stage's 28 x 28 images) loads the window of x that their
 // taps reach and their dy, each once, into a 2-stage ring: two windows of 16 float channels (HaloSlot<float>),
 // one per warp row, so that the ring (TcWgradHaloShared, 96 KB) lives in dynamic shared memory, past the 48 KB
@@ -675,8 +675,11 @@ conv_tc_wgrad(const float* __restrict__ dy, const float* __restrict__ dy_raw, co
 // the ring's addresses are constants. At 28 x 28 a block reads 73 FLOPs per L2 byte (bench/tc_plan.py); the
 // launcher's WGRAD_HALO gives the ring's bytes (the emulator's sanitizer refuses an access past what a
 // launch asked for).
-constexpr int TC_WGRAD_HALO_BLOCKS = 2;   // resident blocks an SM: registers, and the ring's 96 KB
-struct TcHalo288x64 : TcTile<288, 64> {
+// Resident blocks an SM: one, of 8 warps (2 x 4: a warp's row h the channels c0 + 16 h.., its 16 output channels of
+// the 64), whose ring of 96 KB fits an A100's, an RTX 3090's or 4090's or an L4's SM once (4 warps an SM, with 2 x
+// 2 warps); at the 128 registers that two blocks would leave (an H100's SM holds two rings), the kernel spills.
+constexpr int TC_WGRAD_HALO_BLOCKS = 1;
+struct TcHalo288x64 : TcTile<288, 64, 4> {
     static constexpr int BK = 56, STAGES = 2, SLOTS = 210;   // a stage's pixels; its windows' slots
 };
 template <class T>
@@ -687,10 +690,9 @@ struct TcWgradHaloShared {   // a stage of the ring, in floats: the two windows,
 };
 // This thread's chunks of 16 pixels of a stage's dy (rows of DY_PITCH): TcCopy's.
 template <class T>
-struct TcWgradHaloDy : TcCopy<T::BN, false> {
-    __device__ static int offset(int c) {
-        return TcCopy<T::BN, false>::k(c) * TcWgradHaloShared<T>::DY_PITCH + TcCopy<T::BN, false>::row(c);
-    }
+struct TcWgradHaloDy : TcCopy<T::BN, false, T::THREADS> {
+    using Copy = TcCopy<T::BN, false, T::THREADS>;
+    __device__ static int offset(int c) { return Copy::k(c) * TcWgradHaloShared<T>::DY_PITCH + Copy::row(c); }
 };
 
 // dw (see WeightsOut) of the 3x3, stride-1 convolution from windows of x, as above: block (x, y, z) computes the
@@ -700,7 +702,7 @@ struct TcWgradHaloDy : TcCopy<T::BN, false> {
 // convolution's input relu(bn(x)) (HaloNorm). The launch gives TcWgradHaloShared<T>::BYTES of dynamic shared
 // memory.
 template <class T, bool NORM = false>
-__global__ void __launch_bounds__(TC_THREADS, TC_WGRAD_HALO_BLOCKS)
+__global__ void __launch_bounds__(T::THREADS, TC_WGRAD_HALO_BLOCKS)
 conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ dw, int krsc,
                    float* __restrict__ db, float* partial, float* db_partial, unsigned* counters, CONV_PARAMS,
                    int k_chunk, int group, unsigned plane_multiplier, unsigned plane_shift, unsigned width_multiplier,
@@ -709,7 +711,7 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, fl
     using CopyB = TcWgradHaloDy<T>;   // dy's chunks of each 16 pixels of a stage
     constexpr int BK = T::BK, PITCH = HaloSlot<float>::PITCH, HALF = HaloSlot<float>::CHANNELS;
     constexpr int DY_PARTS = (BK + TC_BK - 1) / TC_BK;
-    static_assert(BK % 8 == 0 && BK <= TC_THREADS, "whole k8 steps; a thread for each pixel's slot");
+    static_assert(BK % 8 == 0 && BK <= T::THREADS, "whole k8 steps; a thread for each pixel's slot");
     extern __shared__ __align__(16) float smem[];
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int c0 = blockIdx.x * 2 * HALF, n0 = blockIdx.y * T::BN;
@@ -741,7 +743,8 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, fl
         if (stage < stages) {
             float* const s = smem + ring * Shared::STAGE;
             const Window w = windows[ring] = window_of(stage);
-            halo_window_chunks(x + c0, g, g.c, w.img, w.pp, w.rows, [&](int slot, const float* at, bool data) {
+            halo_window_chunks<T::THREADS>(x + c0, g, g.c, w.img, w.pp, w.rows, [&](int slot, const float* at,
+                                                                                     bool data) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {   // the two windows' chunks of the slot
                     if constexpr (Land::PADDED)
@@ -768,7 +771,7 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, fl
     const auto land_stage = [&](int ring, auto sums) {
         float* const s = smem + ring * Shared::STAGE;
         const Window w = windows[ring];
-        halo_window_chunks(x + c0, g, g.c, w.img, w.pp, w.rows, [&](int slot, const float*, bool) {
+        halo_window_chunks<T::THREADS>(x + c0, g, g.c, w.img, w.pp, w.rows, [&](int slot, const float*, bool) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float4* chunk = reinterpret_cast<float4*>(s + h * Shared::WINDOW + slot);
@@ -789,7 +792,8 @@ conv_tc_wgrad_halo(const float* __restrict__ dy, const float* __restrict__ x, fl
     };
     float acc[T::MI][T::NI][4];
     tc_clear<T>(acc);
-    const int grp = lane / 4, t = lane % 4, h = warp / 2, wn = (warp % 2) * T::WARP_N, row_shift = width * PITCH;
+    const int grp = lane / 4, t = lane % 4, h = warp / T::WARPS_N, wn = (warp % T::WARPS_N) * T::WARP_N;
+    const int row_shift = width * PITCH;
     // the stage in ring slot `ring`, while the next one loads; SUMS: the bias gradient's sums too
     const auto step = [&](int stage, int ring, auto sums) {
         cp_async_wait<0>();   // this thread's copies of the stage have landed

@@ -757,18 +757,21 @@ struct HaloPlace {
 };
 
 // Calls chunk(slot, at, data) for each 16-byte chunk of a window of `rows` padded rows from the padded
-// row pp (0..H + 1) of image img that this thread copies: thread t chunk t % 4 of the slots of column t / 4
-// (and 32 further) of every row; `slot` its element offset in the window (HaloSlot<E>), `data` whether
-// it holds the image's pixel (not padding, nor past the last image), at `at` in `image` (N, H, W, channels,
-// from the window's first channel; any address where it does not). A column's rows in turn, the image, the
-// row and the address worked out as they advance.
-template <class E, class Chunk>
+// row pp (0..H + 1) of image img that this thread, of THREADS (a multiple of TC_THREADS), copies: thread t
+// chunk t % 4 of the slots of column t % TC_THREADS / 4 (and 32 further) of every GROUPS-th row from row
+// t / TC_THREADS (GROUPS = THREADS / TC_THREADS); `slot` its element offset in the window (HaloSlot<E>),
+// `data` whether it holds the image's pixel (not padding, nor past the last image), at `at` in `image`
+// (N, H, W, channels, from the window's first channel; any address where it does not). A column's rows in
+// turn, the image, the row and the address worked out as they advance.
+template <int THREADS = TC_THREADS, class E, class Chunk>
 __device__ __forceinline__ void halo_window_chunks(const E* image, const Geometry<0, 0>& g, int channels, int img,
                                                    int pp, int rows, Chunk&& chunk) {
     using Slot = HaloSlot<E>;
-    const int width = g.w + 2, part = int(threadIdx.x) % 4;
+    constexpr int GROUPS = THREADS / TC_THREADS;
+    static_assert(GROUPS * TC_THREADS == THREADS, "whole groups of 128 threads");
+    const int width = g.w + 2, part = int(threadIdx.x) % 4, group = int(threadIdx.x) / TC_THREADS;
 #pragma unroll 1   // one column a thread at the widths that take the window (W + 2 <= 32), two past that
-    for (int col = int(threadIdx.x) / 4; col < width; col += TC_THREADS / 4) {
+    for (int col = int(threadIdx.x) % TC_THREADS / 4; col < width; col += TC_THREADS / 4) {
         const bool column_inside = col >= 1 && col <= g.w;
         int i = img, p = pp, slot = col * Slot::PITCH + Slot::CHUNK * part;
         // the offset of the next row of pixels: the image's rows follow each other, across images too
@@ -776,7 +779,7 @@ __device__ __forceinline__ void halo_window_chunks(const E* image, const Geometr
 #pragma unroll 1
         for (int j = 0; j < rows; ++j) {
             const bool data = unsigned(p - 1) < unsigned(g.h) && i < g.n;
-            chunk(slot, image + at, column_inside && data);
+            if (GROUPS == 1 || j % GROUPS == group) chunk(slot, image + at, column_inside && data);
             if (data) at += g.w * channels;
             slot += width * Slot::PITCH;
             if (++p == g.h + 2) {
