@@ -1104,8 +1104,10 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
 // (C, 3, 3, O), read along O as the halo backward-data reads them), each stage both, through a ring of 2 in
 // dynamic shared memory (TcPhaseShared); over the four phases at 14 x 14, 38 FLOPs per L2 byte
 // (bench/tc_plan.py). dy and the weights hold TF32 values. The epilogue is conv_tc_dgrad's: dx written or
-// added (`add`), and the norm's backward sums over the tiles of every phase.
-struct TcPhase192x64 : TcTile<192, 64> {};
+// added (`add`), and the norm's backward sums over the tiles of every phase. 2 x 4 warps of 96 x 16 (6 x 2 mma
+// tiles), at most 128 registers: an H100's SM holds two blocks, 16 warps; an A100's one (its 164 KB), 8 warps,
+// where the 2 x 2 warps of 96 x 32 at 212 registers left it 4.
+struct TcPhase192x64 : TcTile<192, 64, 4> {};
 constexpr int TC_PHASE_SLOTS = 304, TC_PHASE_BLOCKS = 2;   // a window's slots; resident blocks an SM
 struct TcPhaseShared {   // a stage of the ring, in floats: the window, then each tap's weights
     static constexpr int WINDOW = TC_PHASE_SLOTS * HaloSlot<float>::PITCH, B = TcStage<64, true>::SIZE;
@@ -1118,14 +1120,14 @@ template <class T, int TAPS>
 __device__ __forceinline__ void tc_phase_gemm(const float* __restrict__ dy, const float* __restrict__ w_mirrored,
                                               const Geometry<0, 0>& g, const Geometry<0, 0>& image, const Phase& f,
                                               int m0, float* smem, float (&acc)[T::MI][T::NI][4]) {
-    static_assert(T::THREADS == TC_THREADS, "the window copies are 2 x 2 warps'");
     using S = TcPhaseShared;
-    using Copy = TcCopy<T::BN, true>;
-    using CopyA = TcCopy<T::BM, true>;   // the 1-tap phase's rows of dy, [cell][16 + 4] (tc_fragment_a's K_MAJOR A)
+    using Copy = TcCopy<T::BN, true, T::THREADS>;
+    using CopyA = TcCopy<T::BM, true, T::THREADS>;   // the 1-tap phase's rows of dy, [cell][16 + 4] (K_MAJOR A)
     static_assert(TcStage<T::BM, true>::SIZE <= S::WINDOW, "the 1-tap phase's rows fit the window's place");
-    constexpr int PITCH = HaloSlot<float>::PITCH, WINDOW_CHUNKS = (4 * TC_PHASE_SLOTS + TC_THREADS - 1) / TC_THREADS;
+    constexpr int PITCH = HaloSlot<float>::PITCH, WINDOW_CHUNKS = (4 * TC_PHASE_SLOTS + T::THREADS - 1) / T::THREADS;
+    constexpr int SLOT_STEP = T::THREADS / 4;   // the slots between a thread's chunks of a window
     const int width = image.w + 2, warp = int(threadIdx.x) / 32;
-    const int wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
+    const int wm = (warp / T::WARPS_N) * T::WARP_M, wn = (warp % T::WARPS_N) * T::WARP_N;
     const HaloPlace<T, float> place(image, m0, wm);
     // the taps (i, j) of the phase: dy's row u + t_h - i and column v + t_w - j for the cell (u, v), the halo's tap
     // (t_h - i + 1, t_w - j + 1); the kernel's tap (a + 2i, b + 2j), mirrored_weights' 8 minus it
@@ -1136,13 +1138,13 @@ __device__ __forceinline__ void tc_phase_gemm(const float* __restrict__ dy, cons
         shift[q] = ((f.t_h - i + 1) * width + f.t_w - j + 1) * PITCH;
         weights[q] = (8 - ((f.a + 2 * i) * 3 + f.b + 2 * j)) * g.o;
     }
-    // this thread's chunks of a window: slot tid / 4 + 32 i, its 16 bytes 4 (tid % 4).. (HaloSlot's), the slots
+    // this thread's chunks of a window: slot tid / 4 + SLOT_STEP i, its 16 bytes 4 (tid % 4).. (HaloSlot's), the slots
     // row-major in rows of `width` from the padded row pp of image img (halo_window_chunks' window); where each
     // lies in dy (channel 0), or -1 for zeros (padding, past the window's rows or the last image), worked out once
     int from[WINDOW_CHUNKS];
 #pragma unroll
     for (int i = 0; i < WINDOW_CHUNKS; ++i) {
-        const int slot = int(threadIdx.x) / 4 + 32 * i, row = slot / width, col = slot - row * width;
+        const int slot = int(threadIdx.x) / 4 + SLOT_STEP * i, row = slot / width, col = slot - row * width;
         const int padded = place.img * (image.h + 2) + place.pp + row, img = padded / (image.h + 2);
         const int p = padded - img * (image.h + 2);
         const bool data = row < place.rows && img < image.n && unsigned(p - 1) < unsigned(image.h) &&
@@ -1166,8 +1168,8 @@ __device__ __forceinline__ void tc_phase_gemm(const float* __restrict__ dy, cons
         } else {
 #pragma unroll
             for (int i = 0; i < WINDOW_CHUNKS; ++i) {
-                const int slot = int(threadIdx.x) / 4 + 32 * i;
-                if (32 * (i + 1) <= TC_PHASE_SLOTS || slot < TC_PHASE_SLOTS) {   // the last row of chunks: a part
+                const int slot = int(threadIdx.x) / 4 + SLOT_STEP * i;
+                if (SLOT_STEP * (i + 1) <= TC_PHASE_SLOTS || slot < TC_PHASE_SLOTS) {   // the last row of chunks: a part
                     const bool data = from[i] >= 0;
                     cp_async_cg(s + slot * PITCH + 4 * (int(threadIdx.x) % 4), dy + (data ? unsigned(from[i] + c0) : 0u),
                                 data ? 16 : 0);
@@ -1219,7 +1221,7 @@ __device__ __forceinline__ void tc_phase_gemm(const float* __restrict__ dy, cons
 // the parameters are conv_tc_dgrad's (no split of k: k_chunk and group unused, the partial null), its
 // counters the norm's sums'. The launch gives TcPhaseShared::BYTES of dynamic shared memory.
 template <class T>
-__global__ void __launch_bounds__(TC_THREADS, TC_PHASE_BLOCKS)
+__global__ void __launch_bounds__(T::THREADS, TC_PHASE_BLOCKS)
 conv_tc_dgrad_phases(const float* __restrict__ dy, const float* __restrict__ w_mirrored, float* __restrict__ dx,
                      int add, float* partial, unsigned* counters, CONV_PARAMS, int k_chunk, int group,
                      BN_SUMS_PARAMS(float)) {
@@ -1241,6 +1243,6 @@ conv_tc_dgrad_phases(const float* __restrict__ dy, const float* __restrict__ w_m
     tc_finish<T, false>(PhaseRowsOut{g, f}, dx, partial, g.n * g.h * g.w * g.c, SplitK{1, 1, 0}, counters, m0, 0,
                         nullptr, add, acc);
     if (sums_partial)
-        bn_tile_sums<T, TC_THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, smem, m0, 0, tile,
+        bn_tile_sums<T, T::THREADS>(BnSums<float> BN_SUMS, PhaseRowsOut{g, f}, g.c, dx, smem, m0, 0, tile,
                                     int(g.sh * g.sw * gridDim.x), int(blockIdx.y));
 }

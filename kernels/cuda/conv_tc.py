@@ -26,7 +26,7 @@ from .launch import aligned, cdiv, device_property, is_channels_last, launch, me
 OPS = ()  # the contract's ops are conv.py's, which calls these
 THREADS = 128   # the threads of a block (TC_THREADS: 2 x 2 warps), but for the tiles of TILE_THREADS
 # the tiles of 2 x 4 warps (tc_conv.cuh's TcTile with WARPS_N 4): BF16's and TF32's 128 x 128, 64 x 32 warp tiles
-TILE_THREADS = {"Bf128x128": 256, "Tc128x128": 256, "Tc128x128Ring2": 256, "TcHalo288x64": 256}
+TILE_THREADS = {"Bf128x128": 256, "Tc128x128": 256, "Tc128x128Ring2": 256, "TcHalo288x64": 256, "TcPhase192x64": 256}
 MAX_ALIGNED_TAPS = 32
 
 
