@@ -908,22 +908,25 @@ conv_tc_dgrad_halo(const float* __restrict__ dy, const float* __restrict__ w_mir
 // backward-weight along the cells (its A, the permuted rows of tc_fragment_a, pairs of words: 2-way bank
 // conflicts at this pitch). x's stage is [cell][c], rows of 72 floats, backward-weight's B (tc_fragments_b).
 // w lies transposed, [c][o], rows of 132 floats, so that backward-data's B is one ldmatrix a k8 step for two
-// mma tiles; the threads transpose it as they load it, one output channel each. Backward-weight's tile is the
-// whole dw, 2 x 2 warps of 64 x 32 (TcProjection), summed over the block's stages; the blocks are the parts of
-// its split k, added in a fixed order (tc_finish). Backward-data's tile is a stage's cells by the 64
-// columns, warp w the columns 16 w.. (2 x 2 mma tiles), written (ADD: added to dx) at the end of each
+// mma tiles; the threads transpose it as they load it, two to an output channel. 8 warps (256 threads):
+// backward-weight's tile is the whole dw, 2 x 4 warps of 64 x 16 (TcProjection), summed over the block's
+// stages; the blocks are the parts of its split k, added in a fixed order (tc_finish). Backward-data's tile is
+// a stage's cells by the 64 columns, warp w the cells 16 (w / 4).. by the columns 16 (w % 4).. (1 x 2 mma
+// tiles), written (ADD: added to dx) at the end of each
 // stage; else (ADD: false) the block also writes zeros to the pixels of its cells that no cell reads (a stride
 // above 1). dy and w_krsc hold TF32 values (the launcher takes the separate kernels for a raw dy); x is rounded
 // to TF32 as it lands. The bias gradient, unless db is null, sums dy: each thread its 4 channels of its stages'
-// cells in order, then the warps in order.
+// cells in order, then the warps in order. At most 128 registers: an H100's SM holds two blocks (16 warps), an
+// A100's one (8; the 2 x 2 warps at 186-220 registers left it 4).
 constexpr int TC_PROJECTION_CELLS = 128, TC_PROJECTION_STAGE = 32, TC_PROJECTION_BLOCKS = 2;
 constexpr int TC_PROJECTION_C = 64, TC_PROJECTION_O = 128;
-struct TcProjection : TcTile<TC_PROJECTION_O, TC_PROJECTION_C> {};   // dw
+struct TcProjection : TcTile<TC_PROJECTION_O, TC_PROJECTION_C, 4> {};   // dw
 struct TcProjectionShared {   // in floats
     static constexpr int W_PITCH = TC_PROJECTION_O + 4, DY_PITCH = TC_PROJECTION_O + 4, X_PITCH = TC_PROJECTION_C + 8;
     static constexpr int DY = TC_PROJECTION_STAGE * DY_PITCH, STAGE = DY + TC_PROJECTION_STAGE * X_PITCH;
     static constexpr int RING = TC_PROJECTION_C * W_PITCH, PIXELS = RING + 2 * STAGE;
-    static constexpr int SUMS = PIXELS + 3 * TC_PROJECTION_CELLS, BYTES = (SUMS + 4 * TC_PROJECTION_O) * 4;
+    static constexpr int SUMS = PIXELS + 3 * TC_PROJECTION_CELLS;
+    static constexpr int BYTES = (SUMS + TcProjection::THREADS / 32 * TC_PROJECTION_O) * 4;
 };
 
 // The bias gradient's channels of a projection: the rows of dw (BiasTotals' columns).
@@ -932,7 +935,7 @@ struct TcProjectionBias {
 };
 
 template <bool ADD>
-__global__ void __launch_bounds__(TC_THREADS, TC_PROJECTION_BLOCKS)
+__global__ void __launch_bounds__(TcProjection::THREADS, TC_PROJECTION_BLOCKS)
 conv_tc_projection_backward(const float* __restrict__ dy, const float* __restrict__ x,
                             const float* __restrict__ w_krsc, float* __restrict__ dx, float* __restrict__ dw,
                             float* __restrict__ db, float* partial, float* db_partial, unsigned* counters,
@@ -941,64 +944,68 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
     using S = TcProjectionShared;
     using T = TcProjection;
     constexpr int STAGE = TC_PROJECTION_STAGE, C = TC_PROJECTION_C, O = TC_PROJECTION_O;
-    constexpr int CELLS = TC_PROJECTION_CELLS, DY_CHUNKS = STAGE * O / 4 / TC_THREADS, X_CHUNKS = STAGE * C / 4 / TC_THREADS;
+    constexpr int CELLS = TC_PROJECTION_CELLS, THREADS = T::THREADS, WARPS = THREADS / 32;
+    constexpr int DY_CHUNKS = STAGE * O / 4 / THREADS, X_CHUNKS = STAGE * C / 4 / THREADS;
+    static_assert(THREADS == 2 * CELLS && THREADS == 2 * O, "a thread a cell, two an output channel");
     extern __shared__ __align__(16) float smem[];
     int* const pixel = reinterpret_cast<int*>(smem + S::PIXELS);   // each cell's offset in x (and dx), row, column
     const Geometry<0, 0> g CONV_GEOMETRY;
     const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32, gl = lane / 4, t = lane % 4;
     const int cells = g.n * g.out_plane(), m0 = int(blockIdx.x) * CELLS;
     const int stages = (min(CELLS, cells - m0) + STAGE - 1) / STAGE;
-    {   // one thread a cell (past the cells: x's first pixel, which no copy reads), and an output channel of w
+    if (tid < CELLS) {   // one thread a cell (past the cells: x's first pixel, which no copy reads)
         const FastDivmod plane{g.out_plane(), plane_multiplier, plane_shift}, width{g.ow, width_multiplier, width_shift};
         const int cell = min(m0 + tid, cells - 1), img = plane.div(cell), pq = plane.mod(cell, img), p = width.div(pq);
         const int row = p * g.sh, column = (pq - p * g.ow) * g.sw;
         pixel[tid] = m0 + tid < cells ? ((img * g.h + row) * g.w + column) * C : 0;
         pixel[CELLS + tid] = row;
         pixel[2 * CELLS + tid] = column;
+    }
+    {   // two threads an output channel of w, o = tid % O: its channels 32 (tid / O).., transposed
+        const int o = tid % O, first = tid / O * (C / 8);
 #pragma unroll
-        for (int q = 0; q < C / 4; ++q) {   // w[tid][4q..], transposed
-            const float4 v = *reinterpret_cast<const float4*>(w_krsc + tid * C + 4 * q);
-            smem[(4 * q) * S::W_PITCH + tid] = v.x;
-            smem[(4 * q + 1) * S::W_PITCH + tid] = v.y;
-            smem[(4 * q + 2) * S::W_PITCH + tid] = v.z;
-            smem[(4 * q + 3) * S::W_PITCH + tid] = v.w;
+        for (int q = first; q < first + C / 8; ++q) {   // w[o][4q..]
+            const float4 v = *reinterpret_cast<const float4*>(w_krsc + o * C + 4 * q);
+            smem[(4 * q) * S::W_PITCH + o] = v.x;
+            smem[(4 * q + 1) * S::W_PITCH + o] = v.y;
+            smem[(4 * q + 2) * S::W_PITCH + o] = v.z;
+            smem[(4 * q + 3) * S::W_PITCH + o] = v.w;
         }
     }
     __syncthreads();
-    // this thread's chunks of a stage: of dy, cells 4 c + warp, channels 4 lane..; of x, cells 4 (tid / 16) + c,
-    // channels 4 (tid % 16).. (its 4 cells' pixels one load). A chunk past the cells copies nothing from dy's
-    // first chunk, or x's (the pixel of a cell past the end), addresses within the operand.
-    const int quad = tid % 16, x_cell = 4 * (tid / 16);
+    // this thread's chunks of a stage: of dy, cells WARPS c + warp, channels 4 lane..; of x, cells X_CHUNKS (tid / 16)
+    // + c, channels 4 (tid % 16)... A chunk past the cells copies nothing from dy's first chunk, or x's (the pixel
+    // of a cell past the end), addresses within the operand.
+    const int quad = tid % 16, x_cell = X_CHUNKS * (tid / 16);
     const unsigned dy_first = (m0 + warp) * O + 4 * lane;
     const auto load = [&](int stage, int ring) {
         float* const s = smem + S::RING + ring * S::STAGE;
         const int dy_left = cells - m0 - stage * STAGE - warp, x_left = cells - m0 - stage * STAGE - x_cell;
 #pragma unroll
         for (int c = 0; c < DY_CHUNKS; ++c) {
-            const bool data = 4 * c < dy_left;
-            cp_async_cg(s + (4 * c + warp) * S::DY_PITCH + 4 * lane,
-                        dy + (data ? dy_first + unsigned(stage * STAGE + 4 * c) * O : 0u), data ? 16 : 0);
+            const bool data = WARPS * c < dy_left;
+            cp_async_cg(s + (WARPS * c + warp) * S::DY_PITCH + 4 * lane,
+                        dy + (data ? dy_first + unsigned(stage * STAGE + WARPS * c) * O : 0u), data ? 16 : 0);
         }
-        const int4 pixels = *reinterpret_cast<const int4*>(pixel + stage * STAGE + x_cell);
-        const int at[X_CHUNKS] = {pixels.x, pixels.y, pixels.z, pixels.w};
 #pragma unroll
         for (int c = 0; c < X_CHUNKS; ++c)
-            cp_async_cg(s + S::DY + (x_cell + c) * S::X_PITCH + 4 * quad, x + unsigned(at[c] + 4 * quad),
-                        c < x_left ? 16 : 0);
+            cp_async_cg(s + S::DY + (x_cell + c) * S::X_PITCH + 4 * quad,
+                        x + unsigned(pixel[stage * STAGE + x_cell + c] + 4 * quad), c < x_left ? 16 : 0);
     };
     load(0, 0);
     cp_async_commit();
     float acc[T::MI][T::NI][4], bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     tc_clear<T>(acc);
-    const int wm = (warp / 2) * T::WARP_M, wn = (warp % 2) * T::WARP_N;
-    float* const dx_thread = dx + 16 * warp + 2 * t;
+    const int wm = (warp / T::WARPS_N) * T::WARP_M, wn = (warp % T::WARPS_N) * T::WARP_N;
+    const int half = warp / 4, columns = 16 * (warp % 4);   // backward-data's cells 16 half.., its columns
+    float* const dx_thread = dx + columns + 2 * t;
     const auto step = [&](int stage, int ring) {
         float* const dys = smem + S::RING + ring * S::STAGE;
         float* const xs = dys + S::DY;
         cp_async_wait<0>();   // this thread's copies of the stage have landed
 #pragma unroll
         for (int c = 0; c < DY_CHUNKS; ++c) {
-            const float4 v = *reinterpret_cast<const float4*>(dys + (4 * c + warp) * S::DY_PITCH + 4 * lane);
+            const float4 v = *reinterpret_cast<const float4*>(dys + (WARPS * c + warp) * S::DY_PITCH + 4 * lane);
             bias[0] += v.x;
             bias[1] += v.y;
             bias[2] += v.z;
@@ -1014,43 +1021,36 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
             load(stage + 1, ring ^ 1);
             cp_async_commit();
         }
-        // backward-data: the stage's cells by this warp's 16 columns, over the 128 channels of dy
-        float d[2][2][4];
+        // backward-data: this warp's 16 cells of the stage by its 16 columns, over the 128 channels of dy
+        float d[2][4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) d[i][j][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) d[j][e] = 0.0f;
 #pragma unroll
         for (int k = 0; k < O; k += 8) {
-            unsigned fa[2][4], fb[2][2];
+            unsigned fa[4], fb[2][2];
+            tc_fragment_a<STAGE, true, S::DY_PITCH>(fa, dys, 16 * half, k);
+            tc_fragments_b<C, true, S::W_PITCH>(fb, smem, columns, k);
 #pragma unroll
-            for (int i = 0; i < 2; ++i) tc_fragment_a<STAGE, true, S::DY_PITCH>(fa[i], dys, 16 * i, k);
-            tc_fragments_b<C, true, S::W_PITCH>(fb, smem, 16 * warp, k);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) mma_tf32(d[i][j], fa[i], fb[j], d[i][j]);
+            for (int j = 0; j < 2; ++j) mma_tf32(d[j], fa, fb[j], d[j]);
         }
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+        for (int h = 0; h < 2; ++h) {   // the accumulator rows g + 8h: the stage's cells 16 half + g + 8 h
+            const int local = stage * STAGE + 16 * half + gl + 8 * h;
+            if (m0 + local >= cells) continue;
+            float* const out = dx_thread + unsigned(pixel[local]);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {   // the accumulator rows g + 8h: the stage's cells 16 i + g + 8 h
-                const int local = stage * STAGE + 16 * i + gl + 8 * h;
-                if (m0 + local >= cells) continue;
-                float* const out = dx_thread + unsigned(pixel[local]);
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    float2 v = {d[i][j][2 * h], d[i][j][2 * h + 1]};
-                    if constexpr (ADD) {
-                        const float2 was = *reinterpret_cast<const float2*>(out + 8 * j);
-                        v.x += was.x;
-                        v.y += was.y;
-                    }
-                    *reinterpret_cast<float2*>(out + 8 * j) = v;
+            for (int j = 0; j < 2; ++j) {
+                float2 v = {d[j][2 * h], d[j][2 * h + 1]};
+                if constexpr (ADD) {
+                    const float2 was = *reinterpret_cast<const float2*>(out + 8 * j);
+                    v.x += was.x;
+                    v.y += was.y;
                 }
+                *reinterpret_cast<float2*>(out + 8 * j) = v;
             }
+        }
         // backward-weight: dw += dy^T . x over the stage's cells
 #pragma unroll
         for (int k = 0; k < STAGE; k += 8) {
@@ -1069,7 +1069,7 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
     // the pixels of the block's cells that no cell reads (a stride above 1): zeros, unless dx is added to (ADD)
     if (!ADD && g.sh * g.sw > 1) {
         const int per_cell = g.sh * g.sw * (C / 4);
-        for (int e = tid; e < CELLS * per_cell; e += TC_THREADS) {
+        for (int e = tid; e < CELLS * per_cell; e += THREADS) {
             const int local = e / per_cell, sub = e % per_cell / (C / 4), q = e % (C / 4), a = sub / g.sw, b = sub % g.sw;
             if (sub > 0 && m0 + local < cells && pixel[CELLS + local] + a < g.h && pixel[2 * CELLS + local] + b < g.w)
                 *reinterpret_cast<float4*>(dx + pixel[local] + (a * g.w + b) * C + 4 * q) = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -1081,10 +1081,15 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
 #pragma unroll
         for (int e = 0; e < 4; ++e) warp_sums[warp * O + 4 * lane + e] = bias[e];
         __syncthreads();
-        // thread tid's channel: the fourth warp's slot, which it alone reads, takes the total
-        warp_sums[3 * O + tid] = ((warp_sums[tid] + warp_sums[O + tid]) + warp_sums[2 * O + tid]) + warp_sums[3 * O + tid];
+        // thread tid's channel: the last warp's slot, which it alone reads, takes the total
+        if (tid < O) {
+            float total = warp_sums[tid];
+#pragma unroll
+            for (int w = 1; w < WARPS; ++w) total += warp_sums[w * O + tid];
+            warp_sums[(WARPS - 1) * O + tid] = total;
+        }
     }
-    const BiasTotals<TcProjectionBias> totals{db, db_partial, O, 0, db != nullptr, warp_sums + 3 * O};
+    const BiasTotals<TcProjectionBias> totals{db, db_partial, O, 0, db != nullptr, warp_sums + (WARPS - 1) * O};
     const SplitK split{int(gridDim.x), group, int(blockIdx.x)};
     tc_finish<T, true>(RowsOut{O, C}, dw, partial, O * C, split, counters, 0, 0, nullptr, false, acc, totals);
 }

@@ -31,7 +31,10 @@ MAX_ALIGNED_TAPS = 32
 
 
 def threads(kernel):
-    """The threads of a block of `kernel` (a name expression): its tile's."""
+    """The threads of a block of `kernel` (a name expression): its tile's (the projection backward's
+    PROJECTION_THREADS)."""
+    if kernel in PROJECTION_KERNELS:
+        return PROJECTION_THREADS
     return TILE_THREADS.get(tile_of(kernel), THREADS)
 
 
@@ -156,10 +159,11 @@ WGRAD_HALO = {"conv_bf16": WgradHalo("conv_bf16_wgrad_halo<Halo288x64>", 48, 224
 # conv_tc_projection_backward: ResNet-18's first projection, 64 -> 128 at stride 2): blocks of PROJECTION_CELLS
 # output cells, each a part of backward-weight's split k. Its kernels: dx written, and added to what dx holds;
 # its shared memory (TcProjectionShared::BYTES): w transposed, 64 rows of 132 floats, two stages of 32
-# cells' dy (rows of 132) and x (rows of 72), the cells' pixels (3 ints each), 4 warps' bias sums.
-PROJECTION_CELLS, PROJECTION_CHANNELS, PROJECTION_OUTPUTS = 128, 64, 128
+# cells' dy (rows of 132) and x (rows of 72), the cells' pixels (3 ints each), 8 warps' bias sums; its blocks
+# PROJECTION_THREADS threads (8 warps).
+PROJECTION_CELLS, PROJECTION_CHANNELS, PROJECTION_OUTPUTS, PROJECTION_THREADS = 128, 64, 128, 256
 PROJECTION_KERNELS = tuple(f"conv_tc_projection_backward<{adds}>" for adds in ("false", "true"))
-PROJECTION_SHARED = (64 * 132 + 2 * 32 * (132 + 72) + 3 * PROJECTION_CELLS + 4 * 128) * 4
+PROJECTION_SHARED = (64 * 132 + 2 * 32 * (132 + 72) + 3 * PROJECTION_CELLS + PROJECTION_THREADS // 32 * 128) * 4
 # Backward-data of a 3x3, stride-2, padding-1 convolution of even H and W and at most 64 input channels (a
 # multiple of BK; ResNet-18's 64 -> 128), its four stride phases from windows of dy (conv_tc.cu's
 # conv_tc_dgrad_phases): blocks of PHASE_ROWS cells of a phase by the C columns, where the window of a block's
@@ -323,7 +327,7 @@ def projection_backward(be, dy, x, w_krsc, geometry, dw, db, into=None, w_tf32=F
     launch(be, p.family, p.kernel, p.grid,
            (dy, x, w_krsc, dx, memory(dw), db, partial, db_partial,
             be.counters(_groups(p) + 1), *geometry, p.group, *fast_divmod(oh * ow), *fast_divmod(ow)),
-           block=(THREADS,), shared_mem=dynamic_shared(p.kernel))
+           block=(PROJECTION_THREADS,), shared_mem=dynamic_shared(p.kernel))
     return dx
 
 
