@@ -19,7 +19,7 @@
 #include "tensor_core.cuh"
 #include "bn_stats.cuh"
 
-constexpr int TC_THREADS = 128;   // the threads of the tiles of 2 x 2 warps
+constexpr int TC_THREADS = 128;   // the threads of the tiles of 2 x 2 warps (TcTile's THREADS at WARPS_N 2)
 
 // The tile of a block: BM x BN outputs, 2 x WARPS_N warps (THREADS threads; warp w at row w / WARPS_N and
 // column w % WARPS_N), each MI x NI mma tiles of 16 x 8.
@@ -808,8 +808,9 @@ __device__ __forceinline__ void halo_load_window(E* window, const E* __restrict_
 
 // Backward-weight of such a convolution from windows of x (conv_bf16.cu's and conv_tc.cu's halo backward-weight):
 // a block's tile is the nine taps of 32 input channels c0.. by 64 output channels, 288 rows m' = 144 h + 16 tap + i
-// for the channel c0 + 16 h + i of the tap, which the 2 x 2 warps split as 16 channels (the warp's row, h) by 32
-// output channels, each warp all nine taps of them (9 x 4 mma tiles); its k is the pixel, a stage of them at a
+// for the channel c0 + 16 h + i of the tap, which the warps split as 16 channels (the warp's row, h) by 32 output
+// channels (BF16's 2 x 2 warps: 9 x 4 mma tiles) or 16 (TF32's 2 x 4: 9 x 2), each warp all nine taps of them;
+// its k is the pixel, a stage of them at a
 // time, whose window of x (halo_load_window) fits the kernel's slots (kernels/cuda/conv_tc.py's WGRAD_HALO).
 
 // Where such a kernel's pixel m (its k) lies: its image, row and column (FastDivmod by H*W and by W), and the
