@@ -7,8 +7,8 @@ PyTorch's, at batch 256 (bench/train_times.py's steps, on random images).
   KERNELS_SIMULATED_GPUS=1 PYTHONPATH=. python -m bench.kernel_times --dry-run --out kernels.json
 
 The runs (RUNS): ours eagerly in the tf32 and the bf16 precision ("ours_tf32", "ours_bf16"; on a GPU of compute
-capability 9.0 also "ours_bf16_mma", bf16 under KERNELS_HOPPER=0: conv_bf16.cu's mma.sync kernels where conv_sm90.cu's
-run in "ours_bf16"); d2l's
+capability 9.0 also "ours_bf16_mma" and "ours_tf32_mma", under KERNELS_HOPPER=0: conv_bf16.cu's and conv_tc.cu's
+mma.sync kernels, those an A100 runs, where conv_sm90.cu's run in "ours_bf16" and "ours_tf32"); d2l's
 model in PyTorch with cudnn.benchmark on (cuDNN times every algorithm of a convolution once and keeps
 the fastest, as a user tuning for speed sets it): with its defaults (cuDNN's convolutions in TF32,
 "torch_tf32"), under autocast to bfloat16 with the model and its input channels_last ("torch_bf16"),
@@ -75,9 +75,10 @@ NAME_KINDS = ((ELEMENTWISE, ("triton_", "batch_norm", "cudnn::bn_", "bn_fw_", "b
                              "cupy_")))
 GPU_EVENTS = ("kernel", "gpu_memset", "gpu_memcpy")   # the chrome trace's categories of work on the GPU
 CPU_EVENTS = ("cpu_op",)
-# ours: the precision, and the environment it runs in ("ours_bf16_mma": bf16 with KERNELS_HOPPER=0, the mma.sync
-# kernels on a Hopper, beside "ours_bf16"'s conv_sm90; elsewhere the same kernels, so it is not run)
-OURS = {"ours_tf32": ("tf32", {}), "ours_bf16": ("bf16", {}), "ours_bf16_mma": ("bf16", {"KERNELS_HOPPER": "0"})}
+# ours: the precision, and the environment it runs in ("ours_bf16_mma", "ours_tf32_mma": KERNELS_HOPPER=0, the
+# mma.sync kernels on a Hopper, beside conv_sm90's; elsewhere the same kernels, so they are not run)
+OURS = {"ours_tf32": ("tf32", {}), "ours_bf16": ("bf16", {}), "ours_bf16_mma": ("bf16", {"KERNELS_HOPPER": "0"}),
+        "ours_tf32_mma": ("tf32", {"KERNELS_HOPPER": "0"})}
 TORCH = {"torch_tf32": {"mixed": False}, "torch_bf16": {"mixed": True},
          "torch_bf16_graph": {"mixed": True, "graph": True}, "torch_bf16_compiled": {"mixed": True, "compiled": True}}
 RUNS = tuple(OURS) + tuple(TORCH)

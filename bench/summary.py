@@ -11,7 +11,8 @@ CONV_TARGET = 1.25   # every convolution within this factor of cuDNN's time in t
 CONV_PEERS = (("ours", "torch_default", "cuDNN TF32"), ("ours_bf16", "torch_bf16", "cuDNN BF16 under autocast"))
 EPOCHS = (("epoch", "tf32"), ("epoch_bf16", "bf16"))   # tier e's results and their precisions
 # tier k: each of our runs beside the PyTorch run whose convolutions round as ours do
-KERNEL_PEERS = (("ours_tf32", "torch_tf32"), ("ours_bf16", "torch_bf16"), ("ours_bf16_mma", "torch_bf16"))
+KERNEL_PEERS = (("ours_tf32", "torch_tf32"), ("ours_bf16", "torch_bf16"), ("ours_bf16_mma", "torch_bf16"),
+                ("ours_tf32_mma", "torch_tf32"))
 SLOWEST = 8   # our kernels listed per run
 KIND_HEADS = {CONVOLUTION: "convolution", ELEMENTWISE: "bn+elementwise", OTHER: "other"}
 

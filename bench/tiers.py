@@ -309,7 +309,7 @@ def kernel_breakdown(run):
     def runs(name, names, limit, **options):
         run.command(name, [PYTHON, "-m", "bench.kernel_times", "--out", out, "--runs", names,
                            *(["--add"] if run.commands else []), *dry(run)], limit=limit, simulated_gpus=1, **options)
-    runs("ours", "ours_tf32,ours_bf16,ours_bf16_mma", 90)
+    runs("ours", "ours_tf32,ours_bf16,ours_bf16_mma,ours_tf32_mma", 100)
     runs("torch", "torch_tf32,torch_bf16,torch_bf16_graph", 60)
     ncu = speed_of_light(run, report.read_json(out), "bf16")
     runs("compiled", "torch_bf16_compiled", COMPILED_S, spare_only=True)
@@ -405,7 +405,8 @@ def against_kernels(profile, measured, chosen, tolerance=PROFILE_TOLERANCE):
 # PyTorch's bf16 step and cuDNN's benchmarking of each convolution's algorithms (in its first steps) add some
 # 10 s; g 4 in a world of one. Tier f crashed at 5 s and e never ran; k is new. Their figures are what the
 # parts would take by that run's: k, ours' process 20 s (imports, 3 x 36 steps of at most 19 ms, CUPTI's
-# start; the third, bf16 under KERNELS_HOPPER=0, new), PyTorch's 25 (cuDNN's benchmarking twice, 3 x 36 steps), torch.compile's run 28 there (its compilation
+# start; the third and fourth, bf16 and tf32 under KERNELS_HOPPER=0, new: a guess of 7 s more, tier a's compile
+# having cached the kernels, taken from the time that ncu's and torch.compile's optional runs may spare), PyTorch's 25 (cuDNN's benchmarking twice, 3 x 36 steps), torch.compile's run 28 there (its compilation
 # from an empty cache) and its process's imports, ncu over one bf16 step (some 90 launches of the functions of its
 # ten slowest kernels) 25, a guess: that run did not record ncu's time; f, the profiler's GPU test and two
 # profiles of 43 steps at batch 256, each process with its imports and chart; e, two processes that train an

@@ -112,10 +112,11 @@ def test_a_dry_run_runs_tiers_c_to_k_through_the_same_code_and_archives_them(tmp
     assert measured == summary["tiers"]["k"]["kernels"] and measured["config"]["recorded"]["ours"] == "launches"
     assert "no durations" in measured["recorded"]["ours"] and "CUPTI" in measured["recorded"]["ours"]
     assert measured["runs"]["ours_bf16_mma"]["precision"] == {"kernels": "bf16", "KERNELS_HOPPER": "0"}
-    for name in ("ours_tf32", "ours_bf16", "ours_bf16_mma"):
+    assert measured["runs"]["ours_tf32_mma"]["precision"] == {"kernels": "tf32", "KERNELS_HOPPER": "0"}
+    for name in ("ours_tf32", "ours_bf16", "ours_bf16_mma", "ours_tf32_mma"):
         run = measured["runs"][name]
         assert run["step_ms"] > 0 and run["kernel_ms_per_step"] is None and run["kernels_per_step"] > 50, name
-        conv = "conv_tc_" if name == "ours_tf32" else "conv_bf16_"
+        conv = "conv_tc_" if name.startswith("ours_tf32") else "conv_bf16_"
         assert any(k["name"].startswith(conv) and k["kind"] == "convolution" for k in run["kernels"]), name
         assert all(k["us_per_step"] is None for k in run["kernels"])
         assert sum(k["calls_per_step"] for k in run["kernels"]) == run["kernels_per_step"] == \
