@@ -246,6 +246,19 @@ def test_every_flag_is_of_one_class_of_what_a_resume_does_with_it():
     assert sorted(config.Config().kept()) == sorted(config.RUN_DEFINING + config.KEPT)
 
 
+@pytest.mark.parametrize("flag", ["sync_bn", "scale_lr"])
+def test_a_resumed_run_keeps_its_data_parallel_switches_unless_told_either_way(flag):
+    """--sync-bn and --scale-lr are kept in the checkpoint and taken from it unless given; their --no- forms turn
+    off what the checkpoint's run turned on (without them a resumed run could not)."""
+    option = "--" + flag.replace("_", "-")
+    saved = {**config.Config(sync_bn=True, scale_lr=True).kept()}
+    for argv, want in (([], True), ([option], True), (["--no-" + option[2:]], False)):
+        _, args = cli.parse_args(["--resume", "run"] + argv)
+        assert getattr(config.merge_resumed(cli.given_flags(args), saved, "run"), flag) is want, argv
+    _, args = cli.parse_args([])
+    assert getattr(args, flag) is None and getattr(config.Config(), flag) is False
+
+
 def test_help_explains_the_flags(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])

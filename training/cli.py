@@ -106,12 +106,13 @@ def parse_args(argv):
     p.add_argument("--profile-steps", type=int, default=20, metavar="N",
                    help="steps to profile, after 3 warm-up steps (default 20)")
     ddp = p.add_argument_group("data parallelism (under mpiexec)")
-    ddp.add_argument("--sync-bn", action="store_true", default=None,
+    ddp.add_argument("--sync-bn", action=argparse.BooleanOptionalAction,
                      help="batch norm over the whole global batch (statistics summed over ranks) "
-                          "instead of each rank's share")
-    ddp.add_argument("--scale-lr", action="store_true", default=None,
+                          "instead of each rank's share (default: --no-sync-bn; a resumed run: the checkpoint's)")
+    ddp.add_argument("--scale-lr", action=argparse.BooleanOptionalAction,
                      help="multiply --lr by the number of ranks (the linear scaling rule); by default "
-                          "--lr is the learning rate of the global batch, whatever the ranks")
+                          "--lr is the learning rate of the global batch, whatever the ranks (a resumed run: the "
+                          "checkpoint's)")
     ddp.add_argument("--check-sync", type=int, metavar="N",
                      help="compare a checksum of the parameters across ranks every N steps and stop if "
                           "they differ (default 0: only at the start)")
@@ -233,10 +234,16 @@ def main(argv=None):
         loop.TERMINATIONS.clear()
 
 
+def given_flags(args):
+    """The flags of the run that the command line gave (not None), without those of how this command runs
+    (--watchdog, --profile, --profile-steps), which the run's configuration does not hold."""
+    return {k: v for k, v in vars(args).items()
+            if v is not None and k not in ("watchdog", "profile", "profile_steps")}
+
+
 def _main(argv):
     parser, args = parse_args(argv)
-    modes = ("watchdog", "profile", "profile_steps")
-    given = {k: v for k, v in vars(args).items() if v is not None and k not in modes}
+    given = given_flags(args)
     profile_steps = args.profile_steps if args.profile else None
     if profile_steps is not None and profile_steps < 1:
         one_line_error(parser, f"--profile-steps must be at least 1, got {profile_steps}")
