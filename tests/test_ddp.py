@@ -232,6 +232,15 @@ def test_ranks_started_with_different_flags_stop_before_training_naming_the_flag
     assert not (tmp_path / "checkpoint.npz").exists()
 
 
+@needs_mpi
+def test_a_command_line_argparse_cannot_read_is_printed_by_rank_0_alone(data_dir, tmp_path):
+    """Every rank finds an unknown flag; the usage and the error are printed once, not once a rank."""
+    done = mpirun(2, "train_resnet.py", "--data-dir", data_dir, "--out", tmp_path, "--bogus", timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("usage: train_resnet.py") == 1, done.stderr
+    assert done.stderr.count("train_resnet.py: error: unrecognized arguments: --bogus") == 1, done.stderr
+
+
 def test_gpus_per_node_must_match_the_ranks_mpiexec_started_here(monkeypatch):
     from parallel.comm import for_training
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")

@@ -35,9 +35,17 @@ D = config.Config()
 WATCHDOG_SECONDS = 600.0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose error for a command line it cannot read (the usage, then the error) rank 0 alone
+    prints under mpiexec or srun, as one_line_error's (only_rank_0_says)."""
+
+    def error(self, message):
+        only_rank_0_says()
+        super().error(message)
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="train_resnet.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="train_resnet.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int,
                    help="GPUs to train on: 0 trains on the CPU, 1 on one GPU through CuPy, N on N GPUs "
                         "of this machine, one worker process each, gradients summed over NCCL; under "
@@ -135,9 +143,16 @@ def one_line_error(parser, message):
     without the usage, which argparse prints for what it cannot read (an unknown flag, a missing value, a
     malformed number). Printed once: under mpiexec (or srun) every rank finds the same fault, and only
     rank 0 says so (the others give it time to, since mpiexec, and srun --kill-on-bad-exit, end the
-    job at the first rank that exits with an error). A default output folder this start made goes
-    again."""
+    job at the first rank that exits with an error: only_rank_0_says). A default output folder this start
+    made goes again."""
     output.discard_unused()
+    only_rank_0_says()
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def only_rank_0_says():
+    """Before a usage error is printed: under mpiexec (or srun) every rank finds the same fault, and a rank other
+    than 0 exits with code 2 here, silently, once rank 0 has had the time to say it."""
     try:
         world = launch.mpi_world() or launch.slurm_world()
     except launch.LaunchError:
@@ -146,7 +161,6 @@ def one_line_error(parser, message):
         launch.exit_on_sigterm(2)
         time.sleep(3)
         sys.exit(2)
-    parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def train_on_gpus(parser, given, watchdog, profile_steps):
