@@ -576,12 +576,8 @@ struct BiasSums : BiasTotals<T> {
             }
         __syncthreads();
         this->block_sums = warps[0];
-        if (threadIdx.x < T::BN) {
-            float total = warps[0][threadIdx.x];
-#pragma unroll
-            for (int w = 1; w < T::THREADS / 32; ++w) total += warps[w][threadIdx.x];
-            this->block_sums[threadIdx.x] = total;
-        }
+        if (threadIdx.x < T::BN)
+            this->block_sums[threadIdx.x] = warps_in_order<T::THREADS / 32>(&warps[0][threadIdx.x], T::BN);
     }
 };
 
@@ -1082,12 +1078,7 @@ conv_tc_projection_backward(const float* __restrict__ dy, const float* __restric
         for (int e = 0; e < 4; ++e) warp_sums[warp * O + 4 * lane + e] = bias[e];
         __syncthreads();
         // thread tid's channel: the last warp's slot, which it alone reads, takes the total
-        if (tid < O) {
-            float total = warp_sums[tid];
-#pragma unroll
-            for (int w = 1; w < WARPS; ++w) total += warp_sums[w * O + tid];
-            warp_sums[(WARPS - 1) * O + tid] = total;
-        }
+        if (tid < O) warp_sums[(WARPS - 1) * O + tid] = warps_in_order<WARPS>(warp_sums + tid, O);
     }
     const BiasTotals<TcProjectionBias> totals{db, db_partial, O, 0, db != nullptr, warp_sums + (WARPS - 1) * O};
     const SplitK split{int(gridDim.x), group, int(blockIdx.x)};

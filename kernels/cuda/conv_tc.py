@@ -327,7 +327,7 @@ def projection_backward(be, dy, x, w_krsc, geometry, dw, db, into=None, w_tf32=F
     launch(be, p.family, p.kernel, p.grid,
            (dy, x, w_krsc, dx, memory(dw), db, partial, db_partial,
             be.counters(_groups(p) + 1), *geometry, p.group, *fast_divmod(oh * ow), *fast_divmod(ow)),
-           block=(PROJECTION_THREADS,), shared_mem=dynamic_shared(p.kernel))
+           block=(threads(p.kernel),), shared_mem=dynamic_shared(p.kernel))
     return dx
 
 

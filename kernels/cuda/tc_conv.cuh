@@ -319,6 +319,15 @@ struct WeightsOut {
     __device__ int column(int n) const { return n < g.o ? n * g.c * g.taps() : -1; }
 };
 
+// The sum of WARPS warps' sums of one channel, in warp order (a fixed order: deterministic): sums[w * pitch], w = 0..
+template <int WARPS>
+__device__ __forceinline__ float warps_in_order(const float* sums, int pitch) {
+    float total = sums[0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) total += sums[w * pitch];
+    return total;
+}
+
 // The bias gradient of backward-weight's blocks of the first row of tiles (x = 0): db[n] = the sum
 // of dy[k, n] over the pixels k, which each precision's main loop sums its own way (conv_tc.cu's
 // BiasSums, conv_bf16.cu's BiasFragments) into block_sums, [BN] in shared memory; then, as tc_finish's
